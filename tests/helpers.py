@@ -1,0 +1,142 @@
+"""Functions and classes that tests run remotely (importable on every worker)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+import torchrpc.rpc as rpc
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def sleep_then(seconds: float, value: Any = None) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def raise_value_error(msg: str) -> None:
+    raise ValueError(msg)
+
+
+class OddError(Exception):
+    """An exception whose constructor does not take a single message."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+
+
+def raise_odd(code: int) -> None:
+    raise OddError(code, "odd failure")
+
+
+def whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def thread_names() -> list:
+    return [t.name for t in threading.enumerate()]
+
+
+def nested_call(to: str, depth: int) -> str:
+    """Call ``to`` synchronously, which calls back, ``depth`` levels deep."""
+    me = rpc.get_worker_info().name
+    if depth == 0:
+        return me
+    return me + ">" + rpc.rpc_sync(to, nested_call, args=(me, depth - 1))
+
+
+def nested_sleep(to: str, seconds: float) -> float:
+    """Block a pool thread in an RPC that itself blocks for a while."""
+    return rpc.rpc_sync(to, sleep_then, args=(seconds, seconds))
+
+
+def return_unpicklable() -> Any:
+    return threading.Lock()
+
+
+def debug_info() -> dict:
+    return rpc.get_debug_info()
+
+
+@torch.jit.script
+def script_add(x: torch.Tensor, y: int) -> torch.Tensor:
+    return x + y
+
+
+class Counter:
+    """A picklable object whose bound methods are called remotely."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def plus(self, n: int) -> int:
+        return self.start + n
+
+    @staticmethod
+    def static_mul(a: int, b: int) -> int:
+        return a * b
+
+    @classmethod
+    def cls_name(cls, suffix: str) -> str:
+        return cls.__name__ + suffix
+
+
+@rpc.functions.async_execution
+def async_add_chained(to: str, x: torch.Tensor, y: Any, z: Any) -> torch.futures.Future:
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+@rpc.functions.async_execution
+def async_not_a_future() -> int:
+    return 3
+
+
+@rpc.functions.async_execution
+def async_fails(to: str) -> torch.futures.Future:
+    return rpc.rpc_async(to, raise_value_error, args=("async boom",))
+
+
+@rpc.functions.async_execution
+def async_delayed(value: Any, seconds: float) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def later() -> None:
+        time.sleep(seconds)
+        fut.set_result(value)
+    threading.Thread(target=later, daemon=True).start()
+    return fut
+
+
+class AsyncExecutionClass:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to: str, x: torch.Tensor, y: Any, z: Any) -> torch.futures.Future:
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to: str, x: torch.Tensor, y: Any, z: Any) -> torch.futures.Future:
+        ret_fut: torch.futures.Future = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: ret_fut.set_result(fut.wait() + z))
+        return ret_fut
+
+    @rpc.functions.async_execution
+    def bound_async_add(self, to: str, x: torch.Tensor, y: Any, z: Any) -> torch.futures.Future:
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)

@@ -1,0 +1,259 @@
+"""Core RPC over real worker processes: calls, futures, errors, timeouts, concurrency."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc._transport import handshake
+from torchrpc.errors import ConnectionLostError, RpcTimeoutError, SerializationError
+from torchrpc.rpc import api
+
+from . import helpers
+from .group import running_group
+
+THREADS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    with running_group(3, threads=THREADS, timeout=30.0) as g:
+        yield g
+
+
+def test_rpc_sync_builtins_and_targets():
+    assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3)), torch.full((2,), 4.0))
+    assert rpc.rpc_sync(1, min, args=(1, 2)) == 1
+    info = rpc.get_worker_info("worker2")
+    assert rpc.rpc_sync(info, helpers.whoami) == "worker2"
+    assert rpc.rpc_sync("worker1", helpers.add, kwargs={"a": 2, "b": 5}) == 7
+    assert rpc.rpc_sync("worker1", helpers.add, args=[1, 1]) == 2  # a list is accepted
+
+
+def test_call_to_self():
+    assert rpc.rpc_sync("worker0", helpers.whoami) == "worker0"
+    assert rpc.rpc_async(0, helpers.add, args=(2, 3)).wait() == 5
+
+
+def test_callable_kinds():
+    assert rpc.rpc_sync("worker1", helpers.Counter.static_mul, args=(6, 7)) == 42
+    assert rpc.rpc_sync("worker1", helpers.Counter.cls_name, args=("!",)) == "Counter!"
+    assert rpc.rpc_sync("worker2", helpers.Counter(10).plus, args=(5,)) == 15
+    out = rpc.rpc_sync("worker1", helpers.script_add, args=(torch.ones(2), 3))
+    assert torch.equal(out, torch.full((2,), 4.0))
+
+
+def test_futures_api():
+    fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+    assert isinstance(fut, torch.futures.Future)
+    chained = fut.then(lambda f: f.wait() * 2)
+    assert torch.equal(chained.wait(), torch.full((2,), 8.0))
+    seen = []
+    done = threading.Event()
+    fut2 = rpc.rpc_async("worker2", helpers.add, args=(1, 2))
+    fut2.add_done_callback(lambda f: (seen.append(f.value()), done.set()))
+    assert done.wait(10) and seen == [3]
+    futs = [rpc.rpc_async(f"worker{i % 3}", helpers.add, args=(i, i)) for i in range(30)]
+    assert torch.futures.wait_all(futs) == [2 * i for i in range(30)]
+    collected = torch.futures.collect_all(futs).wait()
+    assert [f.value() for f in collected] == [2 * i for i in range(30)]
+
+
+def test_callback_may_block_on_rpc():
+    # A then() callback that makes a blocking RPC must not stall the reader thread.
+    fut = rpc.rpc_async("worker1", helpers.add, args=(1, 1)).then(
+        lambda f: rpc.rpc_sync("worker1", helpers.add, args=(f.wait(), 1)))
+    assert fut.wait() == 3
+
+
+def test_remote_exception_type_and_traceback():
+    with pytest.raises(ValueError) as info:
+        rpc.rpc_sync("worker1", helpers.raise_value_error, args=("boom-123",))
+    text = str(info.value)
+    assert "boom-123" in text and "worker1" in text and "raise_value_error" in text
+    with pytest.raises(helpers.OddError) as odd:
+        rpc.rpc_sync("worker2", helpers.raise_odd, args=(7,))
+    assert odd.value.code == 7
+    fut = rpc.rpc_async("worker1", helpers.raise_value_error, args=("async",))
+    with pytest.raises(ValueError, match="async"):
+        fut.wait()
+
+
+def test_unpicklable_return_value_reports_error():
+    with pytest.raises(SerializationError, match="cannot pickle"):
+        rpc.rpc_sync("worker1", helpers.return_unpicklable)
+
+
+def test_timeout_names_callee_function_and_limit():
+    start = time.monotonic()
+    with pytest.raises(RpcTimeoutError) as info:
+        rpc.rpc_sync("worker1", helpers.sleep_then, args=(3.0,), timeout=0.4)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert "timed out" in text and "worker1" in text and "sleep_then" in text and "0.4" in text
+    assert 0.35 < elapsed < 1.5
+    assert isinstance(info.value, RuntimeError)
+    fut = rpc.rpc_async("worker2", helpers.sleep_then, args=(3.0,), timeout=0.2)
+    with pytest.raises(RuntimeError, match="timed out"):
+        fut.wait()
+
+
+def test_zero_timeout_means_none_and_default_timeout():
+    assert rpc.rpc_sync("worker1", helpers.sleep_then, args=(0.3, "ok"), timeout=0) == "ok"
+    assert rpc.get_rpc_timeout() == 30.0
+    api._set_rpc_timeout(0.25)
+    try:
+        with pytest.raises(RuntimeError, match="timed out"):
+            rpc.rpc_sync("worker1", helpers.sleep_then, args=(2.0,))
+    finally:
+        api._set_rpc_timeout(30.0)
+    assert rpc.get_rpc_timeout() == 30.0
+
+
+def test_many_caller_threads():
+    errors = []
+    results = {}
+
+    def caller(i: int) -> None:
+        try:
+            for j in range(20):
+                results[(i, j)] = rpc.rpc_sync(f"worker{1 + (i + j) % 2}", helpers.add, args=(i, j))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert all(results[(i, j)] == i + j for i in range(16) for j in range(20))
+
+
+def test_nested_calls_beyond_pool_size_do_not_deadlock():
+    # Each call to worker1 blocks a pool thread on an RPC back to worker0, which itself
+    # blocks on worker2: 3x more concurrent nested calls than threads in any pool.
+    futs = [rpc.rpc_async("worker1", helpers.nested_call, args=("worker0", 3), timeout=20)
+            for _ in range(3 * THREADS)]
+    for f in futs:
+        assert f.wait() == "worker1>worker0>worker1>worker0"
+    futs = [rpc.rpc_async("worker1", helpers.nested_sleep, args=("worker2", 0.3), timeout=20)
+            for _ in range(3 * THREADS)]
+    start = time.monotonic()
+    assert torch.futures.wait_all(futs) == [0.3] * (3 * THREADS)
+    assert time.monotonic() - start < 5
+
+
+def test_async_execution_chain_three_workers():
+    ret = rpc.rpc_sync("worker1", helpers.async_add_chained, args=("worker2", torch.ones(2), 1, 1))
+    assert torch.equal(ret, torch.full((2,), 3.0))
+    ret = rpc.rpc_sync("worker1", helpers.AsyncExecutionClass.static_async_add,
+                       args=("worker2", torch.ones(2), 1, 2))
+    assert torch.equal(ret, torch.full((2,), 4.0))
+    ret = rpc.rpc_sync("worker1", helpers.AsyncExecutionClass.class_async_add,
+                       args=("worker2", torch.ones(2), 1, 2))
+    assert torch.equal(ret, torch.full((2,), 4.0))
+    ret = rpc.rpc_sync("worker1", helpers.AsyncExecutionClass().bound_async_add,
+                       args=("worker2", torch.ones(2), 1, 2))
+    assert torch.equal(ret, torch.full((2,), 4.0))
+    fut = rpc.rpc_async("worker1", helpers.async_add_chained, args=("worker0", torch.ones(2), 2, 3))
+    assert torch.equal(fut.then(lambda f: f.wait() + 1).wait(), torch.full((2,), 7.0))
+    assert rpc.rpc_sync("worker2", helpers.async_delayed, args=("late", 0.2)) == "late"
+
+
+def test_async_execution_errors():
+    with pytest.raises(ValueError, match="async boom"):
+        rpc.rpc_sync("worker1", helpers.async_fails, args=("worker2",))
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        rpc.rpc_sync("worker1", helpers.async_not_a_future)
+
+
+def test_worker_infos():
+    me = rpc.get_worker_info()
+    assert me.name == "worker0" and me.id == 0
+    infos = rpc.get_worker_infos()
+    assert [(w.name, w.id) for w in infos] == [("worker0", 0), ("worker1", 1), ("worker2", 2)]
+    w1 = rpc.get_worker_info("worker1")
+    assert w1 == infos[1] and hash(w1) == hash(infos[1]) and w1 != infos[2]
+    assert len({w1, infos[1], infos[2]}) == 2
+    assert pickle.loads(pickle.dumps(w1)) == w1
+    assert rpc.rpc_sync("worker1", helpers.echo, args=(w1,)) == w1
+    assert repr(w1) == "WorkerInfo(id=1, name=worker1)"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nope"):
+        rpc.rpc_sync("nope", helpers.add, args=(1, 2))
+    with pytest.raises(ValueError, match="17"):
+        rpc.rpc_async(17, helpers.add, args=(1, 2))
+    with pytest.raises(ValueError, match="unknown worker name 'ghost'"):
+        rpc.get_worker_info("ghost")
+    with pytest.raises(TypeError, match="callable"):
+        rpc.rpc_sync("worker1", 42)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        rpc.rpc_sync("worker1", helpers.add, args=5)
+    with pytest.raises(ValueError, match="timeout"):
+        rpc.rpc_sync("worker1", helpers.add, args=(1, 2), timeout=-3)
+
+
+def test_unpicklable_arguments_fail_before_sending():
+    before = rpc.get_debug_info()["agent.num_pending_requests"]
+    with pytest.raises(SerializationError, match="cannot pickle"):
+        rpc.rpc_async("worker1", helpers.echo, args=(threading.Lock(),))
+    with pytest.raises(SerializationError):
+        rpc.rpc_async("worker1", lambda: 1)
+    assert rpc.get_debug_info()["agent.num_pending_requests"] == before
+
+
+def _worker_address(rank: int):
+    return api.current_agent()._addresses[rank]
+
+
+def test_garbage_connection_is_dropped_and_worker_keeps_serving():
+    host, port = _worker_address(1)
+    for payload in (b"GET / HTTP/1.1\r\n\r\n" * 10, b"\x00" * 4096, bytes(range(256)) * 64):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(5)
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+    # A well-formed HELLO followed by a wrong proof is refused too.
+    with socket.create_connection((host, port), timeout=5) as s:
+        hello, _ = handshake.make_hello(0, 0)
+        s.sendall(hello)
+        s.recv(handshake.CHALLENGE.size)
+        s.sendall(b"\x00" * handshake.PROOF.size)
+        s.settimeout(5)
+        assert s.recv(1) == b""
+    # A silent client does not block others.
+    idle = socket.create_connection((host, port), timeout=5)
+    try:
+        assert rpc.rpc_sync("worker1", helpers.add, args=(20, 22)) == 42
+        assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 1)) == "worker2>worker1"
+    finally:
+        idle.close()
+
+
+def test_tensors_round_trip():
+    x = torch.arange(12.0).reshape(3, 4)
+    out = rpc.rpc_sync("worker1", helpers.echo, args=({"x": x, "t": x.t(), "v": x[1]},))
+    assert torch.equal(out["x"], x) and torch.equal(out["t"], x.t()) and torch.equal(out["v"], x[1])
+    big = torch.randn(1 << 20)
+    assert torch.equal(rpc.rpc_sync("worker2", helpers.echo, args=(big,)), big)
+
+
+def test_debug_info_counters():
+    info = rpc.get_debug_info()
+    assert info["agent.num_pending_requests"] == 0
+    assert info["agent.thread_pool_size"] >= 1
+    remote = rpc.rpc_sync("worker1", helpers.debug_info)
+    assert remote["agent.state"] == "running"

@@ -1,0 +1,15 @@
+"""torchrpc: a distributed RPC framework for PyTorch, compatible with torch.distributed.rpc.
+
+Import mapping::
+
+    torch.distributed.rpc                         -> torchrpc.rpc
+    torch.distributed.autograd                    -> torchrpc.autograd
+    torch.distributed.optim.DistributedOptimizer  -> torchrpc.optim.DistributedOptimizer
+    torch.distributed.nn.RemoteModule             -> torchrpc.nn.RemoteModule
+"""
+
+import logging
+
+logging.getLogger("torchrpc").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"

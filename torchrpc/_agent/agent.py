@@ -1,0 +1,690 @@
+"""The RPC agent: the one layer with threads and I/O above the transport.
+
+Theory of operation. An :class:`Agent` owns a transport (listener plus one or
+more connections per peer, opened lazily on first use and shared by both
+directions), a table of outstanding requests with their deadlines, a timer
+thread that fails expired requests, and a worker pool that runs incoming
+requests. Frames arrive on connection reader threads. A reply (``RESPONSE`` or
+``ERROR``) is decoded on the reader thread and completes the pending future; a
+request is handed to the pool, decoded there and dispatched by message kind to
+a registered handler. Upper layers (RRefs, distributed autograd) plug in by
+registering handlers for their kinds and *call hooks* that add metadata to
+requests and see the tensors that cross; the agent never imports them.
+
+Lifecycle states: ``running`` -> ``stopping`` -> ``stopped``. Graceful shutdown
+runs the upper layers' shutdown hooks, waits for this worker's outstanding
+requests, meets every worker at a store barrier (twice: once when all have
+stopped calling, once when all replies are out), says GOODBYE to its peers and
+closes. A connection that breaks without a GOODBYE fails, at once, every
+request pending on that worker with an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _wire
+from .._transport import Connection, Transport
+from .._wire import Kind
+from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
+                      SerializationError, ShutdownError, WorkerLeftError)
+from . import rendezvous
+from .futures import RpcFuture, mark_reader_thread, new_future
+from .pool import WorkerPool
+from .worker import WorkerInfo
+
+log = logging.getLogger("torchrpc")
+
+_TICK = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class MessageContext:
+    """What pickling code of upper layers may know about the message being (un)pickled."""
+
+    agent: "Agent"
+    peer: WorkerInfo
+    kind: int
+
+
+class AsyncResult:
+    """A handler's way to say: reply when this future completes."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self.future = future
+
+
+class CallScope:
+    """What a call hook does around one incoming request (all parts optional)."""
+
+    recv_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    send_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def __enter__(self) -> "CallScope":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def response_meta(self) -> Any:
+        return None
+
+
+class CallHook:
+    """Base class of the hooks upper layers register with :meth:`Agent.add_call_hook`.
+
+    ``key`` names the hook's entry in a message's metadata.
+    """
+
+    key = "hook"
+
+    def outgoing_request(self, dst: WorkerInfo, kind: int
+                         ) -> Optional[Tuple[Any, Optional[Callable], Any]]:
+        """Caller side: return (meta value, tensor send hook, state) or None to stay out."""
+        return None
+
+    def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
+        """Callee side, with this hook's meta value: return a scope or None."""
+        return None
+
+    def incoming_response(self, src: WorkerInfo, state: Any, meta: Any
+                          ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """Caller side, for the reply: return a tensor receive hook or None."""
+        return None
+
+
+class _Pending:
+    __slots__ = ("future", "dst", "what", "timeout", "states")
+
+    def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
+                 states: Optional[Dict[str, Any]]) -> None:
+        self.future = future
+        self.dst = dst
+        self.what = what
+        self.timeout = timeout
+        self.states = states
+
+
+@dataclasses.dataclass
+class RemoteErrorInfo:
+    """How an exception raised on the callee travels back to the caller."""
+
+    exc_type: Any
+    message: str
+    remote_traceback: str
+    worker: str
+    original: Optional[bytes]
+
+
+def describe(what: Any) -> str:
+    """A readable name for the function or operation of a request."""
+    if what is None:
+        return "?"
+    if isinstance(what, str):
+        return what
+    qual = getattr(what, "__qualname__", None) or getattr(what, "qualified_name", None) \
+        or getattr(what, "__name__", None)
+    if qual is None:
+        return type(what).__name__
+    module = getattr(what, "__module__", None)
+    return f"{module}.{qual}" if module and module != "builtins" else str(qual)
+
+
+def _combine(hooks: List[Callable]) -> Optional[Callable]:
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def chained(t: torch.Tensor) -> torch.Tensor:
+        for h in hooks:
+            t = h(t)
+        return t
+    return chained
+
+
+class Agent:
+    """A worker's RPC agent. Built by a backend's init handler; see module docs."""
+
+    def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        self.store = store
+        self.default_timeout = float(options.rpc_timeout)
+        self._limits = _wire.Limits(
+            max_message_size=int(getattr(options, "max_message_size", _wire.frame.DEFAULT_MAX_MESSAGE_SIZE)))
+        self._lock = threading.Lock()
+        self._workers: Dict[int, WorkerInfo] = {}
+        self._by_name: Dict[str, WorkerInfo] = {}
+        self._addresses: Dict[int, Tuple[str, int]] = {}
+        self.hostids: Dict[int, str] = {}
+        self._conns: Dict[int, Connection] = {}
+        self._all_conns: Dict[int, List[Connection]] = {}
+        self._connect_locks: Dict[int, threading.Lock] = {}
+        self._pending: Dict[int, _Pending] = {}
+        self._rid = itertools.count(1)
+        self._heap: List[Tuple[float, int]] = []
+        self._timer_cv = threading.Condition()
+        self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {Kind.CALL: _handle_call}
+        self._hooks: List[CallHook] = []
+        self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
+        self._debug_sources: List[Callable[[], Dict[str, Any]]] = []
+        self._left: set[int] = set()
+        self._lost: Dict[int, str] = {}
+        self._state = "new"
+        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._transport: Optional[Transport] = None
+        self._timer: Optional[threading.Thread] = None
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def start(self, timeout: float) -> "Agent":
+        """Rendezvous with the group, start listening and the timer; return self."""
+        store, rank = self.store, self.rank
+        host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
+        secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
+        try:
+            self._transport = Transport(rank, secret, self._limits, self._on_connect,
+                                        self._on_frame, self._on_close, host)
+        except RpcError as exc:
+            raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
+        infos = rendezvous.publish(store, self.name, rank, self.world_size,
+                                   self._transport.address, timeout)
+        for r, info in infos.items():
+            w = WorkerInfo(info["name"], r)
+            self._workers[r] = w
+            self._by_name[w.name] = w
+            self._addresses[r] = (info["host"], info["port"])
+            self.hostids[r] = info["hostid"]
+        self._state = "running"
+        self._timer = threading.Thread(target=self._timer_loop, name=f"torchrpc-timer-{self.name}",
+                                       daemon=True)
+        self._timer.start()
+        log.info("torchrpc: worker %s (rank %d of %d) listening on %s:%d", self.name, rank,
+                 self.world_size, *self._transport.address)
+        return self
+
+    # -- registry ----------------------------------------------------------------------------------
+
+    @property
+    def worker_info(self) -> WorkerInfo:
+        return self._workers[self.rank]
+
+    def worker_infos(self) -> List[WorkerInfo]:
+        return [self._workers[r] for r in sorted(self._workers)]
+
+    def resolve(self, to: Any) -> WorkerInfo:
+        """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
+        if isinstance(to, WorkerInfo):
+            w = self._workers.get(to.id)
+            if w is None or w.name != to.name:
+                raise ValueError(f"unknown worker {to!r}: it is not a member of this group")
+            return w
+        if isinstance(to, str):
+            w = self._by_name.get(to)
+            if w is None:
+                raise ValueError(f"unknown worker name {to!r}; known workers: "
+                                 f"{sorted(self._by_name)[:16]}")
+            return w
+        if isinstance(to, int) and not isinstance(to, bool):
+            w = self._workers.get(to)
+            if w is None:
+                raise ValueError(f"unknown worker rank {to}; ranks are 0..{self.world_size - 1}")
+            return w
+        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+
+    # -- plug-in points ----------------------------------------------------------------------------
+
+    def register_handler(self, kind: int, handler: Callable[[WorkerInfo, Any], Any]) -> None:
+        """Serve requests of ``kind`` with ``handler(src, payload)`` on the worker pool.
+
+        The handler returns the reply value, or an :class:`AsyncResult`.
+        """
+        self._handlers[int(kind)] = handler
+
+    def add_call_hook(self, hook: CallHook) -> None:
+        self._hooks.append(hook)
+
+    def add_shutdown_hook(self, hook: Callable[[Optional[float]], None]) -> None:
+        """``hook(deadline)`` runs first in a graceful shutdown (settle control messages)."""
+        self._shutdown_hooks.append(hook)
+
+    def add_debug_source(self, source: Callable[[], Dict[str, Any]]) -> None:
+        self._debug_sources.append(source)
+
+    def debug_info(self) -> Dict[str, Any]:
+        info: Dict[str, Any] = {
+            "agent.num_pending_requests": len(self._pending),
+            "agent.thread_pool_size": self._pool.num_threads,
+            "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
+            "agent.num_queued_tasks": self._pool.num_pending,
+            "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
+            "agent.state": self._state,
+        }
+        for source in self._debug_sources:
+            info.update(source())
+        return info
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def call(self, dst: WorkerInfo, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
+             timeout: float) -> RpcFuture:
+        """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result."""
+        return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func)
+
+    def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
+                what: Any = None, oneway: bool = False) -> RpcFuture:
+        """Send a request of ``kind``; a future of the handler's reply.
+
+        Pickling errors raise here, before anything is sent. Connection errors and
+        timeouts complete the future with the error.
+        """
+        self._check_running()
+        meta = None
+        send_hook = None
+        states = None
+        if self._hooks:
+            meta, send_hook, states = self._outgoing(dst, kind)
+        env, bufs, keep = _wire.encode(payload, MessageContext(self, dst, kind), send_hook, meta)
+        fut = new_future(self._pool)
+        rid = next(self._rid)
+        if not oneway:
+            self._pending[rid] = _Pending(fut, dst, what, timeout, states)
+            if timeout > 0:
+                self._push_deadline(time.monotonic() + timeout, rid)
+        try:
+            self._connection(dst).send(kind, _wire.FLAG_ONEWAY if oneway else 0, rid, env, bufs, keep)
+        except RpcError as exc:
+            if oneway or self._pending.pop(rid, None) is not None:
+                fut.set_exception(self._lost_error(dst, exc))
+            return fut
+        if oneway:
+            fut.set_result(None)
+        return fut
+
+    def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
+        meta: Dict[str, Any] = {}
+        states: Dict[str, Any] = {}
+        send_hooks = []
+        for hook in self._hooks:
+            out = hook.outgoing_request(dst, kind)
+            if out is not None:
+                meta[hook.key], h, states[hook.key] = out
+                send_hooks.append(h)
+        return (meta or None), _combine(send_hooks), (states or None)
+
+    def _lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
+        if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
+            return exc
+        if dst.id in self._left:
+            return WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and left "
+                                   f"the group", worker=dst.name)
+        return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
+                                   worker=dst.name)
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise NotInitializedError(
+                f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
+
+    def _connection(self, dst: WorkerInfo) -> Connection:
+        conn = self._conns.get(dst.id)
+        if conn is not None and not conn.closed:
+            return conn
+        with self._lock:
+            lock = self._connect_locks.setdefault(dst.id, threading.Lock())
+        with lock:
+            conn = self._conns.get(dst.id)
+            if conn is not None and not conn.closed:
+                return conn
+            if dst.id in self._left:
+                raise WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and "
+                                      f"left the group", worker=dst.name)
+            if self._state != "running" and self._state != "stopping":
+                raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state}")
+            host, port = self._addresses[dst.id]
+            try:
+                conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0)
+            except RpcError as exc:
+                raise ConnectionLostError(
+                    f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}",
+                    worker=dst.name) from exc
+            return self._conns.get(dst.id) or conn
+
+    # -- connections -------------------------------------------------------------------------------
+
+    def _on_connect(self, conn: Connection) -> None:
+        with self._lock:
+            self._all_conns.setdefault(conn.peer_rank, []).append(conn)
+            current = self._conns.get(conn.peer_rank)
+            if current is None or current.closed:
+                self._conns[conn.peer_rank] = conn
+            self._lost.pop(conn.peer_rank, None)
+
+    def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
+        rank = conn.peer_rank
+        with self._lock:
+            conns = self._all_conns.get(rank, [])
+            if conn in conns:
+                conns.remove(conn)
+            open_conns = [c for c in conns if not c.closed]
+            if self._conns.get(rank) is conn:
+                if open_conns:
+                    self._conns[rank] = open_conns[0]
+                else:
+                    del self._conns[rank]
+        if self._state != "running" or rank in self._left or reason is None or open_conns:
+            return
+        w = self._workers.get(rank)
+        name = w.name if w else f"rank{rank}"
+        self._lost[rank] = str(reason)
+        log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
+                    name, rank, reason)
+        self._fail_pending(rank, ConnectionLostError(
+            f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
+            f"died.", worker=name))
+
+    def _fail_pending(self, rank: int, error: RpcError) -> None:
+        for rid, p in list(self._pending.items()):
+            if p.dst.id == rank and self._pending.pop(rid, None) is not None:
+                p.future.set_exception(error)
+
+    # -- frames ------------------------------------------------------------------------------------
+
+    def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
+                  buffers: List[torch.Tensor]) -> None:
+        mark_reader_thread()
+        kind = header.kind
+        if kind == Kind.RESPONSE or kind == Kind.ERROR:
+            self._on_reply(conn, header, envelope, buffers)
+            return
+        src = self._workers.get(conn.peer_rank)
+        if src is None:
+            raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
+        if kind == Kind.GOODBYE:
+            self._left.add(src.id)
+            self._fail_pending(src.id, WorkerLeftError(
+                f"worker {src.name} (rank {src.id}) has shut down and left the group",
+                worker=src.name))
+            return
+        if kind == Kind.HEARTBEAT:
+            return
+        handler = self._handlers.get(kind)
+        try:
+            self._pool.submit(self._serve, src, header, envelope, buffers, handler)
+        except RuntimeError:
+            pass  # stopping; the caller learns from the GOODBYE or the closed connection
+
+    def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
+                  buffers: List[torch.Tensor]) -> None:
+        p = self._pending.pop(header.request_id, None)
+        if p is None:
+            return  # expired or failed already
+        ctx = MessageContext(self, p.dst, header.kind)
+        recv_hook = None
+        if p.states is not None:
+            recv_hook = lambda meta: self._response_hook(p, meta)  # noqa: E731
+        try:
+            _, value = _wire.decode(envelope, buffers, ctx, recv_hook)
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error
+            p.future.set_exception(SerializationError(
+                f"cannot unpickle the reply of {p.dst.name} to {describe(p.what)}: {exc}"))
+            return
+        if header.kind == Kind.ERROR:
+            p.future.set_exception(rebuild_error(value))
+        else:
+            p.future.set_result(value)
+
+    def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
+        hooks = []
+        for hook in self._hooks:
+            if hook.key in p.states:
+                hooks.append(hook.incoming_response(p.dst, p.states[hook.key],
+                                                    (meta or {}).get(hook.key)))
+        return _combine(hooks)
+
+    def _serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
+               buffers: List[torch.Tensor], handler: Optional[Callable]) -> None:
+        rid, oneway, kind = header.request_id, header.oneway, header.kind
+        scopes: List[CallScope] = []
+
+        def recv_hook(meta: Any) -> Optional[Callable]:
+            if meta:
+                for hook in self._hooks:
+                    if hook.key in meta:
+                        scope = hook.incoming_request(src, kind, meta[hook.key])
+                        if scope is not None:
+                            scopes.append(scope)
+            return _combine([s.recv_hook for s in scopes])
+
+        what: Any = Kind(kind).name
+        try:
+            _, payload = _wire.decode(envelope, buffers, MessageContext(self, src, kind), recv_hook)
+            if kind == Kind.CALL:
+                what = payload[0]
+            if handler is None:
+                raise RpcError(f"worker {self.name} has no handler for message kind {Kind(kind).name}")
+            for s in scopes:
+                s.__enter__()
+            try:
+                result = handler(src, payload)
+            finally:
+                for s in reversed(scopes):
+                    s.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            if not oneway:
+                self._reply_error(src, rid, exc, what)
+            else:
+                log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
+            return
+        if oneway:
+            return
+        if isinstance(result, AsyncResult):
+            def done(fut: torch.futures.Future) -> None:
+                try:
+                    value = fut.wait()
+                except BaseException as exc:  # noqa: BLE001
+                    self._reply_error(src, rid, exc, what)
+                else:
+                    self._reply(src, rid, value, scopes, what)
+            result.future.add_done_callback(done)
+            return
+        self._reply(src, rid, result, scopes, what)
+
+    def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any) -> None:
+        meta = None
+        if scopes:
+            meta = {h.key: s.response_meta() for h, s in zip(self._hooks, scopes)} or None
+        try:
+            env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
+                                           _combine([s.send_hook for s in scopes]), meta)
+        except SerializationError as exc:
+            self._reply_error(dst, rid, exc, what)
+            return
+        self._send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep)
+
+    def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any) -> None:
+        info = RemoteErrorInfo(type(exc), str(exc), "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        try:
+            info.original = _wire.encode(exc)[0]
+        except SerializationError:
+            pass
+        try:
+            env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
+        except SerializationError:
+            info.exc_type = RpcError
+            env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
+        self._send_reply(dst, Kind.ERROR, rid, env, bufs, keep)
+
+    def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any) -> None:
+        try:
+            self._connection(dst).send(kind, 0, rid, env, bufs, keep)
+        except RpcError as exc:
+            log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
+
+    # -- deadlines ---------------------------------------------------------------------------------
+
+    def _push_deadline(self, deadline: float, rid: int) -> None:
+        with self._timer_cv:
+            heap = self._heap
+            heapq.heappush(heap, (deadline, rid))
+            if heap[0][1] == rid:
+                self._timer_cv.notify()
+
+    def _timer_loop(self) -> None:
+        mark_reader_thread()  # callbacks of futures failed here go to the pool
+        cv = self._timer_cv
+        while True:
+            expired = []
+            with cv:
+                if self._state == "stopped":
+                    return
+                now = time.monotonic()
+                heap = self._heap
+                while heap and heap[0][0] <= now:
+                    expired.append(heapq.heappop(heap)[1])
+                if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
+                    self._heap = heap = [e for e in heap if e[1] in self._pending]
+                    heapq.heapify(heap)
+                wait = min(_TICK, heap[0][0] - now) if heap else _TICK
+            for rid in expired:
+                p = self._pending.pop(rid, None)
+                if p is not None:
+                    p.future.set_exception(RpcTimeoutError(
+                        f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
+                        f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
+                        f"for this call)"))
+            self._pool.check_progress()
+            with cv:
+                if self._state != "stopped":
+                    cv.wait(max(wait, 0.0))
+
+    # -- shutdown ----------------------------------------------------------------------------------
+
+    def _wait_pending(self, deadline: Optional[float]) -> None:
+        delay = 0.001
+        while self._pending:
+            self._check_peers()
+            if deadline is not None and time.monotonic() > deadline:
+                raise ShutdownError(f"{len(self._pending)} RPCs still outstanding at shutdown")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _check_peers(self) -> None:
+        lost = {r: why for r, why in self._lost.items() if r not in self._left}
+        if lost:
+            names = ", ".join(f"{self._workers[r].name} (rank {r})" for r in sorted(lost))
+            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: lost "
+                                f"connection to worker(s) {names}; they probably died")
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        """Stop the agent; with ``graceful``, first meet every worker (see module docs)."""
+        if self._state != "running":
+            return
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        error: Optional[BaseException] = None
+        if graceful:
+            try:
+                for hook in self._shutdown_hooks:
+                    hook(deadline)
+                self._wait_pending(deadline)
+                rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline, self._check_peers)
+                for hook in self._shutdown_hooks:
+                    hook(deadline)
+                self._wait_pending(deadline)
+                rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline, self._check_peers)
+                self._state = "stopping"
+                rendezvous.barrier(self.store, "shutdown/3", self.world_size,
+                                   time.monotonic() + 30.0 if self.rank == 0 else time.monotonic())
+            except (RpcError, RuntimeError) as exc:
+                error = exc
+        self._stop()
+        if isinstance(error, ShutdownError):
+            raise error
+        if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
+            raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
+
+    def _stop(self) -> None:
+        self._state = "stopping"
+        with self._lock:
+            conns = [c for lst in self._all_conns.values() for c in lst]
+        for conn in conns:
+            try:
+                conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
+            except RpcError:
+                pass
+        with self._timer_cv:
+            self._state = "stopped"
+            self._timer_cv.notify()
+        for rid in list(self._pending):
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                p.future.set_exception(NotInitializedError(
+                    f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
+                    f"to {describe(p.what)} arrived"))
+        if self._transport is not None:
+            self._transport.close()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(10)
+        stuck = self._pool.close()
+        if stuck:
+            log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
+                        len(stuck), self.name, stuck[:4])
+        self.store = None
+
+
+def _handle_call(src: WorkerInfo, payload: Any) -> Any:
+    func, args, kwargs = payload
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+        fut = func(*args, **(kwargs or {}))
+        if not isinstance(fut, torch._C.Future):
+            raise TypeError(f"@async_execution function {describe(func)} must return a "
+                            f"torch.futures.Future, but it returned {type(fut).__name__}")
+        return AsyncResult(fut)
+    return func(*args, **(kwargs or {}))
+
+
+def rebuild_error(info: Any) -> BaseException:
+    """The caller-side exception for a :class:`RemoteErrorInfo`: same type, remote traceback."""
+    if not isinstance(info, RemoteErrorInfo):
+        return RpcError(f"malformed error reply: {info!r}")
+    text = f"{info.message}\n\nOn worker {info.worker}, remote traceback:\n{info.remote_traceback}"
+    exc_type = info.exc_type if isinstance(info.exc_type, type) and \
+        issubclass(info.exc_type, BaseException) else RpcError
+    try:
+        exc = exc_type(text)
+        if str(exc) != text:
+            raise TypeError("constructor changed the message")
+    except Exception:  # noqa: BLE001 - fall back to the original object
+        exc = None
+        if info.original is not None:
+            try:
+                exc = _wire.decode(info.original, [])[1]
+            except Exception:  # noqa: BLE001
+                exc = None
+        if not isinstance(exc, BaseException):
+            exc = RpcError(f"{exc_type.__name__}: {text}")
+        elif hasattr(exc, "add_note"):
+            exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
+    exc.remote_traceback = info.remote_traceback
+    exc.worker = info.worker
+    return exc

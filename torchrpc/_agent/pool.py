@@ -1,0 +1,155 @@
+"""The worker thread pool that runs incoming requests.
+
+Theory of operation. ``size`` threads are kept. A thread that blocks waiting on
+an RPC future tells the pool (:meth:`WorkerPool.blocking`); while it waits it
+does not count against ``size``, so the pool starts another thread when work is
+queued. Thus a callee that makes blocking RPCs, even back to its caller, can
+never starve the pool (torch's agent deadlocks there). Blocking that the pool
+cannot see (a user lock, ``torch.futures.wait_all``) is caught by
+:meth:`WorkerPool.check_progress`, which the agent's timer calls: when work is
+queued but no task started since the last check, it adds a thread. Threads above
+``size`` exit after :data:`IDLE_EXIT` seconds without work. :meth:`close` stops
+and joins every thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+log = logging.getLogger("torchrpc")
+
+IDLE_EXIT = 5.0
+HARD_CAP = 2048
+
+_current = threading.local()
+
+
+def current_pool() -> Optional["WorkerPool"]:
+    """The pool the calling thread belongs to, if it is a pool thread."""
+    return getattr(_current, "pool", None)
+
+
+class WorkerPool:
+    """A growable thread pool with blocking compensation. Thread-safe."""
+
+    def __init__(self, size: int, name: str) -> None:
+        if size < 1:
+            raise ValueError(f"num_worker_threads must be at least 1, got {size}")
+        self._size = size
+        self._name = name
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._pending = 0
+        self._idle = 0
+        self._blocked = 0
+        self._started = 0
+        self._last_started = 0
+        self._closed = False
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    @property
+    def num_threads(self) -> int:
+        return len(self._threads)
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread. Exceptions are logged, never lost silently."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool is shut down")
+            self._pending += 1
+            spawn = self._pending > self._idle and len(self._threads) - self._blocked < self._size
+            if spawn:
+                self._spawn_locked()
+        self._queue.put((fn, args))
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Mark the calling pool thread as blocked for the duration of the block."""
+        with self._lock:
+            self._blocked += 1
+            if self._pending > self._idle and len(self._threads) - self._blocked < self._size:
+                self._spawn_locked()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._blocked -= 1
+
+    def check_progress(self) -> None:
+        """Add a thread when work waits and nothing started since the previous check."""
+        with self._lock:
+            stalled = (self._pending > self._idle and self._started == self._last_started
+                       and not self._closed and len(self._threads) < HARD_CAP)
+            self._last_started = self._started
+            if stalled:
+                log.debug("torchrpc: pool %s stalled with %d queued tasks; adding a thread",
+                          self._name, self._pending)
+                self._spawn_locked()
+
+    def _spawn_locked(self) -> None:
+        t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
+                             daemon=True)
+        self._threads.add(t)
+        t.start()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        _current.pool = self
+        q = self._queue
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._lock:
+                    self._idle += 1
+                    extra = len(self._threads) > self._size
+                try:
+                    item = q.get(timeout=IDLE_EXIT) if extra else q.get()
+                except queue.Empty:
+                    with self._lock:
+                        self._idle -= 1
+                        if len(self._threads) > self._size and not self._pending:
+                            self._threads.discard(me)
+                            return
+                    continue
+                with self._lock:
+                    self._idle -= 1
+                    if item is None:
+                        self._threads.discard(me)
+                        return
+                    self._pending -= 1
+                    self._started += 1
+                fn, args = item
+                try:
+                    fn(*args)
+                except BaseException:  # noqa: BLE001 - a task must never kill its thread
+                    log.exception("torchrpc: task %r failed in the worker pool", fn)
+                del item, fn, args
+        finally:
+            _current.pool = None
+
+    def close(self, timeout: float = 10.0) -> list[str]:
+        """Stop every thread after the queued work; return names of threads that did not stop."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        me = threading.current_thread()
+        stuck = []
+        for t in threads:
+            if t is not me:
+                t.join(timeout)
+                if t.is_alive():
+                    stuck.append(t.name)
+        return stuck

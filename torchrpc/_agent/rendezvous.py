@@ -1,0 +1,207 @@
+"""Rendezvous: agree on the group through torch's stores, before any socket of ours opens.
+
+Each worker claims its rank and name in the store (compare-and-set, so a
+duplicate is detected by the claimer and announced to everyone through an error
+key), learns or creates the job secret, publishes where it listens and waits
+until every rank has published. Nothing here talks to peers directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import ipaddress
+import json
+import os
+import re
+import secrets
+import socket
+import struct
+import time
+import urllib.parse
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from ..errors import RendezvousError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
+MAX_NAME = 128
+SECRET_ENV = "TORCHRPC_SECRET"
+LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
+IFNAME_ENV = "TORCHRPC_IFNAME"
+_ERROR_KEY = "error"
+
+
+def validate_name(name: Any) -> str:
+    """Check a worker name as torch documents it; return it."""
+    if not isinstance(name, str):
+        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
+    if not name or len(name) >= MAX_NAME or not NAME_RE.match(name):
+        raise ValueError(
+            f"invalid worker name {name!r}: use only letters, digits, '_', ':' and '-', "
+            f"and fewer than {MAX_NAME} characters")
+    return name
+
+
+def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: float
+               ) -> Tuple[Any, int, int]:
+    """Open torch's rendezvous store for ``init_method``; return (store, rank, world_size)."""
+    ws = -1 if world_size is None else world_size
+    try:
+        it = dist.rendezvous(init_method, rank=rank, world_size=ws,
+                             timeout=datetime.timedelta(seconds=timeout))
+        store, rank, world_size = next(it)
+    except ValueError as exc:
+        raise ValueError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+    return dist.PrefixStore("torchrpc", store), rank, world_size
+
+
+def master_host(init_method: str) -> Optional[str]:
+    """The host of the rendezvous address, or None for file://."""
+    url = urllib.parse.urlparse(init_method)
+    if url.scheme == "env":
+        return os.environ.get("MASTER_ADDR")
+    if url.scheme == "tcp":
+        return url.hostname
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _interface_address(ifname: str) -> str:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+    except OSError as exc:
+        raise RendezvousError(f"cannot read the address of interface {ifname!r}: {exc}") from exc
+    finally:
+        s.close()
+    return socket.inet_ntoa(packed[20:24])
+
+
+def listen_host(init_method: str, configured: Optional[str]) -> str:
+    """The address to listen on: configured, else the interface that reaches the master."""
+    if configured:
+        return configured
+    if os.environ.get(LISTEN_ENV):
+        return os.environ[LISTEN_ENV]
+    if os.environ.get(IFNAME_ENV):
+        return _interface_address(os.environ[IFNAME_ENV])
+    host = master_host(init_method)
+    if host is None or _is_loopback(host):
+        return "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            probe.connect((host, 9))  # UDP connect sends nothing; it only picks a route
+            return probe.getsockname()[0]
+        finally:
+            probe.close()
+    except OSError as exc:
+        raise RendezvousError(f"no route to the rendezvous host {host!r}: {exc}") from exc
+
+
+def host_identity() -> str:
+    """Same string on two workers means same machine and same shared-memory namespace."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append(socket.gethostname())
+    for ns in ("ipc", "mnt"):
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            parts.append("?")
+    try:
+        parts.append(str(os.stat("/dev/shm").st_dev))
+    except OSError:
+        parts.append("-")
+    return "/".join(parts)
+
+
+def _poll(store: Any, keys: List[str], deadline: float, what: str) -> None:
+    delay = 0.002
+    while True:
+        if store.check([_ERROR_KEY]):
+            raise RendezvousError(store.get(_ERROR_KEY).decode())
+        if store.check(keys):
+            return
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise RendezvousError(f"timed out waiting for {what}: missing {missing[:8]}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def fail(store: Any, message: str) -> RendezvousError:
+    """Tell every worker of the group that rendezvous failed; return the error to raise."""
+    try:
+        store.set(_ERROR_KEY, message)
+    except Exception:  # noqa: BLE001 - best effort, the local error is what matters
+        pass
+    return RendezvousError(message)
+
+
+def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> bytes:
+    """Claim ``rank`` and ``name`` in the store; return the job secret.
+
+    A duplicate is reported to the whole group through the error key, so the
+    other workers fail at once instead of waiting for a rank that never comes.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    if store.add(f"rank/{rank}", 1) != 1:
+        raise fail(store, f"duplicate rank {rank}: two workers were started with rank {rank} "
+                          f"(this one is named {name!r}); give every worker its own rank")
+    owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
+    if owner != str(rank):
+        raise fail(store, f"duplicate worker name {name!r}: ranks {owner} and {rank} both use it; "
+                          f"give every worker its own name")
+    env_secret = os.environ.get(SECRET_ENV)
+    if env_secret:
+        return env_secret.encode()
+    if rank == 0:
+        secret = secrets.token_bytes(32)
+        store.set("secret", secret)
+        return secret
+    _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0")
+    return store.get("secret")
+
+
+def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],
+            timeout: float) -> Dict[int, Dict[str, Any]]:
+    """Publish where this worker listens; wait for every rank; return all infos by rank."""
+    info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
+            "pid": os.getpid()}
+    store.set(f"worker/{rank}", json.dumps(info))
+    keys = [f"worker/{r}" for r in range(world_size)]
+    _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join")
+    return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
+
+
+def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
+            check: Any = None) -> None:
+    """Count this worker in at ``key`` and wait for all; ``check()`` may raise to abort."""
+    store.add(key, 1)
+    delay = 0.002
+    while int(store.add(key, 0)) < world_size:
+        if check is not None:
+            check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise RendezvousError(
+                f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
+                f"workers arrived")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -1,0 +1,104 @@
+"""The connection handshake: mutual HMAC challenge-response, no pickling (sans I/O).
+
+Theory of operation. A connection proves it belongs to the job before one byte of
+it is unpickled. Both sides hold the per-job secret; neither ever sends it.
+
+    client -> server   HELLO      magic b"TRPH", version, client rank, features, nonce_c
+    server -> client   CHALLENGE  server rank, features, nonce_s,
+                                  HMAC(secret, "srv" | nonce_c | nonce_s | ranks)
+    client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | ranks)
+    server -> client   ACCEPT     one byte, 1
+
+The client checks the server's MAC (so it never talks to an impostor) and the
+server checks the client's (so it never unpickles an outsider's bytes). Each
+message has a fixed size, so a garbage peer can make the server read at most
+``HELLO.size`` bytes before it is dropped. Every state has one transition; any
+deviation is an :class:`~torchrpc.errors.AuthenticationError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+import struct
+
+from ..errors import AuthenticationError
+
+MAGIC = b"TRPH"
+VERSION = 1
+NONCE = 16
+HELLO = struct.Struct("<4sBxxxiQ16s")  # magic, version, client rank, features, nonce
+CHALLENGE = struct.Struct("<iQ16s32s")  # server rank, features, nonce, mac
+PROOF = struct.Struct("<32s")
+ACCEPT = b"\x01"
+
+# Feature bits exchanged in the handshake.
+FEATURE_SHM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    rank: int
+    features: int
+    nonce: bytes
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, client_rank: int,
+         server_rank: int) -> bytes:
+    msg = label + first + second + struct.pack("<ii", client_rank, server_rank)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def make_hello(rank: int, features: int) -> tuple[bytes, bytes]:
+    """Client: return (HELLO bytes, nonce to remember)."""
+    nonce = os.urandom(NONCE)
+    return HELLO.pack(MAGIC, VERSION, rank, features, nonce), nonce
+
+
+def parse_hello(data: bytes) -> Hello:
+    """Server: validate a HELLO."""
+    if len(data) != HELLO.size:
+        raise AuthenticationError(f"short handshake: {len(data)} of {HELLO.size} bytes")
+    magic, version, rank, features, nonce = HELLO.unpack(data)
+    if magic != MAGIC:
+        raise AuthenticationError(f"not a torchrpc handshake (magic {magic!r})")
+    if version != VERSION:
+        raise AuthenticationError(f"handshake version {version}, this worker speaks {VERSION}")
+    return Hello(rank, features, nonce)
+
+
+def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int
+                   ) -> tuple[bytes, bytes]:
+    """Server: return (CHALLENGE bytes, server nonce to remember)."""
+    nonce = os.urandom(NONCE)
+    mac = _mac(secret, b"srv", hello.nonce, nonce, hello.rank, server_rank)
+    return CHALLENGE.pack(server_rank, features, nonce, mac), nonce
+
+
+def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce: bytes,
+                     expected_server_rank: int | None) -> tuple[bytes, int, int]:
+    """Client: check the server's MAC; return (PROOF bytes, server rank, server features)."""
+    if len(data) != CHALLENGE.size:
+        raise AuthenticationError(f"short handshake reply: {len(data)} of {CHALLENGE.size} bytes")
+    server_rank, features, nonce, mac = CHALLENGE.unpack(data)
+    if expected_server_rank is not None and server_rank != expected_server_rank:
+        raise AuthenticationError(
+            f"connected to rank {server_rank}, expected rank {expected_server_rank}")
+    want = _mac(secret, b"srv", client_nonce, nonce, client_rank, server_rank)
+    if not hmac.compare_digest(mac, want):
+        raise AuthenticationError("the server failed authentication: wrong job secret")
+    proof = _mac(secret, b"cli", nonce, client_nonce, client_rank, server_rank)
+    return PROOF.pack(proof), server_rank, features
+
+
+def check_proof(secret: bytes, data: bytes, hello: Hello, server_nonce: bytes,
+                server_rank: int) -> None:
+    """Server: check the client's PROOF."""
+    if len(data) != PROOF.size:
+        raise AuthenticationError(f"short handshake proof: {len(data)} of {PROOF.size} bytes")
+    want = _mac(secret, b"cli", server_nonce, hello.nonce, hello.rank, server_rank)
+    if not hmac.compare_digest(data, want):
+        raise AuthenticationError(
+            f"peer claiming rank {hello.rank} failed authentication: wrong job secret")

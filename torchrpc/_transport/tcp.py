@@ -1,0 +1,372 @@
+"""TCP connections between workers: authenticated, framed, zero-copy for tensors.
+
+One :class:`Connection` per socket. Its reader thread parses frames with the wire
+layer and reads tensor buffers straight into freshly allocated tensor memory
+(``recv_into``). Senders hand the header, envelope and tensor memory to
+``sendmsg`` as one scatter/gather list. Writes are combined: a thread that
+finds the connection busy leaves its frame in the outbox and returns; the
+thread that is writing flushes everything queued in one ``sendmsg``, so many
+small messages under load cost few system calls while a lone message goes out
+at once.
+
+The transport knows no message meanings: it hands whole frames to the
+``on_frame`` callback and reports a closed connection to ``on_close``, with the
+exception when the connection broke rather than closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from .. import _wire
+from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
+from . import handshake
+
+log = logging.getLogger("torchrpc")
+
+HANDSHAKE_TIMEOUT = 10.0
+_READ_CHUNK = 256 * 1024
+_IOV_MAX = 512
+
+FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]], None]
+CloseCallback = Callable[["Connection", Optional[BaseException]], None]
+
+
+class Connection:
+    """One authenticated socket to a peer worker."""
+
+    def __init__(self, sock: socket.socket, peer_rank: int, limits: _wire.Limits,
+                 on_frame: FrameCallback, on_close: CloseCallback, outbound: bool) -> None:
+        self.sock = sock
+        self.peer_rank = peer_rank
+        self.outbound = outbound
+        self._limits = limits
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._outbox: List[Any] = []
+        self._writing = False
+        self._closed = False
+        self._close_reason: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
+             buffers: Sequence[memoryview], keepalive: Any = None) -> None:
+        """Queue one frame; write it now unless another thread is already writing."""
+        head = _wire.pack_header(kind, flags, request_id, len(envelope), [len(b) for b in buffers])
+        parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
+        parts.extend(b for b in buffers if len(b))
+        with self._lock:
+            if self._closed:
+                raise ConnectionLostError(
+                    f"connection to rank {self.peer_rank} is closed"
+                    + (f": {self._close_reason}" if self._close_reason else ""))
+            self._outbox.append((parts, keepalive))
+            if self._writing:
+                return
+            self._writing = True
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch = self._outbox
+                if not batch or self._closed:
+                    self._writing = False
+                    return
+                self._outbox = []
+            iov = [p for parts, _ in batch for p in parts]
+            try:
+                self._sendall(iov)
+            except OSError as exc:
+                with self._lock:
+                    self._writing = False
+                self.close(ConnectionLostError(f"send to rank {self.peer_rank} failed: {exc}"))
+                return
+
+    def _sendall(self, iov: List[Any]) -> None:
+        sock = self.sock
+        i = 0
+        while i < len(iov):
+            sent = sock.sendmsg(iov[i:i + _IOV_MAX])
+            while sent:
+                n = len(iov[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    iov[i] = memoryview(iov[i])[sent:]
+                    sent = 0
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def start(self, name: str) -> None:
+        self.thread = threading.Thread(target=self.read_loop, name=name, daemon=True)
+        self.thread.start()
+
+    def read_loop(self) -> None:
+        """Read frames until the connection ends; then report the close once."""
+        error: Optional[BaseException] = None
+        try:
+            self._read_frames()
+        except (OSError, ProtocolError, ConnectionLostError) as exc:
+            error = exc
+        except Exception as exc:  # a bug in a callback must not kill the thread silently
+            log.exception("torchrpc: reader for rank %s failed", self.peer_rank)
+            error = exc
+        self.close(error)
+
+    def _read_frames(self) -> None:
+        sock, limits = self.sock, self._limits
+        buf = bytearray(_READ_CHUNK)
+        mv = memoryview(buf)
+        start = end = 0
+
+        def fill(n: int) -> None:
+            nonlocal start, end
+            if end - start >= n:
+                return
+            if start and (len(buf) - start < n):
+                mv[:end - start] = mv[start:end]
+                end -= start
+                start = 0
+            while end - start < n:
+                k = sock.recv_into(mv[end:])
+                if k == 0:
+                    raise ConnectionLostError("peer closed the connection")
+                end += k
+
+        def take_into(dst: memoryview) -> None:
+            nonlocal start
+            n = len(dst)
+            have = min(n, end - start)
+            if have:
+                dst[:have] = mv[start:start + have]
+                start += have
+            got = have
+            while got < n:
+                k = sock.recv_into(dst[got:])
+                if k == 0:
+                    raise ConnectionLostError("peer closed the connection mid-frame")
+                got += k
+
+        while True:
+            if start == end:
+                start = end = 0
+            fill(_wire.HEADER_SIZE)
+            header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
+            start += _wire.HEADER_SIZE
+            table = 8 * header.nbuffers
+            if table <= len(buf):
+                fill(table)
+                lengths = _wire.parse_lengths(mv[start:start + table], header, limits)
+                start += table
+            else:
+                raw = bytearray(table)
+                take_into(memoryview(raw))
+                lengths = _wire.parse_lengths(raw, header, limits)
+            n = header.envelope_len
+            if n <= len(buf):
+                fill(n)
+                envelope = bytes(mv[start:start + n])
+                start += n
+            else:
+                big = bytearray(n)
+                take_into(memoryview(big))
+                envelope = big
+            buffers = []
+            for size in lengths:
+                tensor, view = _wire.new_buffer(size)
+                if size:
+                    take_into(view)
+                buffers.append(tensor)
+            self._on_frame(self, header, envelope, buffers)
+
+    # -- closing -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, reason: Optional[BaseException] = None) -> None:
+        """Close the socket; report to ``on_close`` once, with ``reason`` if it broke."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close_reason = reason
+            self._outbox = []
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._on_close(self, reason)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise AuthenticationError(f"peer closed during the handshake after {len(data)} bytes")
+        data += chunk
+    return bytes(data)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Transport:
+    """Listens for authenticated peers and opens connections to them.
+
+    ``on_connect(conn)`` is called for every authenticated connection, inbound or
+    outbound, before its first frame is delivered.
+    """
+
+    def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
+                 on_connect: Callable[[Connection], None], on_frame: FrameCallback,
+                 on_close: CloseCallback, host: str, port: int = 0, features: int = 0) -> None:
+        self.rank = rank
+        self._secret = secret
+        self._limits = limits
+        self._on_connect = on_connect
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._features = features
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._sockets: set[socket.socket] = set()
+        self._closing = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise ConnectionLostError(
+                f"cannot listen on {host}:{port}: {exc}; set TORCHRPC_LISTEN_ADDR or the "
+                f"'listen_addr' option to an address of this machine") from exc
+        self._listener.listen(128)
+        self.address = self._listener.getsockname()[:2]
+        self._accept_thread = self._spawn(self._accept_loop, f"torchrpc-accept-{rank}")
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+        t = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        t.start()
+        return t
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                self._sockets.add(sock)
+            self._spawn(self._serve, f"torchrpc-conn-{self.rank}", sock, addr)
+
+    def _serve(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size))
+            challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank, self._features)
+            sock.sendall(challenge)
+            handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size), hello,
+                                  nonce, self.rank)
+            sock.sendall(handshake.ACCEPT)
+            sock.settimeout(None)
+            _tune(sock)
+        except (OSError, AuthenticationError) as exc:
+            log.warning("torchrpc: rank %d dropped a connection from %s that failed the "
+                        "handshake: %s", self.rank, addr, exc)
+            self._forget(sock)
+            sock.close()
+            return
+        conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
+                          outbound=False)
+        conn.features = hello.features & self._features
+        self._on_connect(conn)
+        conn.read_loop()
+
+    def connect(self, peer_rank: int, host: str, port: int, timeout: float) -> Connection:
+        """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``."""
+        try:
+            sock = socket.create_connection((host, port), timeout=min(timeout, HANDSHAKE_TIMEOUT))
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot connect to {host}:{port}: {exc}") from exc
+        with self._lock:
+            if self._closing:
+                sock.close()
+                raise ConnectionLostError("the transport is shut down")
+            self._sockets.add(sock)
+        try:
+            hello, nonce = handshake.make_hello(self.rank, self._features)
+            sock.sendall(hello)
+            proof, server_rank, features = handshake.answer_challenge(
+                self._secret, _recv_exact(sock, handshake.CHALLENGE.size), self.rank, nonce, peer_rank)
+            sock.sendall(proof)
+            if _recv_exact(sock, 1) != handshake.ACCEPT:
+                raise AuthenticationError("the peer refused the handshake")
+            sock.settimeout(None)
+            _tune(sock)
+        except (OSError, AuthenticationError) as exc:
+            self._forget(sock)
+            sock.close()
+            if isinstance(exc, AuthenticationError):
+                raise
+            raise ConnectionLostError(f"handshake with {host}:{port} failed: {exc}") from exc
+        conn = Connection(sock, peer_rank, self._limits, self._on_frame, self._closed_cb,
+                          outbound=True)
+        conn.features = features & self._features
+        self._on_connect(conn)
+        self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
+        return conn
+
+    def _forget(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+    def _closed_cb(self, conn: Connection, reason: Optional[BaseException]) -> None:
+        self._forget(conn.sock)
+        self._on_close(conn, reason)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop listening, close every socket and join every thread the transport started."""
+        with self._lock:
+            self._closing = True
+            sockets = list(self._sockets)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._lock:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for t in threads:
+            t.join(timeout)

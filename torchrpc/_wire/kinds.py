@@ -1,0 +1,37 @@
+"""Message kinds. The ids are part of the wire format: never renumber one.
+
+A kind says what the envelope of a frame means. ``CALL`` and the upper-layer
+request kinds are answered by a ``RESPONSE`` or an ``ERROR`` frame carrying the
+same request id; frames with the ``ONEWAY`` flag are not answered.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Kind(enum.IntEnum):
+    """Every message kind on the wire, with its fixed id."""
+
+    # agent
+    CALL = 1
+    RESPONSE = 2
+    ERROR = 3
+    GOODBYE = 4
+    HEARTBEAT = 5
+    SHUTDOWN_SYNC = 6
+    # RRef protocol (see torchrpc._rref)
+    RREF_REMOTE_CALL = 16
+    RREF_FETCH = 17
+    RREF_USER_DELETE = 18
+    RREF_FORK_REQUEST = 19
+    RREF_CHILD_ACCEPT = 20
+    RREF_METHOD_CALL = 21
+    # distributed autograd (see torchrpc._dist_autograd)
+    AUTOGRAD_BACKWARD = 32
+    AUTOGRAD_RELEASE = 33
+    # profiler
+    PROFILED_CALL = 48
+
+
+KNOWN_KINDS = frozenset(int(k) for k in Kind)

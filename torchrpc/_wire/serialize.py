@@ -1,0 +1,277 @@
+"""Tensor-aware pickling: tensors travel as out-of-band buffers, never through pickle.
+
+Theory of operation. :func:`encode` pickles an object with protocol 5. Every
+strided CPU tensor it meets is reduced to a reference to a *storage slot* plus
+its metadata (dtype, shape, stride, offset). A slot stands for the byte range of
+one storage that the message needs; it is pickled once and becomes one
+out-of-band buffer, so two views of one storage arrive as two views of one
+storage. Only the covered range is sent; a view that covers much less than its
+span (a strided slice) is sent compacted instead. :func:`decode` receives the
+buffers as uint8 tensors that the transport already filled (``recv_into``), and
+rebuilds each tensor on that memory without a copy.
+
+Nothing here does I/O. Callers may pass hooks to see every tensor that requires
+grad on the way out and on the way in (distributed autograd uses them), and a
+*context* object that pickling code of upper layers (RRefs) can read with
+:func:`current_context`.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import ctypes
+import importlib
+import io
+import pickle
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import SerializationError
+
+TensorHook = Callable[[torch.Tensor], torch.Tensor]
+
+_local = threading.local()
+# A strided view whose span is larger than this many times its own bytes is compacted.
+_SPAN_SLACK = 2
+_ALIGN = 16
+
+
+def current_context() -> Any:
+    """Return the context object of the encode/decode running on this thread, or None."""
+    return getattr(_local, "context", None)
+
+
+class _ContextScope:
+    __slots__ = ("_ctx", "_prev")
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> None:
+        self._prev = getattr(_local, "context", None)
+        _local.context = self._ctx
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.context = self._prev
+
+
+def memoryview_of(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte memoryview over raw memory (caller keeps the owner alive)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable memoryview over the bytes of a contiguous CPU tensor."""
+    return memoryview_of(t.data_ptr(), t.numel() * t.element_size())
+
+
+class _Slot:
+    """One storage range that becomes one out-of-band buffer."""
+
+    __slots__ = ("tensor", "lo", "hi", "index")
+
+    def __init__(self, tensor: torch.Tensor, lo: int, hi: int) -> None:
+        self.tensor = tensor  # keeps the memory alive until sent
+        self.lo = lo
+        self.hi = hi
+        self.index = -1
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        base = self.tensor.untyped_storage().data_ptr()
+        return _rebuild_slot, (pickle.PickleBuffer(memoryview_of(base + self.lo, self.hi - self.lo)),)
+
+
+def _rebuild_slot(buf: Any) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        return buf
+    # In-band fallback (plain pickle.loads of an envelope, used by tools and tests).
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+
+
+def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: Tuple[int, ...],
+                    stride: Tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype not in _ITEMSIZE else _ITEMSIZE[dtype]
+    t = torch.empty((0,), dtype=dtype).set_(slot.untyped_storage(), byte_offset // itemsize, shape, stride)
+    if requires_grad:
+        t.requires_grad_(True)
+    hook = getattr(_local, "recv_hook", None)
+    if hook is not None and requires_grad:
+        t = hook(t)
+    return t
+
+
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
+                        coalesced: bool, requires_grad: bool) -> torch.Tensor:
+    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                check_invariants=True)
+    return t.requires_grad_(True) if requires_grad else t
+
+
+def _rebuild_sparse_compressed(layout: torch.layout, a: torch.Tensor, b: torch.Tensor,
+                               values: torch.Tensor, size: Tuple[int, ...]) -> torch.Tensor:
+    return torch.sparse_compressed_tensor(a, b, values, size, layout=layout, check_invariants=True)
+
+
+def _rebuild_parameter(data: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
+
+
+def _load_script_function(qualified_name: str) -> Any:
+    """Find a ``@torch.jit.script`` function by the qualified name TorchScript gave it."""
+    path = qualified_name.split(".")
+    if path[0] == "__torch__":
+        path = path[1:]
+    module_name, name = ".".join(path[:-1]) or "__main__", path[-1]
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise SerializationError(
+            f"cannot find TorchScript function {qualified_name!r} on this worker: define it "
+            f"at module level in {module_name!r} on every worker") from exc
+
+
+class _Encoder:
+    """State of one :func:`encode` call."""
+
+    def __init__(self, send_hook: Optional[TensorHook]) -> None:
+        self.slots: dict = {}
+        self.buffers: List[pickle.PickleBuffer] = []
+        self.keepalive: List[torch.Tensor] = []
+        self.send_hook = send_hook
+        self.retry_ranges: dict = {}
+        self.conflict = False
+
+    def reduce_tensor(self, t: torch.Tensor) -> Tuple[Any, ...]:
+        if self.send_hook is not None and t.requires_grad:
+            t = self.send_hook(t)
+        if t.layout == torch.sparse_coo:
+            return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape),
+                                         t.is_coalesced(), t.requires_grad)
+        if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+                a, b = t.crow_indices(), t.col_indices()
+            else:
+                a, b = t.ccol_indices(), t.row_indices()
+            return _rebuild_sparse_compressed, (t.layout, a, b, t.values(), tuple(t.shape))
+        if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda") \
+                or t.is_conj() or t.is_neg():
+            return _plain_reduce(t)
+        requires_grad = t.requires_grad
+        if t.device.type != "cpu":
+            t = t.cpu()
+        data = t.detach()
+        itemsize = data.element_size()
+        numel = data.numel()
+        off = data.storage_offset()
+        if numel == 0:
+            lo = hi = off * itemsize
+        else:
+            span = 1 + sum((n - 1) * s for n, s in zip(data.shape, data.stride()) if s > 0)
+            if span > _SPAN_SLACK * numel:
+                data = data.contiguous()
+                off, span = 0, numel
+            lo, hi = off * itemsize, (off + span) * itemsize
+        storage = data.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        slot = self.slots.get(key)
+        if slot is None or not (slot.lo <= lo and hi <= slot.hi):
+            if slot is not None:
+                # A later view reaches outside the range already pickled: note the union
+                # and let encode() run once more with the whole range known up front.
+                self.conflict = True
+                lo2, hi2 = self.retry_ranges.get(key, (slot.lo, slot.hi))
+                self.retry_ranges[key] = (min(lo2, lo), max(hi2, hi))
+            lo_a, hi_a = self.retry_ranges.get(key, (lo, hi))
+            slot = _Slot(data, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a))
+            self.slots[key] = slot
+            self.keepalive.append(data)
+        return _rebuild_tensor, (slot, lo - slot.lo, data.dtype, tuple(data.shape),
+                                 tuple(data.stride()), requires_grad)
+
+    def reduce_parameter(self, p: torch.nn.Parameter) -> Tuple[Any, ...]:
+        return _rebuild_parameter, (p.data, p.requires_grad)
+
+
+def _plain_reduce(t: torch.Tensor) -> Tuple[Any, ...]:
+    return t.__reduce_ex__(5)
+
+
+def _reduce_script_function(fn: Any) -> Tuple[Any, ...]:
+    return _load_script_function, (fn.qualified_name,)
+
+
+def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None,
+           meta: Any = None) -> Tuple[bytes, List[memoryview], List[torch.Tensor]]:
+    """Pickle ``meta`` then ``obj``; return the envelope, the out-of-band buffers and the
+    tensors to keep alive until the buffers are sent.
+
+    ``meta`` is a small plain object (no tensors) that the receiver reads before
+    ``obj``, so it can choose how to rebuild ``obj``. Raises
+    :class:`~torchrpc.errors.SerializationError` when something can't be pickled.
+    """
+    try:
+        head = _NONE_META if meta is None else pickle.dumps(meta, protocol=5)
+    except Exception as exc:
+        raise SerializationError(f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
+    retry: dict = {}
+    for _ in range(2):
+        enc = _Encoder(send_hook)
+        enc.retry_ranges = retry
+        out = io.BytesIO()
+        out.write(head)
+        pickler = pickle.Pickler(out, protocol=5, buffer_callback=enc.buffers.append)
+        table = copyreg.dispatch_table.copy()
+        table[torch.Tensor] = enc.reduce_tensor
+        table[torch.nn.Parameter] = enc.reduce_parameter
+        table[torch.jit.ScriptFunction] = _reduce_script_function
+        pickler.dispatch_table = table
+        try:
+            with _ContextScope(context):
+                pickler.dump(obj)
+        except SerializationError:
+            raise
+        except Exception as exc:
+            raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
+        if not enc.conflict:
+            break
+        retry = enc.retry_ranges
+    return out.getvalue(), [b.raw() for b in enc.buffers], enc.keepalive
+
+
+_NONE_META = pickle.dumps(None, protocol=5)
+
+
+def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], context: Any = None,
+           recv_hook: Optional[Callable[[Any], Optional[TensorHook]]] = None) -> Tuple[Any, Any]:
+    """Unpickle an envelope whose tensors live in ``buffers`` (uint8 tensors or bytes).
+
+    Returns ``(meta, obj)``. ``recv_hook(meta)``, when given, returns the hook to
+    apply to every received tensor that requires grad.
+    """
+    prev_hook = getattr(_local, "recv_hook", None)
+    try:
+        with _ContextScope(context):
+            unpickler = pickle.Unpickler(io.BytesIO(envelope), buffers=buffers)
+            meta = unpickler.load()
+            _local.recv_hook = recv_hook(meta) if recv_hook is not None else None
+            return meta, unpickler.load()
+    finally:
+        _local.recv_hook = prev_hook
+
+
+def _describe(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def new_buffer(nbytes: int) -> Tuple[torch.Tensor, memoryview]:
+    """Allocate a receive buffer: a 64-byte aligned uint8 tensor and a writable view of it."""
+    t = torch.empty((nbytes,), dtype=torch.uint8)
+    return t, memoryview_of(t.data_ptr(), nbytes) if nbytes else memoryview(bytearray())

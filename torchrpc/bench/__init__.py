@@ -1,0 +1,24 @@
+"""Side-by-side benchmark of torchrpc against ``torch.distributed.rpc``.
+
+``python -m torchrpc.bench`` runs the same workloads on both systems, one after the other,
+each in its own freshly spawned worker processes on this machine, and prints a markdown table
+of every metric for both with the ratio torchrpc / torch (``--json`` for the machine-readable
+form). Run ``python -m torchrpc.bench --help`` for the workloads and their options.
+
+Layout:
+
+* :mod:`.systems`   the systems, as tables of module names (imported only in workers);
+* :mod:`.options`   sizes, iterations and limits;
+* :mod:`.metrics`   metric names, units, directions and the issues' targets;
+* :mod:`.workloads` the workloads, run inside the workers;
+* :mod:`._worker`   a worker process's entry point;
+* :mod:`.launcher`  spawning, supervising and killing one session's workers;
+* :mod:`.runner`    all workloads on all systems;
+* :mod:`.report`    JSON and markdown;
+* :mod:`.cli`       the command line.
+
+This is the only code in torchrpc that may import ``torch.distributed.rpc``, and it does so
+only by name, inside the worker processes.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,6 @@
+"""``python -m torchrpc.bench``: see :mod:`torchrpc.bench.cli`."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

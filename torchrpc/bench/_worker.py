@@ -1,0 +1,187 @@
+"""Entry point of one benchmark worker process.
+
+Run as ``python -m torchrpc.bench._worker SPEC_JSON``; the launcher writes the spec. The
+worker imports its system's modules by name, joins the RPC group and plays its part:
+
+* ``pair`` sessions: rank 0 ("caller") runs one workload against rank 1 ("callee"), which
+  only serves. The caller writes its metrics before ``shutdown``, so a hang in shutdown
+  does not lose them.
+* ``scale`` sessions: every rank times ``init_rpc``, an all-to-all round of calls and a
+  graceful ``shutdown``, with barriers (on the launcher's TCPStore) between the phases.
+
+Each rank keeps a small JSON record (phase reached, timings, error) that it rewrites
+atomically after every step; the launcher reads it whatever happens. A faulthandler watchdog
+dumps every thread's stack and ends the process at the session's time limit, so a worker
+never outlives it even if the launcher is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+
+from .options import BenchOptions
+from .workloads import PAIR_RUNNERS, WorkerContext, peak_rss_mb
+
+TIMEOUT_MARKER = "Timeout ("
+"""How faulthandler's watchdog starts its report; the launcher looks for it in stderr."""
+
+PHASES = ("start", "import", "ready", "init", "init-barrier", "workload", "all_to_all",
+          "all_to_all-barrier", "shutdown", "done")
+"""Phases a worker reports, in the order it goes through them (barriers wait for others)."""
+
+
+class Record:
+    """This rank's result record, persisted to ``path`` on every :meth:`save`."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "start"}
+
+    def phase(self, name: str) -> None:
+        """Enter phase ``name`` and save, so a timeout can say where it happened."""
+        self.data["phase"] = name
+        self.save()
+
+    def save(self) -> None:
+        """Write the record atomically (temp file + rename)."""
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as out:
+            json.dump(self.data, out)
+        os.replace(tmp, self.path)
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as this rank's error, in the current phase."""
+        self.data["error"] = f"{type(exc).__name__}: {exc}".strip()
+        self.data["traceback"] = traceback.format_exc()
+        self.save()
+
+
+def _barrier(store: Any, name: str, world_size: int, timeout: float) -> None:
+    """Block until all ``world_size`` ranks reach barrier ``name``."""
+    if store.add(f"{name}/count", 1) == world_size:
+        store.set(f"{name}/done", "1")
+    store.wait([f"{name}/done"], datetime.timedelta(seconds=timeout))
+
+
+def _backend_options(rpc: ModuleType, spec: dict[str, Any], threads: int,
+                     opts: BenchOptions) -> Any:
+    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads,
+                                           rpc_timeout=opts.rpc_timeout,
+                                           init_method=spec["init_method"])
+
+
+def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,
+             record: Record) -> None:
+    """Caller or callee of a two-worker session."""
+    rpc = mods["rpc"]
+    rank = spec["rank"]
+    record.phase("init")
+    start = time.perf_counter()
+    rpc.init_rpc("caller" if rank == 0 else "callee", rank=rank, world_size=2,
+                 rpc_backend_options=_backend_options(rpc, spec, opts.num_worker_threads,
+                                                      opts))
+    record.data["init_s"] = time.perf_counter() - start
+    record.data["rss_after_init_MB"] = peak_rss_mb()
+    if rank == 0:
+        record.phase("workload")
+        ctx = WorkerContext(rpc=rpc, autograd=mods["autograd"], optim=mods["optim"],
+                            rpc_module_name=spec["system"]["rpc"], peer="callee",
+                            options=opts)
+        start = time.perf_counter()
+        try:
+            metrics, details = PAIR_RUNNERS[spec["workload"]](ctx)
+        except Exception as exc:  # reported as this workload's error cell
+            record.fail(exc)
+        else:
+            record.data["metrics"] = metrics
+            record.data["details"] = details
+        record.data["workload_s"] = time.perf_counter() - start
+    record.phase("shutdown")
+    start = time.perf_counter()
+    rpc.shutdown()
+    record.data["shutdown_s"] = time.perf_counter() - start
+    record.phase("done")
+
+
+def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,
+              record: Record) -> None:
+    """One of N workers timing init, all-to-all and shutdown."""
+    rpc = mods["rpc"]
+    rank, world_size = spec["rank"], spec["world_size"]
+    limit = spec["time_limit"]
+    host, port = spec["store"]
+    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=limit))
+    record.phase("ready")
+    _barrier(store, "ready", world_size, limit)
+
+    record.phase("init")
+    start = time.time()
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=_backend_options(rpc, spec, opts.scale_threads, opts))
+    record.data["init"] = [start, time.time()]
+    record.phase("init-barrier")
+    _barrier(store, "inited", world_size, limit)
+
+    record.phase("all_to_all")
+    start = time.time()
+    futs = [rpc.rpc_async(f"worker{peer}", torch.add, args=(torch.ones(2), 1))
+            for peer in range(world_size) if peer != rank]
+    for value in torch.futures.wait_all(futs):
+        if not torch.equal(value, torch.full((2,), 2.0)):
+            raise AssertionError(f"all-to-all call returned {value!r}")
+    record.data["all_to_all"] = [start, time.time()]
+    record.phase("all_to_all-barrier")
+    _barrier(store, "called", world_size, limit)
+
+    record.phase("shutdown")
+    start = time.time()
+    rpc.shutdown()
+    record.data["shutdown"] = [start, time.time()]
+    record.phase("done")
+
+
+def main(argv: list[str]) -> int:
+    """Run the worker described by the spec file ``argv[0]``; return the exit status."""
+    with open(argv[0], encoding="utf-8") as spec_file:
+        spec = json.load(spec_file)
+    faulthandler.dump_traceback_later(spec["time_limit"], exit=True)
+    torch.set_num_threads(1)
+    record = Record(spec["result_path"], spec["rank"])
+    opts = BenchOptions.from_json(spec["options"])
+    try:
+        record.phase("import")
+        mods = {role: importlib.import_module(name)
+                for role, name in spec["system"]["modules"].items()}
+        if spec["kind"] == "pair":
+            run_pair(spec, mods, opts, record)
+        else:
+            run_scale(spec, mods, opts, record)
+    except BaseException as exc:  # anything, including SystemExit from the system
+        if record.data.get("phase") == "shutdown" and "metrics" in record.data:
+            record.data["warning"] = f"shutdown failed: {type(exc).__name__}: {exc}"
+            record.save()
+        else:
+            record.fail(exc)
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    _status = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a system's leftover threads must not keep us alive.
+    os._exit(_status)

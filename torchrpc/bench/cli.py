@@ -1,0 +1,222 @@
+"""Command line of ``python -m torchrpc.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from .options import ALL_WORKLOADS, PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from .report import build_report, render_markdown
+from .runner import run_benchmark
+from .systems import BASELINE, SYSTEMS, parse_system_definition, resolve_systems
+
+__all__ = ["main", "build_parser"]
+
+_HELP = {
+    "num_worker_threads": "TensorPipeRpcBackendOptions(num_worker_threads=...) for the pair "
+                          "workloads",
+    "rpc_timeout": "TensorPipeRpcBackendOptions(rpc_timeout=...), seconds",
+    "small_call": "the small call: 'add' = torch.add(torch.ones(2), 1), 'python' = a "
+                  "module-level Python function doing the same",
+    "latency_calls": "timed rpc_sync calls",
+    "latency_warmup": "untimed rpc_sync calls first",
+    "throughput_calls": "concurrent rpc_async calls per round",
+    "throughput_repeats": "rounds; the best is reported",
+    "remote_calls": "timed remote() + to_here() pairs",
+    "remote_warmup": "untimed remote() + to_here() pairs first",
+    "echo_sizes_mb": "comma-separated float32 tensor sizes in MiB",
+    "echo_iters": "timed echoes per size; the median is reported",
+    "echo_warmup": "untimed echoes per size first",
+    "train_dims": "comma-separated MLP layer sizes; the first half of the layers runs on the "
+                  "caller, the rest on the callee",
+    "train_batch": "training batch size",
+    "train_steps": "timed training steps; the median is reported",
+    "train_warmup": "untimed training steps first",
+    "train_lr": "SGD learning rate",
+    "scale_sizes": "comma-separated worker counts for the scale workload",
+    "scale_threads": "num_worker_threads of each worker in the scale workload",
+    "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
+    "time_limit": "hard limit for one two-worker session (spawn to exit), seconds",
+}
+
+
+def _list_parser(kind: type) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+    return parse
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every :class:`BenchOptions` field is a ``--flag``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchrpc.bench",
+        description="Run the same RPC workloads on torchrpc and on torch.distributed.rpc, "
+                    "each in its own freshly spawned worker processes, and print a table "
+                    "with the ratios.",
+        epilog="Workloads: latency (small rpc_sync p50/p99), throughput (concurrent "
+               "rpc_async), remote (remote()+to_here()), echo (1/64/256 MB tensors and "
+               "peak RSS), train (MLP split over two workers), scale (init, all-to-all "
+               "and shutdown of 4..32 workers; only when asked for).")
+    parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
+                        help=f"comma-separated systems, first one's ratios are against "
+                             f"'{BASELINE}' when present (built in: {', '.join(SYSTEMS)}; "
+                             f"default: torch,torchrpc)")
+    parser.add_argument("--define-system", action="append", default=[],
+                        metavar="NAME=RPC[,AUTOGRAD[,OPTIM]]",
+                        help="add a system made of other modules (repeatable)")
+    parser.add_argument("--workloads", type=_names, default=None,
+                        help=f"comma-separated workloads or 'all' (choices: "
+                             f"{', '.join(ALL_WORKLOADS)}; default: "
+                             f"{','.join(PAIR_WORKLOADS)})")
+    parser.add_argument("--scale", action="store_true",
+                        help="scale mode: run the scale workload (alone, unless "
+                             "--workloads is given too)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and few iterations, for a smoke run")
+    parser.add_argument("--json", action="store_true",
+                        help="print the JSON report on stdout instead of the table")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--markdown-out", type=Path, help="also write the table here")
+    parser.add_argument("--keep-logs", type=Path,
+                        help="keep worker specs, records and logs in this directory")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with status 1 if any cell is an error")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    group = parser.add_argument_group("sizes, iterations and limits")
+    for field in dataclasses.fields(BenchOptions):
+        default = field.default
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, tuple):
+            kind: Any = _list_parser(type(default[0]))
+            shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+        else:
+            kind = type(default)
+            shown = str(default)
+        quick = QUICK_OVERRIDES.get(field.name)
+        if isinstance(quick, tuple):
+            quick = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in quick)
+        extra = f"; --quick: {quick}" if quick is not None else ""
+        group.add_argument(flag, dest=field.name, type=kind, default=None,
+                           help=f"{_HELP.get(field.name, '')} (default: {shown}{extra})")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """Defaults, then --quick's overrides, then every flag given explicitly."""
+    options = BenchOptions()
+    if args.quick:
+        options = dataclasses.replace(options, **QUICK_OVERRIDES)
+    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchOptions)
+                if getattr(args, f.name) is not None}
+    options = dataclasses.replace(options, **explicit)
+    options.validate()
+    return options
+
+
+def workloads_from_args(args: argparse.Namespace) -> list[str]:
+    """The workloads to run, in canonical order."""
+    chosen = args.workloads
+    if chosen is None:
+        chosen = ["scale"] if args.scale else list(PAIR_WORKLOADS)
+    elif args.scale and "scale" not in chosen:
+        chosen = chosen + ["scale"]
+    if "all" in chosen:
+        chosen = list(ALL_WORKLOADS)
+    unknown = [w for w in chosen if w not in ALL_WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(ALL_WORKLOADS)} or 'all'")
+    return [w for w in ALL_WORKLOADS if w in chosen]
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers come from: CPU, memory, OS, Python and torch versions."""
+    import torch
+
+    cpu_model = platform.processor() or "?"
+    memory = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    memory = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count()
+    return {
+        "cpu_model": cpu_model, "cpus": cpus, "memory_GiB": memory,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the benchmark; return the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+        workloads = workloads_from_args(args)
+        extra = [parse_system_definition(text) for text in args.define_system]
+        systems = resolve_systems(args.systems, extra)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not systems:
+        parser.error("--systems is empty")
+    log = (lambda message: None) if args.quiet else (
+        lambda message: print(message, file=sys.stderr, flush=True))
+
+    log(f"torchrpc.bench: systems {', '.join(s.name for s in systems)}; workloads "
+        f"{', '.join(workloads)}")
+    if args.keep_logs is not None:
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+        result = run_benchmark(systems, workloads, options, args.keep_logs, log)
+    else:
+        with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
+            result = run_benchmark(systems, workloads, options, Path(tmp), log)
+
+    names = [s.name for s in systems]
+    report = build_report(
+        specs=result.specs, systems={s.name: s.modules() for s in systems},
+        baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
+        cells=result.cells, details=result.details, sessions=result.sessions,
+        machine=machine_info(), options=options.to_json(),
+        command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads)
+    markdown = render_markdown(report)
+    document = json.dumps(report, indent=2)
+    if args.json_out is not None:
+        args.json_out.write_text(document + "\n", encoding="utf-8")
+    if args.markdown_out is not None:
+        args.markdown_out.write_text(markdown, encoding="utf-8")
+    print(document if args.json else markdown, end="\n" if args.json else "")
+    failed = any(cell.error is not None for cells in result.cells.values()
+                 for cell in cells.values())
+    return 1 if args.strict and failed else 0

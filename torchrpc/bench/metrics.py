@@ -1,0 +1,120 @@
+"""The metrics each workload reports: names, units, which direction is better, targets.
+
+Names are stable keys of the JSON output. The targets are the ratios the torchrpc issues
+ask for (torchrpc / torch in the same run), plus the one absolute memory bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .options import BenchOptions
+
+__all__ = ["MetricSpec", "Target", "metric_specs", "echo_metric", "scale_metric", "size_label"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A goal for a metric.
+
+    ``kind`` is ``"ratio"`` (compared system / baseline) or ``"absolute"`` (the metric value
+    itself); ``op`` is ``"<="`` or ``">="``.
+    """
+
+    kind: str
+    op: str
+    value: float
+    source: str
+
+    def met(self, number: Optional[float]) -> Optional[bool]:
+        """Whether ``number`` (a ratio or a value, per ``kind``) meets the target."""
+        if number is None:
+            return None
+        return number <= self.value if self.op == "<=" else number >= self.value
+
+    def describe(self) -> str:
+        """A short human form, e.g. ``ratio <= 0.5 (issue 2)``."""
+        what = "ratio" if self.kind == "ratio" else "value"
+        return f"{what} {self.op} {self.value:g} ({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """One row of the result table."""
+
+    name: str
+    label: str
+    unit: str
+    better: str  # "lower" or "higher"
+    workload: str
+    target: Optional[Target] = None
+
+
+def size_label(size_mb: float) -> str:
+    """``1.0`` -> ``"1"``, ``0.5`` -> ``"0.5"``: the size part of echo metric names."""
+    return f"{size_mb:g}"
+
+
+def echo_metric(size_mb: float) -> str:
+    """Name of the echo-throughput metric for one tensor size."""
+    return f"echo_{size_label(size_mb)}MB_GBps"
+
+
+def scale_metric(workers: int, phase: str) -> str:
+    """Name of a scale-mode metric; ``phase`` is init, all_to_all or shutdown."""
+    return f"scale_{workers}w_{phase}_s"
+
+
+_ECHO_TARGETS = {1.0: Target("ratio", ">=", 1.5, "issue 4"),
+                 64.0: Target("ratio", ">=", 2.0, "issue 4")}
+
+SCALE_PHASES = (("init", "init_rpc"), ("all_to_all", "all-to-all"),
+                ("shutdown", "graceful shutdown"))
+
+
+def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
+    """Every metric ``workload`` reports under ``options``, in table order."""
+    if workload == "latency":
+        return [
+            MetricSpec("rpc_sync_p50_us", "small rpc_sync p50", "us", "lower", workload,
+                       Target("ratio", "<=", 0.5, "issue 2")),
+            MetricSpec("rpc_sync_p99_us", "small rpc_sync p99", "us", "lower", workload),
+        ]
+    if workload == "throughput":
+        return [MetricSpec("rpc_async_calls_per_s",
+                           f"{options.throughput_calls} concurrent rpc_async", "calls/s",
+                           "higher", workload, Target("ratio", ">=", 1.5, "issue 2"))]
+    if workload == "remote":
+        return [
+            MetricSpec("remote_to_here_p50_us", "remote() + to_here() p50", "us", "lower",
+                       workload),
+            MetricSpec("remote_to_here_p99_us", "remote() + to_here() p99", "us", "lower",
+                       workload),
+        ]
+    if workload == "echo":
+        specs = [MetricSpec(echo_metric(s), f"echo {size_label(s)} MB float32", "GB/s",
+                            "higher", workload, _ECHO_TARGETS.get(s))
+                 for s in options.echo_sizes_mb]
+        largest = max(options.echo_sizes_mb)
+        # The bound is about big payloads; below 64 MB the process's own footprint
+        # (torch alone is ~300 MB) dominates and a 3x bound means nothing.
+        rss_target = (Target("absolute", "<=", 3 * largest, "issue 4: 3x payload")
+                      if largest >= 64 else None)
+        specs += [
+            MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
+                       workload, rss_target),
+            MetricSpec("peak_rss_callee_MB", "peak RSS callee (echo)", "MiB", "lower",
+                       workload, rss_target),
+        ]
+        return specs
+    if workload == "train":
+        dims = "-".join(str(d) for d in options.train_dims)
+        return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "
+                           f"{options.train_batch}", "ms", "lower", workload,
+                           Target("ratio", "<=", 0.8, "issue 5"))]
+    if workload == "scale":
+        return [MetricSpec(scale_metric(n, phase), f"{n} workers: {label}", "s", "lower",
+                           workload)
+                for n in options.scale_sizes for phase, label in SCALE_PHASES]
+    raise ValueError(f"unknown workload {workload!r}")

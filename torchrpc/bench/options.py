@@ -1,0 +1,115 @@
+"""Benchmark settings: one validated object, sent as JSON to every worker process."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["BenchOptions", "QUICK_OVERRIDES", "PAIR_WORKLOADS", "ALL_WORKLOADS"]
+
+PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "train")
+"""Workloads that run on a caller (rank 0) and a callee (rank 1)."""
+
+ALL_WORKLOADS = PAIR_WORKLOADS + ("scale",)
+"""Every workload; ``scale`` spawns 4 to 32 workers and only runs when asked for."""
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    """Sizes, iteration counts and limits for every workload.
+
+    Sizes of echoed tensors are in MiB (2**20 bytes); throughput in GB/s uses 10**9 bytes.
+    """
+
+    # backend options, passed as TensorPipeRpcBackendOptions(...)
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    # 1. small rpc_sync latency
+    small_call: str = "add"
+    latency_calls: int = 2000
+    latency_warmup: int = 200
+    # 2. throughput of concurrent rpc_async
+    throughput_calls: int = 20_000
+    throughput_repeats: int = 3
+    # 3. remote() + to_here()
+    remote_calls: int = 1000
+    remote_warmup: int = 100
+    # 4./5. echo and peak RSS
+    echo_sizes_mb: tuple[float, ...] = (1.0, 64.0, 256.0)
+    echo_iters: int = 5
+    echo_warmup: int = 1
+    # 6. distributed training step
+    train_dims: tuple[int, ...] = (256, 512, 512, 10)
+    train_batch: int = 64
+    train_steps: int = 50
+    train_warmup: int = 5
+    train_lr: float = 0.05
+    # 7. scale mode
+    scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
+    scale_threads: int = 2
+    scale_time_limit: float = 150.0
+    # hard limit on one pair session (spawn, init, workload, shutdown)
+    time_limit: float = 300.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that makes no sense."""
+        positive_ints = ("num_worker_threads", "latency_calls", "throughput_calls",
+                         "throughput_repeats", "remote_calls", "echo_iters", "train_batch",
+                         "train_steps", "scale_threads")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        for name in ("latency_warmup", "remote_warmup", "echo_warmup", "train_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
+                                 f"got {getattr(self, name)}")
+        for name in ("rpc_timeout", "time_limit", "scale_time_limit", "train_lr"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.small_call not in ("add", "python"):
+            raise ValueError(f"--small-call must be 'add' or 'python', got {self.small_call!r}")
+        if not self.echo_sizes_mb or any(s <= 0 for s in self.echo_sizes_mb):
+            raise ValueError(f"--echo-sizes-mb needs positive sizes, got {self.echo_sizes_mb}")
+        if len(set(self.echo_sizes_mb)) != len(self.echo_sizes_mb):
+            raise ValueError(f"--echo-sizes-mb lists a size twice: {self.echo_sizes_mb}")
+        if len(self.train_dims) < 3 or any(d < 1 for d in self.train_dims):
+            raise ValueError(f"--train-dims needs at least 3 positive sizes (two layers), "
+                             f"got {self.train_dims}")
+        if not self.scale_sizes or any(n < 2 for n in self.scale_sizes):
+            raise ValueError(f"--scale-sizes needs worker counts >= 2, got {self.scale_sizes}")
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BenchOptions":
+        """Inverse of :meth:`to_json`."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {k: tuple(v) if isinstance(v, list) else v
+                  for k, v in data.items() if k in fields}
+        return cls(**kwargs)
+
+
+QUICK_OVERRIDES: dict[str, Any] = {
+    "latency_calls": 200,
+    "latency_warmup": 20,
+    "throughput_calls": 2000,
+    "throughput_repeats": 1,
+    "remote_calls": 100,
+    "remote_warmup": 10,
+    "echo_sizes_mb": (1.0, 4.0),
+    "echo_iters": 3,
+    "echo_warmup": 1,
+    "train_dims": (32, 64, 64, 10),
+    "train_batch": 16,
+    "train_steps": 5,
+    "train_warmup": 1,
+    "scale_sizes": (3, 4),
+    "scale_time_limit": 60.0,
+    "time_limit": 60.0,
+}
+"""What ``--quick`` changes: tiny sizes and few iterations, for a smoke run in seconds."""

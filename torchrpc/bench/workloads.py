@@ -1,0 +1,285 @@
+"""The workloads, as run inside the worker processes.
+
+Everything here runs in a spawned worker with one system's modules in hand. The caller
+(rank 0) runs one ``run_*`` function, which returns ``(metrics, details)``; the callee
+(rank 1) only serves calls, executing the module-level functions below, which both workers
+import by reference when a call is unpickled.
+
+None of this imports an RPC module: the modules arrive in :class:`WorkerContext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import resource
+import time
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .metrics import echo_metric
+from .options import BenchOptions
+
+__all__ = ["WorkerContext", "PAIR_RUNNERS", "peak_rss_mb", "percentile"]
+
+Result = tuple[dict[str, float], dict[str, Any]]
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What a workload needs: the system's modules, the peer's name and the options."""
+
+    rpc: ModuleType
+    autograd: ModuleType
+    optim: ModuleType
+    rpc_module_name: str
+    peer: str
+    options: BenchOptions
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``samples``, linearly interpolated."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    ordered = sorted(samples)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process, in MiB.
+
+    Reads ``VmHWM`` from ``/proc/self/status``: the same high-water mark as ``ru_maxrss``,
+    but per address space, so it is not inflated by the parent's size, which Linux folds
+    into ``ru_maxrss`` across ``fork`` + ``exec``. Falls back to ``ru_maxrss`` elsewhere.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _small_call(options: BenchOptions) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The function and arguments of the "small call" used by the latency workloads."""
+    if options.small_call == "add":
+        return torch.add, (torch.ones(2), 1)
+    return add_one, (torch.ones(2),)
+
+
+def _check_small_result(value: Any) -> None:
+    """Raise if a small call did not return ``ones(2) + 1``."""
+    if not isinstance(value, torch.Tensor) or not torch.equal(value, torch.full((2,), 2.0)):
+        raise AssertionError(f"small call returned {value!r}, expected tensor([2., 2.])")
+
+
+# ----------------------------------------------------------------------------------------
+# Functions executed on the callee
+
+
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    """A tiny Python function: ``x + 1``."""
+    return x + 1
+
+
+def echo(x: Any) -> Any:
+    """Return the argument unchanged."""
+    return x
+
+
+def remote_peak_rss_mb() -> float:
+    """Peak RSS of the process this runs in (called over RPC on the callee)."""
+    return peak_rss_mb()
+
+
+def noop() -> None:
+    """Do nothing; used to make sure the peer has finished earlier work."""
+
+
+def _mlp(dims: list[int], final_relu: bool) -> nn.Sequential:
+    """Linear layers between consecutive ``dims`` with ReLU between them."""
+    layers: list[nn.Module] = []
+    for i, (d_in, d_out) in enumerate(zip(dims, dims[1:])):
+        layers.append(nn.Linear(d_in, d_out))
+        if final_relu or i < len(dims) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def make_stage(dims: list[int], seed: int) -> nn.Module:
+    """Build the callee's half of the MLP (last layers, no final activation)."""
+    torch.manual_seed(seed)
+    return _mlp(dims, final_relu=False)
+
+
+def stage_forward(stage_rref: Any, x: torch.Tensor) -> torch.Tensor:
+    """Run the module that ``stage_rref`` owns on ``x``."""
+    return stage_rref.local_value()(x)
+
+
+def stage_param_rrefs(stage_rref: Any, rpc_module_name: str) -> list[Any]:
+    """RRefs to the parameters of the module ``stage_rref`` owns.
+
+    The RRef class is looked up by module name so that this works for whichever system
+    the worker runs.
+    """
+    rref_cls = importlib.import_module(rpc_module_name).RRef
+    return [rref_cls(p) for p in stage_rref.local_value().parameters()]
+
+
+# ----------------------------------------------------------------------------------------
+# Workloads, run on the caller
+
+
+def run_latency(ctx: WorkerContext) -> Result:
+    """Small ``rpc_sync`` calls one after the other: p50 and p99 in microseconds."""
+    opts = ctx.options
+    func, args = _small_call(opts)
+    _check_small_result(ctx.rpc.rpc_sync(ctx.peer, func, args=args))
+    for _ in range(opts.latency_warmup):
+        ctx.rpc.rpc_sync(ctx.peer, func, args=args)
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(opts.latency_calls):
+        start = clock()
+        ctx.rpc.rpc_sync(ctx.peer, func, args=args)
+        samples.append((clock() - start) / 1e3)
+    metrics = {"rpc_sync_p50_us": percentile(samples, 50),
+               "rpc_sync_p99_us": percentile(samples, 99)}
+    details = {"calls": len(samples), "min_us": min(samples), "max_us": max(samples),
+               "mean_us": sum(samples) / len(samples), "small_call": opts.small_call}
+    return metrics, details
+
+
+def run_throughput(ctx: WorkerContext) -> Result:
+    """Issue N ``rpc_async`` calls, then ``wait_all``: best calls/s over the repeats."""
+    opts = ctx.options
+    func, args = _small_call(opts)
+    warm = [ctx.rpc.rpc_async(ctx.peer, func, args=args) for _ in range(min(500, opts.throughput_calls))]
+    torch.futures.wait_all(warm)
+    rates = []
+    for _ in range(opts.throughput_repeats):
+        start = time.perf_counter()
+        futs = [ctx.rpc.rpc_async(ctx.peer, func, args=args)
+                for _ in range(opts.throughput_calls)]
+        results = torch.futures.wait_all(futs)
+        elapsed = time.perf_counter() - start
+        _check_small_result(results[-1])
+        rates.append(opts.throughput_calls / elapsed)
+        del futs, results
+    return {"rpc_async_calls_per_s": max(rates)}, {"calls": opts.throughput_calls,
+                                                    "rates": rates}
+
+
+def run_remote(ctx: WorkerContext) -> Result:
+    """``remote()`` followed by ``to_here()``: p50 and p99 in microseconds."""
+    opts = ctx.options
+    func, args = _small_call(opts)
+    _check_small_result(ctx.rpc.remote(ctx.peer, func, args=args).to_here())
+    for _ in range(opts.remote_warmup):
+        ctx.rpc.remote(ctx.peer, func, args=args).to_here()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(opts.remote_calls):
+        start = clock()
+        ctx.rpc.remote(ctx.peer, func, args=args).to_here()
+        samples.append((clock() - start) / 1e3)
+    metrics = {"remote_to_here_p50_us": percentile(samples, 50),
+               "remote_to_here_p99_us": percentile(samples, 99)}
+    return metrics, {"calls": len(samples), "min_us": min(samples)}
+
+
+def run_echo(ctx: WorkerContext) -> Result:
+    """Echo float32 tensors of each size: median GB/s (2 x size / time), and peak RSS."""
+    opts = ctx.options
+    metrics: dict[str, float] = {}
+    details: dict[str, Any] = {"rss_after_init_caller_MB": peak_rss_mb(),
+                               "rss_after_init_callee_MB":
+                                   ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)}
+    for size_mb in opts.echo_sizes_mb:
+        numel = max(1, int(size_mb * 2**20) // 4)
+        nbytes = numel * 4
+        x = torch.rand(numel)
+        back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+        if not (isinstance(back, torch.Tensor) and back.dtype == x.dtype and torch.equal(back, x)):
+            raise AssertionError(f"echo of {size_mb:g} MB came back different")
+        del back
+        for _ in range(opts.echo_warmup):
+            del_me = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+            del del_me
+        times = []
+        for _ in range(opts.echo_iters):
+            start = time.perf_counter()
+            back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+            times.append(time.perf_counter() - start)
+            del back
+        del x
+        rates = [2 * nbytes / t / 1e9 for t in times]
+        metrics[echo_metric(size_mb)] = 2 * nbytes / percentile(times, 50) / 1e9
+        details[echo_metric(size_mb)] = {"bytes": nbytes, "best_GBps": max(rates),
+                                         "all_GBps": rates}
+    metrics["peak_rss_caller_MB"] = peak_rss_mb()
+    metrics["peak_rss_callee_MB"] = ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)
+    return metrics, details
+
+
+def run_train(ctx: WorkerContext) -> Result:
+    """One MLP split over caller and callee; time forward + dist backward + optimizer step."""
+    opts = ctx.options
+    rpc, dist_autograd = ctx.rpc, ctx.autograd
+    dims = list(opts.train_dims)
+    split = max(1, (len(dims) - 1) // 2)
+    torch.manual_seed(0)
+    local_stage = _mlp(dims[:split + 1], final_relu=True)
+    remote_stage = rpc.remote(ctx.peer, make_stage, args=(dims[split:], 1))
+    params = [rpc.RRef(p) for p in local_stage.parameters()]
+    params += rpc.rpc_sync(ctx.peer, stage_param_rrefs,
+                           args=(remote_stage, ctx.rpc_module_name))
+    optimizer = ctx.optim.DistributedOptimizer(torch.optim.SGD, params, lr=opts.train_lr)
+    inputs = torch.randn(opts.train_batch, dims[0])
+    targets = torch.randint(0, dims[-1], (opts.train_batch,))
+
+    def step() -> float:
+        with dist_autograd.context() as context_id:
+            hidden = local_stage(inputs)
+            out = rpc.rpc_sync(ctx.peer, stage_forward, args=(remote_stage, hidden))
+            loss = F.cross_entropy(out, targets)
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+        return float(loss)
+
+    losses = [step() for _ in range(opts.train_warmup)]
+    times = []
+    for _ in range(opts.train_steps):
+        start = time.perf_counter()
+        losses.append(step())
+        times.append((time.perf_counter() - start) * 1e3)
+    if len(losses) >= 3 and not losses[-1] < losses[0]:
+        raise AssertionError(f"training did not reduce the loss: {losses[0]:.4f} -> "
+                             f"{losses[-1]:.4f}")
+    details = {"steps": len(times), "min_ms": min(times), "first_loss": losses[0],
+               "last_loss": losses[-1], "split": [dims[:split + 1], dims[split:]]}
+    return {"train_step_ms": percentile(times, 50)}, details
+
+
+PAIR_RUNNERS: dict[str, Callable[[WorkerContext], Result]] = {
+    "latency": run_latency,
+    "throughput": run_throughput,
+    "remote": run_remote,
+    "echo": run_echo,
+    "train": run_train,
+}
+"""Caller-side entry point of each two-worker workload."""

@@ -1,0 +1,243 @@
+"""The public RPC calls. Thin: validate arguments, then hand over to the current agent.
+
+``rpc_sync`` is ``rpc_async`` plus ``wait``. The one piece of module state is the
+handle of the current agent, set by :func:`init_rpc` and cleared by :func:`shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .._agent import Agent, RpcFuture, WorkerInfo
+from .._agent.rendezvous import open_store, validate_name
+from ..errors import NotInitializedError
+from . import backend_registry, constants
+from .backend_registry import BackendType
+
+log = logging.getLogger("torchrpc")
+
+WorkerLike = Union[str, int, WorkerInfo]
+
+# Upper layers (RRefs, distributed autograd) install themselves on each new agent.
+_agent_installers: List[Callable[[Agent], None]] = []
+
+
+class _State:
+    """The current agent handle, guarded by a lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.agent: Optional[Agent] = None
+        self.was_shut_down = False
+
+
+_state = _State()
+
+
+def register_agent_installer(installer: Callable[[Agent], None]) -> None:
+    """Upper layers call this at import to plug into every agent :func:`init_rpc` builds."""
+    if installer not in _agent_installers:
+        _agent_installers.append(installer)
+
+
+def current_agent() -> Agent:
+    """The running agent, or a RuntimeError that says RPC is not initialized."""
+    agent = _state.agent
+    if agent is None:
+        if _state.was_shut_down:
+            raise NotInitializedError("RPC has been shut down on this worker; call "
+                                      "torchrpc.rpc.init_rpc() again to use it")
+        raise NotInitializedError("RPC has not been initialized; call "
+                                  "torchrpc.rpc.init_rpc() first")
+    return agent
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+
+
+def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
+             world_size: Optional[int] = None, rpc_backend_options: Any = None) -> None:
+    r"""Initializes RPC primitives such as the local RPC agent and distributed autograd.
+
+    After it returns, the current process is ready to send and receive RPCs.
+
+    Args:
+        name (str): a globally unique name of this node (e.g. ``Trainer3``). Only
+            letters, digits, ``_``, ``:`` and ``-``; shorter than 128 characters.
+        backend (BackendType, optional): the backend (default ``BackendType.TENSORPIPE``).
+        rank (int): a globally unique id of this node; ``-1`` reads ``RANK``.
+        world_size (int): the number of workers in the group; ``None`` reads ``WORLD_SIZE``.
+        rpc_backend_options (RpcBackendOptions, optional): the backend's options; by
+            default a 60 s timeout and rendezvous through ``env://`` (``MASTER_ADDR``
+            and ``MASTER_PORT``).
+    """
+    validate_name(name)
+    if backend is None:
+        backend = BackendType.TENSORPIPE
+    if not isinstance(backend, BackendType):
+        raise TypeError(f"backend must be a BackendType, got {backend!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if rank < 0:
+        env_rank = _env_int("RANK")
+        if env_rank is None and rank != -1:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        rank = env_rank if env_rank is not None else -1
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size is None:
+        raise ValueError("world_size is required (pass it or set WORLD_SIZE); torchrpc "
+                         "does not support dynamic membership yet")
+    if rank < 0:
+        raise ValueError("rank is required: pass rank= or set RANK (torchrun does)")
+    with _state.lock:
+        if _state.agent is not None:
+            raise RuntimeError(f"RPC is already initialized on this process as "
+                               f"{_state.agent.name!r}; call shutdown() first")
+        if rpc_backend_options is None:
+            rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
+        timeout = rpc_backend_options.rpc_timeout or \
+            constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+        store, rank, world_size = open_store(rpc_backend_options.init_method, rank, world_size,
+                                             max(timeout, 60.0))
+        agent = backend_registry.init_backend(backend, store, name, rank, world_size,
+                                              rpc_backend_options)
+        for installer in _agent_installers:
+            installer(agent)
+        _state.agent = agent
+        _state.was_shut_down = False
+
+
+def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    r"""Shut down the RPC agent of this worker, then destroy it.
+
+    Args:
+        graceful (bool): if True, wait until the pending RRef control messages are
+            settled, every worker has reached ``shutdown`` and all outstanding work is
+            done; if a worker died, raise an error naming it instead of waiting forever.
+            If False, stop locally at once.
+        timeout (float): seconds to wait in a graceful shutdown; 0 means no limit.
+    """
+    with _state.lock:
+        agent = current_agent()
+        try:
+            agent.shutdown(graceful=graceful, timeout=timeout)
+        finally:
+            _state.agent = None
+            _state.was_shut_down = True
+
+
+def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
+    r"""Get the :class:`WorkerInfo` of ``worker_name``, or of this worker when ``None``."""
+    agent = current_agent()
+    if worker_name is None:
+        return agent.worker_info
+    if not isinstance(worker_name, str):
+        raise TypeError(f"worker_name must be a str, got {type(worker_name).__name__}")
+    return agent.resolve(worker_name)
+
+
+def get_worker_infos() -> List[WorkerInfo]:
+    r"""The :class:`WorkerInfo` of every worker in the group, ordered by id."""
+    return current_agent().worker_infos()
+
+
+def get_rpc_timeout() -> float:
+    r"""The default timeout of RPCs, in seconds."""
+    return current_agent().default_timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change the default timeout of RPCs, in seconds (0 means none)."""
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout must be a number of seconds >= 0, got {rpc_timeout!r}")
+    current_agent().default_timeout = float(rpc_timeout)
+
+
+def get_debug_info() -> Dict[str, Any]:
+    r"""Counters of this worker's agent and layers (pending calls, threads, RRefs, ...)."""
+    return current_agent().debug_info()
+
+
+def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
+             ) -> Tuple[Agent, WorkerInfo, Tuple[Any, ...], Dict[str, Any], float]:
+    agent = current_agent()
+    dst = agent.resolve(to)
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        if not isinstance(args, list):
+            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+        args = tuple(args)
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if timeout == constants.UNSET_RPC_TIMEOUT:
+        timeout = agent.default_timeout
+    elif timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (0: no timeout), got {timeout}")
+    return agent, dst, args, kwargs, float(timeout)
+
+
+def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
+              kwargs: Optional[Dict[str, Any]] = None,
+              timeout: float = constants.UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+    r"""Make a non-blocking RPC call to run ``func`` on worker ``to``. Thread-safe.
+
+    Args:
+        to (str or WorkerInfo or int): name/rank/``WorkerInfo`` of the destination worker.
+        func (Callable): a callable, such as a Python function, a builtin operator
+            (e.g. :meth:`~torch.add`) or a TorchScript function.
+        args (tuple): the argument tuple for the ``func`` invocation.
+        kwargs (dict): keyword arguments for the ``func`` invocation.
+        timeout (float, optional): seconds before the call fails with a "timed out"
+            error; 0 means never; by default the agent's ``rpc_timeout``.
+
+    Returns:
+        A :class:`torch.futures.Future` of the return value of ``func``.
+    """
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    return agent.call(dst, func, args, kwargs, timeout)
+
+
+def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
+             kwargs: Optional[Dict[str, Any]] = None,
+             timeout: float = constants.UNSET_RPC_TIMEOUT) -> Any:
+    r"""Make a blocking RPC call to run ``func`` on worker ``to``. Thread-safe.
+
+    Takes the same arguments as :func:`rpc_async` and returns the result of
+    ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
+    with the remote traceback in the message).
+    """
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def is_available() -> bool:
+    """torchrpc is always available."""
+    return True
+
+
+__all__ = [
+    "RpcFuture", "get_debug_info", "get_rpc_timeout", "get_worker_info", "get_worker_infos",
+    "init_rpc", "is_available", "rpc_async", "rpc_sync", "shutdown",
+]

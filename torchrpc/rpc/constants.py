@@ -1,0 +1,12 @@
+"""Default values, under the names torch.distributed.rpc.constants uses."""
+
+from datetime import timedelta
+
+DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
+UNSET_RPC_TIMEOUT: float = -1.0
+DEFAULT_INIT_METHOD: str = "env://"
+DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
+DEFAULT_NUM_WORKER_THREADS: int = 16
+DEFAULT_MAX_MESSAGE_SIZE: int = 2 << 30
+DEFAULT_SHM_THRESHOLD: int = 256 * 1024
+DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=300)

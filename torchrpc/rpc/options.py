@@ -1,0 +1,184 @@
+"""Backend options: validated objects whose fields may be assigned after construction."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from . import constants
+
+DeviceLike = Union[int, str, torch.device]
+
+
+def _to_device(d: DeviceLike) -> torch.device:
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, int) and not isinstance(d, bool):
+        if d < 0:
+            raise ValueError(f"device index must be non-negative, got {d}")
+        return torch.device("cuda", d)
+    if isinstance(d, str):
+        try:
+            return torch.device(d)
+        except RuntimeError as exc:
+            raise ValueError(f"invalid device {d!r}: {exc}") from exc
+    raise TypeError(f"a device must be an int, str or torch.device, got {type(d).__name__}")
+
+
+def normalize_device_map(to: str, device_map: Dict[DeviceLike, DeviceLike]
+                         ) -> Dict[torch.device, torch.device]:
+    """Validate one worker's device map; it must be invertible (no two sources to one target)."""
+    if not isinstance(to, str):
+        raise TypeError(f"device map key must be a worker name (str), got {type(to).__name__}")
+    if not isinstance(device_map, dict):
+        raise TypeError(f"device map for {to!r} must be a dict, got {type(device_map).__name__}")
+    out: Dict[torch.device, torch.device] = {}
+    seen: Dict[torch.device, torch.device] = {}
+    for src, dst in device_map.items():
+        s, d = _to_device(src), _to_device(dst)
+        if d in seen and seen[d] != s:
+            raise ValueError(
+                f"device map for {to!r} is not invertible: both {seen[d]} and {s} map to {d}; "
+                f"every target device may appear once")
+        seen[d] = s
+        out[s] = d
+    return out
+
+
+class RpcBackendOptions:
+    """An abstract structure encapsulating the options passed into the RPC backend.
+
+    Args:
+        rpc_timeout (float): default timeout in seconds for every RPC; 0 means none.
+        init_method (str): URL of the rendezvous store, as for
+            ``torch.distributed.init_process_group`` (default ``env://``).
+    """
+
+    def __init__(self, rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = constants.DEFAULT_INIT_METHOD) -> None:
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
+
+    @property
+    def rpc_timeout(self) -> float:
+        """A float indicating the timeout to use for all RPCs."""
+        return self._rpc_timeout
+
+    @rpc_timeout.setter
+    def rpc_timeout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"rpc_timeout must be a number of seconds >= 0 (0: no timeout), "
+                             f"got {value!r}")
+        self._rpc_timeout = float(value)
+
+    @property
+    def init_method(self) -> str:
+        """URL specifying how to initialize the process group. Default is ``env://``."""
+        return self._init_method
+
+    @init_method.setter
+    def init_method(self, value: str) -> None:
+        if not isinstance(value, str) or "://" not in value:
+            raise ValueError(f"init_method must be a URL such as 'env://', 'tcp://host:port' "
+                             f"or 'file:///path', got {value!r}")
+        self._init_method = value
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """The options of torchrpc's default backend (named as torch's, so ports need no change).
+
+    Args:
+        num_worker_threads (int): threads kept in the pool that runs requests (default 16).
+            Threads blocked in RPCs don't count, so nested calls never deadlock.
+        rpc_timeout (float): default timeout in seconds (default 60; 0 means none).
+        init_method (str): rendezvous URL (default ``env://``).
+        device_maps (Dict[str, Dict]): device placement from this worker to each callee;
+            every map must be invertible.
+        devices (List): local devices used by the agent.
+        listen_addr (str, optional): address to listen on; default: the interface that
+            reaches the rendezvous host (loopback for a local job).
+        max_message_size (int): frames larger than this are refused (default 2 GiB).
+        enable_shm (bool): same-host shared memory for large buffers (default True).
+        shm_threshold (int): buffers at least this large go through shared memory.
+    """
+
+    def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
+                 rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = constants.DEFAULT_INIT_METHOD,
+                 device_maps: Optional[Dict[str, Dict[DeviceLike, DeviceLike]]] = None,
+                 devices: Optional[List[DeviceLike]] = None,
+                 _transports: Optional[List[Any]] = None, _channels: Optional[List[Any]] = None,
+                 listen_addr: Optional[str] = None,
+                 max_message_size: int = constants.DEFAULT_MAX_MESSAGE_SIZE,
+                 enable_shm: bool = True,
+                 shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD) -> None:
+        super().__init__(rpc_timeout, init_method)
+        self.num_worker_threads = num_worker_threads
+        self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
+        for to, dm in (device_maps or {}).items():
+            self.set_device_map(to, dm)
+        self._devices: List[torch.device] = []
+        if devices:
+            self.set_devices(devices)
+        self._transports = _transports
+        self._channels = _channels
+        self.listen_addr = listen_addr
+        self.max_message_size = max_message_size
+        self.enable_shm = enable_shm
+        self.shm_threshold = shm_threshold
+
+    @property
+    def num_worker_threads(self) -> int:
+        """The number of threads in the pool used to execute requests."""
+        return self._num_worker_threads
+
+    @num_worker_threads.setter
+    def num_worker_threads(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"num_worker_threads must be an int >= 1, got {value!r}")
+        self._num_worker_threads = value
+
+    @property
+    def max_message_size(self) -> int:
+        """The largest frame this worker accepts, in bytes."""
+        return self._max_message_size
+
+    @max_message_size.setter
+    def max_message_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
+            raise ValueError(f"max_message_size must be an int >= 1024 bytes, got {value!r}")
+        self._max_message_size = value
+
+    @property
+    def device_maps(self) -> Dict[str, Dict[torch.device, torch.device]]:
+        """The device map locations."""
+        return {k: dict(v) for k, v in self._device_maps.items()}
+
+    @property
+    def devices(self) -> List[torch.device]:
+        """All devices used by the local agent."""
+        return list(self._devices)
+
+    def set_device_map(self, to: str, device_map: Dict[DeviceLike, DeviceLike]) -> None:
+        """Set device mapping between this worker and callee ``to``; calls add up.
+
+        Args:
+            to (str): callee name.
+            device_map (Dict of int, str, or torch.device): this worker's devices to the
+                callee's devices. The combined map must be invertible.
+        """
+        new = normalize_device_map(to, device_map)
+        merged = dict(self._device_maps.get(to, {}))
+        merged.update(new)
+        self._device_maps[to] = normalize_device_map(to, merged)
+
+    def set_devices(self, devices: List[DeviceLike]) -> None:
+        """Set local devices used by the agent.
+
+        Args:
+            devices (List of int, str, or torch.device): local devices.
+        """
+        if not isinstance(devices, (list, tuple)):
+            raise TypeError(f"devices must be a list, got {type(devices).__name__}")
+        self._devices = [_to_device(d) for d in devices]

@@ -9,13 +9,14 @@ down too.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,16 +37,50 @@ def worker_env(port: int, world_size: int, extra: Optional[Dict[str, str]] = Non
     return env
 
 
+OPTIONS_ENV = "TORCHRPC_TEST_OPTIONS"  # JSON: extra keyword arguments of the options
+BACKEND_ENV = "TORCHRPC_TEST_BACKEND"  # a backend name, e.g. FAULTY_TENSORPIPE
+
+
+def backend_and_options(threads: int, timeout: float, env: Mapping[str, str]) -> Tuple[Any, Any]:
+    """The backend and options a group member uses, from the two variables above."""
+    import torchrpc.rpc as rpc
+    extra = json.loads(env.get(OPTIONS_ENV) or "{}") or {}
+    name = env.get(BACKEND_ENV) or "TENSORPIPE"
+    if name == "FAULTY_TENSORPIPE":
+        from torchrpc._testing import faulty
+        opts = faulty.FaultyTensorPipeRpcBackendOptions(
+            num_worker_threads=threads, rpc_timeout=timeout, **extra)
+    else:
+        opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout,
+                                               **extra)
+    return rpc.BackendType[name], opts
+
+
 class Group:
-    """Subprocess workers of one group; rank 0 is the caller's process."""
+    """Subprocess workers of one group; rank 0 is the caller's process.
+
+    ``options`` (extra keyword arguments of the backend options, JSON-able) and
+    ``backend`` (a backend name) apply to every member; ``self_options`` and
+    ``self_backend``, when given, replace them for rank 0 only.
+    """
 
     def __init__(self, world_size: int, threads: int = 4, timeout: float = 60.0,
-                 extra_env: Optional[Dict[str, str]] = None, names: Optional[List[str]] = None) -> None:
+                 extra_env: Optional[Dict[str, str]] = None, names: Optional[List[str]] = None,
+                 options: Optional[Dict[str, Any]] = None, backend: Optional[str] = None,
+                 self_options: Optional[Dict[str, Any]] = None,
+                 self_backend: Optional[str] = None) -> None:
         self.world_size = world_size
         self.port = free_port()
         self.threads = threads
         self.timeout = timeout
         self.names = names or [f"worker{r}" for r in range(world_size)]
+        extra_env = dict(extra_env or {})
+        if options:
+            extra_env[OPTIONS_ENV] = json.dumps(options)
+        if backend:
+            extra_env[BACKEND_ENV] = backend
+        self.self_env = {OPTIONS_ENV: json.dumps(options if self_options is None else self_options),
+                         BACKEND_ENV: (self_backend or backend or "")}
         env = worker_env(self.port, world_size, extra_env)
         self.procs: Dict[int, subprocess.Popen] = {}
         for r in range(1, world_size):
@@ -57,9 +92,9 @@ class Group:
     def init_self(self) -> None:
         import torchrpc.rpc as rpc
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
-        opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=self.threads,
-                                               rpc_timeout=self.timeout)
-        rpc.init_rpc(self.names[0], rank=0, world_size=self.world_size, rpc_backend_options=opts)
+        backend, opts = backend_and_options(self.threads, self.timeout, self.self_env)
+        rpc.init_rpc(self.names[0], backend=backend, rank=0, world_size=self.world_size,
+                     rpc_backend_options=opts)
 
     def kill(self, rank: int) -> None:
         self.procs[rank].send_signal(signal.SIGKILL)

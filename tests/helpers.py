@@ -140,3 +140,79 @@ class AsyncExecutionClass:
     @rpc.functions.async_execution
     def bound_async_add(self, to: str, x: torch.Tensor, y: Any, z: Any) -> torch.futures.Future:
         return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+# -- RRef helpers ---------------------------------------------------------------------------
+
+
+class Store:
+    """A remote object with plain and async methods."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
+
+    def add(self, n: Any) -> Any:
+        self.value = self.value + n
+        return self.value
+
+    @rpc.functions.async_execution
+    def async_get_plus(self, to: str, n: Any) -> torch.futures.Future:
+        return rpc.rpc_async(to, add, args=(self.value, n))
+
+
+def make_rref(value: Any) -> rpc.RRef:
+    """Runs on the owner: returns an owner RRef to the caller (owner -> user)."""
+    return rpc.RRef(value)
+
+
+def rref_to_here(rref: rpc.RRef) -> Any:
+    return rref.to_here()
+
+
+def rref_value_plus(rref: rpc.RRef, n: Any) -> Any:
+    """Works on owner and user alike."""
+    value = rref.local_value() if rref.is_owner() else rref.to_here()
+    return value + n
+
+
+def rref_info(rref: rpc.RRef) -> tuple:
+    return (rref.is_owner(), rref.owner_name(), rref.confirmed_by_owner())
+
+
+def forward_rref(to: str, rref: rpc.RRef) -> Any:
+    """user -> user fork: pass the RRef on to another worker that reads it."""
+    return rpc.rpc_sync(to, rref_to_here, args=(rref,))
+
+
+def rref_in_containers(data: dict) -> Any:
+    return sum(r.to_here() for r in data["list"]) + data["map"]["x"].to_here()
+
+
+def echo_rrefs(data: Any) -> Any:
+    return data
+
+
+def rref_counts() -> dict:
+    import gc
+    gc.collect()
+    info = rpc.get_debug_info()
+    return {k: info[k] for k in ("num_owner_rrefs", "num_forks", "num_pending_users",
+                                  "num_pending_children", "num_user_rrefs")}
+
+
+def hold_remote(to: str, value: Any) -> rpc.RRef:
+    """Creates an RRef owned by ``to`` and returns it (user -> user return value)."""
+    return rpc.remote(to, echo, args=(value,))
+
+
+def fan_out(to: str, n: int) -> int:
+    """Creates n RRefs on ``to`` and drops them."""
+    refs = [rpc.remote(to, echo, args=(i,)) for i in range(n)]
+    return sum(r.to_here() for r in refs[:3])
+
+
+def blocking_to_here(rref: rpc.RRef) -> Any:
+    return rref.to_here()

@@ -1,19 +1,27 @@
 """A group member for tests: init_rpc, then serve until the group shuts down."""
 
+import json
+import os
 import sys
 
 import torch
 
 import torchrpc.rpc as rpc
+from tests.group import backend_and_options
 
 
 def main() -> None:
     name, rank, world_size, threads, timeout = sys.argv[1:6]
     torch.set_num_threads(1)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=int(threads),
-                                           rpc_timeout=float(timeout))
-    rpc.init_rpc(name, rank=int(rank), world_size=int(world_size), rpc_backend_options=opts)
+    backend, opts = backend_and_options(int(threads), float(timeout), os.environ)
+    rpc.init_rpc(name, backend=backend, rank=int(rank), world_size=int(world_size),
+                 rpc_backend_options=opts)
     rpc.shutdown()
+    report = os.environ.get("TORCHRPC_TEST_REPORT")
+    if report:
+        from torchrpc._agent.current import handle
+        with open(os.path.join(report, f"{name}.json"), "w") as f:
+            json.dump(handle.last_debug_info, f)
 
 
 if __name__ == "__main__":

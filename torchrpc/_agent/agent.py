@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import select
 import threading
 import time
 import traceback
@@ -34,12 +35,14 @@ import torch
 
 from .. import _wire
 from .._transport import Connection, Transport
+from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
 from . import rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool
+from .retry import RetryPolicy, retryable
 from .worker import WorkerInfo
 
 log = logging.getLogger("torchrpc")
@@ -105,7 +108,7 @@ class CallHook:
 
 
 class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states")
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]]) -> None:
@@ -114,6 +117,24 @@ class _Pending:
         self.what = what
         self.timeout = timeout
         self.states = states
+        self.resend: Optional[_Resend] = None
+
+
+class _Resend:
+    """What a request with a retry policy needs to be sent again: the same frame."""
+
+    __slots__ = ("policy", "attempt", "deadline", "kind", "flags", "env", "bufs", "keep")
+
+    def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
+                 env: bytes, bufs: Any, keep: Any) -> None:
+        self.policy = policy
+        self.attempt = 1
+        self.deadline = deadline
+        self.kind = kind
+        self.flags = flags
+        self.env = env
+        self.bufs = bufs
+        self.keep = keep
 
 
 @dataclasses.dataclass
@@ -182,13 +203,30 @@ class Agent:
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {Kind.CALL: _handle_call}
         self._hooks: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
+        self._stop_hooks: List[Callable[[], None]] = []
         self._debug_sources: List[Callable[[], Dict[str, Any]]] = []
+        # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
+        self.extensions: Dict[str, Any] = {}
         self._left: set[int] = set()
         self._lost: Dict[int, str] = {}
         self._state = "new"
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
         self._transport: Optional[Transport] = None
         self._timer: Optional[threading.Thread] = None
+        # callbacks due later, run on the pool: (when, seq, fn, args)
+        self._later: List[Tuple[float, int, Callable[..., None], Tuple[Any, ...]]] = []
+        self._later_seq = itertools.count()
+        # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
+        self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
+        self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
+        self._heartbeat: Optional[threading.Thread] = None
+        self._stopped = threading.Event()
+        self._beating: set[Connection] = set()  # connections that have sent a heartbeat
+        self._last_liveness = 0.0
+        self._shared_lost: set[int] = set()
+        self._lost_seen = 0
+        self._next_share = 0.0
+        self._next_probe: Optional[float] = None
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -199,7 +237,11 @@ class Agent:
         secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
             self._transport = Transport(rank, secret, self._limits, self._on_connect,
-                                        self._on_frame, self._on_close, host)
+                                        self._on_frame, self._on_close, host,
+                                        tls_contexts=self._tls_contexts())
+        except ValueError as exc:
+            rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
+            raise
         except RpcError as exc:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         infos = rendezvous.publish(store, self.name, rank, self.world_size,
@@ -214,9 +256,21 @@ class Agent:
         self._timer = threading.Thread(target=self._timer_loop, name=f"torchrpc-timer-{self.name}",
                                        daemon=True)
         self._timer.start()
-        log.info("torchrpc: worker %s (rank %d of %d) listening on %s:%d", self.name, rank,
-                 self.world_size, *self._transport.address)
+        if self._hb_interval > 0:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                               name=f"torchrpc-heartbeat-{self.name}")
+            self._heartbeat.start()
+        log.info("torchrpc: worker %s (rank %d of %d) listening on %s:%d%s", self.name, rank,
+                 self.world_size, *self._transport.address,
+                 " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
+
+    def _tls_contexts(self) -> Optional[TlsContexts]:
+        opts = self.options
+        if not getattr(opts, "tls_certfile", None):
+            return None
+        return make_contexts(opts.tls_certfile, opts.tls_keyfile, opts.tls_cafile,
+                             opts.tls_require_client_cert)
 
     # -- registry ----------------------------------------------------------------------------------
 
@@ -263,6 +317,10 @@ class Agent:
         """``hook(deadline)`` runs first in a graceful shutdown (settle control messages)."""
         self._shutdown_hooks.append(hook)
 
+    def add_stop_hook(self, hook: Callable[[], None]) -> None:
+        """``hook()`` runs in every shutdown, graceful or not, before connections close."""
+        self._stop_hooks.append(hook)
+
     def add_debug_source(self, source: Callable[[], Dict[str, Any]]) -> None:
         self._debug_sources.append(source)
 
@@ -286,16 +344,26 @@ class Agent:
     # -- requests ----------------------------------------------------------------------------------
 
     def call(self, dst: WorkerInfo, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
-             timeout: float) -> RpcFuture:
+             timeout: float, retry: Optional[RetryPolicy] = None) -> RpcFuture:
         """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result."""
-        return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func)
+        return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
+                            retry=retry)
 
     def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
-                what: Any = None, oneway: bool = False) -> RpcFuture:
+                what: Any = None, oneway: bool = False,
+                retry: Optional[RetryPolicy] = None) -> RpcFuture:
         """Send a request of ``kind``; a future of the handler's reply.
 
         Pickling errors raise here, before anything is sent. Connection errors and
         timeouts complete the future with the error.
+
+        With ``retry``, a send that fails on the connection (so the message may not
+        have arrived) is sent again after a backoff, as the same frame with the same
+        request id, up to ``retry.max_attempts`` sends, all under the one deadline
+        ``timeout``; whichever reply comes first completes the future. Remote errors
+        and timeouts are never retried. A one-way request with ``retry`` completes
+        once a send succeeds, and shutdown waits for it like for a reply. The handler
+        must tolerate receiving the message twice.
         """
         self._check_running()
         meta = None
@@ -306,19 +374,80 @@ class Agent:
         env, bufs, keep = _wire.encode(payload, MessageContext(self, dst, kind), send_hook, meta)
         fut = new_future(self._pool)
         rid = next(self._rid)
-        if not oneway:
-            self._pending[rid] = _Pending(fut, dst, what, timeout, states)
-            if timeout > 0:
-                self._push_deadline(time.monotonic() + timeout, rid)
-        try:
-            self._connection(dst).send(kind, _wire.FLAG_ONEWAY if oneway else 0, rid, env, bufs, keep)
-        except RpcError as exc:
-            if oneway or self._pending.pop(rid, None) is not None:
-                fut.set_exception(self._lost_error(dst, exc))
-            return fut
-        if oneway:
-            fut.set_result(None)
+        flags = _wire.FLAG_ONEWAY if oneway else 0
+        p = _Pending(fut, dst, what, timeout, states)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        if retry is not None and retry.max_attempts > 1:
+            p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
+        if not oneway or p.resend is not None:
+            self._pending[rid] = p
+            if deadline is not None:
+                self._push_deadline(deadline, rid)
+        self._attempt(rid, p, kind, flags, env, bufs, keep)
         return fut
+
+    def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
+                 keep: Any) -> None:
+        try:
+            self._send(p.dst, kind, flags, rid, env, bufs, keep)
+        except RpcError as exc:
+            if flags & _wire.FLAG_ONEWAY and p.resend is None:
+                p.future.set_exception(self._lost_error(p.dst, exc))
+            else:
+                self.send_failed(kind, rid, p.dst, exc)
+            return
+        if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
+            p.future.set_result(None)
+
+    def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
+              keep: Any) -> None:
+        """Send one frame to ``dst``; raise :class:`RpcError` when it cannot.
+
+        Every frame of a request or reply leaves through here; the fault-injecting
+        agent of the tests (``torchrpc._testing.faulty``) overrides it.
+        """
+        self._connection(dst).send(kind, flags, rid, env, bufs, keep)
+
+    def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
+        """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
+        if kind in (Kind.RESPONSE, Kind.ERROR):
+            log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
+            return
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            self._fail(rid, p, self._lost_error(dst, exc))
+
+    def _fail(self, rid: int, p: _Pending, error: BaseException) -> None:
+        """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
+        r = p.resend
+        if r is not None and retryable(error) and self._state == "running":
+            if r.attempt < r.policy.max_attempts:
+                delay = r.policy.backoff(r.attempt)
+                if r.deadline is None or time.monotonic() + delay < r.deadline:
+                    r.attempt += 1
+                    self._pending[rid] = p
+                    log.info("torchrpc: %s retries %s to %s in %.3g s (attempt %d of %d): %s",
+                             self.name, describe(p.what) if p.what else Kind(r.kind).name,
+                             p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
+                    self.call_later(delay, self._resend, rid)
+                    return
+            if r.attempt > 1:
+                error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
+                                            worker=getattr(error, "worker", None))
+        p.future.set_exception(error)
+
+    def _resend(self, rid: int) -> None:
+        p = self._pending.get(rid)
+        if p is None or p.resend is None:
+            return  # timed out or answered meanwhile
+        r = p.resend
+        self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
+        with self._timer_cv:
+            heapq.heappush(self._later, (time.monotonic() + delay, next(self._later_seq), fn, args))
+            self._timer_cv.notify()
 
     def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
         meta: Dict[str, Any] = {}
@@ -361,11 +490,16 @@ class Agent:
             if self._state != "running" and self._state != "stopping":
                 raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state}")
             host, port = self._addresses[dst.id]
+            lost = self._lost.get(dst.id)
+            timeout = self.default_timeout or 30.0
+            if lost is not None and self._hb_timeout > 0:
+                timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
             try:
-                conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0)
+                conn = self._transport.connect(dst.id, host, port, timeout)
             except RpcError as exc:
                 raise ConnectionLostError(
-                    f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}",
+                    f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}"
+                    + (f" (its connection was lost before: {lost})" if lost else ""),
                     worker=dst.name) from exc
             return self._conns.get(dst.id) or conn
 
@@ -381,6 +515,7 @@ class Agent:
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         rank = conn.peer_rank
+        self._beating.discard(conn)
         with self._lock:
             conns = self._all_conns.get(rank, [])
             if conn in conns:
@@ -405,7 +540,7 @@ class Agent:
     def _fail_pending(self, rank: int, error: RpcError) -> None:
         for rid, p in list(self._pending.items()):
             if p.dst.id == rank and self._pending.pop(rid, None) is not None:
-                p.future.set_exception(error)
+                self._fail(rid, p, error)
 
     # -- frames ------------------------------------------------------------------------------------
 
@@ -426,6 +561,7 @@ class Agent:
                 worker=src.name))
             return
         if kind == Kind.HEARTBEAT:
+            self._beating.add(conn)
             return
         handler = self._handlers.get(kind)
         try:
@@ -537,9 +673,9 @@ class Agent:
 
     def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any) -> None:
         try:
-            self._connection(dst).send(kind, 0, rid, env, bufs, keep)
+            self._send(dst, kind, 0, rid, env, bufs, keep)
         except RpcError as exc:
-            log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
+            self.send_failed(kind, rid, dst, exc)
 
     # -- deadlines ---------------------------------------------------------------------------------
 
@@ -566,6 +702,17 @@ class Agent:
                     self._heap = heap = [e for e in heap if e[1] in self._pending]
                     heapq.heapify(heap)
                 wait = min(_TICK, heap[0][0] - now) if heap else _TICK
+                due = []
+                later = self._later
+                while later and later[0][0] <= now:
+                    due.append(heapq.heappop(later))
+                if later:
+                    wait = min(wait, later[0][0] - now)
+            for _, _, fn, args in due:
+                try:
+                    self._pool.submit(fn, *args)
+                except RuntimeError:
+                    pass  # the pool is shut down: so is everything a callback would do
             for rid in expired:
                 p = self._pending.pop(rid, None)
                 if p is not None:
@@ -574,27 +721,129 @@ class Agent:
                         f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
                         f"for this call)"))
             self._pool.check_progress()
+            self._check_liveness(now)
             with cv:
                 if self._state != "stopped":
                     cv.wait(max(wait, 0.0))
+
+    # -- failure detection -------------------------------------------------------------------------
+    #
+    # Theory of operation. A worker that dies closes its sockets, so its peers read EOF
+    # and fail its pending calls at once (_on_close). A worker whose host died, or whose
+    # network is cut, or that hangs, sends nothing: every connection carries a HEARTBEAT
+    # frame when it has been idle for heartbeat_interval, and the timer closes a connection
+    # that brought nothing in for heartbeat_timeout, which fails the calls pending on it.
+    # Only connections that have sent a heartbeat are timed out, so a peer configured
+    # without heartbeats is never mistaken for a dead one. At graceful shutdown, lost
+    # workers are shared through the store, and workers missing from the barrier are
+    # probed, so a worker that died unseen by this one is found too (check_peers).
+
+    def _open_connections(self) -> List[Connection]:
+        with self._lock:
+            return [c for lst in self._all_conns.values() for c in lst if not c.closed]
+
+    def _heartbeat_loop(self) -> None:
+        interval = self._hb_interval
+        envelope = _wire.encode(None)[0]
+        while not self._stopped.wait(interval / 2):
+            now = time.monotonic()
+            for conn in self._open_connections():
+                if now - conn.last_send >= interval:
+                    try:
+                        conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
+                    except RpcError:
+                        pass  # closed meanwhile; its reader reports why
+
+    def _check_liveness(self, now: float) -> None:
+        timeout = self._hb_timeout
+        if timeout <= 0 or self._state != "running" or not self._beating:
+            return
+        stalled = now - self._last_liveness > timeout / 2
+        self._last_liveness = now
+        if stalled:
+            return  # this process did not run for a while: let its readers catch up first
+        for conn in list(self._beating):
+            silent = now - conn.last_recv
+            if silent <= timeout or conn.closed or conn.peer_rank in self._left:
+                continue
+            try:
+                if select.select([conn.sock], [], [], 0)[0]:
+                    continue  # bytes are waiting: the peer spoke, our reader is behind
+            except (OSError, ValueError):
+                pass
+            w = self._workers.get(conn.peer_rank)
+            name = w.name if w else f"rank{conn.peer_rank}"
+            conn.close(ConnectionLostError(
+                f"no heartbeat from worker {name} (rank {conn.peer_rank}) for {silent:.1f} s "
+                f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
+                worker=name))
 
     # -- shutdown ----------------------------------------------------------------------------------
 
     def _wait_pending(self, deadline: Optional[float]) -> None:
         delay = 0.001
         while self._pending:
-            self._check_peers()
+            self.check_peers()
             if deadline is not None and time.monotonic() > deadline:
                 raise ShutdownError(f"{len(self._pending)} RPCs still outstanding at shutdown")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _check_peers(self) -> None:
+    def check_peers(self, barrier: Optional[str] = None) -> None:
+        """Raise :class:`ShutdownError` naming any worker whose connection broke.
+
+        Also learns of workers that others lost, through the store; while waiting at
+        the store barrier ``barrier``, probes the workers that have not arrived.
+        """
+        if self.store is not None:
+            self._share_lost()
+            if barrier is not None:
+                self._probe_absent(barrier)
         lost = {r: why for r, why in self._lost.items() if r not in self._left}
         if lost:
             names = ", ".join(f"{self._workers[r].name} (rank {r})" for r in sorted(lost))
             raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: lost "
                                 f"connection to worker(s) {names}; they probably died")
+
+    def _share_lost(self) -> None:
+        now = time.monotonic()
+        if now < self._next_share:
+            return
+        self._next_share = now + 0.2
+        store = self.store
+        for r, why in list(self._lost.items()):
+            if r not in self._shared_lost and r not in self._left:
+                self._shared_lost.add(r)
+                store.set(f"lost/{r}", f"{self.name} lost it: {why}")
+                store.add("lost", 1)
+        seen = int(store.add("lost", 0))
+        if seen == self._lost_seen:
+            return
+        self._lost_seen = seen
+        for r in self._workers:
+            if r != self.rank and r not in self._lost and r not in self._left \
+                    and store.check([f"lost/{r}"]):
+                self._lost[r] = store.get(f"lost/{r}").decode(errors="replace")
+                self._shared_lost.add(r)
+
+    def _probe_absent(self, barrier: str) -> None:
+        now = time.monotonic()
+        if self._next_probe is None:
+            self._next_probe = now + 0.5  # most workers arrive quickly: don't probe them
+        if now < self._next_probe:
+            return
+        self._next_probe = now + 1.0
+        for r, w in self._workers.items():
+            if r == self.rank or r in self._left or r in self._lost:
+                continue
+            if self.store.check([f"{barrier}/{r}"]):
+                continue
+            try:
+                self._connection(w)  # once connected, EOF and heartbeats watch it
+            except RpcError as exc:
+                self._lost[r] = f"unreachable while the group shuts down: {exc}"
+                log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
+                            "cannot be reached: %s", self.name, w.name, r, exc)
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
         """Stop the agent; with ``graceful``, first meet every worker (see module docs)."""
@@ -607,11 +856,13 @@ class Agent:
                 for hook in self._shutdown_hooks:
                     hook(deadline)
                 self._wait_pending(deadline)
-                rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline, self._check_peers)
+                rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
+                                   lambda: self.check_peers("shutdown/1"), rank=self.rank)
                 for hook in self._shutdown_hooks:
                     hook(deadline)
                 self._wait_pending(deadline)
-                rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline, self._check_peers)
+                rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
+                                   lambda: self.check_peers("shutdown/2"), rank=self.rank)
                 self._state = "stopping"
                 rendezvous.barrier(self.store, "shutdown/3", self.world_size,
                                    time.monotonic() + 30.0 if self.rank == 0 else time.monotonic())
@@ -625,6 +876,7 @@ class Agent:
 
     def _stop(self) -> None:
         self._state = "stopping"
+        self.final_debug_info = self.debug_info()
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
         for conn in conns:
@@ -632,9 +884,16 @@ class Agent:
                 conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
             except RpcError:
                 pass
+        for hook in self._stop_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
+                log.exception("torchrpc: a stop hook of %s failed", self.name)
         with self._timer_cv:
             self._state = "stopped"
+            self._later.clear()
             self._timer_cv.notify()
+        self._stopped.set()
         for rid in list(self._pending):
             p = self._pending.pop(rid, None)
             if p is not None:
@@ -643,8 +902,9 @@ class Agent:
                     f"to {describe(p.what)} arrived"))
         if self._transport is not None:
             self._transport.close()
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(10)
+        for thread in (self._timer, self._heartbeat):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(10)
         stuck = self._pool.close()
         if stuck:
             log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
@@ -654,6 +914,11 @@ class Agent:
 
 def _handle_call(src: WorkerInfo, payload: Any) -> Any:
     func, args, kwargs = payload
+    return run_callable(func, args, kwargs)
+
+
+def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:
+    """Run a user function; an ``@async_execution`` one gives an :class:`AsyncResult`."""
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
         if not isinstance(fut, torch._C.Future):

@@ -10,6 +10,7 @@ reply it waits for.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from typing import Any, Callable, Optional, TypeVar
@@ -41,10 +42,19 @@ class RpcFuture(torch.futures.Future):
 
     def wait(self) -> Any:
         pool = current_pool()
-        if pool is not None and not self.done():
-            with pool.blocking():
-                return super().wait()
-        return super().wait()
+        try:
+            if pool is not None and not self.done():
+                with pool.blocking():
+                    return torch.futures.Future.wait(self)
+            return torch.futures.Future.wait(self)
+        except BaseException as exc:  # noqa: BLE001 - re-raised as a fresh copy below
+            # The C++ future is invisible to Python's cycle collector, so the stored
+            # exception must never hold frames (which hold this future): clear its
+            # traceback and raise a copy.
+            exc.__traceback__ = None
+            error = _fresh(exc)
+        del self
+        raise error
 
     def add_done_callback(self, callback: Callable[["RpcFuture"], None]) -> None:
         pool = self._pool
@@ -65,12 +75,21 @@ class RpcFuture(torch.futures.Future):
             try:
                 value = callback(fut)
             except BaseException as exc:  # noqa: BLE001 - delivered through the child future
-                child.set_exception(exc)
+                child.set_exception(exc.with_traceback(None))
             else:
                 child.set_result(value)
 
         self.add_done_callback(chain)
         return child
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` (same type, args and attributes) that can be raised freely."""
+    try:
+        clone = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that won't copy is raised as is
+        return exc
+    return clone if type(clone) is type(exc) else exc
 
 
 def _run_logged(callback: Callable[[Any], None], fut: Any) -> None:

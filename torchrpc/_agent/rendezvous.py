@@ -192,8 +192,13 @@ def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[st
 
 
 def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
-            check: Any = None) -> None:
-    """Count this worker in at ``key`` and wait for all; ``check()`` may raise to abort."""
+            check: Any = None, rank: Optional[int] = None) -> None:
+    """Count this worker in at ``key`` and wait for all; ``check()`` may raise to abort.
+
+    With ``rank``, also mark ``key/rank`` so that others can tell who is missing.
+    """
+    if rank is not None:
+        store.set(f"{key}/{rank}", "1")
     store.add(key, 1)
     delay = 0.002
     while int(store.add(key, 0)) < world_size:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
 from .. import _wire
 from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
-from . import handshake
+from . import handshake, tls
 
 log = logging.getLogger("torchrpc")
 
@@ -54,6 +55,9 @@ class Connection:
         self._closed = False
         self._close_reason: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        # When bytes last came in and last went out (monotonic); the agent's heartbeat
+        # sends on idle connections and closes silent ones.
+        self.last_recv = self.last_send = time.monotonic()
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -85,6 +89,7 @@ class Connection:
             iov = [p for parts, _ in batch for p in parts]
             try:
                 self._sendall(iov)
+                self.last_send = time.monotonic()
             except OSError as exc:
                 with self._lock:
                     self._writing = False
@@ -116,7 +121,12 @@ class Connection:
         error: Optional[BaseException] = None
         try:
             self._read_frames()
-        except (OSError, ProtocolError, ConnectionLostError) as exc:
+        except ProtocolError as exc:  # bad or truncated frame: say why before closing
+            if not self._closed:
+                log.warning("torchrpc: closing the connection with rank %s: %s",
+                            self.peer_rank, exc)
+            error = exc
+        except (OSError, ConnectionLostError) as exc:
             error = exc
         except Exception as exc:  # a bug in a callback must not kill the thread silently
             log.exception("torchrpc: reader for rank %s failed", self.peer_rank)
@@ -140,8 +150,12 @@ class Connection:
             while end - start < n:
                 k = sock.recv_into(mv[end:])
                 if k == 0:
+                    if end > start:
+                        raise ProtocolError(f"truncated frame: the peer closed the connection "
+                                            f"after {end - start} of {n} bytes")
                     raise ConnectionLostError("peer closed the connection")
                 end += k
+                self.last_recv = time.monotonic()
 
         def take_into(dst: memoryview) -> None:
             nonlocal start
@@ -154,8 +168,24 @@ class Connection:
             while got < n:
                 k = sock.recv_into(dst[got:])
                 if k == 0:
-                    raise ConnectionLostError("peer closed the connection mid-frame")
+                    raise ProtocolError(f"truncated frame: the peer closed the connection "
+                                        f"after {got} of {n} bytes of a frame part")
                 got += k
+                self.last_recv = time.monotonic()
+
+        def take_bytes(n: int) -> bytearray:
+            # Grow with what arrives, so a length claimed in a header allocates nothing
+            # until the peer actually sends the bytes.
+            out = bytearray()
+            while len(out) < n:
+                old = len(out)
+                out.extend(bytes(min(n - old, max(old, _READ_CHUNK))))
+                tail = memoryview(out)[old:]
+                try:
+                    take_into(tail)
+                finally:
+                    tail.release()
+            return out
 
         while True:
             if start == end:
@@ -178,9 +208,7 @@ class Connection:
                 envelope = bytes(mv[start:start + n])
                 start += n
             else:
-                big = bytearray(n)
-                take_into(memoryview(big))
-                envelope = big
+                envelope = take_bytes(n)
             buffers = []
             for size in lengths:
                 tensor, view = _wire.new_buffer(size)
@@ -234,8 +262,10 @@ class Transport:
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
                  on_connect: Callable[[Connection], None], on_frame: FrameCallback,
-                 on_close: CloseCallback, host: str, port: int = 0, features: int = 0) -> None:
+                 on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
+                 tls_contexts: Optional[tls.TlsContexts] = None) -> None:
         self.rank = rank
+        self._tls = tls_contexts
         self._secret = secret
         self._limits = limits
         self._on_connect = on_connect
@@ -289,6 +319,8 @@ class Transport:
     def _serve(self, sock: socket.socket, addr: Any) -> None:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
+            if self._tls is not None:
+                sock = self._secure(sock, server_side=True)
             hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size))
             challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank, self._features)
             sock.sendall(challenge)
@@ -321,6 +353,8 @@ class Transport:
                 raise ConnectionLostError("the transport is shut down")
             self._sockets.add(sock)
         try:
+            if self._tls is not None:
+                sock = self._secure(sock, server_side=False)
             hello, nonce = handshake.make_hello(self.rank, self._features)
             sock.sendall(hello)
             proof, server_rank, features = handshake.answer_challenge(
@@ -342,6 +376,16 @@ class Transport:
         self._on_connect(conn)
         self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
         return conn
+
+    def _secure(self, sock: socket.socket, server_side: bool) -> tls.TlsSocket:
+        """Run the TLS handshake on ``sock``; return the TLS socket that replaces it."""
+        ctx = self._tls.server if server_side else self._tls.client
+        wrapped = tls.TlsSocket(sock, ctx, server_side)
+        wrapped.do_handshake()
+        with self._lock:
+            self._sockets.discard(sock)
+            self._sockets.add(wrapped)
+        return wrapped
 
     def _forget(self, sock: socket.socket) -> None:
         with self._lock:

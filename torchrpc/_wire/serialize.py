@@ -38,6 +38,14 @@ _SPAN_SLACK = 2
 _ALIGN = 16
 
 
+class PassThrough(Exception):
+    """Raised by pickling code to make :func:`encode` raise ``error`` itself, unwrapped."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def current_context() -> Any:
     """Return the context object of the encode/decode running on this thread, or None."""
     return getattr(_local, "context", None)
@@ -237,6 +245,8 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
                 pickler.dump(obj)
         except SerializationError:
             raise
+        except PassThrough as wrapper:
+            raise wrapper.error.with_traceback(None) from None
         except Exception as exc:
             raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
         if not enc.conflict:
@@ -258,10 +268,11 @@ def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], con
     prev_hook = getattr(_local, "recv_hook", None)
     try:
         with _ContextScope(context):
-            unpickler = pickle.Unpickler(io.BytesIO(envelope), buffers=buffers)
-            meta = unpickler.load()
+            stream = io.BytesIO(envelope)
+            meta = pickle.Unpickler(stream).load()
             _local.recv_hook = recv_hook(meta) if recv_hook is not None else None
-            return meta, unpickler.load()
+            # A new unpickler: the payload's memo indices start at 0, like its pickler's.
+            return meta, pickle.Unpickler(stream, buffers=buffers).load()
     finally:
         _local.recv_hook = prev_hook
 

@@ -3,16 +3,16 @@
 Run as ``python -m torchrpc.bench._worker SPEC_JSON``; the launcher writes the spec. The
 worker imports its system's modules by name, joins the RPC group and plays its part:
 
-* ``pair`` sessions: rank 0 ("caller") runs one workload against rank 1 ("callee"), which
-  only serves. The caller writes its metrics before ``shutdown``, so a hang in shutdown
-  does not lose them.
+* ``pair`` sessions: rank 0 ("caller") runs the session's workloads, one after the other,
+  against rank 1 ("callee"), which only serves. The caller records each workload's metrics
+  (or error) as soon as it has them, so a later hang or crash loses nothing measured.
 * ``scale`` sessions: every rank times ``init_rpc``, an all-to-all round of calls and a
   graceful ``shutdown``, with barriers (on the launcher's TCPStore) between the phases.
 
-Each rank keeps a small JSON record (phase reached, timings, error) that it rewrites
-atomically after every step; the launcher reads it whatever happens. A faulthandler watchdog
-dumps every thread's stack and ends the process at the session's time limit, so a worker
-never outlives it even if the launcher is gone.
+Each rank keeps a JSON record (phase reached, results, error) that it rewrites atomically
+after every step; the launcher reads it whatever happens. A faulthandler watchdog dumps every
+thread's stack and ends the process at the session's time limit, so a worker never outlives
+it, even if the launcher is gone.
 """
 
 from __future__ import annotations
@@ -35,11 +35,15 @@ from .options import BenchOptions
 from .workloads import PAIR_RUNNERS, WorkerContext, peak_rss_mb
 
 TIMEOUT_MARKER = "Timeout ("
-"""How faulthandler's watchdog starts its report; the launcher looks for it in stderr."""
+"""How faulthandler's watchdog starts its report; the launcher looks for it in the log."""
 
 PHASES = ("start", "import", "ready", "init", "init-barrier", "workload", "all_to_all",
           "all_to_all-barrier", "shutdown", "done")
 """Phases a worker reports, in the order it goes through them (barriers wait for others)."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
 
 
 class Record:
@@ -62,9 +66,18 @@ class Record:
         os.replace(tmp, self.path)
 
     def fail(self, exc: BaseException) -> None:
-        """Record ``exc`` as this rank's error, in the current phase."""
-        self.data["error"] = f"{type(exc).__name__}: {exc}".strip()
-        self.data["traceback"] = traceback.format_exc()
+        """Record ``exc`` as this rank's error, in the current phase.
+
+        If the rank already has an error, or results, this failure came after them (in
+        shutdown, typically) and is kept as a warning instead of replacing them.
+        """
+        if "error" in self.data or self.data.get("results"):
+            self.data.setdefault("warnings", []).append(
+                f"{self.data['phase']} failed: {_describe(exc)}")
+        else:
+            self.data["error"] = _describe(exc)
+            self.data["error_phase"] = self.data["phase"]
+            self.data["traceback"] = traceback.format_exc()
         self.save()
 
 
@@ -95,19 +108,23 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
     record.data["init_s"] = time.perf_counter() - start
     record.data["rss_after_init_MB"] = peak_rss_mb()
     if rank == 0:
-        record.phase("workload")
         ctx = WorkerContext(rpc=rpc, autograd=mods["autograd"], optim=mods["optim"],
                             rpc_module_name=spec["system"]["rpc"], peer="callee",
                             options=opts)
-        start = time.perf_counter()
-        try:
-            metrics, details = PAIR_RUNNERS[spec["workload"]](ctx)
-        except Exception as exc:  # reported as this workload's error cell
-            record.fail(exc)
-        else:
-            record.data["metrics"] = metrics
-            record.data["details"] = details
-        record.data["workload_s"] = time.perf_counter() - start
+        results = record.data.setdefault("results", {})
+        for workload in spec["workloads"]:
+            record.data["workload"] = workload
+            record.phase("workload")
+            start = time.perf_counter()
+            try:
+                metrics, details = PAIR_RUNNERS[workload](ctx)
+            except Exception as exc:  # this workload's error cell; the next one may work
+                results[workload] = {"error": _describe(exc),
+                                     "traceback": traceback.format_exc()}
+            else:
+                results[workload] = {"metrics": metrics, "details": details}
+            results[workload]["seconds"] = time.perf_counter() - start
+        del record.data["workload"]
     record.phase("shutdown")
     start = time.perf_counter()
     rpc.shutdown()
@@ -169,11 +186,7 @@ def main(argv: list[str]) -> int:
         else:
             run_scale(spec, mods, opts, record)
     except BaseException as exc:  # anything, including SystemExit from the system
-        if record.data.get("phase") == "shutdown" and "metrics" in record.data:
-            record.data["warning"] = f"shutdown failed: {type(exc).__name__}: {exc}"
-            record.save()
-        else:
-            record.fail(exc)
+        record.fail(exc)
         traceback.print_exc()
         return 1
     return 0

@@ -12,14 +12,16 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
+
+import torch
 
 from .options import ALL_WORKLOADS, PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 from .report import build_report, render_markdown
 from .runner import run_benchmark
 from .systems import BASELINE, SYSTEMS, parse_system_definition, resolve_systems
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 _HELP = {
     "num_worker_threads": "TensorPipeRpcBackendOptions(num_worker_threads=...) for the pair "
@@ -75,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                "peak RSS), train (MLP split over two workers), scale (init, all-to-all "
                "and shutdown of 4..32 workers; only when asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
-                        help=f"comma-separated systems, first one's ratios are against "
-                             f"'{BASELINE}' when present (built in: {', '.join(SYSTEMS)}; "
-                             f"default: torch,torchrpc)")
+                        help=f"comma-separated systems to run, in order; ratios are "
+                             f"taken against '{BASELINE}' if it runs, else the first "
+                             f"(built in: {', '.join(SYSTEMS)}; default: torch,torchrpc)")
     parser.add_argument("--define-system", action="append", default=[],
                         metavar="NAME=RPC[,AUTOGRAD[,OPTIM]]",
                         help="add a system made of other modules (repeatable)")
@@ -88,8 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", action="store_true",
                         help="scale mode: run the scale workload (alone, unless "
                              "--workloads is given too)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat everything this many times, systems alternating, and "
+                             "report medians (default: 1)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes and few iterations, for a smoke run")
+                        help="tiny sizes and few iterations, for a smoke run; implies "
+                             "--sessions shared unless --sessions is given")
+    parser.add_argument("--sessions", choices=("per-workload", "shared"), default=None,
+                        help="per-workload (default): each workload in its own fresh pair "
+                             "of processes; shared: all of a system's two-worker workloads "
+                             "in one pair (faster; peak RSS then covers the workloads run "
+                             "before echo too)")
     parser.add_argument("--json", action="store_true",
                         help="print the JSON report on stdout instead of the table")
     parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
@@ -148,8 +159,6 @@ def workloads_from_args(args: argparse.Namespace) -> list[str]:
 
 def machine_info() -> dict[str, Any]:
     """Where the numbers come from: CPU, memory, OS, Python and torch versions."""
-    import torch
-
     cpu_model = platform.processor() or "?"
     memory = None
     try:
@@ -165,6 +174,7 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    cpus: int | None
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -177,7 +187,7 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -191,25 +201,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(exc))
     if not systems:
         parser.error("--systems is empty")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     log = (lambda message: None) if args.quiet else (
         lambda message: print(message, file=sys.stderr, flush=True))
 
+    sessions = args.sessions or ("shared" if args.quick else "per-workload")
+    shared = sessions == "shared"
     log(f"torchrpc.bench: systems {', '.join(s.name for s in systems)}; workloads "
         f"{', '.join(workloads)}")
     if args.keep_logs is not None:
         args.keep_logs.mkdir(parents=True, exist_ok=True)
-        result = run_benchmark(systems, workloads, options, args.keep_logs, log)
+        result = run_benchmark(systems, workloads, options, args.keep_logs, log,
+                               args.rounds, shared)
     else:
         with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
-            result = run_benchmark(systems, workloads, options, Path(tmp), log)
+            result = run_benchmark(systems, workloads, options, Path(tmp), log, args.rounds,
+                                   shared)
 
     names = [s.name for s in systems]
+    cells = result.cells()
     report = build_report(
         specs=result.specs, systems={s.name: s.modules() for s in systems},
         baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
-        cells=result.cells, details=result.details, sessions=result.sessions,
+        cells=cells, details=result.details, sessions=result.sessions,
         machine=machine_info(), options=options.to_json(),
-        command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads)
+        command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads,
+        rounds=args.rounds, warnings=result.partial_failures())
     markdown = render_markdown(report)
     document = json.dumps(report, indent=2)
     if args.json_out is not None:
@@ -217,6 +235,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown_out is not None:
         args.markdown_out.write_text(markdown, encoding="utf-8")
     print(document if args.json else markdown, end="\n" if args.json else "")
-    failed = any(cell.error is not None for cells in result.cells.values()
-                 for cell in cells.values())
+    failed = any(cell.error is not None for per_system in cells.values()
+                 for cell in per_system.values())
     return 1 if args.strict and failed else 0

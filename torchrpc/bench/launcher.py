@@ -1,7 +1,7 @@
 """Spawning worker processes for one session and collecting what they report.
 
-A session is one system running one workload in freshly started processes: two for the
-pair workloads, N for a scale step. Every worker is the leader of its own process group,
+A session is one system running one or more workloads in freshly started processes: two
+for the pair workloads, N for a scale step. Every worker is the leader of its own process group,
 runs under a hard time limit (its own faulthandler watchdog, then the launcher's kill), and
 leaves a JSON record behind. The launcher never reaps a worker before it has killed the
 worker's process group, so the group id cannot have been reused by then.
@@ -9,6 +9,7 @@ worker's process group, so the group id cannot have been reused by then.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -19,13 +20,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
+
+from torch.distributed import TCPStore
 
 from ._worker import PHASES, TIMEOUT_MARKER
 from .options import BenchOptions
 from .systems import SystemSpec
 
-__all__ = ["SessionOutcome", "run_session", "free_port", "REPO_ROOT"]
+__all__ = ["REPO_ROOT", "SessionOutcome", "free_port", "run_session"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """The directory that holds the ``torchrpc`` package; put on the workers' PYTHONPATH."""
@@ -41,17 +44,17 @@ _KILL_MARGIN_S = 5.0
 
 @dataclasses.dataclass
 class SessionOutcome:
-    """What came back from one session: each rank's record, exit status and stderr."""
+    """What came back from one session: each rank's record, exit status and log tail."""
 
     kind: str
     system: str
-    workload: str
+    workloads: list[str]
     world_size: int
     time_limit: float
-    records: list[Optional[dict[str, Any]]]
+    records: list[dict[str, Any] | None]
     returncodes: list[int]
-    stderr_tails: list[str]
-    killed: bool
+    log_tails: list[str]
+    kill_reason: str | None  # None, "deadline", "peer failed" or "caller done"
     elapsed_s: float
 
     def role(self, rank: int) -> str:
@@ -61,71 +64,122 @@ class SessionOutcome:
         return f"worker{rank}"
 
     def phase(self, rank: int) -> str:
-        """The last phase ``rank`` reported entering."""
+        """The last phase ``rank`` reported entering (with the workload, if in one)."""
         record = self.records[rank]
-        return record.get("phase", "start") if record else "start (no record)"
+        if not record:
+            return "start (no record)"
+        phase = record.get("phase", "start")
+        return f"{phase} {record['workload']}" if "workload" in record else phase
+
+    def _phase_index(self, rank: int) -> int:
+        record = self.records[rank]
+        return _phase_index(record.get("phase", "start")) if record else -1
+
+    def _killed_by_us(self, rank: int) -> bool:
+        return self.kill_reason is not None and self.returncodes[rank] == -signal.SIGKILL
 
     def timed_out(self, rank: int) -> bool:
         """Whether ``rank`` was ended by its watchdog or by the launcher's deadline."""
-        return TIMEOUT_MARKER in self.stderr_tails[rank] or (
-            self.killed and self.returncodes[rank] == -signal.SIGKILL
-            and self.phase(rank) != "done")
+        return TIMEOUT_MARKER in self.log_tails[rank] or (
+            self.kill_reason == "deadline" and self._killed_by_us(rank)
+            and self._phase_index(rank) != _phase_index("done"))
 
-    def error(self) -> Optional[str]:
-        """One line saying why the session failed, or None if every rank succeeded.
+    def died(self, rank: int) -> bool:
+        """Whether ``rank`` ended badly by itself: not by a timeout, not killed by us."""
+        return (self.returncodes[rank] != 0 and not self.timed_out(rank)
+                and not self._killed_by_us(rank))
 
-        For pair sessions success means the caller produced metrics; a failure after that
-        (in shutdown) is a warning, see :meth:`warnings`.
+    def complete(self) -> bool:
+        """Whether the session produced everything it was for.
+
+        A pair session is complete once the caller recorded an outcome for every workload,
+        even if something went wrong in shutdown afterwards (see :meth:`warnings`).
         """
-        if self.kind == "pair" and self.records[0] and "metrics" in self.records[0]:
+        if self.kind == "pair":
+            results = (self.records[0] or {}).get("results", {})
+            return all(w in results for w in self.workloads)
+        return all(r and r.get("phase") == "done" for r in self.records)
+
+    def failure(self) -> str | None:
+        """One line saying why the session failed as a whole, or None if it is complete."""
+        if self.complete():
             return None
         for rank, record in enumerate(self.records):
             if record and "error" in record:
-                return f"{self.role(rank)} failed in {record.get('phase')}: {record['error']}"
+                return (f"{self.role(rank)} failed in {record.get('error_phase')}: "
+                        f"{record['error']}")
+        # A rank that died by itself (a crash, an abort) is the cause; the others were
+        # only waiting for it when they were killed.
+        for rank in range(self.world_size):
+            if self.died(rank):
+                last = _last_line(self.log_tails[rank])
+                return (f"{self.role(rank)} died ({_describe_status(self.returncodes[rank])}) "
+                        f"in {self.phase(rank)}" + (f": {last}" if last else ""))
         stuck = [rank for rank in range(self.world_size) if self.timed_out(rank)]
         if stuck:
             # The least advanced rank is the one holding the others up.
-            rank = min(stuck, key=lambda r: _phase_index(self.phase(r)))
+            rank = min(stuck, key=self._phase_index)
             ahead = sum(1 for r in range(self.world_size)
-                        if _phase_index(self.phase(r)) > _phase_index(self.phase(rank)))
+                        if self._phase_index(r) > self._phase_index(rank))
             return (f"timeout after {self.time_limit:g} s: {self.role(rank)} stuck in "
                     f"{self.phase(rank)}" + (f" ({ahead}/{self.world_size} workers got past "
                                              f"it)" if self.kind == "scale" else ""))
-        for rank, code in enumerate(self.returncodes):
-            if code != 0:
-                last = _last_line(self.stderr_tails[rank])
-                return (f"{self.role(rank)} exited with {_describe_status(code)} in "
-                        f"{self.phase(rank)}" + (f": {last}" if last else ""))
-        if self.kind == "pair":
-            return "caller finished without metrics"
-        return None
+        return "the workers exited without reporting results"
+
+    def workload_error(self, workload: str) -> str | None:
+        """Why ``workload`` (of a pair session) has no metrics, or None if it has them."""
+        result = (self.records[0] or {}).get("results", {}).get(workload)
+        if result is not None and "metrics" in result:
+            return None
+        if result is not None and "error" in result:
+            return f"{workload} failed: {result['error']}"
+        return self.failure() or f"no result for {workload}"
+
+    def metrics(self, workload: str) -> dict[str, Any]:
+        """The caller's metrics for ``workload`` (empty if it has none)."""
+        result = (self.records[0] or {}).get("results", {}).get(workload, {})
+        return result.get("metrics", {})
+
+    def details(self, workload: str) -> dict[str, Any]:
+        """Extra information the caller reported for ``workload``."""
+        record = self.records[0] or {}
+        result = record.get("results", {}).get(workload, {})
+        details = dict(result.get("details", {}))
+        details["workload_s"] = result.get("seconds")
+        details["init_s"] = record.get("init_s")
+        details["rss_after_init_MB"] = record.get("rss_after_init_MB")
+        return details
 
     def warnings(self) -> list[str]:
-        """Problems that did not cost the session its metrics."""
+        """Problems that did not cost the session its results."""
         notes = []
         for rank, record in enumerate(self.records):
-            if record and "warning" in record:
-                notes.append(f"{self.role(rank)}: {record['warning']}")
-            elif self.returncodes[rank] != 0 or (record and record.get("phase") != "done"):
-                notes.append(f"{self.role(rank)} did not exit cleanly "
+            role = self.role(rank)
+            notes += [f"{role}: {warning}" for warning in (record or {}).get("warnings", [])]
+            if record and "error" in record:
+                notes.append(f"{role} failed in {record.get('error_phase')}: "
+                             f"{record['error']}")
+            elif self.returncodes[rank] != 0 or self._phase_index(rank) != _phase_index("done"):
+                last = _last_line(self.log_tails[rank]) if self.died(rank) else ""
+                notes.append(f"{role} did not exit cleanly "
                              f"({_describe_status(self.returncodes[rank])} in "
-                             f"{self.phase(rank)})")
+                             f"{self.phase(rank)})" + (f": {last}" if last else ""))
         return notes
 
     def is_import_failure(self) -> bool:
         """Whether the system's modules could not even be imported."""
-        return any(record and "error" in record and record.get("phase") == "import"
+        return any(record and record.get("error_phase") == "import"
                    for record in self.records)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary for the report's ``sessions`` list."""
         failing = [rank for rank, code in enumerate(self.returncodes) if code != 0]
         return {
-            "system": self.system, "workload": self.workload, "kind": self.kind,
+            "system": self.system, "workloads": self.workloads, "kind": self.kind,
             "world_size": self.world_size, "elapsed_s": round(self.elapsed_s, 3),
-            "error": self.error(), "warnings": self.warnings(),
+            "error": self.failure(), "warnings": self.warnings(),
             "returncodes": self.returncodes,
-            "stderr_tails": {self.role(r): self.stderr_tails[r][-3000:] for r in failing[:3]},
+            "log_tails": {self.role(r): self.log_tails[r][-3000:] for r in failing[:3]},
         }
 
 
@@ -169,7 +223,7 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _exit_status(proc: subprocess.Popen) -> Optional[int]:
+def _exit_status(proc: subprocess.Popen) -> int | None:
     """The exit status of ``proc`` if it has ended, without reaping it (Popen-style)."""
     if proc.returncode is not None:
         return proc.returncode
@@ -184,7 +238,7 @@ def _exit_status(proc: subprocess.Popen) -> Optional[int]:
     return -info.si_status
 
 
-def _read_json(path: Path) -> Optional[dict[str, Any]]:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
@@ -203,19 +257,18 @@ def _tail(path: Path, limit: int = 8000) -> str:
         return ""
 
 
-def run_session(system: SystemSpec, workload: str, kind: str, world_size: int,
+def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size: int,
                 options: BenchOptions, time_limit: float, workdir: Path) -> SessionOutcome:
     """Run one session to completion, failure or time limit, and collect the records."""
     store = None
-    store_addr: Optional[list[Any]] = None
+    store_addr: list[Any] | None = None
     if kind == "scale":
-        # Imported here so that pair-only runs keep the launcher free of torch.
-        from torch.distributed import TCPStore
-
+        # Barriers between the scale phases; torch's store, the same for every system.
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=time_limit))
         store_addr = ["127.0.0.1", store.port]
-    session_dir = workdir / f"{system.name}-{workload}-{world_size}w-{time.time_ns()}"
+    label = "+".join(workloads)
+    session_dir = workdir / f"{system.name}-{label}-{world_size}w-{time.time_ns()}"
     session_dir.mkdir(parents=True)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
@@ -226,7 +279,8 @@ def run_session(system: SystemSpec, workload: str, kind: str, world_size: int,
             spec = {
                 "system": {"name": system.name, "rpc": system.rpc,
                            "modules": system.modules()},
-                "kind": kind, "workload": workload, "rank": rank, "world_size": world_size,
+                "kind": kind, "workloads": workloads, "rank": rank,
+                "world_size": world_size,
                 "init_method": init_method, "options": options.to_json(),
                 "time_limit": time_limit, "store": store_addr,
                 "result_path": str(session_dir / f"rank{rank}.result.json"),
@@ -238,7 +292,7 @@ def run_session(system: SystemSpec, workload: str, kind: str, world_size: int,
                     [sys.executable, "-m", "torchrpc.bench._worker", str(spec_path)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))
-        killed = _supervise(procs, kind, session_dir, time_limit + _KILL_MARGIN_S, start)
+        kill_reason = _supervise(procs, kind, time_limit + _KILL_MARGIN_S, start)
     finally:
         for proc in procs:
             _kill_group(proc)
@@ -246,29 +300,37 @@ def run_session(system: SystemSpec, workload: str, kind: str, world_size: int,
         del store
     elapsed = time.monotonic() - start
     return SessionOutcome(
-        kind=kind, system=system.name, workload=workload, world_size=world_size,
+        kind=kind, system=system.name, workloads=workloads, world_size=world_size,
         time_limit=time_limit,
         records=[_read_json(session_dir / f"rank{r}.result.json") for r in range(world_size)],
         returncodes=returncodes,
-        stderr_tails=[_tail(session_dir / f"rank{r}.log") for r in range(world_size)],
-        killed=killed, elapsed_s=elapsed)
+        log_tails=[_tail(session_dir / f"rank{r}.log") for r in range(world_size)],
+        kill_reason=kill_reason, elapsed_s=elapsed)
 
 
-def _supervise(procs: list[subprocess.Popen], kind: str, session_dir: Path,
-               hard_limit: float, start: float) -> bool:
-    """Wait for the workers; return True if some had to be killed."""
+def _supervise(procs: list[subprocess.Popen], kind: str, hard_limit: float,
+               start: float) -> str | None:
+    """Wait for the workers to exit.
+
+    Returns None if they all did, else why the rest must be killed: ``"deadline"`` (the
+    hard limit passed), ``"peer failed"`` (one failed and the others had their grace) or
+    ``"caller done"`` (a pair session's caller exited and the callee had its grace).
+    """
     deadline = start + hard_limit
+    reason = "deadline"
     while True:
         statuses = [_exit_status(p) for p in procs]
         if all(s is not None for s in statuses):
-            return False
+            return None
         now = time.monotonic()
-        if any(s not in (None, 0) for s in statuses):
-            deadline = min(deadline, now + _FAIL_GRACE_S)
-        elif kind == "pair" and statuses[0] == 0:
-            deadline = min(deadline, now + _DONE_GRACE_S)
+        failed = any(s not in (None, 0) for s in statuses)
+        if failed and now + _FAIL_GRACE_S < deadline:
+            deadline, reason = now + _FAIL_GRACE_S, "peer failed"
+        elif not failed and kind == "pair" and statuses[0] == 0 and (
+                now + _DONE_GRACE_S < deadline):
+            deadline, reason = now + _DONE_GRACE_S, "caller done"
         if now >= deadline:
-            return True
+            return reason
         time.sleep(_POLL_S)
 
 
@@ -276,7 +338,5 @@ def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group that ``proc`` leads (it is not reaped yet)."""
     if proc.returncode is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

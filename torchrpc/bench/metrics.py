@@ -7,11 +7,10 @@ ask for (torchrpc / torch in the same run), plus the one absolute memory bound.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from .options import BenchOptions
 
-__all__ = ["MetricSpec", "Target", "metric_specs", "echo_metric", "scale_metric", "size_label"]
+__all__ = ["MetricSpec", "Target", "echo_metric", "metric_specs", "scale_metric", "size_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +26,7 @@ class Target:
     value: float
     source: str
 
-    def met(self, number: Optional[float]) -> Optional[bool]:
+    def met(self, number: float | None) -> bool | None:
         """Whether ``number`` (a ratio or a value, per ``kind``) meets the target."""
         if number is None:
             return None
@@ -48,7 +47,7 @@ class MetricSpec:
     unit: str
     better: str  # "lower" or "higher"
     workload: str
-    target: Optional[Target] = None
+    target: Target | None = None
 
 
 def size_label(size_mb: float) -> str:

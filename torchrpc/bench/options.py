@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["BenchOptions", "QUICK_OVERRIDES", "PAIR_WORKLOADS", "ALL_WORKLOADS"]
+__all__ = ["ALL_WORKLOADS", "PAIR_WORKLOADS", "QUICK_OVERRIDES", "BenchOptions"]
 
 PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "train")
 """Workloads that run on a caller (rank 0) and a callee (rank 1)."""
 
-ALL_WORKLOADS = PAIR_WORKLOADS + ("scale",)
+ALL_WORKLOADS = (*PAIR_WORKLOADS, "scale")
 """Every workload; ``scale`` spawns 4 to 32 workers and only runs when asked for."""
 
 
@@ -86,11 +86,11 @@ class BenchOptions:
                 for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "BenchOptions":
+    def from_json(cls, data: dict[str, Any]) -> BenchOptions:
         """Inverse of :meth:`to_json`."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {k: tuple(v) if isinstance(v, list) else v
-                  for k, v in data.items() if k in fields}
+        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in data.items() if k in fields}
         return cls(**kwargs)
 
 

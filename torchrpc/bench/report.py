@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 from .metrics import MetricSpec
 
@@ -15,11 +15,11 @@ __all__ = ["Cell", "build_report", "render_markdown"]
 class Cell:
     """One system's value for one metric, or the reason there is none."""
 
-    value: Optional[float] = None
-    error: Optional[str] = None
+    value: float | None = None
+    error: str | None = None
 
     @classmethod
-    def of(cls, value: Any) -> "Cell":
+    def of(cls, value: Any) -> Cell:
         """A cell for ``value``, turning non-numbers and NaN/inf into errors."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return cls(error=f"not a number: {value!r}")
@@ -28,17 +28,18 @@ class Cell:
         return cls(value=float(value))
 
 
-def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
+def _ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base == 0:
         return None
     return value / base
 
 
 def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
-                 baseline: Optional[str], cells: dict[str, dict[str, Cell]],
+                 baseline: str | None, cells: dict[str, dict[str, Cell]],
                  details: dict[str, dict[str, Any]], sessions: list[dict[str, Any]],
                  machine: dict[str, Any], options: dict[str, Any], command: str,
-                 workloads: list[str]) -> dict[str, Any]:
+                 workloads: list[str], rounds: int = 1,
+                 warnings: list[str] | None = None) -> dict[str, Any]:
     """Assemble the JSON document: every metric with every system's value or error."""
     metrics: dict[str, Any] = {}
     for spec in specs:
@@ -61,16 +62,21 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
                 entry["target_met"] = {name: spec.target.met(values[name])
                                        for name in systems if name != baseline}
         metrics[spec.name] = entry
+    notes = list(warnings or [])
+    notes += [f"{s['system']} {'+'.join(s['workloads'])}: {w}" for s in sessions
+              for w in s["warnings"] if not s["error"]]
     return {
         "benchmark": "torchrpc.bench",
         "command": command,
         "machine": machine,
         "options": options,
         "workloads": workloads,
+        "rounds": rounds,
         "systems": systems,
         "baseline": baseline,
         "metrics": metrics,
         "details": details,
+        "warnings": notes,
         "sessions": sessions,
     }
 
@@ -86,7 +92,7 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}" if magnitude >= 0.01 else f"{value:.2g}"
 
 
-def _mark(met: Optional[bool]) -> str:
+def _mark(met: bool | None) -> str:
     return "" if met is None else (" ✓" if met else " ✗")
 
 
@@ -166,10 +172,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["Errors:", ""]
         out += [f"{number}. {message}" for message, number in footnotes.items()]
         out.append("")
-    warnings = [f"{s['system']} {s['workload']}: {w}" for s in report["sessions"]
-                for w in s["warnings"] if not s["error"]]
-    if warnings:
-        out += ["Warnings:", ""] + [f"- {w}" for w in warnings] + [""]
+    if report["warnings"]:
+        out += ["Warnings:", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    rounds = report.get("rounds", 1)
     out.append("Ratios are the compared system's value over the baseline's; 'better' says "
-               "which direction wins. Echo GB/s = 2 x size / median round trip.")
+               "which direction wins. Echo GB/s = 2 x size / median round trip. Each "
+               "system runs in its own fresh worker processes"
+               + (f"; values are medians over {rounds} rounds." if rounds > 1 else "."))
     return "\n".join(out) + "\n"

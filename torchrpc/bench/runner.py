@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from .launcher import SessionOutcome, run_session
 from .metrics import SCALE_PHASES, MetricSpec, metric_specs, scale_metric
@@ -82,38 +83,37 @@ def _stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _record_pair(result: RunResult, outcome: SessionOutcome, workload: str) -> Optional[str]:
-    """Store a pair session's metrics or its error; return the error, if any."""
-    error = outcome.error()
+def _record_pair(result: RunResult, outcome: SessionOutcome) -> None:
+    """Store each workload's metrics, or its error, from a pair session."""
     system = outcome.system
-    if error is not None:
-        result.fail_workload(system, workload, error)
-        return error
-    record = outcome.records[0] or {}
-    metrics = record.get("metrics", {})
-    for spec in result.specs:
-        if spec.workload == workload:
-            result.add(system, spec.name,
-                       Cell.of(metrics[spec.name]) if spec.name in metrics
-                       else Cell(error=f"the workload did not report {spec.name}"))
-    details = dict(record.get("details", {}))
-    details.update({k: record[k] for k in ("init_s", "rss_after_init_MB", "workload_s")
-                    if k in record})
-    result.add_details(system, workload, details)
-    return None
+    for workload in outcome.workloads:
+        error = outcome.workload_error(workload)
+        if error is not None:
+            result.fail_workload(system, workload, error)
+            continue
+        metrics = outcome.metrics(workload)
+        for spec in result.specs:
+            if spec.workload == workload:
+                result.add(system, spec.name,
+                           Cell.of(metrics[spec.name]) if spec.name in metrics
+                           else Cell(error=f"the workload did not report {spec.name}"))
+        result.add_details(system, workload, outcome.details(workload))
 
 
-def _span(records: list[Optional[dict[str, Any]]], phase: str) -> Optional[float]:
+def _span(records: list[dict[str, Any] | None], phase: str) -> float | None:
     """Seconds from the first rank entering ``phase`` to the last one leaving it."""
-    spans = [r.get(phase) if r else None for r in records]
-    if any(s is None for s in spans):
-        return None
+    spans: list[tuple[float, float]] = []
+    for record in records:
+        span = record.get(phase) if record else None
+        if span is None:
+            return None
+        spans.append((span[0], span[1]))
     return max(end for _, end in spans) - min(begin for begin, _ in spans)
 
 
-def _record_scale(result: RunResult, outcome: SessionOutcome, workers: int) -> Optional[str]:
-    """Store a scale step's three timings (or errors); return the session error, if any."""
-    error = outcome.error()
+def _record_scale(result: RunResult, outcome: SessionOutcome, workers: int) -> None:
+    """Store a scale step's three timings, or why each is missing."""
+    error = outcome.failure()
     for phase, _ in SCALE_PHASES:
         span = _span(outcome.records, phase)
         result.add(outcome.system, scale_metric(workers, phase),
@@ -123,56 +123,73 @@ def _record_scale(result: RunResult, outcome: SessionOutcome, workers: int) -> O
         "elapsed_s": outcome.elapsed_s,
         "finished": sum(1 for r in outcome.records if r and r.get("phase") == "done"),
     })
-    return error
 
 
 def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: BenchOptions,
-                  workdir: Path, log: Log = _stderr_log, rounds: int = 1) -> RunResult:
-    """Run ``workloads`` on every system in turn, ``rounds`` times, and collect the cells."""
+                  workdir: Path, log: Log = _stderr_log, rounds: int = 1,
+                  shared_session: bool = False) -> RunResult:
+    """Run ``workloads`` on every system in turn, ``rounds`` times, and collect the cells.
+
+    Each pair workload gets its own fresh pair of processes, unless ``shared_session``, in
+    which case a system's pair workloads all run in one pair (faster, less isolated).
+    """
     specs = [spec for w in workloads for spec in metric_specs(w, options)]
     result = RunResult(specs, systems)
+    pair = [w for w in workloads if w != "scale"]
+    groups = ([pair] if shared_session else [[w] for w in pair]) if pair else []
+    if "scale" in workloads:
+        groups.append(["scale"])
     broken: dict[str, str] = {}
     for round_no in range(rounds):
         if rounds > 1:
             log(f"round {round_no + 1} of {rounds}")
         for system in systems:
-            for workload in workloads:
+            for group in groups:
                 if system.name in broken:
-                    result.fail_workload(system.name, workload, broken[system.name])
-                    log(f"[{system.name}] {workload}: skipped, {broken[system.name]}")
+                    for workload in group:
+                        result.fail_workload(system.name, workload, broken[system.name])
+                    log(f"[{system.name}] {'+'.join(group)}: skipped, {broken[system.name]}")
                     continue
-                error = _run_workload(result, system, workload, options, workdir, log)
+                if group == ["scale"]:
+                    error = _run_scale(result, system, options, workdir, log)
+                else:
+                    error = _run_pair(result, system, group, options, workdir, log)
                 if error is not None:
                     broken[system.name] = error
     return result
 
 
-def _run_workload(result: RunResult, system: SystemSpec, workload: str,
-                  options: BenchOptions, workdir: Path, log: Log) -> Optional[str]:
-    """Run one workload on one system; return an error if the system cannot be imported."""
-    if workload == "scale":
-        for workers in options.scale_sizes:
-            outcome = run_session(system, workload, "scale", workers, options,
-                                  options.scale_time_limit, workdir)
-            result.sessions.append(outcome.summary())
-            error = _record_scale(result, outcome, workers)
-            _log_outcome(log, system.name, f"scale {workers} workers", outcome, error)
-            if outcome.is_import_failure():
-                remaining = [n for n in options.scale_sizes if n > workers]
-                for later in remaining:
-                    for phase, _ in SCALE_PHASES:
-                        result.add(system.name, scale_metric(later, phase),
-                                   Cell(error=error or "import failed"))
-                return error
-        return None
-    outcome = run_session(system, workload, "pair", 2, options, options.time_limit, workdir)
+def _run_pair(result: RunResult, system: SystemSpec, workloads: list[str],
+              options: BenchOptions, workdir: Path, log: Log) -> str | None:
+    """Run pair workloads in one session; return an error if the system cannot be imported."""
+    outcome = run_session(system, workloads, "pair", 2, options, options.time_limit, workdir)
     result.sessions.append(outcome.summary())
-    error = _record_pair(result, outcome, workload)
-    _log_outcome(log, system.name, workload, outcome, error)
-    return error if outcome.is_import_failure() else None
+    _record_pair(result, outcome)
+    for workload in workloads:
+        _log_outcome(log, system.name, workload, outcome, outcome.workload_error(workload))
+    return outcome.failure() if outcome.is_import_failure() else None
+
+
+def _run_scale(result: RunResult, system: SystemSpec, options: BenchOptions, workdir: Path,
+               log: Log) -> str | None:
+    """Run every scale step; return an error if the system cannot be imported."""
+    for index, workers in enumerate(options.scale_sizes):
+        outcome = run_session(system, ["scale"], "scale", workers, options,
+                              options.scale_time_limit, workdir)
+        result.sessions.append(outcome.summary())
+        _record_scale(result, outcome, workers)
+        error = outcome.failure()
+        _log_outcome(log, system.name, f"scale {workers} workers", outcome, error)
+        if outcome.is_import_failure():
+            for later in options.scale_sizes[index + 1:]:
+                for phase, _ in SCALE_PHASES:
+                    result.add(system.name, scale_metric(later, phase),
+                               Cell(error=error or "import failed"))
+            return error
+    return None
 
 
 def _log_outcome(log: Log, system: str, what: str, outcome: SessionOutcome,
-                 error: Optional[str]) -> None:
+                 error: str | None) -> None:
     status = f"FAILED: {error}" if error else "ok"
     log(f"[{system}] {what}: {status} ({outcome.elapsed_s:.1f} s)")

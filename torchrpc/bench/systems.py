@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["SystemSpec", "SYSTEMS", "BASELINE", "parse_system_definition", "resolve_systems"]
+__all__ = ["BASELINE", "SYSTEMS", "SystemSpec", "parse_system_definition", "resolve_systems"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import resource
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ from torch import nn
 from .metrics import echo_metric
 from .options import BenchOptions
 
-__all__ = ["WorkerContext", "PAIR_RUNNERS", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "WorkerContext", "peak_rss_mb", "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 
@@ -112,7 +114,7 @@ def noop() -> None:
 def _mlp(dims: list[int], final_relu: bool) -> nn.Sequential:
     """Linear layers between consecutive ``dims`` with ReLU between them."""
     layers: list[nn.Module] = []
-    for i, (d_in, d_out) in enumerate(zip(dims, dims[1:])):
+    for i, (d_in, d_out) in enumerate(itertools.pairwise(dims)):
         layers.append(nn.Linear(d_in, d_out))
         if final_relu or i < len(dims) - 2:
             layers.append(nn.ReLU())
@@ -168,7 +170,8 @@ def run_throughput(ctx: WorkerContext) -> Result:
     """Issue N ``rpc_async`` calls, then ``wait_all``: best calls/s over the repeats."""
     opts = ctx.options
     func, args = _small_call(opts)
-    warm = [ctx.rpc.rpc_async(ctx.peer, func, args=args) for _ in range(min(500, opts.throughput_calls))]
+    warm = [ctx.rpc.rpc_async(ctx.peer, func, args=args)
+            for _ in range(min(500, opts.throughput_calls))]
     torch.futures.wait_all(warm)
     rates = []
     for _ in range(opts.throughput_repeats):

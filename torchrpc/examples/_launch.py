@@ -17,6 +17,7 @@ and returns a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -35,13 +36,24 @@ LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 124
 EXIT_ORPHANED = 125
 _POLL_S = 0.2
+_GRACE_S = 5.0
+
+
+def free_ports(count: int) -> list[int]:
+    """Return ``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:   # all bound at once, so the ports differ
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def base_parser(description: str, *, default_timeout: float = 300.0) -> argparse.ArgumentParser:
@@ -100,7 +112,8 @@ def _spawn_world(entry: Entry, world_size: int, args: argparse.Namespace, deadli
     for proc in procs:
         proc.start()
     try:
-        return _wait_all(procs, deadline, args.timeout)
+        # A rank that hits the limit reports its stacks itself; give it time to.
+        return _wait_all(procs, deadline + _GRACE_S, args.timeout)
     finally:
         _end_all(procs)
 
@@ -173,8 +186,9 @@ def _start_watchdog(rank: int, deadline: float, limit: float, parent_pid: int | 
         while True:
             time.sleep(_POLL_S)
             if time.monotonic() > deadline:
-                print(f"rank {rank}: wall-clock limit of {limit:.0f} s exceeded",
-                      file=sys.stderr, flush=True)
+                print(f"rank {rank}: wall-clock limit of {limit:.0f} s exceeded; "
+                      "stacks of its threads follow", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 os._exit(EXIT_TIMEOUT)
             if parent_pid is not None and os.getppid() != parent_pid:
                 os._exit(EXIT_ORPHANED)

@@ -6,19 +6,20 @@ Re-creates the "Distributed Pipeline Parallelism Using RPC" tutorial:
   half (shard) of the model, created there with ``rpc.remote``; the master keeps
   only RRefs to them.
 * every input batch is cut into micro-batches. For each one the master wraps
-  the slice in a local ``RRef``, asks ``worker1`` for the first half with
+  the slice in a local ``RRef``, asks worker1 for the first half with
   ``p1_rref.remote().forward(x_rref)`` (an RRef to a result that stays on
-  worker1) and passes that RRef on with ``p2_rref.rpc_async().forward(y_rref)``.
-  The micro-batches overlap: worker2 works on micro-batch *i* while worker1
-  already computes micro-batch *i+1*.
+  worker1) and passes that RRef on with ``p2_rref.rpc_async().forward(y_rref)``
+  (an RRef shared from one user to another; its owner is worker1). Inside each
+  shard ``to_here()`` fetches the input. The master waits for all the
+  micro-batches at the end and joins the outputs in input order.
 * each shard serialises its own computation with a ``threading.Lock``, since
   concurrent RPCs run on different server threads.
-* the second shard's ``forward`` is an ``@rpc.functions.async_execution`` method:
-  instead of blocking a server thread until worker1 has produced its input, it
-  asks worker1 for the value with ``rpc_async`` and returns a future chained with
-  ``then`` that runs the second half when the input arrives.
 * the backward pass is ``dist_autograd.backward``, the update a
   ``DistributedOptimizer`` over the parameter RRefs of both shards.
+* an inference pass shows ``@rpc.functions.async_execution``: worker1 holds an
+  RRef to the second shard; its ``infer`` method runs the first half, sends the
+  result on to worker2 with ``rpc_async`` and returns that future as its own
+  result, so its server thread is free for the next micro-batch at once.
 
 It prints the loss of each batch and a throughput table for 1, 2 and 4 splits.
 
@@ -26,9 +27,11 @@ Differences from the tutorial: a small hand-written ResNet (one bottleneck block
 per stage, 16 to 256 channels, 10 classes) on 32x32 random images, batch 32, and
 2 timed batches per split value, instead of ResNet-50 (torchvision) on 128x128
 images, batch 120, 3 batches; no GPUs. The split value here is the number of
-micro-batches (the tutorial's ``split_size`` is a micro-batch size). The first
-shard fetches its input with ``to_here()`` as in the tutorial; the second uses
-``async_execution`` as described above.
+micro-batches (the tutorial's ``split_size`` is a micro-batch size). The
+``async_execution`` inference pass is an addition. It is not used for training
+because in ``torch.distributed.rpc`` (checked with torch 2.13) the reply of an
+``async_execution`` function is not recorded by distributed autograd: the
+caller gets a tensor without a ``grad_fn`` and no gradient reaches the callee.
 """
 
 from __future__ import annotations
@@ -102,11 +105,12 @@ class Shard(nn.Module):
 
 
 class ShardOne(Shard):
-    """First half, on worker1: stem, stage 1 and stage 2."""
+    """First half, on worker1: stem, stage 1 and stage 2; holds an RRef to the second half."""
 
-    def __init__(self) -> None:
+    def __init__(self, next_rref: rpc.RRef) -> None:
         super().__init__()
         torch.manual_seed(1)
+        self.next_rref = next_rref
         self.layers = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1, bias=False),
             nn.BatchNorm2d(16),
@@ -116,8 +120,20 @@ class ShardOne(Shard):
         )
 
     def forward(self, x_rref: rpc.RRef) -> torch.Tensor:
-        """Fetch the micro-batch from its owner (the master) and run this half on it."""
+        """Training path: fetch the micro-batch from its owner (the master), run this half."""
         return self.compute(x_rref.to_here())
+
+    @rpc.functions.async_execution
+    def infer(self, x: torch.Tensor) -> torch.futures.Future:
+        """Inference path: run this half, then hand the result straight on to worker2.
+
+        The call to worker2 is asynchronous and its future is returned as this
+        call's result, so this server thread is free for the next micro-batch
+        while worker2 is still busy with this one.
+        """
+        with torch.no_grad():
+            y = self.compute(x)
+        return self.next_rref.rpc_async().infer(y)
 
 
 class ShardTwo(Shard):
@@ -134,21 +150,14 @@ class ShardTwo(Shard):
             nn.Linear(256, NUM_CLASSES),
         )
 
-    @rpc.functions.async_execution
-    def forward(self, y_rref: rpc.RRef) -> torch.futures.Future:
-        """Return at once with a future; run this half when worker1's output arrives.
+    def forward(self, y_rref: rpc.RRef) -> torch.Tensor:
+        """Training path: fetch worker1's output from worker1, run this half."""
+        return self.compute(y_rref.to_here())
 
-        ``y_rref`` is owned by worker1 and may not hold a value yet. Asking its
-        owner for the value asynchronously frees this server thread while
-        worker1 is still busy.
-        """
-        fetched = rpc.rpc_async(y_rref.owner(), _local_value, args=(y_rref,))
-        return fetched.then(lambda fut: self.compute(fut.wait()))
-
-
-def _local_value(rref: rpc.RRef) -> torch.Tensor:
-    """Runs on the RRef's owner: return the value, waiting until it is ready."""
-    return rref.local_value()
+    def infer(self, y: torch.Tensor) -> torch.Tensor:
+        """Inference path: run this half on a tensor sent by worker1."""
+        with torch.no_grad():
+            return self.compute(y)
 
 
 class PipelinedResNet(nn.Module):
@@ -157,16 +166,22 @@ class PipelinedResNet(nn.Module):
     def __init__(self, splits: int) -> None:
         super().__init__()
         self.splits = splits
-        self.p1_rref = rpc.remote(WORKERS[1], ShardOne)
         self.p2_rref = rpc.remote(WORKERS[2], ShardTwo)
+        self.p1_rref = rpc.remote(WORKERS[1], ShardOne, args=(self.p2_rref,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pipelined training forward pass, recorded by distributed autograd."""
         futures = []
         for micro in x.chunk(self.splits):
             x_rref = rpc.RRef(micro)
-            y_rref = self.p1_rref.remote().forward(x_rref)
+            y_rref = self.p1_rref.remote().forward(x_rref)      # stays on worker1
             futures.append(self.p2_rref.rpc_async().forward(y_rref))
         # Completion order is arbitrary; the outputs are joined in input order.
+        return torch.cat([fut.wait() for fut in futures])
+
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        """Pipelined inference through worker1's ``async_execution`` hand-off."""
+        futures = [self.p1_rref.rpc_async().infer(micro) for micro in x.chunk(self.splits)]
         return torch.cat([fut.wait() for fut in futures])
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
@@ -194,6 +209,15 @@ def train_batches(model: PipelinedResNet, opt: DistributedOptimizer,
     return time.perf_counter() - started
 
 
+def infer_batches(model: PipelinedResNet, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Run the inference pass on every batch; return the seconds taken."""
+    started = time.perf_counter()
+    for inputs, _ in batches:
+        if model.infer(inputs).shape != (len(inputs), NUM_CLASSES):
+            raise RuntimeError("pipelined inference returned the wrong shape")
+    return time.perf_counter() - started
+
+
 def run_master(args: argparse.Namespace) -> None:
     """Build the pipeline once per split value, train, and print the throughput table."""
     gen = torch.Generator().manual_seed(0)
@@ -211,11 +235,13 @@ def run_master(args: argparse.Namespace) -> None:
         opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
         train_batches(model, opt, batches[:1], f"splits={splits} warm-up")
         seconds = train_batches(model, opt, batches, f"splits={splits}")
+        infer_seconds = infer_batches(model, batches)
         rows.append((splits, -(-args.batch_size // splits), seconds / len(batches),
-                     args.batch_size * len(batches) / seconds))
-    print("\nsplits  micro-batch  seconds/batch  images/s")
-    for splits, micro, per_batch, rate in rows:
-        print(f"{splits:>6}  {micro:>11}  {per_batch:>13.3f}  {rate:>8.1f}")
+                     args.batch_size * len(batches) / seconds,
+                     args.batch_size * len(batches) / infer_seconds))
+    print("\nsplits  micro-batch  train s/batch  train images/s  inference images/s")
+    for splits, micro, per_batch, rate, infer_rate in rows:
+        print(f"{splits:>6}  {micro:>11}  {per_batch:>13.3f}  {rate:>14.1f}  {infer_rate:>18.1f}")
     print(flush=True)
 
 

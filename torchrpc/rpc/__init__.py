@@ -6,13 +6,15 @@ Port by changing the import: ``import torchrpc.rpc as rpc``.
 from .._agent import WorkerInfo
 from . import backend_registry, constants, functions
 from .api import (_set_rpc_timeout, get_debug_info, get_rpc_timeout, get_worker_info,
-                  get_worker_infos, init_rpc, is_available, rpc_async, rpc_sync, shutdown)
+                  get_worker_infos, init_rpc, is_available, remote, rpc_async, rpc_sync,
+                  shutdown)
+from .._rref import RRef
 from .backend_registry import BackendType, register_backend
 from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = [
-    "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo",
+    "BackendType", "RRef", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo",
     "backend_registry", "constants", "functions", "get_debug_info", "get_rpc_timeout",
     "get_worker_info", "get_worker_infos", "init_rpc", "is_available", "register_backend",
-    "rpc_async", "rpc_sync", "shutdown",
+    "remote", "rpc_async", "rpc_sync", "shutdown",
 ]

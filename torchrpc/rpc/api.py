@@ -14,9 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from .._agent import Agent, RpcFuture, WorkerInfo
+from .._agent.current import current_agent, handle as _state
+from .. import _dist_autograd, _rref
+from .._rref import RRef
 from .._agent.rendezvous import open_store, validate_name
-from ..errors import NotInitializedError
-from . import backend_registry, constants
+from . import backend_registry, constants, functions
 from .backend_registry import BackendType
 
 log = logging.getLogger("torchrpc")
@@ -24,37 +26,7 @@ log = logging.getLogger("torchrpc")
 WorkerLike = Union[str, int, WorkerInfo]
 
 # Upper layers (RRefs, distributed autograd) install themselves on each new agent.
-_agent_installers: List[Callable[[Agent], None]] = []
-
-
-class _State:
-    """The current agent handle, guarded by a lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.agent: Optional[Agent] = None
-        self.was_shut_down = False
-
-
-_state = _State()
-
-
-def register_agent_installer(installer: Callable[[Agent], None]) -> None:
-    """Upper layers call this at import to plug into every agent :func:`init_rpc` builds."""
-    if installer not in _agent_installers:
-        _agent_installers.append(installer)
-
-
-def current_agent() -> Agent:
-    """The running agent, or a RuntimeError that says RPC is not initialized."""
-    agent = _state.agent
-    if agent is None:
-        if _state.was_shut_down:
-            raise NotInitializedError("RPC has been shut down on this worker; call "
-                                      "torchrpc.rpc.init_rpc() again to use it")
-        raise NotInitializedError("RPC has not been initialized; call "
-                                  "torchrpc.rpc.init_rpc() first")
-    return agent
+_agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install]
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -140,6 +112,7 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
         finally:
             _state.agent = None
             _state.was_shut_down = True
+            _state.last_debug_info = getattr(agent, "final_debug_info", {})
 
 
 def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
@@ -217,7 +190,7 @@ def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any
         A :class:`torch.futures.Future` of the return value of ``func``.
     """
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    return agent.call(dst, func, args, kwargs, timeout)
+    return agent.call(dst, func, args, kwargs, timeout, retry=functions.retry_policy(func))
 
 
 def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -232,6 +205,30 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     return rpc_async(to, func, args, kwargs, timeout).wait()
 
 
+def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
+           kwargs: Optional[Dict[str, Any]] = None,
+           timeout: float = constants.UNSET_RPC_TIMEOUT) -> RRef:
+    r"""Run ``func`` on worker ``to`` and return an :class:`RRef` to its result at once.
+
+    The callee owns the result; this worker holds a user RRef. The owner keeps the
+    value alive while any reference to it exists anywhere.
+
+    Args:
+        to (str or WorkerInfo or int): name/rank/``WorkerInfo`` of the destination worker.
+        func (Callable): a callable (Python function, builtin operator, TorchScript).
+        args (tuple): the argument tuple for the ``func`` invocation.
+        kwargs (dict): keyword arguments for the ``func`` invocation.
+        timeout (float, optional): seconds for the owner to create the value; if it fails
+            or times out, the next use of the RRef (``to_here()``, a fork) raises that
+            error. 0 means no limit; by default the agent's ``rpc_timeout``.
+
+    Returns:
+        A user :class:`RRef` to the result value.
+    """
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    return _rref.remote(agent, dst, func, args, kwargs, timeout)
+
+
 def is_available() -> bool:
     """torchrpc is always available."""
     return True
@@ -239,5 +236,5 @@ def is_available() -> bool:
 
 __all__ = [
     "RpcFuture", "get_debug_info", "get_rpc_timeout", "get_worker_info", "get_worker_infos",
-    "init_rpc", "is_available", "rpc_async", "rpc_sync", "shutdown",
+    "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown", "RRef",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -44,6 +45,27 @@ def normalize_device_map(to: str, device_map: Dict[DeviceLike, DeviceLike]
         seen[d] = s
         out[s] = d
     return out
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_heartbeat(interval: float, timeout: float) -> None:
+    if interval > 0 and 0 < timeout <= interval:
+        raise ValueError(f"heartbeat_timeout ({timeout:g} s) must be longer than "
+                         f"heartbeat_interval ({interval:g} s), or 0 to never time out; "
+                         f"a few intervals is usual")
+
+
+def _path_or_none(name: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{name} must be a file path (str) or None, got {value!r}")
+    return os.fspath(value)
 
 
 class RpcBackendOptions:
@@ -101,6 +123,18 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         max_message_size (int): frames larger than this are refused (default 2 GiB).
         enable_shm (bool): same-host shared memory for large buffers (default True).
         shm_threshold (int): buffers at least this large go through shared memory.
+        heartbeat_interval (float): an idle connection carries a heartbeat this often, in
+            seconds (default 0.5; 0 sends none).
+        heartbeat_timeout (float): a connection that brings nothing in for this long is
+            closed as dead, failing the calls pending on that worker (default 1.5 s; 0 never
+            closes one). Must exceed ``heartbeat_interval``.
+        tls_certfile (str, optional): PEM certificate of this worker; setting it turns TLS on
+            for every link. Every worker of the job needs one.
+        tls_keyfile (str, optional): PEM private key, when not inside ``tls_certfile``.
+        tls_cafile (str, optional): PEM CA certificates that peers' certificates must chain
+            to; default: the system's trust store.
+        tls_require_client_cert (bool): mutual TLS: a connecting peer must present a
+            certificate that chains to ``tls_cafile`` too (default True).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -112,7 +146,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  listen_addr: Optional[str] = None,
                  max_message_size: int = constants.DEFAULT_MAX_MESSAGE_SIZE,
                  enable_shm: bool = True,
-                 shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD) -> None:
+                 shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD,
+                 heartbeat_interval: float = constants.DEFAULT_HEARTBEAT_INTERVAL,
+                 heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
+                 tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
+                 tls_cafile: Optional[str] = None,
+                 tls_require_client_cert: bool = True) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -127,6 +166,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.max_message_size = max_message_size
         self.enable_shm = enable_shm
         self.shm_threshold = shm_threshold
+        self._heartbeat_interval = _seconds("heartbeat_interval", heartbeat_interval)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.tls_certfile = tls_certfile
+        self.tls_keyfile = tls_keyfile
+        self.tls_cafile = tls_cafile
+        self.tls_require_client_cert = tls_require_client_cert
 
     @property
     def num_worker_threads(self) -> int:
@@ -149,6 +194,66 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
             raise ValueError(f"max_message_size must be an int >= 1024 bytes, got {value!r}")
         self._max_message_size = value
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats on an idle connection (0: none)."""
+        return self._heartbeat_interval
+
+    @heartbeat_interval.setter
+    def heartbeat_interval(self, value: float) -> None:
+        value = _seconds("heartbeat_interval", value)
+        _check_heartbeat(value, self._heartbeat_timeout)
+        self._heartbeat_interval = value
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Seconds of silence after which a connection is closed as dead (0: never)."""
+        return self._heartbeat_timeout
+
+    @heartbeat_timeout.setter
+    def heartbeat_timeout(self, value: float) -> None:
+        value = _seconds("heartbeat_timeout", value)
+        _check_heartbeat(self._heartbeat_interval, value)
+        self._heartbeat_timeout = value
+
+    @property
+    def tls_certfile(self) -> Optional[str]:
+        """PEM certificate of this worker; TLS is on when it is set."""
+        return self._tls_certfile
+
+    @tls_certfile.setter
+    def tls_certfile(self, value: Optional[str]) -> None:
+        self._tls_certfile = _path_or_none("tls_certfile", value)
+
+    @property
+    def tls_keyfile(self) -> Optional[str]:
+        """PEM private key of this worker, when not inside ``tls_certfile``."""
+        return self._tls_keyfile
+
+    @tls_keyfile.setter
+    def tls_keyfile(self, value: Optional[str]) -> None:
+        self._tls_keyfile = _path_or_none("tls_keyfile", value)
+
+    @property
+    def tls_cafile(self) -> Optional[str]:
+        """PEM CA certificates that peers' certificates must chain to."""
+        return self._tls_cafile
+
+    @tls_cafile.setter
+    def tls_cafile(self, value: Optional[str]) -> None:
+        self._tls_cafile = _path_or_none("tls_cafile", value)
+
+    @property
+    def tls_require_client_cert(self) -> bool:
+        """Whether a connecting peer must present a certificate too (mutual TLS)."""
+        return self._tls_require_client_cert
+
+    @tls_require_client_cert.setter
+    def tls_require_client_cert(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"tls_require_client_cert must be a bool, got {value!r}")
+        self._tls_require_client_cert = value
 
     @property
     def device_maps(self) -> Dict[str, Dict[torch.device, torch.device]]:

@@ -1,0 +1,138 @@
+"""Functions the distributed autograd and optimizer tests run remotely (and locally).
+
+Each forward function takes worker names to call next; given ``None`` instead of a
+name, it calls the function directly, so the same code is the local reference.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+import torchrpc.autograd as dist_autograd
+import torchrpc.rpc as rpc
+
+
+def call(to: Optional[str], fn: Any, *args: Any) -> Any:
+    """``rpc_sync(to, fn, args)``, or ``fn(*args)`` when ``to`` is None."""
+    return fn(*args) if to is None else rpc.rpc_sync(to, fn, args=args)
+
+
+def chain(x: torch.Tensor, hops: List[Optional[str]]) -> torch.Tensor:
+    """A few ops, then the rest of the chain on the next hop."""
+    h = x.sin() * 2 + x * x
+    if not hops:
+        return h
+    return call(hops[0], chain, h, hops[1:]) * 3
+
+
+def square_plus(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return y * y + x
+
+
+def loop(x: torch.Tensor, back: Optional[str]) -> torch.Tensor:
+    """Call back to ``back`` (the caller) with a computed tensor and the received one."""
+    y = x * 2
+    z = call(back, square_plus, y, x)
+    return z * x
+
+
+def scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return t * factor
+
+
+def mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return a * b + c
+
+
+def pair(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Several tensors in and out, one of them passed through unchanged."""
+    return a * b, b, {"sum": a + b}
+
+
+def in_place_relu(x: torch.Tensor) -> torch.Tensor:
+    return x.relu_() * 2
+
+
+def sum_of(x: torch.Tensor) -> torch.Tensor:
+    return (x * x).sum()
+
+
+class Explode(torch.autograd.Function):
+    """Identity forward; its backward raises."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise ValueError("explode-in-backward")
+
+
+def explode(x: torch.Tensor) -> torch.Tensor:
+    return Explode.apply(x) * 2
+
+
+@rpc.functions.async_execution
+def async_chain(to: str, x: torch.Tensor, z: torch.Tensor) -> torch.futures.Future:
+    return rpc.rpc_async(to, torch.mul, args=(x, x)).then(lambda fut: fut.wait() + z * x)
+
+
+# -- state kept on a worker ------------------------------------------------------------------------
+
+PARAMS: Dict[str, torch.Tensor] = {}
+_lock = threading.Lock()
+
+
+def make_weight(seed: int, rows: int, cols: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g, dtype=torch.float64)
+
+
+def init_param(name: str, seed: int, rows: int, cols: int) -> None:
+    with _lock:
+        PARAMS[name] = torch.nn.Parameter(make_weight(seed, rows, cols))
+
+
+def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ PARAMS[name])
+
+
+def param_grad(context_id: int, name: str) -> Optional[torch.Tensor]:
+    return dist_autograd.get_gradients(context_id).get(PARAMS[name])
+
+
+def param_dot_grad(name: str) -> Optional[torch.Tensor]:
+    return PARAMS[name].grad
+
+
+def param_value(name: str) -> torch.Tensor:
+    return PARAMS[name].detach().clone()
+
+
+def new_context_ids(n: int) -> List[int]:
+    ids = []
+    for _ in range(n):
+        with dist_autograd.context() as cid:
+            ids.append(cid)
+    return ids
+
+
+def nested_context() -> str:
+    """Run inside a context joined from the caller: a new one here must be refused."""
+    try:
+        with dist_autograd.context():
+            return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def num_contexts() -> int:
+    return rpc.get_debug_info()["num_autograd_contexts"]
+
+
+def rref_value_sum(rref: Any) -> torch.Tensor:
+    return rref.local_value().sum()

@@ -1,0 +1,104 @@
+"""The side-by-side benchmark, ``python -m torchrpc.bench``, run end to end.
+
+These run the real program as a subprocess, as a user would, with ``--quick`` sizes. They
+check the shape of the report, not the speed: every metric must have a number for torch and
+for torchrpc, and a system that cannot even be imported must become an error row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed
+
+from torchrpc.bench.metrics import metric_specs
+from torchrpc.bench.options import PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="this torch build has no torch.distributed, so no "
+                                       "torch.distributed.rpc to compare against")
+
+
+def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run ``python -m torchrpc.bench ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "torchrpc.bench", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def quick_metric_names() -> list[str]:
+    """Every metric a ``--quick`` run of the default workloads reports."""
+    options = BenchOptions(**QUICK_OVERRIDES)
+    return [spec.name for w in PAIR_WORKLOADS for spec in metric_specs(w, options)]
+
+
+@pytest.fixture(scope="module")
+def quick_report() -> dict[str, Any]:
+    """The JSON report of one quick run on torch and torchrpc."""
+    proc = run_bench("--quick", "--systems", "torch,torchrpc", "--json")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+def test_quick_run_reports_every_metric(quick_report: dict[str, Any]) -> None:
+    assert list(quick_report["systems"]) == ["torch", "torchrpc"]
+    assert quick_report["baseline"] == "torch"
+    assert sorted(quick_report["metrics"]) == sorted(quick_metric_names())
+    for name, entry in quick_report["metrics"].items():
+        assert entry["better"] in ("lower", "higher"), name
+        assert entry["unit"], name
+
+
+@pytest.mark.parametrize("system", ["torch", "torchrpc"])
+def test_quick_run_has_numbers_for(quick_report: dict[str, Any], system: str) -> None:
+    missing = {name: entry["errors"].get(system, "no value")
+               for name, entry in quick_report["metrics"].items()
+               if not isinstance(entry["values"][system], (int, float))}
+    assert not missing, f"{system} has no value for: {json.dumps(missing, indent=2)}"
+    for name, entry in quick_report["metrics"].items():
+        value = entry["values"][system]
+        assert math.isfinite(value) and value > 0, (name, value)
+
+
+def test_quick_run_ratios_are_torchrpc_over_torch(quick_report: dict[str, Any]) -> None:
+    for name, entry in quick_report["metrics"].items():
+        torch_value = entry["values"]["torch"]
+        ours = entry["values"]["torchrpc"]
+        assert torch_value is not None, (name, entry["errors"])
+        assert ours is not None, (name, entry["errors"])
+        assert entry["ratios"]["torchrpc"] == pytest.approx(ours / torch_value), name
+
+
+def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
+    table = tmp_path / "table.md"
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,ghost",
+                     "--define-system", "ghost=torchrpc_bench_no_such_package.rpc",
+                     "--json", "--markdown-out", str(table), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for name in ("rpc_sync_p50_us", "rpc_sync_p99_us"):
+        entry = report["metrics"][name]
+        assert entry["values"]["torch"] > 0
+        assert entry["values"]["ghost"] is None
+        assert entry["ratios"]["ghost"] is None
+        assert "ModuleNotFoundError" in entry["errors"]["ghost"]
+        assert "import" in entry["errors"]["ghost"]
+    markdown = table.read_text(encoding="utf-8")
+    assert "| ghost / torch |" in markdown
+    assert "torchrpc_bench_no_such_package" in markdown
+
+
+def test_bad_arguments_are_refused() -> None:
+    proc = run_bench("--systems", "torch,nonesuch", timeout=60)
+    assert proc.returncode == 2
+    assert "nonesuch" in proc.stderr
+    proc = run_bench("--echo-sizes-mb", "1,-4", timeout=60)
+    assert proc.returncode == 2
+    assert "--echo-sizes-mb" in proc.stderr

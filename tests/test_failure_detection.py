@@ -1,0 +1,109 @@
+"""A worker that dies: pending and new calls fail fast naming it, the rest go on, and
+graceful shutdown reports it instead of hanging."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import List
+
+import pytest
+
+import torchrpc.rpc as rpc
+from torchrpc.errors import ConnectionLostError, ShutdownError
+from torchrpc.rpc import api
+
+from . import helpers
+from .group import Group
+
+
+def _fail_times(futs: List, start: float) -> List[float]:
+    times = []
+    for f in futs:
+        with pytest.raises(ConnectionLostError) as info:
+            f.wait()
+        times.append(time.monotonic() - start)
+        assert "worker2" in str(info.value)
+        assert info.value.worker == "worker2"
+    return times
+
+
+def _shutdown_reports(name: str, limit: float) -> None:
+    start = time.monotonic()
+    with pytest.raises(ShutdownError, match=name):
+        rpc.shutdown(graceful=True)
+    assert time.monotonic() - start < limit
+
+
+def _cleanup(group: Group) -> dict:
+    try:
+        api.current_agent()
+    except RuntimeError:
+        pass
+    else:
+        rpc.shutdown(graceful=False)
+    return group.wait(30)
+
+
+def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
+    group = Group(3, threads=4, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
+        assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+        futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0,)) for _ in range(6)]
+        time.sleep(0.3)  # the calls are running on worker2
+        start = time.monotonic()
+        group.procs[2].send_signal(signal.SIGKILL)
+        times = _fail_times(futs, start)
+        assert max(times) < 2.0, times
+        # New calls fail the same way, at once.
+        start = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="worker2") as info:
+            rpc.rpc_sync("worker2", helpers.whoami)
+        assert info.value.worker == "worker2" and time.monotonic() - start < 2.0
+        # The others keep working with each other, both ways.
+        assert rpc.rpc_sync("worker1", helpers.nested_call, args=("worker0", 2)) == \
+            "worker1>worker0>worker1"
+        # worker1 never talked to worker2; it learns of the loss at shutdown too.
+        _shutdown_reports("worker2", 10.0)
+    finally:
+        codes = _cleanup(group)
+    assert codes[1] == 1, codes  # worker1's shutdown raised too, it did not hang
+
+
+def test_shutdown_finds_a_worker_that_died_unseen():
+    # Nobody ever connects to worker2 before it dies.
+    group = Group(3, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+        group.kill(2)
+        _shutdown_reports("worker2", 10.0)
+    finally:
+        codes = _cleanup(group)
+    assert codes[1] == 1, codes
+
+
+def test_heartbeat_detects_a_silent_worker():
+    # SIGSTOP: the socket stays open and nothing comes, as when a host dies or the network
+    # is cut. Only heartbeats can tell; rank 0 runs with the default options.
+    group = Group(3, threads=4, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
+        time.sleep(1.0)  # worker2 has sent a heartbeat on the idle connection
+        futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0, 1)) for _ in range(4)]
+        time.sleep(0.2)
+        start = time.monotonic()
+        group.procs[2].send_signal(signal.SIGSTOP)
+        times = _fail_times(futs, start)
+        assert max(times) < 2.0, times
+        assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+        group.kill(2)
+        _shutdown_reports("worker2", 10.0)
+    finally:
+        if group.procs[2].poll() is None:
+            group.kill(2)
+        codes = _cleanup(group)
+    assert codes[1] == 1, codes

@@ -1,0 +1,34 @@
+"""The one piece of process state: the handle of the current agent."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Optional
+
+from ..errors import NotInitializedError
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.agent: Optional["Agent"] = None
+        self.was_shut_down = False
+        self.last_debug_info: dict = {}
+
+
+handle = _Handle()
+
+
+def current_agent() -> "Agent":
+    """The running agent, or a RuntimeError that says RPC is not initialized."""
+    agent = handle.agent
+    if agent is None:
+        if handle.was_shut_down:
+            raise NotInitializedError("RPC has been shut down on this worker; call "
+                                      "torchrpc.rpc.init_rpc() again to use it")
+        raise NotInitializedError("RPC has not been initialized; call "
+                                  "torchrpc.rpc.init_rpc() first")
+    return agent

@@ -1,0 +1,11 @@
+"""Distributed autograd: contexts, send/recv records and FAST-mode backward over the agent.
+
+See :mod:`torchrpc._dist_autograd.engine` for the theory of operation.
+"""
+
+from .api import backward, backward_rref, context, get_gradients, is_available
+from .context import DistAutogradContext, RecvRpc
+from .engine import EXTENSION_KEY, DistAutogradEngine, engine_of, install
+
+__all__ = ["DistAutogradContext", "DistAutogradEngine", "EXTENSION_KEY", "RecvRpc", "backward",
+           "backward_rref", "context", "engine_of", "get_gradients", "install", "is_available"]

@@ -1,0 +1,214 @@
+"""RRef bookkeeping of one worker: owner entries, forks and confirmations (sans I/O).
+
+Theory of operation (PyTorch's Remote Reference Protocol). Every RRef has a
+global ``RRefId``; every user copy of it has its own ``ForkId``. The owner keeps
+one entry per RRefId with the value and the set of forks it knows to be alive;
+the entry is dropped when that set is empty and the value exists (the owner's own
+Python references keep the entry object alive on their own).
+
+* G1 -- the owner hears of every deleted user RRef: a user sends USER_DELETE
+  when its copy is garbage collected, but only once the owner has confirmed it.
+* G2 -- a parent is not deleted before its child is confirmed: forking a user
+  RRef parks the parent in ``pending_children`` under the child's ForkId until a
+  CHILD_ACCEPT for it arrives.
+
+User copy states::
+
+    unconfirmed --(owner confirms)--> confirmed --(GC)--> deleted (USER_DELETE sent)
+    unconfirmed --(GC)--> doomed --(owner confirms)--> deleted (USER_DELETE sent)
+
+Every method returns the control messages to send as :class:`Msg` values and
+never does I/O, so the protocol is tested on messages alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from .._wire import Kind
+
+GloballyUniqueId = Tuple[int, int]  # (creator rank, local counter)
+_TOMBSTONES = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Msg:
+    """A control message to send: ``kind`` with ``payload`` to rank ``dst``."""
+
+    dst: int
+    kind: Kind
+    payload: Tuple[Any, ...]
+
+
+class OwnerEntry:
+    """The owner's record of one RRef: the value (a future of it) and the live forks."""
+
+    __slots__ = ("rref_id", "future", "forks", "__weakref__")
+
+    def __init__(self, rref_id: GloballyUniqueId) -> None:
+        self.rref_id = rref_id
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.forks: Set[GloballyUniqueId] = set()
+
+    def set_value(self, value: Any) -> None:
+        if not self.future.done():
+            self.future.set_result(value)
+
+    def set_error(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclasses.dataclass
+class _UserState:
+    rref_id: GloballyUniqueId
+    owner: int
+    parent: Optional[int]  # rank to send CHILD_ACCEPT to on confirmation
+    confirmed: bool
+    doomed: bool = False
+
+
+class RRefBook:
+    """The RRef tables of one worker. Thread-safe; every method returns messages to send."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+        self.owners: Dict[GloballyUniqueId, OwnerEntry] = {}
+        self.pending_children: Dict[GloballyUniqueId, Any] = {}
+        self.users: Dict[GloballyUniqueId, _UserState] = {}
+        self._tombstones: "collections.OrderedDict[Tuple[GloballyUniqueId, GloballyUniqueId], None]" = \
+            collections.OrderedDict()
+
+    def new_id(self) -> GloballyUniqueId:
+        return (self.rank, next(self._counter))
+
+    # -- owner side ------------------------------------------------------------------------------
+
+    def owner_entry(self, rref_id: GloballyUniqueId) -> OwnerEntry:
+        """The entry of ``rref_id``, created (value pending) if this is the first we hear of it."""
+        with self._lock:
+            entry = self.owners.get(rref_id)
+            if entry is None:
+                entry = self.owners[rref_id] = OwnerEntry(rref_id)
+            return entry
+
+    def adopt(self, entry: OwnerEntry) -> None:
+        """Put an entry held by local code back in the table (it is being forked)."""
+        with self._lock:
+            self.owners.setdefault(entry.rref_id, entry)
+
+    def add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            if (rref_id, fork_id) in self._tombstones:
+                return  # deleted before its creation arrived (out-of-order delivery)
+            entry = self.owners.get(rref_id)
+            if entry is None:
+                entry = self.owners[rref_id] = OwnerEntry(rref_id)
+            entry.forks.add(fork_id)
+
+    def remove_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        """A fork is gone (USER_DELETE, or an owner's self-fork arrived)."""
+        with self._lock:
+            entry = self.owners.get(rref_id)
+            if entry is None or fork_id not in entry.forks:
+                self._tombstones[(rref_id, fork_id)] = None
+                while len(self._tombstones) > _TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+                return
+            entry.forks.discard(fork_id)
+            self._drop_if_unused(entry)
+
+    def value_settled(self, rref_id: GloballyUniqueId) -> None:
+        """The value of an entry was set: drop it if no fork holds it."""
+        with self._lock:
+            entry = self.owners.get(rref_id)
+            if entry is not None:
+                self._drop_if_unused(entry)
+
+    def _drop_if_unused(self, entry: OwnerEntry) -> None:
+        if not entry.forks and entry.future.done():
+            self.owners.pop(entry.rref_id, None)
+
+    # -- user side -------------------------------------------------------------------------------
+
+    def fork_child(self, parent: Any) -> GloballyUniqueId:
+        """A user RRef is being sent: park the parent until the child is confirmed (G2)."""
+        fork_id = self.new_id()
+        with self._lock:
+            self.pending_children[fork_id] = parent
+        return fork_id
+
+    def child_accepted(self, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            self.pending_children.pop(fork_id, None)
+
+    def user_created(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
+                     confirmed: bool, parent: Optional[int]) -> List[Msg]:
+        """A user copy now exists here. An unconfirmed one asks the owner to confirm it."""
+        with self._lock:
+            self.users[fork_id] = _UserState(rref_id, owner, parent, confirmed)
+        if confirmed or parent is None:
+            return []
+        return [Msg(owner, Kind.RREF_FORK_REQUEST, (rref_id, fork_id))]
+
+    def user_confirmed(self, fork_id: GloballyUniqueId) -> List[Msg]:
+        """The owner knows this copy: accept it to its parent; delete it if GC came first."""
+        with self._lock:
+            state = self.users.get(fork_id)
+            if state is None or state.confirmed:
+                return []
+            state.confirmed = True
+            msgs = []
+            if state.parent is not None:
+                msgs.append(Msg(state.parent, Kind.RREF_CHILD_ACCEPT, (fork_id,)))
+            if state.doomed:
+                del self.users[fork_id]
+                msgs.append(Msg(state.owner, Kind.RREF_USER_DELETE, (state.rref_id, fork_id)))
+            return msgs
+
+    def user_deleted(self, fork_id: GloballyUniqueId) -> List[Msg]:
+        """A user copy was garbage collected (G1): tell the owner once it is confirmed."""
+        with self._lock:
+            state = self.users.get(fork_id)
+            if state is None:
+                return []
+            if not state.confirmed:
+                state.doomed = True
+                return []
+            del self.users[fork_id]
+            return [Msg(state.owner, Kind.RREF_USER_DELETE, (state.rref_id, fork_id))]
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def counts(self) -> Dict[str, int]:
+        with self._lock:
+            return {
+                "num_owner_rrefs": len(self.owners),
+                "num_forks": sum(len(e.forks) for e in self.owners.values()),
+                "num_pending_users": sum(1 for s in self.users.values() if not s.confirmed),
+                "num_pending_children": len(self.pending_children),
+                "num_user_rrefs": len(self.users),
+            }
+
+    def settled(self) -> bool:
+        """No control message of ours is still owed or awaited."""
+        with self._lock:
+            return not self.pending_children and all(s.confirmed for s in self.users.values())
+
+    def live_user_forks(self) -> List[GloballyUniqueId]:
+        with self._lock:
+            return list(self.users)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.owners.clear()
+            self.pending_children.clear()
+            self.users.clear()

@@ -1,0 +1,532 @@
+"""The RRef class and the layer that runs the RRef protocol on an agent.
+
+:class:`RRef` objects are either owner RRefs (the value lives here) or user
+RRefs (a reference to a value on another worker). Pickling one is a *fork*: it
+is only allowed while an RPC message is being built, because the destination
+decides what the fork means (see :mod:`torchrpc._rref.book`). The
+:class:`RRefLayer` registers the protocol's message handlers with the agent and
+sends the control messages the book asks for from one sender thread; user RRefs
+that are garbage collected only enqueue their deletion (safe from ``__del__``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
+
+import torch
+
+from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, describe, run_callable
+from .._agent.current import current_agent
+from .._wire import Kind, PassThrough, current_context
+from ..errors import RpcError
+from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
+
+log = logging.getLogger("torchrpc")
+T = TypeVar("T")
+_UNSET = -1.0
+
+
+def _layer_of(agent: Agent) -> "RRefLayer":
+    layer = agent.extensions.get("rref")
+    if layer is None:
+        raise RuntimeError("the RRef layer is not installed on this agent")
+    return layer
+
+
+def _timeout(layer: "RRefLayer", timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if timeout == _UNSET:
+        return layer.agent.default_timeout
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (0: no timeout), got {timeout}")
+    return float(timeout)
+
+
+class RRef(Generic[T]):
+    r"""A reference to a value of type ``T`` that lives on a (possibly remote) owner.
+
+    ``RRef(value)`` makes an owner RRef here; :func:`~torchrpc.rpc.remote` returns a
+    user RRef owned by the callee. RRefs can be passed as arguments and return values
+    of any RPC; the owner keeps the value alive while any reference exists anywhere.
+
+    Args:
+        value (object): the value to wrap.
+        type_hint (Type, optional): accepted for compatibility; not needed.
+    """
+
+    __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
+                 "_deleted", "_creation", "__weakref__")
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        layer = _layer_of(current_agent())
+        entry = OwnerEntry(layer.book.new_id())
+        entry.set_value(value)
+        self._init(layer, entry.rref_id, None, layer.agent.worker_info, entry)
+
+    def _init(self, layer: "RRefLayer", rref_id: GloballyUniqueId,
+              fork_id: Optional[GloballyUniqueId], owner: WorkerInfo,
+              entry: Optional[OwnerEntry], confirmed: bool = True) -> None:
+        self._layer = layer
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._owner = owner
+        self._entry = entry
+        self._error: Optional[BaseException] = None
+        self._confirmed = confirmed
+        self._deleted = False
+        self._creation: Optional[torch.futures.Future] = None
+
+    @classmethod
+    def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
+              fork_id: Optional[GloballyUniqueId], owner: WorkerInfo,
+              entry: Optional[OwnerEntry], confirmed: bool = True) -> "RRef":
+        self = cls.__new__(cls)
+        self._init(layer, rref_id, fork_id, owner, entry, confirmed)
+        return self
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def is_owner(self) -> bool:
+        r"""Whether the current node is the owner of this ``RRef``."""
+        return self._entry is not None
+
+    def owner(self) -> WorkerInfo:
+        r"""The :class:`WorkerInfo` of the owner of this ``RRef``."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        r"""The worker name of the owner of this ``RRef``."""
+        return self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        r"""Whether the owner has confirmed this ``RRef`` (always True on the owner)."""
+        return self._entry is not None or self._confirmed
+
+    def _check_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def local_value(self) -> T:
+        r"""The local value, if this is an owner ``RRef``; raises on a user ``RRef``."""
+        if self._entry is None:
+            raise RuntimeError(
+                f"RRef.local_value() can only be called on the owner {self._owner!r}, but "
+                f"this is a user RRef on {self._layer.agent.worker_info!r}; use to_here()")
+        return self._entry.future.wait()
+
+    def to_here(self, timeout: float = _UNSET) -> T:
+        r"""Blocking call that copies the value of the RRef from the owner to here.
+
+        Args:
+            timeout (float, optional): seconds to wait; 0 means no limit; by default
+                the agent's ``rpc_timeout``.
+        """
+        self._check_error()
+        if self._entry is not None:
+            return self._entry.future.wait()
+        layer = self._layer
+        t = _timeout(layer, timeout)
+        fetch = layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id,), t,
+                                    what=f"RRef.to_here() of {self!r}")
+        try:
+            value = fetch.wait()
+        except BaseException:  # noqa: BLE001 - a recorded creation failure explains it better
+            self._raise_creation_error()
+            raise
+        self._raise_creation_error()
+        return value
+
+    def _raise_creation_error(self) -> None:
+        self._check_error()
+        creation = self._creation
+        if creation is not None and creation.done():
+            try:
+                creation.wait()
+            except BaseException as exc:  # noqa: BLE001
+                self._error = exc
+                raise
+
+    def _get_future(self) -> torch.futures.Future:
+        """A future of the value, fetched asynchronously from the owner."""
+        self._check_error()
+        if self._entry is not None:
+            return self._entry.future
+        return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id,),
+                                         self._layer.agent.default_timeout,
+                                         what=f"RRef fetch of {self!r}")
+
+    # -- proxies ---------------------------------------------------------------------------------
+
+    def rpc_sync(self, timeout: float = _UNSET) -> Any:
+        r"""A proxy: ``rref.rpc_sync().f(*args)`` runs ``rref.local_value().f(*args)`` on the
+        owner with :func:`~torchrpc.rpc.rpc_sync` and returns the result."""
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = _UNSET) -> Any:
+        r"""A proxy: ``rref.rpc_async().f(*args)`` returns a future of the owner's result."""
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = _UNSET) -> Any:
+        r"""A proxy: ``rref.remote().f(*args)`` returns an RRef to the owner's result."""
+        return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        r"""Runs the backward pass using the RRef as the root of the backward pass.
+
+        If ``dist_autograd_ctx_id`` is given, a distributed backward pass runs in that
+        context from the owner; otherwise a local autograd backward runs on the owner.
+        The value must be a scalar tensor.
+
+        Args:
+            dist_autograd_ctx_id (int, optional): the distributed autograd context id.
+            retain_graph (bool, optional): keep the graph for another backward.
+        """
+        self._check_error()
+        if self._entry is not None:
+            _backward_local(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            self._layer.agent.call(self._owner, _backward_local, (self, dist_autograd_ctx_id,
+                                                                  retain_graph), {},
+                                   self._layer.agent.default_timeout).wait()
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        ctx = current_context()
+        if not isinstance(ctx, MessageContext):
+            raise RuntimeError("an RRef can only be pickled as an argument or return value of "
+                               "an RPC (rpc_sync, rpc_async, remote); pickling it elsewhere is "
+                               "not supported")
+        if self._error is not None:
+            raise PassThrough(self._error)  # a fork raises the creation error itself
+        return ctx.agent.extensions["rref"].fork(self, ctx.peer)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fork_id", None) is not None and not self._deleted:
+            self._deleted = True
+            try:
+                self._layer.enqueue(("del", self._fork_id))
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def __repr__(self) -> str:
+        if self._entry is not None:
+            return f"OwnerRRef(RRefId = {self._rref_id})"
+        return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+
+
+def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
+                  by_owner: bool) -> RRef:
+    ctx = current_context()
+    if not isinstance(ctx, MessageContext):
+        raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
+    return ctx.agent.extensions["rref"].adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer)
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and friends: attribute access makes a method call on the owner."""
+
+    __slots__ = ("_rref", "_mode", "_timeout")
+
+    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        rref, mode = self._rref, self._mode
+        layer = rref._layer
+        timeout = _timeout(layer, self._timeout)
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            payload = (rref, name, args, kwargs)
+            if mode == "remote":
+                return layer.remote(rref._owner, _invoke_method, payload, {}, timeout)
+            fut = layer.agent.call(rref._owner, _invoke_method, payload, {}, timeout)
+            return fut.wait() if mode == "sync" else fut
+        method.__name__ = name
+        return method
+
+
+def _invoke_method(rref: RRef, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                   ) -> torch.futures.Future:
+    """Run on the owner: call a method of the value; async_execution methods stay async."""
+    bound = getattr(rref.local_value(), name)
+    result = bound(*args, **kwargs)
+    if getattr(bound, "_wrapped_async_rpc_function", None) is not None:
+        return result
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return fut
+
+
+_invoke_method._wrapped_async_rpc_function = _invoke_method  # type: ignore[attr-defined]
+
+
+def _backward_local(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"RRef.backward() needs a tensor value, got {type(value).__name__}")
+    if ctx_id == -1:
+        value.backward(retain_graph=retain_graph)
+        return
+    engine = rref._layer.agent.extensions.get("autograd")
+    if engine is None:
+        raise RuntimeError("distributed autograd is not available on this worker")
+    engine.backward(ctx_id, [value], retain_graph)
+
+
+class RRefLayer:
+    """Runs the RRef protocol on one agent: handlers, control messages, shutdown settling."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.book = RRefBook(agent.rank)
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._users: "weakref.WeakValueDictionary[GloballyUniqueId, RRef]" = weakref.WeakValueDictionary()
+        self._phase = 0
+        self._sender = threading.Thread(target=self._send_loop, name=f"torchrpc-rref-{agent.name}",
+                                        daemon=True)
+        agent.extensions["rref"] = self
+        agent.register_handler(Kind.RREF_REMOTE_CALL, self._on_remote_call)
+        agent.register_handler(Kind.RREF_FETCH, self._on_fetch)
+        agent.register_handler(Kind.RREF_USER_DELETE, self._on_user_delete)
+        agent.register_handler(Kind.RREF_FORK_REQUEST, self._on_fork_request)
+        agent.register_handler(Kind.RREF_CHILD_ACCEPT, self._on_child_accept)
+        agent.add_debug_source(self.book.counts)
+        agent.add_shutdown_hook(self._settle)
+        agent.add_stop_hook(self._stop)
+        self._sender.start()
+
+    # -- creating and forking ------------------------------------------------------------------
+
+    def remote(self, dst: WorkerInfo, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               timeout: float) -> RRef:
+        """Start ``func`` on ``dst`` and return an RRef to its result at once."""
+        agent = self.agent
+        rref_id = self.book.new_id()
+        if dst.id == agent.rank:
+            entry = self.book.owner_entry(rref_id)
+            agent.pool.submit(self._run_into, entry, func, args, kwargs)
+            return RRef._make(self, rref_id, None, dst, entry)
+        fork_id = self.book.new_id()
+        rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
+        self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
+        self._users[fork_id] = rref
+        fut = agent.request(dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id),
+                            timeout, what=func)
+        ref = weakref.ref(rref)
+        rref._creation = fut
+        fut.add_done_callback(lambda f: self._created(ref, fork_id, f))
+        return rref
+
+    def _created(self, ref: "weakref.ref[RRef]", fork_id: GloballyUniqueId,
+                 fut: torch.futures.Future) -> None:
+        rref = ref()
+        try:
+            fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
+            if rref is not None:
+                rref._error = exc
+        if rref is not None:
+            rref._confirmed = True
+            rref._creation = None
+        self.post(self.book.user_confirmed(fork_id))
+
+    def fork(self, rref: RRef, dst: WorkerInfo) -> Tuple[Any, ...]:
+        """Pickle ``rref`` for ``dst``: register the fork as the protocol requires."""
+        if rref._entry is not None:  # owner -> anyone: the owner counts the fork itself
+            fork_id = self.book.new_id()
+            self.book.adopt(rref._entry)
+            self.book.add_fork(rref._rref_id, fork_id)
+            return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, True)
+        fork_id = self.book.fork_child(rref)  # G2: keep the parent until the child is accepted
+        return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, False)
+
+    def adopt_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
+                   by_owner: bool, sender: WorkerInfo) -> RRef:
+        """Unpickle a fork that ``sender`` sent here."""
+        agent = self.agent
+        if owner == agent.rank:
+            entry = self.book.owner_entry(rref_id)
+            if by_owner:
+                self.book.remove_fork(rref_id, fork_id)  # our own fork came back to us
+            else:
+                self.post([Msg(sender.id, Kind.RREF_CHILD_ACCEPT, (fork_id,))])
+            return RRef._make(self, rref_id, None, agent.worker_info, entry)
+        owner_info = agent.resolve(owner)
+        rref = RRef._make(self, rref_id, fork_id, owner_info, None, confirmed=by_owner)
+        self._users[fork_id] = rref
+        msgs = self.book.user_created(rref_id, fork_id, owner, confirmed=by_owner,
+                                      parent=None if by_owner else sender.id)
+        self.post(msgs)
+        return rref
+
+    def _run_into(self, entry: OwnerEntry, func: Any, args: Tuple[Any, ...],
+                  kwargs: Dict[str, Any]) -> Optional[AsyncResult]:
+        """Run ``func`` and store its value (or error) in ``entry``."""
+        def settle(value: Any = None, error: Optional[BaseException] = None) -> None:
+            if error is not None:
+                entry.set_error(error)
+            else:
+                entry.set_value(value)
+            self.book.value_settled(entry.rref_id)
+
+        try:
+            result = run_callable(func, args, kwargs)
+        except BaseException as exc:  # noqa: BLE001 - stored on the entry
+            settle(error=exc)
+            raise
+        if not isinstance(result, AsyncResult):
+            settle(result)
+            return None
+        done: torch.futures.Future = torch.futures.Future()
+
+        def finish(f: torch.futures.Future) -> None:
+            try:
+                value = f.wait()
+            except BaseException as exc:  # noqa: BLE001
+                settle(error=exc)
+                done.set_exception(exc)
+            else:
+                settle(value)
+                done.set_result(None)
+        result.future.add_done_callback(finish)
+        return AsyncResult(done)
+
+    # -- handlers (owner side unless noted) ----------------------------------------------------
+
+    def _on_remote_call(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
+        func, args, kwargs, rref_id, fork_id = payload
+        self.book.add_fork(rref_id, fork_id)
+        entry = self.book.owner_entry(rref_id)
+        return self._run_into(entry, func, args, kwargs)
+
+    def _on_fetch(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> AsyncResult:
+        (rref_id,) = payload
+        return AsyncResult(self.book.owner_entry(rref_id).future)
+
+    def _on_user_delete(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
+        rref_id, fork_id = payload
+        self.book.remove_fork(rref_id, fork_id)
+
+    def _on_fork_request(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
+        rref_id, fork_id = payload
+        self.book.add_fork(rref_id, fork_id)
+
+    def _on_child_accept(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
+        (fork_id,) = payload
+        self.book.child_accepted(fork_id)
+
+    # -- control messages ----------------------------------------------------------------------
+
+    def enqueue(self, item: Any) -> None:
+        """Safe from ``__del__`` and weakref callbacks (SimpleQueue.put is reentrant)."""
+        self._queue.put(item)
+
+    def post(self, msgs: List[Msg]) -> None:
+        if msgs:
+            self._queue.put(("msgs", msgs))
+
+    def _send_loop(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            what, arg = item
+            if what == "del":
+                msgs = self.book.user_deleted(arg)
+            elif what == "flush":
+                arg.set()
+                continue
+            else:
+                msgs = arg
+            for msg in msgs:
+                self._send(msg)
+
+    def _send(self, msg: Msg) -> None:
+        agent = self.agent
+        try:
+            dst = agent.resolve(msg.dst)
+            fut = agent.request(dst, msg.kind, msg.payload, agent.default_timeout,
+                                what=f"RRef control message {msg.kind.name}")
+        except Exception as exc:  # noqa: BLE001 - control messages are best effort past here
+            log.debug("torchrpc: %s to rank %d failed: %s", msg.kind.name, msg.dst, exc)
+            return
+        if msg.kind == Kind.RREF_FORK_REQUEST:
+            fork_id = msg.payload[1]
+            fut.add_done_callback(lambda f: self._fork_confirmed(fork_id, f))
+
+    def _fork_confirmed(self, fork_id: GloballyUniqueId, fut: torch.futures.Future) -> None:
+        try:
+            fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - the owner is unreachable
+            rref = self._users.get(fork_id)
+            if rref is not None:
+                rref._error = exc
+            log.warning("torchrpc: owner did not confirm RRef fork %s: %s", fork_id, exc)
+        rref = self._users.get(fork_id)
+        if rref is not None:
+            rref._confirmed = True
+        self.post(self.book.user_confirmed(fork_id))
+
+    def _flush(self, deadline: Optional[float]) -> None:
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        while not done.wait(0.05):
+            self._check_deadline(deadline, "RRef control messages to be sent")
+
+    def _check_deadline(self, deadline: Optional[float], what: str) -> None:
+        self.agent.check_peers()
+        if deadline is not None and time.monotonic() > deadline:
+            raise RpcError(f"shutdown timed out waiting for {what}: {self.book.counts()}")
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def _settle(self, deadline: Optional[float]) -> None:
+        """Graceful shutdown: phase 1 settles forks in flight; phase 2 (after every worker
+        stopped calling) deletes all user RRefs left here."""
+        self._phase += 1
+        gc.collect()
+        if self._phase >= 2:
+            for fork_id in self.book.live_user_forks():
+                rref = self._users.get(fork_id)
+                if rref is not None:
+                    rref._deleted = True
+                self.enqueue(("del", fork_id))
+        self._flush(deadline)
+        delay = 0.001
+        while not self.book.settled():
+            self._check_deadline(deadline, "RRef forks to be confirmed")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        self._flush(deadline)
+
+    def _stop(self) -> None:
+        self._queue.put(None)
+        if self._sender is not threading.current_thread():
+            self._sender.join(10)
+        for rref in list(self._users.values()):
+            rref._deleted = True
+        self.book.clear()
+
+
+def install(agent: Agent) -> None:
+    """Put the RRef protocol on ``agent`` (called by ``init_rpc`` for every new agent)."""
+    RRefLayer(agent)
+
+
+def remote(agent: Agent, dst: WorkerInfo, func: Any, args: Tuple[Any, ...],
+           kwargs: Dict[str, Any], timeout: float) -> RRef:
+    return _layer_of(agent).remote(dst, func, args, kwargs, timeout)
+
+
+__all__ = ["RRef", "RRefLayer", "install", "remote", "describe"]

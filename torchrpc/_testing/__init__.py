@@ -1,0 +1,1 @@
+"""Test infrastructure shipped with torchrpc: a fault-injecting backend."""

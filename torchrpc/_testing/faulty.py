@@ -1,0 +1,171 @@
+"""A fault-injecting backend for tests, registered as ``BackendType.FAULTY_TENSORPIPE``.
+
+Like torch's faulty agent, it fails or delays the sends of chosen message kinds:
+``messages_to_fail`` names kinds whose first ``num_fail_sends`` sends (each kind
+counted apart) fail as if the connection had broken, before any byte leaves;
+``messages_to_delay`` maps kinds to seconds by which every send of that kind is
+held back (without blocking the sender). Kinds are named as in
+:class:`torchrpc._wire.Kind` (``CALL``, ``RESPONSE``, ``RREF_USER_DELETE``, ...) or
+by torch's message type names (``PYTHON_CALL``, ``SCRIPT_REMOTE_CALL``,
+``CLEANUP_AUTOGRAD_CONTEXT_REQ``, ...). Every request and reply goes through the
+fault plan; heartbeats and GOODBYE do not. It talks to normal workers, so one
+faulty worker in a group is enough.
+
+Import this module on every process that uses the backend::
+
+    import torchrpc._testing.faulty as faulty
+    rpc.init_rpc("w0", backend=rpc.BackendType.FAULTY_TENSORPIPE, rank=0, world_size=2,
+                 rpc_backend_options=faulty.FaultyTensorPipeRpcBackendOptions(
+                     messages_to_fail=["CALL"], num_fail_sends=2))
+
+Tests may change the plan of a running agent with :meth:`FaultyAgent.inject`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Iterable, Optional
+
+from .._agent import Agent, WorkerInfo
+from .._wire import Kind
+from ..errors import ConnectionLostError, RpcError
+from ..rpc import backend_registry, constants
+from ..rpc.options import TensorPipeRpcBackendOptions
+
+BACKEND_NAME = "FAULTY_TENSORPIPE"
+
+# torch's message type names -> torchrpc's kinds, so ported tests keep their plans.
+TORCH_NAMES = {
+    "PYTHON_CALL": Kind.CALL, "SCRIPT_CALL": Kind.CALL,
+    "PYTHON_RET": Kind.RESPONSE, "SCRIPT_RET": Kind.RESPONSE, "EXCEPTION": Kind.ERROR,
+    "PYTHON_REMOTE_CALL": Kind.RREF_REMOTE_CALL, "SCRIPT_REMOTE_CALL": Kind.RREF_REMOTE_CALL,
+    "PYTHON_RREF_FETCH_CALL": Kind.RREF_FETCH, "SCRIPT_RREF_FETCH_CALL": Kind.RREF_FETCH,
+    "CLEANUP_AUTOGRAD_CONTEXT_REQ": Kind.AUTOGRAD_RELEASE,
+    "BACKWARD_AUTOGRAD_REQ": Kind.AUTOGRAD_BACKWARD,
+}
+
+
+def kind_of(name: Any) -> Kind:
+    """The kind a message name stands for; ValueError listing the valid names."""
+    if isinstance(name, Kind):
+        return name
+    if isinstance(name, str):
+        if name in Kind.__members__:
+            return Kind[name]
+        if name in TORCH_NAMES:
+            return TORCH_NAMES[name]
+    raise ValueError(f"unknown message kind {name!r}; use one of {sorted(Kind.__members__)} "
+                     f"or torch's names {sorted(TORCH_NAMES)}")
+
+
+class FaultPlan:
+    """Which sends fail and which are delayed; counts what it did. Thread-safe."""
+
+    def __init__(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
+                 delay: Optional[Dict[Any, float]] = None) -> None:
+        if isinstance(num_fail_sends, bool) or not isinstance(num_fail_sends, int) \
+                or num_fail_sends < 0:
+            raise ValueError(f"num_fail_sends must be an int >= 0, got {num_fail_sends!r}")
+        self._lock = threading.Lock()
+        self._to_fail = {int(kind_of(k)): num_fail_sends for k in fail}
+        self._delay: Dict[int, float] = {}
+        for k, seconds in (delay or {}).items():
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+                raise ValueError(f"delay of {k!r} must be seconds >= 0, got {seconds!r}")
+            self._delay[int(kind_of(k))] = float(seconds)
+        self.failed: Dict[str, int] = {}
+        self.delayed: Dict[str, int] = {}
+
+    def should_fail(self, kind: int) -> bool:
+        with self._lock:
+            left = self._to_fail.get(kind, 0)
+            if left <= 0:
+                return False
+            self._to_fail[kind] = left - 1
+            name = Kind(kind).name
+            self.failed[name] = self.failed.get(name, 0) + 1
+            return True
+
+    def delay_for(self, kind: int) -> float:
+        seconds = self._delay.get(kind, 0.0)
+        if seconds > 0:
+            with self._lock:
+                name = Kind(kind).name
+                self.delayed[name] = self.delayed.get(name, 0) + 1
+        return seconds
+
+
+class FaultyTensorPipeRpcBackendOptions(TensorPipeRpcBackendOptions):
+    """Options of the faulty backend: those of the default backend, plus the fault plan.
+
+    Args:
+        messages_to_fail (List[str]): kinds whose first ``num_fail_sends`` sends fail.
+        messages_to_delay (Dict[str, float]): kinds to delay, with the delay in seconds.
+        num_fail_sends (int): how many sends of each kind in ``messages_to_fail`` fail.
+        **kwargs: as for :class:`~torchrpc.rpc.TensorPipeRpcBackendOptions`.
+    """
+
+    def __init__(self, *, messages_to_fail: Iterable[str] = (),
+                 messages_to_delay: Optional[Dict[str, float]] = None,
+                 num_fail_sends: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        FaultPlan(messages_to_fail, num_fail_sends, messages_to_delay)  # validate now
+        self.messages_to_fail = list(messages_to_fail)
+        self.messages_to_delay = dict(messages_to_delay or {})
+        self.num_fail_sends = num_fail_sends
+
+
+class FaultyAgent(Agent):
+    """An agent whose sends go through a :class:`FaultPlan` first."""
+
+    def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
+        super().__init__(store, name, rank, world_size, options)
+        self.faults = FaultPlan(getattr(options, "messages_to_fail", ()),
+                                getattr(options, "num_fail_sends", 0),
+                                getattr(options, "messages_to_delay", None))
+
+    def inject(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
+               delay: Optional[Dict[Any, float]] = None) -> FaultPlan:
+        """Replace the fault plan (counters restart); return the new plan."""
+        self.faults = FaultPlan(fail, num_fail_sends, delay)
+        return self.faults
+
+    def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
+              keep: Any) -> None:
+        plan = self.faults
+        if plan.should_fail(kind):
+            raise ConnectionLostError(
+                f"injected fault: a send of {Kind(kind).name} to worker {dst.name} failed "
+                f"({BACKEND_NAME} messages_to_fail)", worker=dst.name)
+        seconds = plan.delay_for(kind)
+        if seconds > 0:
+            self.call_later(seconds, self._send_late, dst, kind, flags, rid, env, bufs, keep)
+            return
+        super()._send(dst, kind, flags, rid, env, bufs, keep)
+
+    def _send_late(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
+                   bufs: Any, keep: Any) -> None:
+        try:
+            Agent._send(self, dst, kind, flags, rid, env, bufs, keep)
+        except RpcError as exc:
+            self.send_failed(kind, rid, dst, exc)
+
+
+def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
+                       init_method: str = constants.DEFAULT_INIT_METHOD,
+                       **kwargs: Any) -> FaultyTensorPipeRpcBackendOptions:
+    return FaultyTensorPipeRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method,
+                                             **kwargs)
+
+
+def _init_backend(store: Any, name: str, rank: int, world_size: int, options: Any) -> Agent:
+    if not isinstance(options, TensorPipeRpcBackendOptions):
+        raise TypeError(f"the {BACKEND_NAME} backend takes FaultyTensorPipeRpcBackendOptions, "
+                        f"got {type(options).__name__}")
+    agent = FaultyAgent(store, name, rank, world_size, options)
+    timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+    return agent.start(max(timeout, 60.0))
+
+
+if not backend_registry.backend_registered(BACKEND_NAME):
+    backend_registry.register_backend(BACKEND_NAME, _construct_options, _init_backend)

@@ -13,6 +13,7 @@ import torch
 
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
+from torchrpc.optim import DistributedOptimizer
 
 
 def call(to: Optional[str], fn: Any, *args: Any) -> Any:
@@ -136,3 +137,33 @@ def num_contexts() -> int:
 
 def rref_value_sum(rref: Any) -> torch.Tensor:
     return rref.local_value().sum()
+
+
+# -- DistributedOptimizer --------------------------------------------------------------------------
+
+def new_param(seed: int, rows: int, cols: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(make_weight(seed, rows, cols))
+
+
+def rref_linear(rref: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ rref.local_value())
+
+
+def rref_scaled_sum(rref: Any, x: torch.Tensor) -> torch.Tensor:
+    return (rref.local_value() * x).sum()
+
+
+def shared_param(name: str) -> torch.Tensor:
+    return PARAMS[name]
+
+
+def train_shared(name: str, owner: str, xs: List[torch.Tensor], lr: float) -> int:
+    """A trainer: SGD steps on the shared parameter ``name`` of ``owner``, loss linear in it."""
+    rref = rpc.remote(owner, shared_param, args=(name,))
+    opt = DistributedOptimizer(torch.optim.SGD, [rref], lr=lr)
+    for x in xs:
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync(owner, rref_scaled_sum, args=(rref, x))
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+    return len(xs)

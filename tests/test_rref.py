@@ -207,3 +207,32 @@ def test_debug_info_and_bad_input():
         rpc.remote("ghost", helpers.echo, args=(1,))
     with pytest.raises(TypeError, match="callable"):
         rpc.remote("worker1", 3)
+
+
+def test_remote_module():
+    from torchrpc.nn import RemoteModule
+    torch.manual_seed(0)
+    rm = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
+    x = torch.randn(3, 4)
+    params = rm.remote_parameters()
+    assert len(params) == 2 and all(p.owner_name() == "worker1" for p in params)
+    weight, bias = (p.to_here() for p in params)
+    expected = x @ weight.t() + bias
+    assert torch.allclose(rm(x), expected)
+    assert torch.allclose(rm.forward_async(x).wait(), expected)
+    assert rm.get_module_rref().owner_name() == "worker1"
+    assert len(rm.remote_parameters(recurse=False)) == 2
+    rm2 = RemoteModule("worker2", torch.nn.ReLU)
+    assert torch.equal(rm2(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+    rm.eval()
+    rm.train()
+    for method in ("parameters", "state_dict", "to", "cuda", "zero_grad"):
+        with pytest.raises(ValueError, match=method):
+            getattr(rm, method)()
+    for bad in ("worker1/cpu/0", "/cpu", "worker1/notadevice", ""):
+        with pytest.raises(ValueError, match="worker"):
+            RemoteModule(bad, torch.nn.ReLU)
+    with pytest.raises(TypeError):
+        RemoteModule("worker1", torch.nn.Linear, args=("x",))
+    del rm, rm2, params, weight, bias
+    wait_clean()

@@ -223,6 +223,7 @@ class Agent:
         self._stopped = threading.Event()
         self._beating: set[Connection] = set()  # connections that have sent a heartbeat
         self._last_liveness = 0.0
+        self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
         self._lost_seen = 0
         self._next_share = 0.0
@@ -790,20 +791,29 @@ class Agent:
             delay = min(delay * 2, 0.05)
 
     def check_peers(self, barrier: Optional[str] = None) -> None:
-        """Raise :class:`ShutdownError` naming any worker whose connection broke.
+        """Raise :class:`ShutdownError` naming any worker that is gone.
 
-        Also learns of workers that others lost, through the store; while waiting at
-        the store barrier ``barrier``, probes the workers that have not arrived.
+        A worker is gone when its connection broke without a GOODBYE (seen here, or by
+        another worker and told through the store) and connecting to it again fails.
+        While waiting at the store barrier ``barrier``, the workers that have not
+        arrived are probed as well.
         """
         if self.store is not None:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
-        lost = {r: why for r, why in self._lost.items() if r not in self._left}
-        if lost:
-            names = ", ".join(f"{self._workers[r].name} (rank {r})" for r in sorted(lost))
-            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: lost "
-                                f"connection to worker(s) {names}; they probably died")
+        for r in [r for r in self._lost if r not in self._left and r not in self._gone]:
+            try:
+                self._connection(self._workers[r])  # a broken link to a live worker heals
+            except RpcError as exc:
+                self._gone[r] = str(exc)
+        gone = {r: why for r, why in self._gone.items() if r not in self._left}
+        if gone:
+            names = ", ".join(f"{self._workers[r].name} (rank {r})" for r in sorted(gone))
+            reasons = "; ".join(f"{self._workers[r].name}: {gone[r]}" for r in sorted(gone))
+            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
+                                f"{names} left the group without shutting down; they probably "
+                                f"died ({reasons})")
 
     def _share_lost(self) -> None:
         now = time.monotonic()
@@ -811,7 +821,7 @@ class Agent:
             return
         self._next_share = now + 0.2
         store = self.store
-        for r, why in list(self._lost.items()):
+        for r, why in list(self._gone.items()):
             if r not in self._shared_lost and r not in self._left:
                 self._shared_lost.add(r)
                 store.set(f"lost/{r}", f"{self.name} lost it: {why}")
@@ -841,7 +851,7 @@ class Agent:
             try:
                 self._connection(w)  # once connected, EOF and heartbeats watch it
             except RpcError as exc:
-                self._lost[r] = f"unreachable while the group shuts down: {exc}"
+                self._lost[r] = self._gone[r] = f"unreachable while the group shuts down: {exc}"
                 log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 

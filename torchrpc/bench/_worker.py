@@ -17,6 +17,7 @@ it, even if the launcher is gone.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import importlib
@@ -40,6 +41,8 @@ TIMEOUT_MARKER = "Timeout ("
 PHASES = ("start", "import", "ready", "init", "init-barrier", "workload", "all_to_all",
           "all_to_all-barrier", "shutdown", "done")
 """Phases a worker reports, in the order it goes through them (barriers wait for others)."""
+
+_EXIT_BARRIER_S = 15.0
 
 
 def _describe(exc: BaseException) -> str:
@@ -95,10 +98,29 @@ def _backend_options(rpc: ModuleType, spec: dict[str, Any], threads: int,
                                            init_method=spec["init_method"])
 
 
+def _connect(spec: dict[str, Any]) -> Any:
+    """A client of the launcher's store, used for barriers."""
+    host, port = spec["store"]
+    return TCPStore(host, port, is_master=False,
+                    timeout=datetime.timedelta(seconds=spec["time_limit"]))
+
+
+def _exit_barrier(store: Any, world_size: int) -> None:
+    """Wait (briefly) until every rank is through ``shutdown`` before exiting.
+
+    Rank 0 hosts the RPC rendezvous store, which torch's agent still uses during shutdown;
+    if rank 0 exited first, the others' shutdown would fail for a reason that has nothing
+    to do with the system under test. A missing peer only shortens the wait.
+    """
+    with contextlib.suppress(Exception):  # a dead or hung peer is the launcher's to report
+        _barrier(store, "exit", world_size, _EXIT_BARRIER_S)
+
+
 def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,
              record: Record) -> None:
     """Caller or callee of a two-worker session."""
     rpc = mods["rpc"]
+    store = _connect(spec)
     rank = spec["rank"]
     record.phase("init")
     start = time.perf_counter()
@@ -130,6 +152,7 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
     rpc.shutdown()
     record.data["shutdown_s"] = time.perf_counter() - start
     record.phase("done")
+    _exit_barrier(store, 2)
 
 
 def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,
@@ -138,8 +161,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
     rpc = mods["rpc"]
     rank, world_size = spec["rank"], spec["world_size"]
     limit = spec["time_limit"]
-    host, port = spec["store"]
-    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=limit))
+    store = _connect(spec)
     record.phase("ready")
     _barrier(store, "ready", world_size, limit)
 
@@ -167,6 +189,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
     rpc.shutdown()
     record.data["shutdown"] = [start, time.time()]
     record.phase("done")
+    _exit_barrier(store, world_size)
 
 
 def main(argv: list[str]) -> int:

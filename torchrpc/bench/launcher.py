@@ -260,13 +260,11 @@ def _tail(path: Path, limit: int = 8000) -> str:
 def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size: int,
                 options: BenchOptions, time_limit: float, workdir: Path) -> SessionOutcome:
     """Run one session to completion, failure or time limit, and collect the records."""
-    store = None
-    store_addr: list[Any] | None = None
-    if kind == "scale":
-        # Barriers between the scale phases; torch's store, the same for every system.
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=time_limit))
-        store_addr = ["127.0.0.1", store.port]
+    # The workers' barriers (between scale phases, before exiting) use this store, which
+    # lives as long as the session: torch's, but apart from the system under test.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=time_limit))
+    store_addr = ["127.0.0.1", store.port]
     label = "+".join(workloads)
     session_dir = workdir / f"{system.name}-{label}-{world_size}w-{time.time_ns()}"
     session_dir.mkdir(parents=True)

@@ -79,6 +79,8 @@ class BenchOptions:
                              f"got {self.train_dims}")
         if not self.scale_sizes or any(n < 2 for n in self.scale_sizes):
             raise ValueError(f"--scale-sizes needs worker counts >= 2, got {self.scale_sizes}")
+        if len(set(self.scale_sizes)) != len(self.scale_sizes):
+            raise ValueError(f"--scale-sizes lists a count twice: {self.scale_sizes}")
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict (tuples become lists)."""

@@ -16,6 +16,11 @@ operators that worker1 ran for each call, recorded there, shipped back and
 named ``<rpc event>#remote_op: <operator>`` with node id 1. The trace is also
 exported in Chrome's format to a temporary directory.
 
+It exits with an error when the profile holds no RPC event. (In torch 2.13,
+``torch.distributed.rpc`` itself records none: its profiler is now always
+Kineto, which "will profile the caller, but not the worker", and records no
+``rpc_async#`` event either.)
+
 Differences from the recipe: the table is sorted by CPU total and names are
 not truncated; a short summary of the RPC and remote events follows it; the
 trace goes to a temporary directory instead of a fixed path.
@@ -63,8 +68,8 @@ def profile_calls(seconds: float) -> profiler.profile:
     return prof
 
 
-def summarize(prof: profiler.profile) -> None:
-    """Print the RPC events with their latency and the remote events with their node id."""
+def summarize(prof: profiler.profile) -> int:
+    """Print the RPC events with their latency and the remote events; return how many RPC events."""
     rpc_events = [e for e in prof.function_events
                   if e.name.startswith("rpc_async#") and "#remote_op: " not in e.name]
     remote_events = [e for e in prof.function_events if "#remote_op: " in e.name]
@@ -77,6 +82,7 @@ def summarize(prof: profiler.profile) -> None:
         print(f"  [node {getattr(event, 'node_id', -1)}] {event.name}")
     if len(remote_events) > 8:
         print(f"  ... and {len(remote_events) - 8} more")
+    return len(rpc_events)
 
 
 def export_trace(prof: profiler.profile) -> None:
@@ -94,14 +100,18 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """Entry point of one rank: worker0 profiles calls to worker1, which only serves."""
     name = CALLER if rank == 0 else CALLEE
     rpc.init_rpc(name, rank=rank, world_size=world_size)
+    recorded: int | None = None
     if rank == 0:
         prof = profile_calls(args.sleep)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows,
                                         max_name_column_width=100), flush=True)
-        summarize(prof)
+        recorded = summarize(prof)
         export_trace(prof)
         sys.stdout.flush()
     rpc.shutdown()
+    if recorded == 0:
+        raise RuntimeError("the profiler recorded no rpc_async# events; the RPC layer in use "
+                           "does not report its calls to torch.autograd.profiler")
 
 
 def main(argv: list[str] | None = None) -> int:

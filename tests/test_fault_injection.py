@@ -1,0 +1,158 @@
+"""The fault-injecting backend, timeouts under delays, and retries (user and internal)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import torchrpc.rpc as rpc
+from torchrpc._agent.retry import RetryPolicy
+from torchrpc._testing import faulty
+from torchrpc._wire import Kind
+from torchrpc.errors import ConnectionLostError, RpcTimeoutError
+from torchrpc.rpc import api
+
+from . import helpers, robust_helpers as rh
+from .group import running_group
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    # Rank 0 (this process) is the faulty one; worker1 is a normal worker.
+    with running_group(2, threads=4, timeout=30.0, self_backend=faulty.BACKEND_NAME) as g:
+        yield g
+
+
+@pytest.fixture()
+def agent():
+    a = api.current_agent()
+    assert isinstance(a, faulty.FaultyAgent)
+    yield a
+    a.inject()  # no faults for the next test
+
+
+def _count(key: str) -> int:
+    return rpc.rpc_sync("worker1", rh.count, args=(key,))
+
+
+def test_backend_is_registered_and_options_validate():
+    assert rpc.BackendType.FAULTY_TENSORPIPE.name == "FAULTY_TENSORPIPE"
+    opts = rpc.backend_registry.construct_rpc_backend_options(
+        rpc.BackendType.FAULTY_TENSORPIPE, messages_to_fail=["PYTHON_CALL"], num_fail_sends=2)
+    assert isinstance(opts, faulty.FaultyTensorPipeRpcBackendOptions)
+    assert faulty.kind_of("PYTHON_CALL") is Kind.CALL
+    with pytest.raises(ValueError, match="unknown message kind 'NOPE'"):
+        faulty.FaultyTensorPipeRpcBackendOptions(messages_to_fail=["NOPE"])
+    with pytest.raises(ValueError, match="num_fail_sends"):
+        faulty.FaultyTensorPipeRpcBackendOptions(num_fail_sends=-1)
+
+
+def test_injected_failure_fails_the_call_naming_the_worker(agent):
+    plan = agent.inject(fail=["CALL"], num_fail_sends=1)
+    with pytest.raises(ConnectionLostError, match="injected fault") as info:
+        rpc.rpc_sync("worker1", rh.bump, args=("plain",))
+    assert info.value.worker == "worker1"
+    assert rpc.rpc_sync("worker1", rh.bump, args=("plain",)) == 1  # only the first send fails
+    assert plan.failed == {"CALL": 1}
+
+
+def test_delayed_call_times_out_and_late_reply_is_dropped(agent):
+    agent.inject(delay={"CALL": 0.6})
+    start = time.monotonic()
+    with pytest.raises(RpcTimeoutError, match="timed out after 0.2 s"):
+        rpc.rpc_sync("worker1", helpers.add, args=(1, 1), timeout=0.2)
+    assert time.monotonic() - start < 0.5
+    fut = rpc.rpc_async("worker1", helpers.add, args=(2, 2))
+    assert fut.wait() == 4 and time.monotonic() - start >= 0.6
+    agent.inject(delay={"RESPONSE": 0.5})  # replies of rank 0 to worker1's calls
+    with pytest.raises(RpcTimeoutError):
+        rpc.rpc_sync("worker1", helpers.nested_call, args=("worker0", 1), timeout=0.3)
+    assert agent.faults.delayed["RESPONSE"] >= 1
+
+
+def test_idempotent_call_is_retried_with_backoff(agent):
+    plan = agent.inject(fail=["CALL"], num_fail_sends=2)
+    start = time.monotonic()
+    assert rpc.rpc_sync("worker1", rh.bump_idempotent, args=("retried",)) == 1
+    elapsed = time.monotonic() - start
+    assert plan.failed == {"CALL": 2}
+    assert elapsed >= 0.2 + 0.4 - 0.05  # backoff 0.2 s, then 0.4 s
+    assert _count("retried") == 1  # failed sends never left: it ran once
+
+
+def test_retries_give_up_after_max_attempts(agent):
+    plan = agent.inject(fail=["CALL"], num_fail_sends=10)
+    with pytest.raises(ConnectionLostError, match="gave up after 3 attempts"):
+        rpc.rpc_sync("worker1", rh.bump_idempotent, args=("never",))
+    assert plan.failed == {"CALL": 3}
+    agent.inject()
+    assert _count("never") == 0
+
+
+def test_no_retry_after_a_remote_exception(agent):
+    with pytest.raises(ValueError, match="on purpose"):
+        rpc.rpc_sync("worker1", rh.bump_then_fail, args=("raised",))
+    assert _count("raised") == 1
+
+
+def test_no_retry_after_a_timeout(agent):
+    with pytest.raises(RpcTimeoutError):
+        rpc.rpc_sync("worker1", rh.slow_bump, args=("slow", 0.6), timeout=0.2)
+    time.sleep(0.8)
+    assert _count("slow") == 1
+
+
+def test_not_idempotent_is_not_retried(agent):
+    plan = agent.inject(fail=["CALL"], num_fail_sends=1)
+    with pytest.raises(ConnectionLostError):
+        rpc.rpc_sync("worker1", rh.bump, args=("once",))
+    assert plan.failed == {"CALL": 1}
+    assert _count("once") == 0
+
+
+def test_retry_after_a_real_connection_loss(agent):
+    # The connection breaks while the call runs: the retry goes over a new connection,
+    # and whichever reply comes first completes the call (the function is idempotent).
+    fut = rpc.rpc_async("worker1", rh.slow_bump, args=("broken", 0.5))
+    time.sleep(0.1)
+    for conn in list(agent._all_conns.get(1, [])):
+        conn.close(ConnectionLostError("cut by the test"))
+    assert fut.wait() in (1, 2)
+    time.sleep(0.6)
+    assert _count("broken") == 2  # it ran twice: that is what idempotent allows
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+
+
+def test_internal_request_retry_facility(agent):
+    w1 = agent.resolve("worker1")
+    payload = (rh.bump, ("internal",), {})
+    plan = agent.inject(fail=["CALL"], num_fail_sends=2)
+    fut = agent.request(w1, Kind.CALL, payload, 5.0, what="internal",
+                        retry=RetryPolicy(max_attempts=3, initial_backoff=0.01))
+    assert fut.wait() == 1 and plan.failed == {"CALL": 2}
+    # One-way: completes once a send succeeds; the message arrives once.
+    plan = agent.inject(fail=["CALL"], num_fail_sends=2)
+    fut = agent.request(w1, Kind.CALL, payload, 5.0, oneway=True,
+                        retry=RetryPolicy(max_attempts=4, initial_backoff=0.01))
+    assert fut.wait() is None and plan.failed == {"CALL": 2}
+    time.sleep(0.2)
+    assert _count("internal") == 2
+    # A retry never outlives the deadline: backoff longer than the time left fails now.
+    agent.inject(fail=["CALL"], num_fail_sends=1)
+    start = time.monotonic()
+    fut = agent.request(w1, Kind.CALL, payload, 0.3, retry=RetryPolicy(3, initial_backoff=1.0))
+    with pytest.raises(ConnectionLostError, match="injected"):
+        fut.wait()
+    assert time.monotonic() - start < 0.25
+    assert agent.debug_info()["agent.num_pending_requests"] == 0
+
+
+def test_retry_policy_validates():
+    with pytest.raises(ValueError, match="max_attempts"):
+        RetryPolicy(0)
+    with pytest.raises(ValueError, match="backoff_multiplier"):
+        RetryPolicy(3, backoff_multiplier=0.5)
+    assert [RetryPolicy(5, 0.1, 2.0, 0.3).backoff(k) for k in (1, 2, 3)] == [0.1, 0.2, 0.3]
+    with pytest.raises(TypeError, match="wrap it"):
+        rpc.functions.idempotent(len)

@@ -1,0 +1,5 @@
+"""torchrpc.nn: ``RemoteModule``, as ``torch.distributed.nn.RemoteModule``."""
+
+from .api.remote_module import RemoteModule
+
+__all__ = ["RemoteModule"]

@@ -1,0 +1,1 @@
+"""torchrpc.nn.api."""

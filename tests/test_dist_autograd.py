@@ -11,7 +11,7 @@ import torch
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._dist_autograd.context import DistAutogradContext, RecvRecorder, SendRecorder
+from torchrpc._dist_autograd.records import DistAutogradContext, RecvRecorder, SendRecorder
 
 from . import autograd_helpers as h
 from .group import running_group

@@ -210,6 +210,7 @@ class Agent:
         self._left: set[int] = set()
         self._lost: Dict[int, str] = {}
         self._state = "new"
+        self._ready = threading.Event()
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
         self._transport: Optional[Transport] = None
         self._timer: Optional[threading.Thread] = None
@@ -245,8 +246,12 @@ class Agent:
             raise
         except RpcError as exc:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
-        infos = rendezvous.publish(store, self.name, rank, self.world_size,
-                                   self._transport.address, timeout)
+        try:
+            infos = rendezvous.publish(store, self.name, rank, self.world_size,
+                                       self._transport.address, timeout)
+        except BaseException:
+            self._transport.close()
+            raise
         for r, info in infos.items():
             w = WorkerInfo(info["name"], r)
             self._workers[r] = w
@@ -545,9 +550,16 @@ class Agent:
 
     # -- frames ------------------------------------------------------------------------------------
 
+    def mark_ready(self) -> None:
+        """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
+        self._ready.set()
+
     def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
         mark_reader_thread()
+        if not self._ready.is_set():
+            # A peer may finish rendezvous and call us before init_rpc here has returned.
+            self._ready.wait(120.0)
         kind = header.kind
         if kind == Kind.RESPONSE or kind == Kind.ERROR:
             self._on_reply(conn, header, envelope, buffers)

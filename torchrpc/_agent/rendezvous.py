@@ -31,6 +31,7 @@ SECRET_ENV = "TORCHRPC_SECRET"
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
 _ERROR_KEY = "error"
+_ERROR_SEEN_KEY = "error_seen"
 
 
 def validate_name(name: Any) -> str:
@@ -131,11 +132,24 @@ def host_identity() -> str:
     return "/".join(parts)
 
 
-def _poll(store: Any, keys: List[str], deadline: float, what: str) -> None:
+def _poll(store: Any, keys: List[str], deadline: float, what: str, rank: Optional[int] = None,
+          world_size: Optional[int] = None) -> None:
     delay = 0.002
     while True:
-        if store.check([_ERROR_KEY]):
-            raise RendezvousError(store.get(_ERROR_KEY).decode())
+        try:
+            if store.check([_ERROR_KEY]):
+                message = store.get(_ERROR_KEY).decode()
+                store.add(_ERROR_SEEN_KEY, 1)
+                if rank == 0 and world_size:
+                    _linger(store, world_size)
+                raise RendezvousError(message)
+            if store.check(keys):
+                return
+        except RendezvousError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's own errors are cryptic
+            raise RendezvousError(f"lost the rendezvous store while waiting for {what} (the "
+                                  f"worker hosting it, rank 0, probably failed): {exc}") from exc
         if store.check(keys):
             return
         if time.monotonic() > deadline:
@@ -145,10 +159,24 @@ def _poll(store: Any, keys: List[str], deadline: float, what: str) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def fail(store: Any, message: str) -> RendezvousError:
-    """Tell every worker of the group that rendezvous failed; return the error to raise."""
+def _linger(store: Any, world_size: int) -> None:
+    """Rank 0 hosts the store: keep it up until the others have read the error (<= 5 s)."""
+    deadline = time.monotonic() + 5.0
+    while int(store.add(_ERROR_SEEN_KEY, 0)) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def fail(store: Any, message: str, rank: Optional[int] = None,
+         world_size: Optional[int] = None) -> RendezvousError:
+    """Tell every worker of the group that rendezvous failed; return the error to raise.
+
+    Rank 0 hosts the store, so it lingers (a few seconds at most) until the others
+    have read the error, instead of leaving them with a dead store.
+    """
     try:
         store.set(_ERROR_KEY, message)
+        if rank == 0 and world_size:
+            _linger(store, world_size)
     except Exception:  # noqa: BLE001 - best effort, the local error is what matters
         pass
     return RendezvousError(message)
@@ -164,11 +192,12 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if store.add(f"rank/{rank}", 1) != 1:
         raise fail(store, f"duplicate rank {rank}: two workers were started with rank {rank} "
-                          f"(this one is named {name!r}); give every worker its own rank")
+                          f"(this one is named {name!r}); give every worker its own rank",
+                   rank, world_size)
     owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
     if owner != str(rank):
         raise fail(store, f"duplicate worker name {name!r}: ranks {owner} and {rank} both use it; "
-                          f"give every worker its own name")
+                          f"give every worker its own name", rank, world_size)
     env_secret = os.environ.get(SECRET_ENV)
     if env_secret:
         return env_secret.encode()
@@ -176,7 +205,8 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
         secret = secrets.token_bytes(32)
         store.set("secret", secret)
         return secret
-    _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0")
+    _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0", rank,
+          world_size)
     return store.get("secret")
 
 
@@ -187,7 +217,8 @@ def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[st
             "pid": os.getpid()}
     store.set(f"worker/{rank}", json.dumps(info))
     keys = [f"worker/{r}" for r in range(world_size)]
-    _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join")
+    _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join", rank,
+          world_size)
     return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
 
 

@@ -4,7 +4,7 @@ See :mod:`torchrpc._dist_autograd.engine` for the theory of operation.
 """
 
 from .api import backward, backward_rref, context, get_gradients, is_available
-from .context import DistAutogradContext, RecvRpc
+from .records import DistAutogradContext, RecvRpc
 from .engine import EXTENSION_KEY, DistAutogradEngine, engine_of, install
 
 __all__ = ["DistAutogradContext", "DistAutogradEngine", "EXTENSION_KEY", "RecvRpc", "backward",

@@ -4,7 +4,7 @@ Theory of operation.
 
 *Forward.* The engine is a call hook of the agent. When a thread with a current
 context sends a request, the request's metadata carries ``(context id, message
-id)`` and a :class:`~torchrpc._dist_autograd.context.SendRecorder` sees every
+id)`` and a :class:`~torchrpc._dist_autograd.records.SendRecorder` sees every
 tensor that requires grad. The callee joins the context (creating it under the
 same id if needed), records what it receives, runs the handler with the context
 current on its thread, and records the tensors of its reply under a message id
@@ -12,7 +12,7 @@ that the reply's metadata carries back.
 
 *Backward* (FAST mode of the design note; every send is assumed to take part).
 ``backward(context_id, roots)`` runs torch's autograd engine from the roots on
-this worker (:func:`~torchrpc._dist_autograd.context.local_pass`): gradients of
+this worker (:func:`~torchrpc._dist_autograd.records.local_pass`): gradients of
 ordinary leaves accumulate in the context, gradients of received tensors go back
 to their senders in one ``AUTOGRAD_BACKWARD`` request per sender. A worker that
 gets such a request runs its engine from the send records it names, does the
@@ -48,7 +48,7 @@ from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerI
 from .._agent.futures import new_future
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, WorkerLeftError
-from .context import (DistAutogradContext, MessageKey, RecvRecorder, SendRecorder, local_pass,
+from .records import (DistAutogradContext, MessageKey, RecvRecorder, SendRecorder, local_pass,
                       make_context_id)
 from .messages import BackwardRequest, ReleaseRequest
 

@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch
 
-from .context import MessageKey
+from .records import MessageKey
 
 
 def _check_id(context_id: object) -> None:

@@ -121,13 +121,8 @@ class Connection:
         error: Optional[BaseException] = None
         try:
             self._read_frames()
-        except ProtocolError as exc:  # bad or truncated frame: say why before closing
-            if not self._closed:
-                log.warning("torchrpc: closing the connection with rank %s: %s",
-                            self.peer_rank, exc)
-            error = exc
-        except (OSError, ConnectionLostError) as exc:
-            error = exc
+        except (OSError, ProtocolError, ConnectionLostError) as exc:
+            error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
         except Exception as exc:  # a bug in a callback must not kill the thread silently
             log.exception("torchrpc: reader for rank %s failed", self.peer_rank)
             error = exc
@@ -249,6 +244,33 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
+class _LogBudget:
+    """At most ``burst`` warnings per ``period`` seconds, then one line counting the rest,
+    so that a flood of hostile connections cannot flood the log."""
+
+    def __init__(self, burst: int = 20, period: float = 60.0) -> None:
+        self._burst = burst
+        self._period = period
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._count = 0
+        self._dropped = 0
+
+    def warn(self, msg: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start > self._period:
+                if self._dropped:
+                    log.warning("torchrpc: %d more rejected connections in the last %.0f s "
+                                "were not logged", self._dropped, now - self._start)
+                self._start, self._count, self._dropped = now, 0, 0
+            if self._count >= self._burst:
+                self._dropped += 1
+                return
+            self._count += 1
+        log.warning(msg, *args)
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -266,6 +288,7 @@ class Transport:
                  tls_contexts: Optional[tls.TlsContexts] = None) -> None:
         self.rank = rank
         self._tls = tls_contexts
+        self._rejects = _LogBudget()
         self._secret = secret
         self._limits = limits
         self._on_connect = on_connect
@@ -330,8 +353,8 @@ class Transport:
             sock.settimeout(None)
             _tune(sock)
         except (OSError, AuthenticationError) as exc:
-            log.warning("torchrpc: rank %d dropped a connection from %s that failed the "
-                        "handshake: %s", self.rank, addr, exc)
+            self._rejects.warn("torchrpc: rank %d dropped a connection from %s that failed the "
+                               "handshake: %s", self.rank, addr, exc)
             self._forget(sock)
             sock.close()
             return
@@ -393,6 +416,9 @@ class Transport:
 
     def _closed_cb(self, conn: Connection, reason: Optional[BaseException]) -> None:
         self._forget(conn.sock)
+        if isinstance(reason, ProtocolError):
+            self._rejects.warn("torchrpc: rank %d closed its connection with rank %d: %s",
+                               self.rank, conn.peer_rank, reason)
         self._on_close(conn, reason)
 
     def close(self, timeout: float = 10.0) -> None:

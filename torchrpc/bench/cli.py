@@ -32,7 +32,7 @@ _HELP = {
     "latency_calls": "timed rpc_sync calls",
     "latency_warmup": "untimed rpc_sync calls first",
     "throughput_calls": "concurrent rpc_async calls per round",
-    "throughput_repeats": "rounds; the best is reported",
+    "throughput_repeats": "repeats of the whole batch of calls; the best is reported",
     "remote_calls": "timed remote() + to_here() pairs",
     "remote_warmup": "untimed remote() + to_here() pairs first",
     "echo_sizes_mb": "comma-separated float32 tensor sizes in MiB",
@@ -49,6 +49,9 @@ _HELP = {
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
     "time_limit": "hard limit for one two-worker session (spawn to exit), seconds",
 }
+
+
+_CHOICES = {"small_call": ("add", "python")}
 
 
 def _list_parser(kind: type) -> Any:
@@ -125,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
             quick = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in quick)
         extra = f"; --quick: {quick}" if quick is not None else ""
         group.add_argument(flag, dest=field.name, type=kind, default=None,
+                           choices=_CHOICES.get(field.name),
                            help=f"{_HELP.get(field.name, '')} (default: {shown}{extra})")
     return parser
 
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         cells=cells, details=result.details, sessions=result.sessions,
         machine=machine_info(), options=options.to_json(),
         command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads,
-        rounds=args.rounds, warnings=result.partial_failures())
+        rounds=args.rounds, samples=result.values, warnings=result.partial_failures())
     markdown = render_markdown(report)
     document = json.dumps(report, indent=2)
     if args.json_out is not None:

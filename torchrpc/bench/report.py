@@ -39,8 +39,13 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
                  details: dict[str, dict[str, Any]], sessions: list[dict[str, Any]],
                  machine: dict[str, Any], options: dict[str, Any], command: str,
                  workloads: list[str], rounds: int = 1,
+                 samples: dict[str, dict[str, list[float]]] | None = None,
                  warnings: list[str] | None = None) -> dict[str, Any]:
-    """Assemble the JSON document: every metric with every system's value or error."""
+    """Assemble the JSON document: every metric with every system's value or error.
+
+    ``samples`` holds each round's values; with ``rounds > 1`` they are kept beside the
+    medians so the spread can be seen.
+    """
     metrics: dict[str, Any] = {}
     for spec in specs:
         values = {name: cells[name][spec.name].value for name in systems}
@@ -50,6 +55,8 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
             "label": spec.label, "unit": spec.unit, "better": spec.better,
             "workload": spec.workload, "values": values, "errors": errors,
         }
+        if rounds > 1 and samples is not None:
+            entry["rounds"] = {name: samples[name][spec.name] for name in systems}
         if baseline is not None:
             entry["ratios"] = {name: _ratio(values[name], values[baseline])
                                for name in systems if name != baseline}

@@ -93,7 +93,10 @@ def launch(entry: Entry, world_size: int, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return _run_rank(entry, rank, world_size, args, args.timeout, parent_pid=None)
+        status = _run_rank(entry, rank, world_size, args, args.timeout, parent_pid=None)
+        if status != 0:
+            _exit_now(status)
+        return status
     return _spawn_world(entry, world_size, args, deadline)
 
 
@@ -158,11 +161,15 @@ def _child_main(entry: Entry, rank: int, world_size: int, args: argparse.Namespa
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     status = _run_rank(entry, rank, world_size, args, limit, parent_pid)
+    if status != 0:
+        _exit_now(status)
+
+
+def _exit_now(status: int) -> None:
+    """Exit at once: after a failure, RPC threads may still be alive; do not wait on them."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if status != 0:
-        # RPC threads may still be alive after a failure; do not wait on them.
-        os._exit(status)
+    os._exit(status)
 
 
 def _run_rank(entry: Entry, rank: int, world_size: int, args: argparse.Namespace,

@@ -20,6 +20,7 @@ Re-creates the "Distributed Pipeline Parallelism Using RPC" tutorial:
   RRef to the second shard; its ``infer`` method runs the first half, sends the
   result on to worker2 with ``rpc_async`` and returns that future as its own
   result, so its server thread is free for the next micro-batch at once.
+  In evaluation mode the pipelined output must equal an unsplit pass.
 
 It prints the loss of each batch and a throughput table for 1, 2 and 4 splits.
 
@@ -98,9 +99,14 @@ class Shard(nn.Module):
         """Every parameter of this shard, wrapped in an RRef owned by this worker."""
         return [rpc.RRef(p) for p in self.parameters()]
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the layers on one micro-batch, one micro-batch at a time."""
+    def compute(self, x: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """Run the layers on one micro-batch, one micro-batch at a time.
+
+        ``train=False`` runs them in evaluation mode (BatchNorm uses its running
+        statistics), so that each sample's output does not depend on the split.
+        """
         with self._lock:
+            self.layers.train(train)
             return self.layers(x)
 
 
@@ -132,7 +138,7 @@ class ShardOne(Shard):
         while worker2 is still busy with this one.
         """
         with torch.no_grad():
-            y = self.compute(x)
+            y = self.compute(x, train=False)
         return self.next_rref.rpc_async().infer(y)
 
 
@@ -157,7 +163,7 @@ class ShardTwo(Shard):
     def infer(self, y: torch.Tensor) -> torch.Tensor:
         """Inference path: run this half on a tensor sent by worker1."""
         with torch.no_grad():
-            return self.compute(y)
+            return self.compute(y, train=False)
 
 
 class PipelinedResNet(nn.Module):
@@ -179,9 +185,10 @@ class PipelinedResNet(nn.Module):
         # Completion order is arbitrary; the outputs are joined in input order.
         return torch.cat([fut.wait() for fut in futures])
 
-    def infer(self, x: torch.Tensor) -> torch.Tensor:
+    def infer(self, x: torch.Tensor, splits: int | None = None) -> torch.Tensor:
         """Pipelined inference through worker1's ``async_execution`` hand-off."""
-        futures = [self.p1_rref.rpc_async().infer(micro) for micro in x.chunk(self.splits)]
+        chunks = x.chunk(splits or self.splits)
+        futures = [self.p1_rref.rpc_async().infer(micro) for micro in chunks]
         return torch.cat([fut.wait() for fut in futures])
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
@@ -210,12 +217,19 @@ def train_batches(model: PipelinedResNet, opt: DistributedOptimizer,
 
 
 def infer_batches(model: PipelinedResNet, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Run the inference pass on every batch; return the seconds taken."""
+    """Run the inference pass on every batch; return the seconds taken.
+
+    Afterwards the first batch is run again as one piece: in evaluation mode the
+    pipelined output must match it, which also shows that the micro-batch
+    outputs were joined in input order.
+    """
     started = time.perf_counter()
-    for inputs, _ in batches:
-        if model.infer(inputs).shape != (len(inputs), NUM_CLASSES):
-            raise RuntimeError("pipelined inference returned the wrong shape")
-    return time.perf_counter() - started
+    outputs = [model.infer(inputs) for inputs, _ in batches]
+    seconds = time.perf_counter() - started
+    whole = model.infer(batches[0][0], splits=1)
+    if not torch.allclose(outputs[0], whole, atol=1e-5):
+        raise RuntimeError(f"{model.splits}-way pipelined inference differs from the unsplit pass")
+    return seconds
 
 
 def run_master(args: argparse.Namespace) -> None:

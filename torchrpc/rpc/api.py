@@ -89,10 +89,15 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
                                              max(timeout, 60.0))
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
-        for installer in _agent_installers:
-            installer(agent)
+        try:
+            for installer in _agent_installers:
+                installer(agent)
+        except BaseException:
+            agent.shutdown(graceful=False)
+            raise
         _state.agent = agent
         _state.was_shut_down = False
+        agent.mark_ready()
 
 
 def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:

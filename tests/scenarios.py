@@ -1,0 +1,107 @@
+"""Whole-process scenarios for lifecycle tests: ``python -m tests.scenarios NAME RANK``.
+
+Each prints ``OK <detail>`` on success; any exception fails the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc.errors import NotInitializedError
+
+from . import helpers
+
+
+def _torchrpc_threads() -> list:
+    return [t.name for t in threading.enumerate() if t.name.startswith("torchrpc")]
+
+
+def lifecycle(rank: int) -> None:
+    calls = [
+        lambda: rpc.rpc_sync("w", helpers.add, args=(1, 2)),
+        lambda: rpc.rpc_async("w", helpers.add, args=(1, 2)),
+        lambda: rpc.remote("w", helpers.add, args=(1, 2)),
+        lambda: rpc.get_worker_info(),
+        lambda: rpc.get_worker_infos(),
+        lambda: rpc.get_rpc_timeout(),
+        lambda: rpc.shutdown(),
+        lambda: rpc.RRef(1),
+    ]
+    for call in calls:
+        try:
+            call()
+        except NotInitializedError as exc:
+            assert isinstance(exc, RuntimeError) and "init_rpc" in str(exc), exc
+        else:
+            raise AssertionError("API call before init_rpc did not raise")
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2)
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
+    except RuntimeError as exc:
+        assert "already initialized" in str(exc), exc
+    else:
+        raise AssertionError("init_rpc twice did not raise")
+    assert rpc.rpc_sync("solo", helpers.add, args=(1, 2)) == 3
+    assert rpc.remote("solo", helpers.add, args=(2, 2)).to_here() == 4
+    rpc.shutdown()
+    assert not _torchrpc_threads(), _torchrpc_threads()
+    for call in calls[:6]:
+        try:
+            call()
+        except NotInitializedError as exc:
+            assert "shut down" in str(exc), exc
+        else:
+            raise AssertionError("API call after shutdown did not raise")
+    # init again in the same process works, and a non-graceful shutdown stops at once
+    os.environ["MASTER_PORT"] = sys.argv[4]
+    rpc.init_rpc("again", rank=0, world_size=1, rpc_backend_options=opts)
+    assert rpc.rpc_sync(0, helpers.whoami) == "again"
+    rpc.shutdown(graceful=False)
+    assert not _torchrpc_threads(), _torchrpc_threads()
+    print("OK lifecycle", flush=True)
+
+
+def group_call(rank: int) -> None:
+    """init_rpc from the environment / init_method given, call the next worker, shut down."""
+    world = int(os.environ.get("WORLD_SIZE", "0")) or int(sys.argv[3])
+    init_method = os.environ.get("SCENARIO_INIT_METHOD")
+    kwargs = {}
+    if init_method:
+        kwargs["rpc_backend_options"] = rpc.TensorPipeRpcBackendOptions(
+            init_method=init_method, num_worker_threads=2)
+    if os.environ.get("SCENARIO_FROM_ENV"):
+        rpc.init_rpc(f"w{os.environ['RANK']}", **kwargs)  # rank and world size from torchrun
+    else:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, **kwargs)
+    me = rpc.get_worker_info()
+    peer = (me.id + 1) % world
+    assert rpc.rpc_sync(peer, helpers.whoami) == f"w{peer}"
+    assert len(rpc.get_worker_infos()) == world
+    rpc.shutdown()
+    assert not _torchrpc_threads(), _torchrpc_threads()
+    print(f"OK group {me.name}", flush=True)
+
+
+def duplicate(rank: int) -> None:
+    """Started with a clashing name or rank: init_rpc must fail with a clear error."""
+    name = os.environ["SCENARIO_NAME"]
+    real_rank = int(os.environ["SCENARIO_RANK"])
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=20)
+    try:
+        rpc.init_rpc(name, rank=real_rank, world_size=int(sys.argv[3]), rpc_backend_options=opts)
+    except RuntimeError as exc:
+        print(f"ERR {exc}", flush=True)
+        return
+    rpc.shutdown(graceful=False)
+    print("OK joined", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    globals()[sys.argv[1]](int(sys.argv[2]))

@@ -1,0 +1,204 @@
+"""TLS links: a self-signed CA made here with the openssl command line tool, mutual TLS,
+the HMAC handshake inside TLS, and a whole group running over TLS."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import socket
+import subprocess
+import threading
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc import _wire
+from torchrpc._transport import Transport, handshake, tls
+from torchrpc._wire import Kind
+from torchrpc.errors import RpcError
+from torchrpc.rpc import api
+
+from . import helpers
+from .group import running_group
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
+                                reason="needs the openssl command line tool to make certificates")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _make_ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
+             cwd=d)
+
+
+def _make_cert(d: Path, name: str, ca: str) -> None:
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
+             cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Dict[str, str]:
+    d = tmp_path_factory.mktemp("pki")
+    _make_ca(d, "ca")
+    _make_cert(d, "worker", "ca")
+    _make_ca(d, "rogue_ca")
+    _make_cert(d, "rogue", "rogue_ca")
+    return {k: str(d / f"{k}.pem") for k in ("ca", "worker", "rogue_ca", "rogue")} | \
+        {f"{k}.key": str(d / f"{k}.key") for k in ("worker", "rogue")}
+
+
+def _contexts(pki, cert="worker", ca="ca", require=True) -> tls.TlsContexts:
+    return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require)
+
+
+class _Peer:
+    """A bare transport that records what arrives and echoes CALL frames back."""
+
+    def __init__(self, rank: int, contexts, secret: bytes = b"s" * 32) -> None:
+        self.frames: "queue.Queue" = queue.Queue()
+        self.closed: List = []
+        self.t = Transport(rank, secret, _wire.Limits(), lambda c: None, self._on_frame,
+                           lambda c, why: self.closed.append(why), "127.0.0.1",
+                           tls_contexts=contexts)
+
+    def _on_frame(self, conn, header, envelope, buffers) -> None:
+        if header.kind == Kind.CALL:
+            conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
+                      [_wire.tensor_bytes(b) for b in buffers], buffers)
+        else:
+            self.frames.put((header, bytes(envelope), buffers))
+
+    def connect(self, other: "_Peer"):
+        return self.t.connect(other.t.rank, *other.t.address, timeout=5)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+def test_frames_cross_a_tls_link_both_ways_under_concurrency(pki):
+    server, client = _Peer(0, _contexts(pki)), _Peer(1, _contexts(pki))
+    try:
+        conn = client.connect(server)
+        assert isinstance(conn.sock, tls.TlsSocket)
+        assert conn.sock.ssl_object.version() == "TLSv1.3"
+        assert conn.sock.ssl_object.getpeercert()["subject"] == ((("commonName", "worker"),),)
+        payloads = {}
+        errors = []
+
+        def send(i: int) -> None:
+            try:
+                for j in range(5):
+                    rid = i * 100 + j
+                    data = torch.full((((i + j) % 3) * (4 << 20) + 7,), rid % 251, dtype=torch.uint8)
+                    payloads[rid] = data
+                    conn.send(Kind.CALL, 0, rid, f"env{rid}".encode(), [_wire.tensor_bytes(data)], data)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        for _ in range(len(payloads)):
+            header, env, bufs = client.frames.get(timeout=30)
+            assert header.kind == Kind.RESPONSE and env == f"env{header.request_id}".encode()
+            assert torch.equal(bufs[0], payloads[header.request_id])
+    finally:
+        client.close()
+        server.close()
+
+
+def test_plain_client_cannot_talk_to_a_tls_worker(pki, caplog):
+    server = _Peer(0, _contexts(pki))
+    try:
+        with socket.create_connection(server.t.address, timeout=5) as s:
+            s.sendall(handshake.make_hello(1, 0)[0])
+            s.settimeout(5)
+            try:
+                data = s.recv(100)
+            except ConnectionResetError:
+                data = b""
+            assert not data.startswith(b"TRPH") and len(data) < handshake.CHALLENGE.size
+        plain = _Peer(1, None)
+        with pytest.raises(RpcError):
+            plain.connect(server)
+        plain.close()
+    finally:
+        server.close()
+
+
+def test_mutual_tls_rejects_a_certificate_from_another_ca(pki):
+    server = _Peer(0, _contexts(pki))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))  # trusts our CA, presents a rogue cert
+    try:
+        with pytest.raises(RpcError):
+            rogue.connect(server)
+    finally:
+        rogue.close()
+        server.close()
+    # Without mutual TLS, the server takes any client certificate; the job secret still
+    # decides who gets in.
+    server = _Peer(0, _contexts(pki, require=False))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))
+    outsider = _Peer(2, _contexts(pki, cert="rogue"), secret=b"x" * 32)
+    try:
+        assert isinstance(rogue.connect(server).sock, tls.TlsSocket)
+        with pytest.raises(RpcError, match="authentication"):
+            outsider.connect(server)
+    finally:
+        rogue.close()
+        outsider.close()
+        server.close()
+
+
+def test_client_rejects_a_server_certificate_from_another_ca(pki):
+    server = _Peer(0, _contexts(pki, cert="rogue", ca="ca"))
+    client = _Peer(1, _contexts(pki))
+    try:
+        with pytest.raises(RpcError, match="certificate verify failed"):
+            client.connect(server)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_bad_certificate_options_name_the_option(pki, tmp_path):
+    with pytest.raises(ValueError, match="tls_certfile"):
+        tls.make_contexts(str(tmp_path / "missing.pem"), None, pki["ca"], True)
+    with pytest.raises(ValueError, match="tls_cafile"):
+        tls.make_contexts(pki["worker"], pki["worker.key"], str(tmp_path / "no-ca.pem"), True)
+    with pytest.raises(TypeError, match="tls_certfile"):
+        rpc.TensorPipeRpcBackendOptions(tls_certfile=3)
+
+
+def test_a_group_runs_over_tls(pki):
+    options = {"tls_certfile": pki["worker"], "tls_keyfile": pki["worker.key"],
+               "tls_cafile": pki["ca"]}
+    with running_group(3, threads=4, timeout=30.0, options=options):
+        big = torch.randn(4 << 20)
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(big,)), big)
+        assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 2)) == \
+            "worker2>worker1>worker2"
+        agent = api.current_agent()
+        assert all(isinstance(c.sock, tls.TlsSocket) for lst in agent._all_conns.values() for c in lst)
+        host, port = agent._addresses[1]
+        with socket.create_connection((host, port), timeout=5) as s:  # plain bytes: refused
+            s.sendall(handshake.make_hello(0, 0)[0])
+            s.settimeout(5)
+            try:
+                assert not s.recv(100).startswith(b"TRPH")
+            except ConnectionResetError:
+                pass

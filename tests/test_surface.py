@@ -1,0 +1,156 @@
+"""The public surface mirrors torch's, the layers import only downward, options validate."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import torchrpc
+import torchrpc.rpc as rpc
+from torchrpc.rpc import backend_registry, constants
+
+PKG = pathlib.Path(torchrpc.__file__).parent
+
+# What each layer may import from torchrpc (besides itself and errors).
+ALLOWED = {
+    "_wire": set(),
+    "_transport": {"_wire"},
+    "_agent": {"_wire", "_transport"},
+    "_rref": {"_wire", "_agent"},
+    "_dist_autograd": {"_wire", "_agent", "_rref"},
+    "_testing": {"_wire", "_transport", "_agent", "rpc"},
+    "rpc": {"_wire", "_transport", "_agent", "_rref", "_dist_autograd"},
+    "autograd": {"_agent", "_dist_autograd", "rpc"},
+    "optim": {"rpc", "autograd"},
+    "nn": {"rpc", "autograd"},
+    "examples": {"rpc", "autograd", "optim", "nn", "examples"},
+    "bench": {"rpc", "autograd", "optim", "nn", "bench"},
+}
+FORBIDDEN = ("torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
+             "torch.distributed.nn", "torch._C._distributed_rpc", "torch._C._distributed_autograd")
+
+
+def _imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG).parts
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(rel[:-node.level]) if node.level <= len(rel) - 1 else []
+                mod = ".".join(["torchrpc", *base] + ([node.module] if node.module else []))
+                yield mod
+                if not node.module:
+                    for alias in node.names:
+                        yield f"{mod}.{alias.name}"
+            else:
+                yield node.module
+
+
+def test_layers_import_only_downward():
+    problems = []
+    for path in PKG.rglob("*.py"):
+        layer = path.relative_to(PKG).parts[0]
+        for mod in _imports(path):
+            if layer != "bench" and mod.startswith(FORBIDDEN):
+                problems.append(f"{path}: imports {mod}")
+            if not mod.startswith("torchrpc."):
+                continue
+            target = mod.split(".")[1]
+            if target in ("errors", layer) or target.endswith(".py"):
+                continue
+            if layer in ALLOWED and target not in ALLOWED[layer]:
+                problems.append(f"{path}: layer {layer} imports {mod}")
+    assert not problems, "\n".join(problems)
+
+
+def test_public_names_match_torch():
+    import torch.distributed.rpc as trpc
+    for name in ("init_rpc", "rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info",
+                 "WorkerInfo", "RRef", "BackendType", "RpcBackendOptions",
+                 "TensorPipeRpcBackendOptions", "functions", "backend_registry", "constants",
+                 "get_rpc_timeout"):
+        assert hasattr(trpc, name) and hasattr(rpc, name), name
+    import torchrpc.autograd as dist_autograd
+    for name in ("context", "backward", "get_gradients"):
+        assert hasattr(dist_autograd, name), name
+    from torchrpc.nn import RemoteModule  # noqa: F401
+    from torchrpc.optim import DistributedOptimizer  # noqa: F401
+    assert hasattr(rpc.functions, "async_execution")
+
+
+def test_constants_and_backend_enum():
+    assert constants.DEFAULT_RPC_TIMEOUT_SEC == 60.0
+    assert constants.UNSET_RPC_TIMEOUT == -1.0
+    assert constants.DEFAULT_INIT_METHOD == "env://"
+    assert rpc.BackendType.TENSORPIPE is backend_registry.BackendType.TENSORPIPE
+    assert isinstance(rpc.BackendType.TENSORPIPE, rpc.BackendType)
+    opts = backend_registry.construct_rpc_backend_options(
+        rpc.BackendType.TENSORPIPE, init_method="tcp://127.0.0.1:1234", rpc_timeout=5)
+    assert isinstance(opts, rpc.TensorPipeRpcBackendOptions)
+    assert opts.rpc_timeout == 5 and opts.init_method == "tcp://127.0.0.1:1234"
+
+
+def test_register_backend():
+    def construct(rpc_timeout, init_method, **kwargs):
+        return rpc.TensorPipeRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method)
+
+    def init(store, name, rank, world_size, options):
+        raise AssertionError("not started in this test")
+
+    member = rpc.register_backend("SURFACE_TEST_BACKEND", construct, init)
+    assert rpc.BackendType.SURFACE_TEST_BACKEND is member
+    assert rpc.BackendType["SURFACE_TEST_BACKEND"] is member
+    assert member in list(rpc.BackendType)
+    assert backend_registry.backend_registered("SURFACE_TEST_BACKEND")
+    assert backend_registry.construct_rpc_backend_options(member, rpc_timeout=3).rpc_timeout == 3
+    with pytest.raises(RuntimeError, match="already registered"):
+        rpc.register_backend("SURFACE_TEST_BACKEND", construct, init)
+    with pytest.raises(TypeError, match="BackendType"):
+        backend_registry.construct_rpc_backend_options("TENSORPIPE")
+
+
+def test_options_defaults_and_assignment():
+    opts = rpc.TensorPipeRpcBackendOptions()
+    assert opts.num_worker_threads == 16 and opts.rpc_timeout == 60.0
+    assert opts.init_method == "env://" and opts.device_maps == {} and opts.devices == []
+    opts.rpc_timeout = 5
+    opts.init_method = "file:///tmp/x"
+    opts.num_worker_threads = 2
+    assert (opts.rpc_timeout, opts.init_method, opts.num_worker_threads) == (5.0, "file:///tmp/x", 2)
+    base = rpc.RpcBackendOptions()
+    assert base.rpc_timeout == 60.0 and base.init_method == "env://"
+    for bad in (dict(num_worker_threads=0), dict(rpc_timeout=-1), dict(init_method="nowhere"),
+                dict(num_worker_threads="4")):
+        with pytest.raises(ValueError):
+            rpc.TensorPipeRpcBackendOptions(**bad)
+
+
+def test_device_maps_validated_and_invertible():
+    opts = rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {0: 1}})
+    opts.set_device_map("worker1", {1: 2})
+    assert opts.device_maps == {"worker1": {torch.device("cuda:0"): torch.device("cuda:1"),
+                                            torch.device("cuda:1"): torch.device("cuda:2")}}
+    with pytest.raises(ValueError, match="not invertible"):
+        opts.set_device_map("worker1", {3: 1})
+    with pytest.raises(ValueError, match="not invertible"):
+        rpc.TensorPipeRpcBackendOptions(device_maps={"w": {0: 0, 1: 0}})
+    with pytest.raises(ValueError):
+        opts.set_device_map("worker1", {"nonsense": 0})
+    with pytest.raises(TypeError):
+        opts.set_device_map(3, {0: 0})
+    opts.set_devices([0, "cuda:1", torch.device("cuda", 2)])
+    assert opts.devices == [torch.device("cuda", i) for i in range(3)]
+
+
+def test_functions_import_without_agent_and_rref_generic():
+    @rpc.functions.async_execution
+    def f(x):
+        return x
+    assert f._wrapped_async_rpc_function is not None and f.__name__ == "f"
+    assert rpc.RRef[torch.Tensor] is not None

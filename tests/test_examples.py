@@ -66,7 +66,7 @@ def test_pipeline_prints_throughput_table() -> None:
     warm = re.findall(r"splits=(\d) warm-up batch 1: loss ([0-9.]+)", out)
     timed = re.findall(r"splits=(\d) batch 1: loss ([0-9.]+)", out)
     assert len(warm) == len(timed) == 3, out
-    assert all(w[1] != t[1] for w, t in zip(warm, timed)), "parameters did not change:\n" + out
+    assert all(w[1] != t[1] for w, t in zip(warm, timed, strict=True)), "parameters did not change:\n" + out
 
 
 def test_batch_rl_both_modes_and_speedup() -> None:

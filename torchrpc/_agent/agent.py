@@ -73,6 +73,7 @@ class CallScope:
 
     recv_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     send_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    hook_key = ""  # set by the agent: the key of the hook that made this scope
 
     def __enter__(self) -> "CallScope":
         return self
@@ -621,6 +622,7 @@ class Agent:
                     if hook.key in meta:
                         scope = hook.incoming_request(src, kind, meta[hook.key])
                         if scope is not None:
+                            scope.hook_key = hook.key
                             scopes.append(scope)
             return _combine([s.recv_hook for s in scopes])
 
@@ -661,7 +663,7 @@ class Agent:
     def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any) -> None:
         meta = None
         if scopes:
-            meta = {h.key: s.response_meta() for h, s in zip(self._hooks, scopes)} or None
+            meta = {s.hook_key: s.response_meta() for s in scopes} or None
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
                                            _combine([s.send_hook for s in scopes]), meta)

@@ -3,34 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from fractions import Fraction
+from typing import Any, Optional, Tuple
 
 import torch
 
 from .records import MessageKey
 
+PassId = Tuple[int, int]
+"""``(rank of the root, pass number on the root)``: one call of ``backward``."""
 
-def _check_id(context_id: object) -> None:
-    if isinstance(context_id, bool) or not isinstance(context_id, int):
-        raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
+
+def _check_id(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _check_pass(pass_id: object) -> None:
+    if not (isinstance(pass_id, tuple) and len(pass_id) == 2):
+        raise TypeError(f"pass_id must be a (rank, number) tuple, got {pass_id!r}")
+    for v in pass_id:
+        _check_id("pass_id", v)
+
+
+def _check_credit(credit: object) -> None:
+    if not isinstance(credit, Fraction) or not 0 < credit <= 1:
+        raise ValueError(f"credit must be a Fraction in (0, 1], got {credit!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardRequest:
     """``AUTOGRAD_BACKWARD``: gradients for send records of ``context_id`` on the callee.
 
-    The callee runs its part of the backward pass from those records, forwards
-    the gradients of what it had received, and replies once everything it started
-    has finished.
+    The callee runs its part of pass ``pass_id`` from those records and forwards the
+    gradients of what it had received, splitting ``credit`` among the requests it
+    sends; with nothing to forward, or on an error, it returns ``credit`` to the
+    root in a :class:`DoneReport`.
     """
 
     context_id: int
+    pass_id: PassId
+    credit: Fraction
     grads: Tuple[Tuple[MessageKey, torch.Tensor], ...]
 
     def __post_init__(self) -> None:
-        _check_id(self.context_id)
+        _check_id("context_id", self.context_id)
+        _check_pass(self.pass_id)
+        _check_credit(self.credit)
         if not self.grads:
             raise ValueError("a BackwardRequest must carry at least one gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class DoneReport:
+    """``AUTOGRAD_DONE`` (one-way, to the root): ``credit`` of pass ``pass_id`` comes back.
+
+    ``error`` is the agent's ``RemoteErrorInfo`` of a failure on the reporting
+    worker, or None. The pass is over when all the credit (1) is back.
+    """
+
+    pass_id: PassId
+    credit: Fraction
+    error: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        _check_pass(self.pass_id)
+        _check_credit(self.credit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,4 +78,4 @@ class ReleaseRequest:
     context_id: int
 
     def __post_init__(self) -> None:
-        _check_id(self.context_id)
+        _check_id("context_id", self.context_id)

@@ -30,6 +30,7 @@ class Kind(enum.IntEnum):
     # distributed autograd (see torchrpc._dist_autograd)
     AUTOGRAD_BACKWARD = 32
     AUTOGRAD_RELEASE = 33
+    AUTOGRAD_DONE = 34
     # profiler
     PROFILED_CALL = 48
 

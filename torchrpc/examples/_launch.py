@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -68,6 +68,16 @@ def base_parser(description: str, *, default_timeout: float = 300.0) -> argparse
         help="hard wall-clock limit for the whole run (default: %(default)s)",
     )
     return parser
+
+
+def say(text: str) -> None:
+    """Print ``text`` and a newline in one write, then flush.
+
+    Ranks share one stdout; with ``PYTHONUNBUFFERED`` a plain ``print`` writes
+    the text and the newline separately, and lines of different ranks mix.
+    """
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def torchrun_rank() -> tuple[int, int] | None:

@@ -53,6 +53,7 @@ from torch.distributions import Categorical
 
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 
 try:
     import gymnasium
@@ -230,7 +231,7 @@ class Agent:
         for ob_id, (rewards, ends) in enumerate(results):
             ob_returns: list[float] = []
             running = 0.0
-            for reward, end in zip(reversed(rewards), reversed(ends)):
+            for reward, end in zip(reversed(rewards), reversed(ends), strict=True):
                 running = reward + (0.0 if end else GAMMA * running)
                 ob_returns.insert(0, running)
             returns.extend(ob_returns)
@@ -263,15 +264,15 @@ def run_mode(num_observers: int, batch: bool, args: argparse.Namespace) -> float
             started = time.perf_counter()   # episode 1 pays for connections and first calls
         reward = agent.run_episode(args.steps)
         running_reward = reward if running_reward is None else 0.9 * running_reward + 0.1 * reward
-        print(f"[{label:>9}] episode {episode}: reward {reward:6.2f}  "
-              f"running reward {running_reward:6.2f}", flush=True)
+        say(f"[{label:>9}] episode {episode}: reward {reward:6.2f}  "
+            f"running reward {running_reward:6.2f}")
     seconds = (time.perf_counter() - started) / max(args.episodes - 1, 1)
     expected = args.episodes * args.steps * (1 if batch else num_observers)
     if agent.policy_calls != expected:
         raise RuntimeError(f"{label}: policy ran {agent.policy_calls} times, expected {expected}")
     per_step = agent.policy_calls / (args.episodes * args.steps)
-    print(f"[{label:>9}] {seconds:.3f} s per episode after the first, "
-          f"policy calls per step: {per_step:g}", flush=True)
+    say(f"[{label:>9}] {seconds:.3f} s per episode after the first, "
+        f"policy calls per step: {per_step:g}")
     return seconds
 
 
@@ -281,13 +282,13 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         rpc.init_rpc(AGENT_NAME, rank=rank, world_size=world_size)
         num_observers = world_size - 1
         env_name = "gymnasium CartPole-v1" if gymnasium is not None else "built-in CartPole"
-        print(f"{AGENT_NAME}: {num_observers} observers on {env_name}, "
-              f"{args.episodes} episodes of {args.steps} steps per mode", flush=True)
+        say(f"{AGENT_NAME}: {num_observers} observers on {env_name}, "
+            f"{args.episodes} episodes of {args.steps} steps per mode")
         batched = run_mode(num_observers, True, args)
         unbatched = run_mode(num_observers, False, args)
-        print(f"\nseconds per episode\nobservers  batched s  unbatched s  speed-up\n"
-              f"{num_observers:>9}  {batched:>9.2f}  {unbatched:>11.2f}  "
-              f"{unbatched / batched:>7.2f}x", flush=True)
+        say(f"\nseconds per episode\nobservers  batched s  unbatched s  speed-up\n"
+            f"{num_observers:>9}  {batched:>9.2f}  {unbatched:>11.2f}  "
+            f"{unbatched / batched:>7.2f}x")
     else:
         rpc.init_rpc(f"observer{rank}", rank=rank, world_size=world_size)
     rpc.shutdown()

@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 from torchrpc.nn import RemoteModule
 from torchrpc.optim import DistributedOptimizer
 
@@ -115,8 +116,8 @@ def run_trainer(remote_emb_module: RemoteModule, rank: int, epochs: int,
                 opt.step(context_id)
             total += loss.item()
         losses.append(total / len(batches))
-        print(f"{name}: epoch {epoch}/{epochs}  loss {losses[-1]:.4f}  "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
+        say(f"{name}: epoch {epoch}/{epochs}  loss {losses[-1]:.4f}  "
+            f"({time.perf_counter() - started:.1f} s)")
     weights = {k: v.detach().clone() for k, v in model.fc.module.state_dict().items()}
     return losses, weights
 
@@ -137,10 +138,10 @@ def run_master(args: argparse.Namespace) -> None:
     (losses0, fc0), (losses1, fc1) = results
     same = all(torch.equal(fc0[k], fc1[k]) for k in fc0)
     changed = int((after != before).any(dim=1).sum())
-    print(f"master: DDP replicas identical on both trainers: {same}", flush=True)
-    print(f"master: embedding rows changed on the ps: {changed}/{NUM_EMBEDDINGS}", flush=True)
+    say(f"master: DDP replicas identical on both trainers: {same}")
+    say(f"master: embedding rows changed on the ps: {changed}/{NUM_EMBEDDINGS}")
     for rank, losses in enumerate((losses0, losses1)):
-        print(f"master: trainer{rank} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        say(f"master: trainer{rank} loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     if not same:
         raise RuntimeError("the DDP replicas of the dense layer diverged")
     if changed == 0:

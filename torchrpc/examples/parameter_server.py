@@ -37,7 +37,8 @@ import importlib
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,7 @@ from sklearn.datasets import load_digits
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 from torchrpc.optim import DistributedOptimizer
 
 PS_NAME = "parameter_server"
@@ -221,11 +223,10 @@ def run_trainer(rank: int, num_trainers: int, args: argparse.Namespace) -> None:
                                        f"for context {context_id}, expected {n_params}")
                 opt.step(context_id)
             losses.append(loss.item())
-        print(f"{name}: epoch {epoch}/{args.epochs}  loss {sum(losses) / len(losses):.4f}  "
-              f"({len(losses)} steps, {time.perf_counter() - started:.1f} s)", flush=True)
+        say(f"{name}: epoch {epoch}/{args.epochs}  loss {sum(losses) / len(losses):.4f}  "
+            f"({len(losses)} steps, {time.perf_counter() - started:.1f} s)")
     own = accuracy(net.predict(x_test), y_test)
-    print(f"{name}: training complete; accuracy seen over RPC after its last step {own:.2f}",
-          flush=True)
+    say(f"{name}: training complete; accuracy seen over RPC after its last step {own:.2f}")
 
 
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -233,15 +234,14 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if rank == 0:
         started = time.perf_counter()
         rpc.init_rpc(PS_NAME, rank=rank, world_size=world_size)
-        print(f"{PS_NAME}: serving {world_size - 1} trainer(s) for {args.epochs} epoch(s)",
-              flush=True)
+        say(f"{PS_NAME}: serving {world_size - 1} trainer(s) for {args.epochs} epoch(s)")
         rpc.shutdown()  # graceful: returns once every trainer has shut down too
         if not _SERVER.created():
             raise RuntimeError("no trainer ever created the parameter server")
         _, _, x_test, y_test = load_split()
         acc = accuracy(_SERVER.get().predict(x_test), y_test)
-        print(f"{PS_NAME}: done in {time.perf_counter() - started:.1f} s", flush=True)
-        print(f"test accuracy: {acc:.2f}", flush=True)
+        say(f"{PS_NAME}: done in {time.perf_counter() - started:.1f} s")
+        say(f"test accuracy: {acc:.2f}")
     else:
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size)
         run_trainer(rank, world_size - 1, args)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 from torchrpc.optim import DistributedOptimizer
 
 WORKERS = ("master", "worker1", "worker2")
@@ -212,7 +213,7 @@ def train_batches(model: PipelinedResNet, opt: DistributedOptimizer,
             loss = F.mse_loss(model(inputs), one_hot)
             dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
-        print(f"  {label} batch {i}: loss {loss.item():.4f}", flush=True)
+        say(f"  {label} batch {i}: loss {loss.item():.4f}")
     return time.perf_counter() - started
 
 
@@ -240,9 +241,8 @@ def run_master(args: argparse.Namespace) -> None:
          torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=gen))
         for _ in range(args.batches)
     ]
-    print(f"pipeline over {WORKERS[1]} and {WORKERS[2]}: batch {args.batch_size} of "
-          f"3x{args.image_size}x{args.image_size}, {args.batches} timed batch(es) per split",
-          flush=True)
+    say(f"pipeline over {WORKERS[1]} and {WORKERS[2]}: batch {args.batch_size} of "
+        f"3x{args.image_size}x{args.image_size}, {args.batches} timed batch(es) per split")
     rows = []
     for splits in SPLITS:
         model = PipelinedResNet(splits)
@@ -253,10 +253,10 @@ def run_master(args: argparse.Namespace) -> None:
         rows.append((splits, -(-args.batch_size // splits), seconds / len(batches),
                      args.batch_size * len(batches) / seconds,
                      args.batch_size * len(batches) / infer_seconds))
-    print("\nsplits  micro-batch  train s/batch  train images/s  inference images/s")
+    say("\nsplits  micro-batch  train s/batch  train images/s  inference images/s")
     for splits, micro, per_batch, rate, infer_rate in rows:
-        print(f"{splits:>6}  {micro:>11}  {per_batch:>13.3f}  {rate:>14.1f}  {infer_rate:>18.1f}")
-    print(flush=True)
+        say(f"{splits:>6}  {micro:>11}  {per_batch:>13.3f}  {rate:>14.1f}  {infer_rate:>18.1f}")
+    say("")
 
 
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:

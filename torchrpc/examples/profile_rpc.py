@@ -41,6 +41,7 @@ from torch.autograd import profiler
 
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 
 CALLER, CALLEE = "worker0", "worker1"
 
@@ -73,15 +74,15 @@ def summarize(prof: profiler.profile) -> int:
     rpc_events = [e for e in prof.function_events
                   if e.name.startswith("rpc_async#") and "#remote_op: " not in e.name]
     remote_events = [e for e in prof.function_events if "#remote_op: " in e.name]
-    print(f"\n{len(rpc_events)} RPC events:")
+    say(f"\n{len(rpc_events)} RPC events:")
     for event in rpc_events:
-        print(f"  {event.name}  {event.cpu_time_total / 1000:.1f} ms")
-    print(f"{len(remote_events)} remote operator events, node ids "
-          f"{sorted({getattr(e, 'node_id', -1) for e in remote_events})}:")
+        say(f"  {event.name}  {event.cpu_time_total / 1000:.1f} ms")
+    say(f"{len(remote_events)} remote operator events, node ids "
+        f"{sorted({getattr(e, 'node_id', -1) for e in remote_events})}:")
     for event in remote_events[:8]:
-        print(f"  [node {getattr(event, 'node_id', -1)}] {event.name}")
+        say(f"  [node {getattr(event, 'node_id', -1)}] {event.name}")
     if len(remote_events) > 8:
-        print(f"  ... and {len(remote_events) - 8} more")
+        say(f"  ... and {len(remote_events) - 8} more")
     return len(rpc_events)
 
 
@@ -93,7 +94,7 @@ def export_trace(prof: profiler.profile) -> None:
         with open(path) as f:
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    print(f"chrome trace: {len(events)} events (written to a temporary directory, then removed)")
+    say(f"chrome trace: {len(events)} events (written to a temporary directory, then removed)")
 
 
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -103,11 +104,10 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     recorded: int | None = None
     if rank == 0:
         prof = profile_calls(args.sleep)
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows,
-                                        max_name_column_width=100), flush=True)
+        say(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows,
+                                      max_name_column_width=100))
         recorded = summarize(prof)
         export_trace(prof)
-        sys.stdout.flush()
     rpc.shutdown()
     if recorded == 0:
         raise RuntimeError("the profiler recorded no rpc_async# events; the RPC layer in use "

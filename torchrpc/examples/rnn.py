@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.examples import _launch
+from torchrpc.examples._launch import say
 from torchrpc.nn import RemoteModule
 from torchrpc.optim import DistributedOptimizer
 
@@ -144,8 +145,8 @@ def run_trainer(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = CharRNN(len(vocab), embedding_dim=16, hidden=64)
     opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.5, momentum=0.9)
-    print(f"{TRAINER_NAME}: {len(text)} characters of `{args.text_module}`, "
-          f"{len(vocab)} distinct; {args.epochs} epochs of {args.batches} batches", flush=True)
+    say(f"{TRAINER_NAME}: {len(text)} characters of `{args.text_module}`, "
+        f"{len(vocab)} distinct; {args.epochs} epochs of {args.batches} batches")
     gen = torch.Generator().manual_seed(0)
     for epoch in range(1, args.epochs + 1):
         started = time.perf_counter()
@@ -160,9 +161,9 @@ def run_trainer(args: argparse.Namespace) -> None:
                     check_local_gradients(model, context_id)
                 opt.step(context_id)
             total += loss.item()
-        print(f"{TRAINER_NAME}: epoch {epoch}/{args.epochs}  loss {total / args.batches:.4f}  "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
-    print(f"sample: {sample(model, vocab, PROMPT, args.sample_len)!r}", flush=True)
+        say(f"{TRAINER_NAME}: epoch {epoch}/{args.epochs}  loss {total / args.batches:.4f}  "
+            f"({time.perf_counter() - started:.1f} s)")
+    say(f"sample: {sample(model, vocab, PROMPT, args.sample_len)!r}")
 
 
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:

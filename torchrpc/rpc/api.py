@@ -15,7 +15,7 @@ import torch
 
 from .._agent import Agent, RpcFuture, WorkerInfo
 from .._agent.current import current_agent, handle as _state
-from .. import _dist_autograd, _rref
+from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.rendezvous import open_store, validate_name
 from . import backend_registry, constants, functions
@@ -26,7 +26,8 @@ log = logging.getLogger("torchrpc")
 WorkerLike = Union[str, int, WorkerInfo]
 
 # Upper layers (RRefs, distributed autograd) install themselves on each new agent.
-_agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install]
+_agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install,
+                                                    _profiler.install]
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -195,6 +196,9 @@ def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any
         A :class:`torch.futures.Future` of the return value of ``func``.
     """
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    if _profiler.enabled():
+        return _profiler.profiled("rpc_async", agent, dst, func, lambda: agent.call(
+            dst, func, args, kwargs, timeout, retry=functions.retry_policy(func)))
     return agent.call(dst, func, args, kwargs, timeout, retry=functions.retry_policy(func))
 
 
@@ -207,6 +211,10 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
     with the remote traceback in the message).
     """
+    if _profiler.enabled():
+        agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+        return _profiler.profiled("rpc_sync", agent, dst, func, lambda: agent.call(
+            dst, func, args, kwargs, timeout, retry=functions.retry_policy(func))).wait()
     return rpc_async(to, func, args, kwargs, timeout).wait()
 
 
@@ -231,6 +239,9 @@ def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, .
         A user :class:`RRef` to the result value.
     """
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    if _profiler.enabled():
+        return _profiler.profiled("rpc_remote", agent, dst, func,
+                                  lambda: _rref.remote(agent, dst, func, args, kwargs, timeout))
     return _rref.remote(agent, dst, func, args, kwargs, timeout)
 
 

@@ -141,6 +141,10 @@ def rref_value_sum(rref: Any) -> torch.Tensor:
 
 # -- DistributedOptimizer --------------------------------------------------------------------------
 
+def warm_up_optimizers() -> None:
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
 def new_param(seed: int, rows: int, cols: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(make_weight(seed, rows, cols))
 

@@ -216,3 +216,7 @@ def fan_out(to: str, n: int) -> int:
 
 def blocking_to_here(rref: rpc.RRef) -> Any:
     return rref.to_here()
+
+
+def worker_infos() -> list:
+    return rpc.get_worker_infos()

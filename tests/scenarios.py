@@ -88,6 +88,44 @@ def group_call(rank: int) -> None:
     print(f"OK group {me.name}", flush=True)
 
 
+def all_to_all(rank: int) -> None:
+    """init_rpc, call every other worker once, graceful shutdown; print the timings."""
+    import time
+    world = int(sys.argv[3])
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=120)
+    t0 = time.monotonic()
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    t1 = time.monotonic()
+    futs = [rpc.rpc_async(f"w{r}", helpers.add, args=(rank, r)) for r in range(world) if r != rank]
+    assert torch.futures.wait_all(futs) == [rank + r for r in range(world) if r != rank]
+    t2 = time.monotonic()
+    rpc.shutdown()
+    t3 = time.monotonic()
+    assert not _torchrpc_threads(), _torchrpc_threads()
+    print(f"OK all_to_all init={t1 - t0:.2f} calls={t2 - t1:.2f} shutdown={t3 - t2:.2f}", flush=True)
+
+
+def elastic_member(rank: int) -> None:
+    """Join a running dynamic group, keep calling rank 0 until told to leave, then leave."""
+    import time
+    name, stopfile = os.environ["SCENARIO_NAME"], os.environ["SCENARIO_STOPFILE"]
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=30)
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=opts)
+    except RuntimeError as exc:
+        print(f"ERR {exc}", flush=True)
+        return
+    print("JOINED", flush=True)
+    calls = 0
+    while not os.path.exists(stopfile):
+        assert rpc.rpc_sync(0, helpers.add, args=(calls, 1)) == calls + 1
+        calls += 1
+        time.sleep(0.02)
+    rpc.shutdown()
+    assert not _torchrpc_threads(), _torchrpc_threads()
+    print(f"OK elastic {name} calls={calls}", flush=True)
+
+
 def duplicate(rank: int) -> None:
     """Started with a clashing name or rank: init_rpc must fail with a clear error."""
     name = os.environ["SCENARIO_NAME"]

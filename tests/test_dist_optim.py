@@ -19,6 +19,11 @@ from .group import running_group
 @pytest.fixture(scope="module", autouse=True)
 def group():
     with running_group(3, threads=4, timeout=30.0) as g:
+        # torch imports torch._dynamo (seconds) when the first optimizer is made: do it
+        # everywhere at once, without a deadline, so no test's RPC waits for it.
+        warm = [rpc.rpc_async(w, h.warm_up_optimizers, timeout=0) for w in ("worker1", "worker2")]
+        h.warm_up_optimizers()
+        torch.futures.wait_all(warm)
         yield g
 
 

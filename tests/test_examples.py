@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torchrpc
 
-PROGRAM_LIMIT_S = 100   # passed to the program as --timeout
-SUBPROCESS_LIMIT_S = 120
+PROGRAM_LIMIT_S = 120   # passed to the program as --timeout
+SUBPROCESS_LIMIT_S = 150
 PACKAGE_ROOT = Path(torchrpc.__file__).resolve().parent.parent
 
 

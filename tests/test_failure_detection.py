@@ -87,8 +87,10 @@ def test_shutdown_finds_a_worker_that_died_unseen():
 
 def test_heartbeat_detects_a_silent_worker():
     # SIGSTOP: the socket stays open and nothing comes, as when a host dies or the network
-    # is cut. Only heartbeats can tell; rank 0 runs with the default options.
-    group = Group(3, threads=4, timeout=30.0)
+    # is cut. Only heartbeats can tell. Rank 0 times a silent peer out after 1.5 s (the
+    # default is 5 s, so that an overloaded worker is not taken for a dead one).
+    group = Group(3, threads=4, timeout=30.0,
+                  self_options={"heartbeat_interval": 0.5, "heartbeat_timeout": 1.5})
     try:
         group.init_self()
         assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"

@@ -71,11 +71,11 @@ def _templates(rng: random.Random) -> List[bytes]:
     return out
 
 
-def _mutate(rng: random.Random, frame: bytes) -> Tuple[bytes, bool]:
+def _mutate(rng: random.Random, frame: bytes, in_step: bool = False) -> Tuple[bytes, bool]:
     """A mutated frame and whether its header still matches its length (so the
-    connection stays in step after it)."""
+    connection stays in step after it); with ``in_step``, only such mutations."""
     data = bytearray(frame)
-    op = rng.randrange(9)
+    op = rng.randrange(2) if in_step else rng.randrange(9)
     header_end = _wire.HEADER_SIZE
     if op == 0:  # flip bits in the body
         for _ in range(rng.randint(1, 8)):
@@ -189,19 +189,24 @@ def _fuzz_unauthenticated(rng: random.Random, target: _Target, templates: List[b
 
 def _fuzz_authenticated(rng: random.Random, target: _Target, templates: List[bytes], n: int,
                         check: Callable[[], None]) -> None:
-    s: Optional[socket.socket] = None
-    for i in range(n):
-        if s is None:
-            s = target.authenticated()
-        base = rng.choice(templates)
-        data, in_step = _mutate(rng, base) if rng.random() < 0.9 else (base, True)
-        if not _send_quietly(s, data) or not in_step or not _drain(s):
-            s.close()
-            s = None
-        if i % 500 == 0:
-            check()
-    if s is not None:
+    # Per connection: a run of frames that keep it in step (intact or with their bodies
+    # mutated), then usually one that may not (any mutation), then a new connection.
+    sent = next_check = 0
+    while sent < n:
+        s = target.authenticated()
+        batch = []
+        for _ in range(min(rng.randint(1, 40), n - sent)):
+            base = rng.choice(templates)
+            batch.append(base if rng.random() < 0.2 else _mutate(rng, base, in_step=True)[0])
+        if rng.random() < 0.8 and len(batch) < n - sent:
+            batch.append(_mutate(rng, rng.choice(templates))[0])
+        _send_quietly(s, b"".join(batch))
+        _drain(s)
         s.close()
+        sent += len(batch)
+        if sent >= next_check:
+            check()
+            next_check += 1000
 
 
 def test_fuzz_worker_port(group):
@@ -219,11 +224,14 @@ def test_fuzz_worker_port(group):
     check()
     rss_before = rpc.rpc_sync("worker1", rh.rss_kib)
     start = time.monotonic()
-    n_unauth = ITERS * 3 // 10
+    n_unauth = ITERS // 5
     _fuzz_unauthenticated(rng, target, templates, n_unauth)
     check()
+    middle = time.monotonic()
     _fuzz_authenticated(rng, target, templates, ITERS - n_unauth, check)
     elapsed = time.monotonic() - start
+    print(f"\nfuzz: {n_unauth} unauthenticated in {middle - start:.1f} s, "
+          f"{ITERS - n_unauth} authenticated in {elapsed - (middle - start):.1f} s")
     check()
     assert rpc.rpc_sync("worker1", helpers.nested_call, args=("worker0", 2)) == "worker1>worker0>worker1"
     rss_after = rpc.rpc_sync("worker1", rh.rss_kib)

@@ -39,7 +39,7 @@ from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
-from . import rendezvous
+from . import membership, rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool
 from .retry import RetryPolicy, retryable
@@ -212,6 +212,13 @@ class Agent:
         self._lost: Dict[int, str] = {}
         self._state = "new"
         self._ready = threading.Event()
+        # Elastic membership (world_size=None): see torchrpc._agent.membership.
+        self.elastic = world_size is None
+        self._departed: Dict[str, int] = {}
+        self._members_lock = threading.Lock()
+        self._members_stop = threading.Event()
+        self._members_thread: Optional[threading.Thread] = None
+        self._log: Optional[membership.EventLog] = None
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
         self._transport: Optional[Transport] = None
         self._timer: Optional[threading.Thread] = None
@@ -223,7 +230,7 @@ class Agent:
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
-        self._beating: set[Connection] = set()  # connections that have sent a heartbeat
+        self._beating: set[int] = set()  # ranks that send heartbeats (so may be timed out)
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
@@ -237,7 +244,10 @@ class Agent:
         """Rendezvous with the group, start listening and the timer; return self."""
         store, rank = self.store, self.rank
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
-        secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
+        if self.elastic:
+            secret = membership.join(store, self.name, rank, timeout)
+        else:
+            secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
             self._transport = Transport(rank, secret, self._limits, self._on_connect,
                                         self._on_frame, self._on_close, host,
@@ -248,26 +258,31 @@ class Agent:
         except RpcError as exc:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
-            infos = rendezvous.publish(store, self.name, rank, self.world_size,
-                                       self._transport.address, timeout)
+            if self.elastic:
+                membership.announce(store, self.name, rank, self._transport.address)
+                self._log = membership.EventLog(store)
+                infos = membership.EventLog.members(self._log.poll())
+            else:
+                infos = rendezvous.publish(store, self.name, rank, self.world_size,
+                                           self._transport.address, timeout)
         except BaseException:
             self._transport.close()
             raise
         for r, info in infos.items():
-            w = WorkerInfo(info["name"], r)
-            self._workers[r] = w
-            self._by_name[w.name] = w
-            self._addresses[r] = (info["host"], info["port"])
-            self.hostids[r] = info["hostid"]
+            self._add_worker(r, info)
         self._state = "running"
         self._timer = threading.Thread(target=self._timer_loop, name=f"torchrpc-timer-{self.name}",
                                        daemon=True)
         self._timer.start()
+        if self.elastic:
+            self._members_thread = threading.Thread(
+                target=self._follow_members, name=f"torchrpc-members-{self.name}", daemon=True)
+            self._members_thread.start()
         if self._hb_interval > 0:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"torchrpc-heartbeat-{self.name}")
             self._heartbeat.start()
-        log.info("torchrpc: worker %s (rank %d of %d) listening on %s:%d%s", self.name, rank,
+        log.info("torchrpc: worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
@@ -281,6 +296,53 @@ class Agent:
 
     # -- registry ----------------------------------------------------------------------------------
 
+    def _add_worker(self, rank: int, info: Dict[str, Any]) -> None:
+        w = WorkerInfo(info["name"], rank)
+        with self._lock:
+            self._workers[rank] = w
+            self._by_name[w.name] = w
+            self._departed.pop(w.name, None)
+            self._left.discard(rank)
+            self._addresses[rank] = (info["host"], info["port"])
+            self.hostids[rank] = info["hostid"]
+
+    def _apply_events(self, events: List[Dict[str, Any]]) -> None:
+        for event in events:
+            rank = event["rank"]
+            if event["op"] == "join":
+                if rank != self.rank:
+                    self._add_worker(rank, event)
+                continue
+            if rank == self.rank:
+                continue
+            with self._lock:
+                w = self._workers.pop(rank, None)
+                if w is not None:
+                    self._by_name.pop(w.name, None)
+                    self._departed[w.name] = rank
+                self._left.add(rank)
+            name = w.name if w is not None else event["name"]
+            self._fail_pending(rank, WorkerLeftError(
+                f"worker {name} (rank {rank}) has shut down and left the group", worker=name))
+
+    def _refresh_members(self) -> None:
+        with self._members_lock:
+            self._apply_events(self._log.poll())
+
+    def _follow_members(self) -> None:
+        """Elastic mode: follow the membership log until the agent stops."""
+        failures = 0
+        while self._state in ("running", "stopping") and not self._members_stop.wait(0.05):
+            try:
+                self._refresh_members()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - the store host may be gone
+                failures += 1
+                if failures == 1:
+                    log.warning("torchrpc: %s cannot read the membership log: %s", self.name, exc)
+                if self._members_stop.wait(min(1.0, 0.1 * failures)):
+                    return
+
     @property
     def worker_info(self) -> WorkerInfo:
         return self._workers[self.rank]
@@ -292,11 +354,17 @@ class Agent:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
         if isinstance(to, WorkerInfo):
             w = self._workers.get(to.id)
+            if w is None and to.name in self._departed:
+                raise WorkerLeftError(f"worker {to.name} (rank {to.id}) has shut down and left "
+                                      f"the group", worker=to.name)
             if w is None or w.name != to.name:
                 raise ValueError(f"unknown worker {to!r}: it is not a member of this group")
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
+            if w is None and to in self._departed:
+                raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
+                                      f"and left the group", worker=to)
             if w is None:
                 raise ValueError(f"unknown worker name {to!r}; known workers: "
                                  f"{sorted(self._by_name)[:16]}")
@@ -304,7 +372,9 @@ class Agent:
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
             if w is None:
-                raise ValueError(f"unknown worker rank {to}; ranks are 0..{self.world_size - 1}")
+                if to in self._left:
+                    raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
+                raise ValueError(f"unknown worker rank {to}; known ranks: {sorted(self._workers)[:16]}")
             return w
         raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
 
@@ -481,7 +551,7 @@ class Agent:
             raise NotInitializedError(
                 f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
 
-    def _connection(self, dst: WorkerInfo) -> Connection:
+    def _connection(self, dst: WorkerInfo, patient: bool = False) -> Connection:
         conn = self._conns.get(dst.id)
         if conn is not None and not conn.closed:
             return conn
@@ -499,7 +569,7 @@ class Agent:
             host, port = self._addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
-            if lost is not None and self._hb_timeout > 0:
+            if lost is not None and self._hb_timeout > 0 and not patient:
                 timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
             try:
                 conn = self._transport.connect(dst.id, host, port, timeout)
@@ -522,7 +592,6 @@ class Agent:
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         rank = conn.peer_rank
-        self._beating.discard(conn)
         with self._lock:
             conns = self._all_conns.get(rank, [])
             if conn in conns:
@@ -566,6 +635,9 @@ class Agent:
             self._on_reply(conn, header, envelope, buffers)
             return
         src = self._workers.get(conn.peer_rank)
+        if src is None and self.elastic:
+            self._refresh_members()  # a new member may call before we saw it join
+            src = self._workers.get(conn.peer_rank)
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
@@ -575,7 +647,7 @@ class Agent:
                 worker=src.name))
             return
         if kind == Kind.HEARTBEAT:
-            self._beating.add(conn)
+            self._beating.add(src.id)
             return
         handler = self._handlers.get(kind)
         try:
@@ -745,29 +817,37 @@ class Agent:
     #
     # Theory of operation. A worker that dies closes its sockets, so its peers read EOF
     # and fail its pending calls at once (_on_close). A worker whose host died, or whose
-    # network is cut, or that hangs, sends nothing: every connection carries a HEARTBEAT
-    # frame when it has been idle for heartbeat_interval, and the timer closes a connection
-    # that brought nothing in for heartbeat_timeout, which fails the calls pending on it.
-    # Only connections that have sent a heartbeat are timed out, so a peer configured
-    # without heartbeats is never mistaken for a dead one. At graceful shutdown, lost
-    # workers are shared through the store, and workers missing from the barrier are
-    # probed, so a worker that died unseen by this one is found too (check_peers).
+    # network is cut, or that hangs, sends nothing. So a worker sends each peer a
+    # HEARTBEAT frame when it has sent that peer nothing for heartbeat_interval, and the
+    # timer closes every connection of a peer from which nothing at all came in for
+    # heartbeat_timeout, which fails the calls pending on it. Liveness is per peer, not
+    # per connection: any frame on any of its connections counts. Only peers that have
+    # sent a heartbeat are timed out, so one configured without heartbeats is never
+    # mistaken for a dead one. A loss is a suspicion until graceful shutdown confirms it
+    # by failing to connect again; there, confirmed losses are shared through the store,
+    # and workers missing from the barrier are probed, so a worker that died unseen by
+    # this one is found too (check_peers).
 
-    def _open_connections(self) -> List[Connection]:
+    def _connections_by_peer(self) -> Dict[int, List[Connection]]:
         with self._lock:
-            return [c for lst in self._all_conns.values() for c in lst if not c.closed]
+            return {r: [c for c in lst if not c.closed] for r, lst in self._all_conns.items()
+                    if any(not c.closed for c in lst)}
 
     def _heartbeat_loop(self) -> None:
         interval = self._hb_interval
         envelope = _wire.encode(None)[0]
         while not self._stopped.wait(interval / 2):
             now = time.monotonic()
-            for conn in self._open_connections():
-                if now - conn.last_send >= interval:
-                    try:
-                        conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
-                    except RpcError:
-                        pass  # closed meanwhile; its reader reports why
+            for rank, conns in self._connections_by_peer().items():
+                if now - max(c.last_send for c in conns) < interval:
+                    continue  # traffic to this peer is proof enough
+                conn = self._conns.get(rank)
+                if conn is None or conn.closed:
+                    conn = conns[0]
+                try:
+                    conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
+                except RpcError:
+                    pass  # closed meanwhile; its reader reports why
 
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
@@ -777,21 +857,25 @@ class Agent:
         self._last_liveness = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        for conn in list(self._beating):
-            silent = now - conn.last_recv
-            if silent <= timeout or conn.closed or conn.peer_rank in self._left:
+        for rank, conns in self._connections_by_peer().items():
+            if rank not in self._beating or rank in self._left:
+                continue
+            silent = now - max(c.last_recv for c in conns)
+            if silent <= timeout:
                 continue
             try:
-                if select.select([conn.sock], [], [], 0)[0]:
-                    continue  # bytes are waiting: the peer spoke, our reader is behind
+                if select.select([c.sock for c in conns], [], [], 0)[0]:
+                    continue  # bytes are waiting: the peer spoke, our readers are behind
             except (OSError, ValueError):
                 pass
-            w = self._workers.get(conn.peer_rank)
-            name = w.name if w else f"rank{conn.peer_rank}"
-            conn.close(ConnectionLostError(
-                f"no heartbeat from worker {name} (rank {conn.peer_rank}) for {silent:.1f} s "
+            w = self._workers.get(rank)
+            name = w.name if w else f"rank{rank}"
+            error = ConnectionLostError(
+                f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
                 f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
-                worker=name))
+                worker=name)
+            for conn in conns:
+                conn.close(error)
 
     # -- shutdown ----------------------------------------------------------------------------------
 
@@ -818,7 +902,7 @@ class Agent:
                 self._probe_absent(barrier)
         for r in [r for r in self._lost if r not in self._left and r not in self._gone]:
             try:
-                self._connection(self._workers[r])  # a broken link to a live worker heals
+                self._connection(self._workers[r], patient=True)  # a live worker reconnects
             except RpcError as exc:
                 self._gone[r] = str(exc)
         gone = {r: why for r, why in self._gone.items() if r not in self._left}
@@ -875,7 +959,15 @@ class Agent:
             return
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         error: Optional[BaseException] = None
-        if graceful:
+        if graceful and self.elastic:
+            try:
+                for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
+                    for hook in self._shutdown_hooks:
+                        hook(deadline)
+                    self._wait_pending(deadline)
+            except (RpcError, RuntimeError) as exc:
+                error = exc
+        elif graceful:
             try:
                 for hook in self._shutdown_hooks:
                     hook(deadline)
@@ -901,6 +993,14 @@ class Agent:
     def _stop(self) -> None:
         self._state = "stopping"
         self.final_debug_info = self.debug_info()
+        if self.elastic:
+            self._members_stop.set()
+            if self._members_thread is not None:
+                self._members_thread.join(10)
+            try:
+                membership.leave(self.store, self.name, self.rank)
+            except Exception as exc:  # noqa: BLE001 - the store host may be gone already
+                log.warning("torchrpc: %s could not announce its departure: %s", self.name, exc)
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
         for conn in conns:

@@ -15,15 +15,23 @@ that the reply's metadata carries back.
 this worker (:func:`~torchrpc._dist_autograd.records.local_pass`): gradients of
 ordinary leaves accumulate in the context, gradients of received tensors go back
 to their senders in one ``AUTOGRAD_BACKWARD`` request per sender. A worker that
-gets such a request runs its engine from the send records it names, does the
-same with what it reaches, and replies only when every request it made has been
-answered. So the reply to the root's requests means the whole pass is over, and
-an error anywhere travels back up the chain of replies with the name of the
-worker where it was raised. Every request has the agent's deadline, so a pass
-never hangs on a dead or stuck worker. Because backprop is linear, running the
-engine once per incoming request and summing gives the gradients of one run over
-the whole graph; the local graph is therefore retained until the context is
-released, whatever ``retain_graph`` says.
+gets such a request runs its engine from the send records it names and does the
+same with what it reaches. Because backprop is linear, running the engine once per
+incoming request and summing gives the gradients of one run over the whole graph;
+the local graph is therefore retained until the context is released, whatever
+``retain_graph`` says.
+
+The root learns that the pass is over by *credit recovery* (weight-throwing
+termination detection): the pass starts with credit 1 at the root; a worker splits
+the credit it received among the requests it sends on, and a worker that sends
+nothing on returns its credit to the root in a one-way ``AUTOGRAD_DONE``. Credit
+is never created, so the pass is over exactly when all of it is back, whatever
+order the reports arrive in; a chain A -> B -> A costs two one-way messages.
+A failure anywhere (in the local engine, or a request that could not be
+delivered, seen by its sender) returns the credit involved together with the
+error, which names the worker; the root raises the first error once all the
+credit is back. The root waits at most the agent's RPC timeout, so a pass never
+hangs on a dead or stuck worker.
 
 *Release.* Leaving ``with context()`` drops the context here and sends
 ``AUTOGRAD_RELEASE`` to every worker a message of the context went to; each of
@@ -37,28 +45,38 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import threading
+import traceback
+from fractions import Fraction
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerInfo
-from .._agent.futures import new_future
+from .. import _wire
+from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
+from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._wire import Kind
-from ..errors import NotInitializedError, RpcError, WorkerLeftError
+from ..errors import RpcError, RpcTimeoutError, SerializationError
+from .messages import BackwardRequest, DoneReport, PassId, ReleaseRequest
 from .records import (DistAutogradContext, MessageKey, RecvRecorder, SendRecorder, local_pass,
                       make_context_id)
-from .messages import BackwardRequest, ReleaseRequest
 
 log = logging.getLogger("torchrpc")
 
 EXTENSION_KEY = "autograd"
 """The engine's name in ``Agent.extensions``."""
 
-_OWN_KINDS = frozenset((int(Kind.AUTOGRAD_BACKWARD), int(Kind.AUTOGRAD_RELEASE)))
+_OWN_KINDS = frozenset((int(Kind.AUTOGRAD_BACKWARD), int(Kind.AUTOGRAD_RELEASE),
+                        int(Kind.AUTOGRAD_DONE)))
+_ALL_CREDIT = Fraction(1)
 _TOMBSTONES = 16384
+# Backward requests are answered (an empty reply once the callee's part is under way)
+# so that a sender learns at once that a callee died and returns the credit with the
+# error, instead of the root waiting out its timeout.
+_ACK_HOPS = True
 
 
 class _CalleeScope(CallScope):
@@ -87,6 +105,30 @@ class _CalleeScope(CallScope):
         return self._reply_msg
 
 
+class _PassState:
+    """What the root of one backward pass waits for: all the credit back."""
+
+    __slots__ = ("event", "error", "_returned", "_lock")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: Optional[BaseException] = None
+        self._returned = Fraction(0)
+        self._lock = threading.Lock()
+
+    def add(self, credit: Fraction, error: Optional[BaseException]) -> None:
+        with self._lock:
+            self._returned += credit
+            if error is not None and self.error is None:
+                self.error = error
+            if self._returned >= _ALL_CREDIT:
+                self.event.set()
+
+    def missing(self) -> Fraction:
+        with self._lock:
+            return _ALL_CREDIT - self._returned
+
+
 class DistAutogradEngine(CallHook):
     """Distributed autograd on one agent. Thread-safe; see the module docs."""
 
@@ -100,8 +142,10 @@ class DistAutogradEngine(CallHook):
         self._released: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self._next_context = itertools.count(1)
         self._next_message = itertools.count(1)
+        self._next_pass = itertools.count(1)
+        self._roots: Dict[PassId, _PassState] = {}
         self._local = threading.local()
-        self._passes = 0
+        self._running = 0
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -166,23 +210,23 @@ class DistAutogradEngine(CallHook):
                 self._send_release(rank, context_id)
 
     def _send_release(self, rank: int, context_id: int) -> None:
+        # One-way: nothing waits for a release. It is written to the connection before
+        # this call returns, so a later shutdown of this worker still delivers it.
         agent = self._agent
         try:
-            fut = agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
-                                ReleaseRequest(context_id), agent.default_timeout,
-                                what="distributed autograd context release")
+            agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE, ReleaseRequest(context_id),
+                          0, what="distributed autograd context release", oneway=True)
         except (RpcError, ValueError) as exc:
             log.debug("torchrpc: %s could not release autograd context %d on rank %d: %s",
                       agent.name, context_id, rank, exc)
-            return
-        fut.add_done_callback(_log_release_failure)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return self.retrieve(context_id).gradients()
 
     def debug_info(self) -> Dict[str, Any]:
         return {"num_autograd_contexts": len(self._contexts),
-                "num_current_backward_passes": self._passes}
+                "num_current_backward_passes": len(self._roots),
+                "num_running_local_backward_passes": self._running}
 
     # -- call hook (forward recording) -----------------------------------------------------------
 
@@ -218,81 +262,117 @@ class DistAutogradEngine(CallHook):
         if not isinstance(retain_graph, bool):
             raise TypeError(f"retain_graph must be a bool, got {type(retain_graph).__name__}")
         grads = [torch.ones_like(r, memory_format=torch.contiguous_format) for r in roots]
-        self._propagate(ctx, list(roots), grads).wait()
-
-    def _on_backward(self, src: WorkerInfo, req: Any) -> Any:
-        if not isinstance(req, BackwardRequest):
-            raise RpcError(f"malformed distributed autograd backward request from {src.name}: "
-                           f"{type(req).__name__}")
-        ctx = self.retrieve(req.context_id)
-        edges = [ctx.send_edge(key) for key, _ in req.grads]
-        done = self._propagate(ctx, edges, [g for _, g in req.grads])
-        if done.done():
-            done.wait()  # raises the error of a failed pass
-            return None
-        return AsyncResult(done)
-
-    def _propagate(self, ctx: DistAutogradContext, outputs: List[Any],
-                   grads: List[torch.Tensor]) -> RpcFuture:
-        """Run the local part from ``outputs``, send what is due; a future of everything."""
-        with self._counting():
-            routed = local_pass(ctx, outputs, grads)
-        futs = [self._request_backward(rank, BackwardRequest(ctx.id, tuple(items)))
-                for rank, items in routed.items()]
-        return self._gather(futs)
-
-    def _request_backward(self, rank: int, req: BackwardRequest) -> torch.futures.Future:
-        agent = self._agent
+        pass_id = (self._rank, next(self._next_pass))
+        state = _PassState()
+        with self._lock:
+            self._roots[pass_id] = state
         try:
-            return agent.request(agent.resolve(rank), Kind.AUTOGRAD_BACKWARD, req,
-                                 agent.default_timeout, what="distributed autograd backward")
-        except BaseException as exc:  # noqa: BLE001 - reported through the pass's future
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_exception(exc)
-            return fut
+            with self._counting():
+                routed = local_pass(ctx, list(roots), grads)
+            self._forward(context_id, pass_id, routed, _ALL_CREDIT)
+            timeout = self._agent.default_timeout
+            pool = current_pool()
+            with pool.blocking() if pool is not None else contextlib.nullcontext():
+                finished = state.event.wait(timeout if timeout > 0 else None)
+        finally:
+            with self._lock:
+                self._roots.pop(pass_id, None)
+        if not finished:
+            raise RpcTimeoutError(
+                f"distributed backward pass of autograd context {context_id} timed out after "
+                f"{timeout:g} s (the RPC timeout) with {state.missing()} of its work not "
+                f"reported back; a worker may have died or be stuck")
+        if state.error is not None:
+            raise state.error
 
-    def _gather(self, futs: List[torch.futures.Future]) -> RpcFuture:
-        """A future that completes when all of ``futs`` have, failing with the first error."""
-        out = new_future(self._agent.pool)
-        if not futs:
-            out.set_result(None)
-            return out
-        lock = threading.Lock()
-        state = {"left": len(futs), "error": None}
-
-        def one_done(fut: torch.futures.Future) -> None:
+    def _forward(self, context_id: int, pass_id: PassId,
+                 routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]],
+                 credit: Fraction) -> None:
+        """Send the gradients due to other workers, splitting ``credit`` among them."""
+        if not routed:
+            self._report(pass_id, credit, None)
+            return
+        agent = self._agent
+        share = credit / len(routed)
+        for rank, items in routed.items():
             try:
-                fut.value()
-            except BaseException as exc:  # noqa: BLE001
-                error = exc
-            else:
-                error = None
-            with lock:
-                if error is not None and state["error"] is None:
-                    state["error"] = error
-                state["left"] -= 1
-                last = state["left"] == 0
-            if last:
-                if state["error"] is not None:
-                    out.set_exception(state["error"])
-                else:
-                    out.set_result(None)
+                fut = agent.request(agent.resolve(rank), Kind.AUTOGRAD_BACKWARD,
+                                    BackwardRequest(context_id, pass_id, share, tuple(items)),
+                                    agent.default_timeout, what="distributed autograd backward",
+                                    oneway=not _ACK_HOPS)
+            except BaseException as exc:  # noqa: BLE001 - returned to the root with the credit
+                self._report(pass_id, share, exc)
+                continue
+            fut.add_done_callback(functools.partial(self._hop_done, pass_id, share))
 
-        for fut in futs:
-            fut.add_done_callback(one_done)
-        return out
+    def _hop_done(self, pass_id: PassId, share: Fraction, fut: torch.futures.Future) -> None:
+        try:
+            fut.value()
+        except BaseException as exc:  # noqa: BLE001 - undelivered: return its credit
+            self._report(pass_id, share, exc)
+
+    def _report(self, pass_id: PassId, credit: Fraction, error: Optional[BaseException]) -> None:
+        """Return ``credit`` of ``pass_id`` (and the error that ended it here) to its root."""
+        root = pass_id[0]
+        if root == self._rank:
+            self._credit_back(pass_id, credit, error)
+            return
+        agent = self._agent
+        info = _error_info(error, agent.name) if error is not None else None
+        try:
+            try:
+                report = DoneReport(pass_id, credit, info)
+                agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
+                              what="distributed autograd report", oneway=True)
+            except SerializationError:
+                if info is None:
+                    raise
+                # the error's type does not pickle: send its text as an RpcError
+                info.exc_type, info.original = RpcError, None
+                agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
+                              what="distributed autograd report", oneway=True)
+        except BaseException as exc:  # noqa: BLE001 - the root times out and says so
+            log.warning("torchrpc: %s could not report to the root of distributed backward "
+                        "pass %s: %s", agent.name, pass_id, exc)
+
+    def _credit_back(self, pass_id: PassId, credit: Fraction,
+                     error: Optional[BaseException]) -> None:
+        state = self._roots.get(pass_id)
+        if state is not None:
+            state.add(credit, error)
 
     @contextlib.contextmanager
     def _counting(self) -> Iterator[None]:
         with self._lock:
-            self._passes += 1
+            self._running += 1
         try:
             yield
         finally:
             with self._lock:
-                self._passes -= 1
+                self._running -= 1
 
     # -- handlers ----------------------------------------------------------------------------------
+
+    def _on_backward(self, src: WorkerInfo, req: Any) -> None:
+        if not isinstance(req, BackwardRequest):
+            raise RpcError(f"malformed distributed autograd backward request from {src.name}: "
+                           f"{type(req).__name__}")
+        try:
+            ctx = self.retrieve(req.context_id)
+            edges = [ctx.send_edge(key) for key, _ in req.grads]
+            with self._counting():
+                routed = local_pass(ctx, edges, [g for _, g in req.grads])
+        except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
+            self._report(req.pass_id, req.credit, exc)
+            return
+        self._forward(req.context_id, req.pass_id, routed, req.credit)
+
+    def _on_done(self, src: WorkerInfo, report: Any) -> None:
+        if not isinstance(report, DoneReport):
+            raise RpcError(f"malformed distributed autograd report from {src.name}: "
+                           f"{type(report).__name__}")
+        error = rebuild_error(report.error) if report.error is not None else None
+        self._credit_back(report.pass_id, report.credit, error)
 
     def _on_release(self, src: WorkerInfo, req: Any) -> None:
         if not isinstance(req, ReleaseRequest):
@@ -330,13 +410,14 @@ def _check_roots(roots: Any) -> List[torch.Tensor]:
     return list(roots)
 
 
-def _log_release_failure(fut: torch.futures.Future) -> None:
+def _error_info(error: BaseException, worker: str) -> RemoteErrorInfo:
+    """``error`` as the agent sends a remote failure: type, message, traceback, worker."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     try:
-        fut.value()
-    except (WorkerLeftError, NotInitializedError):
-        pass  # the worker (or this one) is shutting down: nothing to release any more
-    except BaseException as exc:  # noqa: BLE001 - a release is best effort
-        log.warning("torchrpc: releasing a distributed autograd context failed: %s", exc)
+        original: Optional[bytes] = _wire.encode(error)[0]
+    except SerializationError:
+        original = None
+    return RemoteErrorInfo(type(error), str(error), text, worker, original)
 
 
 def install(agent: Agent) -> DistAutogradEngine:
@@ -346,6 +427,7 @@ def install(agent: Agent) -> DistAutogradEngine:
     agent.add_call_hook(engine)
     agent.register_handler(Kind.AUTOGRAD_BACKWARD, engine._on_backward)
     agent.register_handler(Kind.AUTOGRAD_RELEASE, engine._on_release)
+    agent.register_handler(Kind.AUTOGRAD_DONE, engine._on_done)
     agent.add_debug_source(engine.debug_info)
     return engine
 

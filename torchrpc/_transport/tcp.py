@@ -163,8 +163,8 @@ class Connection:
             while got < n:
                 k = sock.recv_into(dst[got:])
                 if k == 0:
-                    raise ProtocolError(f"truncated frame: the peer closed the connection "
-                                        f"after {got} of {n} bytes of a frame part")
+                    raise ProtocolError("truncated frame: the peer closed the connection "
+                                        "in the middle of a frame")
                 got += k
                 self.last_recv = time.monotonic()
 

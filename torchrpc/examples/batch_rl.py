@@ -166,7 +166,6 @@ class Agent:
 
     def __init__(self, num_observers: int, batch: bool) -> None:
         torch.manual_seed(0)
-        self.batch = batch
         self.num_observers = num_observers
         self.ob_rrefs = [
             rpc.remote(rpc.get_worker_info(f"observer{rank}"), Observer, args=(batch,))
@@ -287,7 +286,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         batched = run_mode(num_observers, True, args)
         unbatched = run_mode(num_observers, False, args)
         say(f"\nseconds per episode\nobservers  batched s  unbatched s  speed-up\n"
-            f"{num_observers:>9}  {batched:>9.2f}  {unbatched:>11.2f}  "
+            f"{num_observers:>9}  {batched:>9.3f}  {unbatched:>11.3f}  "
             f"{unbatched / batched:>7.2f}x")
     else:
         rpc.init_rpc(f"observer{rank}", rank=rank, world_size=world_size)

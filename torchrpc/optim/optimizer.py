@@ -155,5 +155,16 @@ class DistributedOptimizer:
         """
         if isinstance(context_id, bool) or not isinstance(context_id, int):
             raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
-        _wait_all([rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
-                   for opt in self.remote_optimizers])
+        # Start the remote steps, then run this worker's own optimizer here meanwhile.
+        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
+                   for opt in self.remote_optimizers if not opt.is_owner()]
+        for opt in self.remote_optimizers:
+            if opt.is_owner():
+                fut: torch.futures.Future = torch.futures.Future()
+                try:
+                    _local_step(opt, context_id)
+                    fut.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - raised after all are done
+                    fut.set_exception(exc)
+                futures.append(fut)
+        _wait_all(futures)

@@ -17,6 +17,7 @@ from .._agent import Agent, RpcFuture, WorkerInfo
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
+from .._agent.membership import open_elastic_store
 from .._agent.rendezvous import open_store, validate_name
 from . import backend_registry, constants, functions
 from .backend_registry import BackendType
@@ -51,7 +52,9 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
             letters, digits, ``_``, ``:`` and ``-``; shorter than 128 characters.
         backend (BackendType, optional): the backend (default ``BackendType.TENSORPIPE``).
         rank (int): a globally unique id of this node; ``-1`` reads ``RANK``.
-        world_size (int): the number of workers in the group; ``None`` reads ``WORLD_SIZE``.
+        world_size (int): the number of workers in the group; ``None`` reads ``WORLD_SIZE``,
+            and without it the group is dynamic: workers join a running group (rank 0,
+            which hosts the store, first) and leave it with :func:`shutdown`.
         rpc_backend_options (RpcBackendOptions, optional): the backend's options; by
             default a 60 s timeout and rendezvous through ``env://`` (``MASTER_ADDR``
             and ``MASTER_PORT``).
@@ -73,9 +76,6 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if world_size is None:
-        raise ValueError("world_size is required (pass it or set WORLD_SIZE); torchrpc "
-                         "does not support dynamic membership yet")
     if rank < 0:
         raise ValueError("rank is required: pass rank= or set RANK (torchrun does)")
     with _state.lock:
@@ -86,8 +86,11 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
             rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
         timeout = rpc_backend_options.rpc_timeout or \
             constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
-        store, rank, world_size = open_store(rpc_backend_options.init_method, rank, world_size,
-                                             max(timeout, 60.0))
+        if world_size is None:  # dynamic membership: workers join and leave a running group
+            store = open_elastic_store(rpc_backend_options.init_method, rank, max(timeout, 60.0))
+        else:
+            store, rank, world_size = open_store(rpc_backend_options.init_method, rank,
+                                                 world_size, max(timeout, 60.0))
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         try:

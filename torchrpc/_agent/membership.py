@@ -1,0 +1,125 @@
+"""Elastic membership through the rendezvous store (``init_rpc(..., world_size=None)``).
+
+Theory of operation. The group is an append-only log of events in the store:
+``events`` counts them and ``event/<n>`` holds the n-th, ``{"op": "join" | "leave",
+"rank", "name", "host", "port", "hostid"}``. A joiner claims its rank and name
+with compare-and-set (a clash is refused with an error naming the holder; the
+running worker is untouched), publishes a join event and replays the log to
+learn the members. Every member follows the log (:class:`EventLog`) to learn of
+later joins and departures. Leaving appends a leave event and releases the rank
+and name so they can be reused. The worker hosting the store (rank 0) must stay
+for the life of the group, as with torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import time
+import urllib.parse
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from ..errors import RendezvousError
+from .rendezvous import SECRET_ENV, host_identity
+
+
+def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
+    """A TCPStore for a group of unknown size; rank 0 hosts it."""
+    url = urllib.parse.urlparse(init_method)
+    if url.scheme == "env":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("env:// rendezvous needs MASTER_ADDR and MASTER_PORT")
+    elif url.scheme == "tcp":
+        host, port = url.hostname, url.port
+    else:
+        raise ValueError(f"dynamic membership (world_size=None) needs env:// or tcp:// "
+                         f"rendezvous, got {init_method!r}")
+    try:
+        store = dist.TCPStore(host, int(port), None, rank == 0,
+                              datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} (rank 0 "
+                              f"hosts it): {exc}") from exc
+    return dist.PrefixStore("torchrpc-elastic", store)
+
+
+def _append(store: Any, event: Dict[str, Any]) -> int:
+    n = int(store.add("events", 1))
+    store.set(f"event/{n}", json.dumps(event))
+    return n
+
+
+def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
+    """Claim ``rank`` and ``name``; return the job secret. Refuses clashes by name."""
+    holder = store.compare_set(f"rank/{rank}", "", name).decode()
+    if holder != name:
+        raise RendezvousError(f"rank {rank} is already used by worker {holder!r}; pick a free "
+                              f"rank for {name!r}")
+    owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
+    if owner != str(rank):
+        store.delete_key(f"rank/{rank}")
+        raise RendezvousError(f"worker name {name!r} is already in use by rank {owner} of the "
+                              f"running group; pick another name")
+    env_secret = os.environ.get(SECRET_ENV)
+    if env_secret:
+        return env_secret.encode()
+    if rank == 0:
+        store.compare_set("secret", "", secrets.token_hex(32))
+    deadline = time.monotonic() + timeout
+    while not store.check(["secret"]):
+        if time.monotonic() > deadline:
+            raise RendezvousError("timed out waiting for rank 0 to create the job secret")
+        time.sleep(0.01)
+    return store.get("secret")
+
+
+def announce(store: Any, name: str, rank: int, address: Tuple[str, int]) -> None:
+    _append(store, {"op": "join", "rank": rank, "name": name, "host": address[0],
+                    "port": address[1], "hostid": host_identity()})
+
+
+def leave(store: Any, name: str, rank: int) -> None:
+    """Announce the departure and release the rank and the name."""
+    _append(store, {"op": "leave", "rank": rank, "name": name})
+    store.delete_key(f"name/{name}")
+    store.delete_key(f"rank/{rank}")
+
+
+class EventLog:
+    """Follows the membership log; :meth:`poll` returns the new events in order."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._seen = 0
+
+    def poll(self, wait: float = 5.0) -> List[Dict[str, Any]]:
+        count = int(self._store.add("events", 0))
+        events = []
+        deadline = time.monotonic() + wait
+        while self._seen < count:
+            key = f"event/{self._seen + 1}"
+            if not self._store.check([key]):  # the writer counted it but has not set it yet
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+                continue
+            events.append(json.loads(self._store.get(key)))
+            self._seen += 1
+        return events
+
+    @staticmethod
+    def members(events: List[Dict[str, Any]], start: Optional[Dict[int, Dict[str, Any]]] = None
+                ) -> Dict[int, Dict[str, Any]]:
+        """Apply events to a rank -> info map (pure)."""
+        members = dict(start or {})
+        for e in events:
+            if e["op"] == "join":
+                members[e["rank"]] = e
+            else:
+                members.pop(e["rank"], None)
+        return members

@@ -171,3 +171,13 @@ def train_shared(name: str, owner: str, xs: List[torch.Tensor], lr: float) -> in
             dist_autograd.backward(cid, [loss])
             opt.step(cid)
     return len(xs)
+
+
+def random_tensor(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((3, 3), generator=g).requires_grad_()
+
+
+def seeded_mlp(seed: int, d_in: int, d_out: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, 8), torch.nn.Tanh(), torch.nn.Linear(8, d_out))

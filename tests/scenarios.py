@@ -126,6 +126,50 @@ def elastic_member(rank: int) -> None:
     print(f"OK elastic {name} calls={calls}", flush=True)
 
 
+def multihost(rank: int) -> None:
+    """One worker per network namespace: call the other with a large tensor over TCP."""
+    from torchrpc._agent.current import current_agent
+    rpc.init_rpc(f"h{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=2))
+    agent = current_agent()
+    host = agent._addresses[rank][0]
+    assert not host.startswith("127."), f"advertised a loopback address {host}"
+    assert agent.hostids[0] != agent.hostids[1], "namespaces must look like different hosts"
+    x = torch.arange(1 << 20, dtype=torch.float32)  # 4 MB: above the shared-memory threshold
+    assert torch.equal(rpc.rpc_sync(1 - rank, helpers.echo, args=(x,)), x)
+    info = rpc.get_debug_info()
+    shm = {k: v for k, v in info.items() if "shm" in k}
+    assert not any(v for k, v in shm.items() if isinstance(v, (int, float)) and "enabled" not in k
+                   ), f"shared memory used across hosts: {shm}"
+    rpc.shutdown()
+    print(f"OK multihost {host}", flush=True)
+
+
+def bad_listen(rank: int) -> None:
+    """A listen address that is not on this machine fails, naming the address."""
+    try:
+        rpc.init_rpc("solo", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=2))
+    except (RuntimeError, ValueError) as exc:
+        print(f"ERR {exc}", flush=True)
+        return
+    rpc.shutdown()
+    print("OK unexpectedly started", flush=True)
+
+
+def unreachable(rank: int) -> None:
+    """Rank 1 with no rank 0 anywhere: rendezvous fails within the timeout, naming the address."""
+    import time
+    start = time.monotonic()
+    try:
+        rpc.init_rpc("lonely", rank=1, world_size=2,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=2))
+    except RuntimeError as exc:
+        print(f"ERR after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        return
+    print("OK unexpectedly joined", flush=True)
+
+
 def duplicate(rank: int) -> None:
     """Started with a clashing name or rank: init_rpc must fail with a clear error."""
     name = os.environ["SCENARIO_NAME"]

@@ -138,7 +138,9 @@ def test_local_only_backward():
 
 def test_chain_a_b_c():
     x = rand(5, seed=3)
-    remote = lambda x: (rpc.rpc_sync("worker1", h.chain, args=(x, ["worker2"])) * x).sum()  # noqa: E731
+    def remote(x):
+        return (rpc.rpc_sync("worker1", h.chain, args=(x, ["worker2"])) * x).sum()
+
     local = lambda x: (h.chain(x, [None]) * x).sum()  # noqa: E731
     assert_all_close(dist_grads(remote, x), local_grads(local, x))
 
@@ -200,14 +202,17 @@ def test_gradients_of_remote_parameters_stay_in_the_context():
         g1 = rpc.rpc_sync("worker1", h.param_grad, args=(cid, "w1"))
         g2 = rpc.rpc_sync("worker2", h.param_grad, args=(cid, "w2"))
         gx = dist_autograd.get_gradients(cid)[x]
-    want = local_grads(lambda x, w1, w2: torch.tanh(torch.tanh(x @ w1) @ w2).pow(2).mean(), x, w1, w2)
+    model = lambda x, w1, w2: torch.tanh(torch.tanh(x @ w1) @ w2).pow(2).mean()  # noqa: E731
+    want = local_grads(model, x, w1, w2)
     assert_all_close([gx, g1, g2], want)
     assert rpc.rpc_sync("worker1", h.param_dot_grad, args=("w1",)) is None
 
 
 def test_async_execution_and_in_place_on_received_tensors():
     x, z = rand(3, seed=14), rand(3, seed=15)
-    remote = lambda x, z: rpc.rpc_sync("worker1", h.async_chain, args=("worker2", x, z)).sum()  # noqa: E731
+    def remote(x, z):
+        return rpc.rpc_sync("worker1", h.async_chain, args=("worker2", x, z)).sum()
+
     local = lambda x, z: (x * x + z * x).sum()  # noqa: E731
     assert_all_close(dist_grads(remote, x, z), local_grads(local, x, z))
     remote = lambda x: rpc.rpc_sync("worker2", h.in_place_relu, args=(x,)).sum()  # noqa: E731
@@ -330,8 +335,8 @@ def test_bad_roots():
             dist_autograd.backward(cid, [1.0])
         loss = (x * 3).sum()
         dist_autograd.backward(cid, loss)  # a single tensor is accepted, as in torch's example
-        torch.testing.assert_close(dist_autograd.get_gradients(cid)[x], torch.full((3,), 3.0,
-                                                                                  dtype=torch.float64))
+        want = torch.full((3,), 3.0, dtype=torch.float64)
+        torch.testing.assert_close(dist_autograd.get_gradients(cid)[x], want)
 
 
 # -- lifetime -----------------------------------------------------------------------------------
@@ -340,8 +345,12 @@ def test_thousand_contexts_are_all_released():
     x = rand(2, seed=25)
     for i in range(1000):
         with dist_autograd.context() as cid:
-            out = rpc.rpc_sync(WORKERS[1 + i % 2], h.call, args=(WORKERS[2 - i % 2], h.scale, x, 2.0))
+            first, second = WORKERS[1 + i % 2], WORKERS[2 - i % 2]
+            out = rpc.rpc_sync(first, h.call, args=(second, h.scale, x, 2.0))
             if i % 100 == 0:
                 dist_autograd.backward(cid, [out.sum()])
-    counts = lambda: [h.num_contexts()] + [rpc.rpc_sync(w, h.num_contexts) for w in WORKERS[1:]]  # noqa: E731
+
+    def counts():
+        return [h.num_contexts()] + [rpc.rpc_sync(w, h.num_contexts) for w in WORKERS[1:]]
+
     assert wait_for(lambda: counts() == [0, 0, 0]), counts()

@@ -10,6 +10,7 @@ import torch
 import torchrpc.autograd as dist_autograd
 import torchrpc.optim
 import torchrpc.rpc as rpc
+from torchrpc.nn import RemoteModule
 from torchrpc.optim import DistributedOptimizer
 
 from . import autograd_helpers as h
@@ -77,6 +78,19 @@ def test_three_steps_match_the_local_optimizer(optimizer_class, kwargs):
     assert not torch.equal(got[0], h.make_weight(1, 4, 3))  # it did move
 
 
+def test_design_note_example():
+    # "Simple end to end example" of the distributed autograd design note
+    with dist_autograd.context() as context_id:
+        rref1 = rpc.remote("worker1", h.random_tensor, args=(1,))
+        rref2 = rpc.remote("worker1", h.random_tensor, args=(2,))
+        loss = rref1.to_here() + rref2.to_here()
+        dist_autograd.backward(context_id, [loss.sum()])
+        dist_optim = DistributedOptimizer(torch.optim.SGD, [rref1, rref2], lr=0.05)
+        dist_optim.step(context_id)
+    for rref, seed in ((rref1, 1), (rref2, 2)):
+        torch.testing.assert_close(rref.to_here(), h.random_tensor(seed).detach() - 0.05)
+
+
 def test_positional_args_and_local_parameters():
     local = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     remote = rpc.remote("worker1", h.new_param, args=(5, 3, 1))
@@ -112,6 +126,26 @@ def test_parameters_without_gradients_are_unchanged():
     torch.testing.assert_close(used.to_here(), before)
 
 
+def test_remote_module_trains_through_remote_parameters():
+    remote = RemoteModule("worker2/cpu", h.seeded_mlp, args=(21, 4, 2))
+    local = h.seeded_mlp(21, 4, 2)
+    dist_opt = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=0.1,
+                                    momentum=0.5)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.5)
+    for x in inputs(3, seed=22, shape=(6, 4)):
+        x = x.float()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [remote(x).pow(2).sum()])
+            dist_opt.step(cid)
+        local_opt.zero_grad()
+        local(x).pow(2).sum().backward()
+        local_opt.step()
+    got = [p.to_here() for p in remote.remote_parameters()]
+    assert len(got) == 4
+    for g, w in zip(got, local.parameters()):
+        torch.testing.assert_close(g, w.detach())
+
+
 def test_concurrent_trainers_on_a_shared_parameter():
     rpc.rpc_sync("worker1", h.init_param, args=("shared", 9, 3, 3))
     lr = 0.01
@@ -127,8 +161,8 @@ def test_concurrent_trainers_on_a_shared_parameter():
     threads = [threading.Thread(target=local_trainer, args=(batches[i],)) for i in range(2)]
     for t in threads:
         t.start()
-    remote_runs = [rpc.rpc_async("worker2", h.train_shared, args=("shared", "worker1", batches[2], lr)),
-                   rpc.rpc_async("worker1", h.train_shared, args=("shared", "worker1", batches[3], lr))]
+    remote_runs = [rpc.rpc_async(w, h.train_shared, args=("shared", "worker1", batches[i], lr))
+                   for w, i in (("worker2", 2), ("worker1", 3))]
     for t in threads:
         t.join(60)
     assert [f.wait() for f in remote_runs] == [4, 4]

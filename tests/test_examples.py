@@ -99,9 +99,13 @@ def test_ddp_rpc_loss_decreases_and_replicas_agree() -> None:
 
 
 def test_profile_rpc_shows_rpc_events() -> None:
+    # Not true of torch.distributed.rpc itself in torch 2.13: its Kineto-only
+    # profiler records no rpc_async# events, so this fails on a shim onto torch.
     out = run_example("profile_rpc")
     assert "rpc_async#" in out, out
     assert re.search(r"^3 RPC events:$", out, flags=re.MULTILINE), out
     match = re.search(r"rpc_async#\S*slow_udf\(worker0 -> worker1\)\s+([0-9.]+) ms", out)
     assert match, out
     assert float(match.group(1)) >= 1000.0, out
+    # The callee's operators come back as remote events under the RPC's name.
+    assert re.search(r"rpc_async#aten::add\(worker0 -> worker1\)#remote_op: aten::add", out), out

@@ -12,7 +12,7 @@ import pytest
 
 from .group import ROOT, free_port, worker_env
 
-TIMEOUT = 90
+TIMEOUT = int(os.environ.get("TORCHRPC_SCENARIO_TIMEOUT", "90"))
 
 
 def launch(scenario: str, world: int, extra=None, ranks=None, env_per_rank=None):

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _wire
-from .._transport import Connection, Transport
+from .._transport import Connection, Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
@@ -251,7 +251,10 @@ class Agent:
         try:
             self._transport = Transport(rank, secret, self._limits, self._on_connect,
                                         self._on_frame, self._on_close, host,
-                                        tls_contexts=self._tls_contexts())
+                                        tls_contexts=self._tls_contexts(),
+                                        features=self._features(),
+                                        shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
+                                        same_host=self._same_host)
         except ValueError as exc:
             rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
             raise
@@ -286,6 +289,14 @@ class Agent:
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
+
+    def _features(self) -> int:
+        return handshake.FEATURE_SHM if getattr(self.options, "enable_shm", False) else 0
+
+    def _same_host(self, rank: int) -> bool:
+        """Whether worker ``rank`` shares this machine and its shared-memory namespace."""
+        mine = self.hostids.get(self.rank)
+        return mine is not None and self.hostids.get(rank) == mine
 
     def _tls_contexts(self) -> Optional[TlsContexts]:
         opts = self.options
@@ -808,6 +819,8 @@ class Agent:
                         f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
                         f"for this call)"))
             self._pool.check_progress()
+            if self._transport is not None:
+                self._transport.housekeeping()
             self._check_liveness(now)
             with cv:
                 if self._state != "stopped":

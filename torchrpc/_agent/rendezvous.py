@@ -30,8 +30,21 @@ MAX_NAME = 128
 SECRET_ENV = "TORCHRPC_SECRET"
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
+RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
 _ERROR_KEY = "error"
 _ERROR_SEEN_KEY = "error_seen"
+
+
+def rendezvous_timeout(rpc_timeout: float) -> float:
+    """Seconds to wait for the group to form: ``TORCHRPC_RENDEZVOUS_TIMEOUT`` when set,
+    else the RPC timeout but at least 60 s (workers of a big job start slowly)."""
+    env = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
+    if env:
+        try:
+            return float(env)
+        except ValueError as exc:
+            raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={env!r} is not a number of seconds") from exc
+    return max(rpc_timeout, 60.0)
 
 
 def validate_name(name: Any) -> str:
@@ -54,10 +67,20 @@ def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: 
                              timeout=datetime.timedelta(seconds=timeout))
         store, rank, world_size = next(it)
     except ValueError as exc:
-        raise ValueError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+        raise ValueError(f"rendezvous through {describe_init_method(init_method)} failed: "
+                         f"{exc}") from exc
     except (RuntimeError, OSError) as exc:
-        raise RendezvousError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+        raise RendezvousError(f"rendezvous through {describe_init_method(init_method)} failed "
+                              f"(timeout {timeout:g} s): {exc}") from exc
     return dist.PrefixStore("torchrpc", store), rank, world_size
+
+
+def describe_init_method(init_method: str) -> str:
+    """The init method with the address it resolves to, for error messages."""
+    if init_method.startswith("env://"):
+        return (f"env:// (MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')!r})")
+    return repr(init_method)
 
 
 def master_host(init_method: str) -> Optional[str]:
@@ -120,7 +143,7 @@ def host_identity() -> str:
             parts.append(f.read().strip())
     except OSError:
         parts.append(socket.gethostname())
-    for ns in ("ipc", "mnt"):
+    for ns in ("ipc", "mnt", "net"):
         try:
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
         except OSError:

@@ -105,7 +105,8 @@ class DistAutogradContext:
 
     def add_known_worker(self, rank: int) -> None:
         """Note that a message of this context went to ``rank`` (it must be released there)."""
-        self._known.add(rank)
+        with self._lock:
+            self._known.add(rank)
 
     def known_workers(self) -> List[int]:
         with self._lock:
@@ -265,7 +266,8 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     pairs to send back. The graph is always retained: in FAST mode another part of
     this backward pass may still reach the same nodes through a later send record.
     """
-    nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn for o in outputs]  # type: ignore[attr-defined]
+    nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn  # type: ignore[attr-defined]
+             for o in outputs]
     leaves = reachable_leaves(nodes)
     if not leaves:
         return {}

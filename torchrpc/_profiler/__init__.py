@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+from torch.autograd import profiler_legacy
 from torch.autograd.profiler import record_function
 
 from .._agent import Agent, CallHook, CallScope, RpcFuture, WorkerInfo, describe
@@ -57,12 +58,14 @@ class _CalleeScope(CallScope):
     """Profiles one request on the callee and returns its operator events."""
 
     def __init__(self) -> None:
-        self._prof: Optional[torch.autograd.profiler.profile] = None
+        self._prof: Optional[profiler_legacy.profile] = None
         self._events: List[Tuple[str, float]] = []
 
     def __enter__(self) -> "_CalleeScope":
         if not enabled():
-            self._prof = torch.autograd.profiler.profile()
+            # The legacy (non-kineto) profiler: thread-local and safe on pool threads,
+            # where starting kineto can abort the process.
+            self._prof = profiler_legacy.profile()
             self._prof.__enter__()
         return self
 

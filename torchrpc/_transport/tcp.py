@@ -20,13 +20,14 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
 from .. import _wire
 from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
-from . import handshake, tls
+from . import handshake, shm, tls
 
 log = logging.getLogger("torchrpc")
 
@@ -55,6 +56,9 @@ class Connection:
         self._closed = False
         self._close_reason: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        # Same-host shared memory (see shm.py), set up by the transport after the handshake.
+        self.shm_tx: Optional[shm.ShmSender] = None
+        self.shm_rx: Optional[shm.ShmReceiver] = None
         # When bytes last came in and last went out (monotonic); the agent's heartbeat
         # sends on idle connections and closes silent ones.
         self.last_recv = self.last_send = time.monotonic()
@@ -63,12 +67,24 @@ class Connection:
 
     def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
              buffers: Sequence[memoryview], keepalive: Any = None) -> None:
-        """Queue one frame; write it now unless another thread is already writing."""
-        head = _wire.pack_header(kind, flags, request_id, len(envelope), [len(b) for b in buffers])
+        """Queue one frame; write it now unless another thread is already writing.
+
+        With shared memory, large buffers are copied into segments here, by the
+        calling thread, and the frame carries their names instead.
+        """
+        lengths = [len(b) for b in buffers]
+        staged = None
+        if self.shm_tx is not None and buffers:
+            buffers, lengths, staged = self.shm_tx.stage(buffers, lengths)
+            if staged:
+                flags |= _wire.FLAG_SHM
+        head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
         parts.extend(b for b in buffers if len(b))
         with self._lock:
             if self._closed:
+                if staged:
+                    self.shm_tx.unstage(staged)
                 raise ConnectionLostError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
@@ -206,6 +222,15 @@ class Connection:
                 envelope = take_bytes(n)
             buffers = []
             for size in lengths:
+                if size & _wire.SHM_BIT:
+                    if self.shm_rx is None:
+                        raise ProtocolError("a shared-memory buffer on a connection that did "
+                                            "not negotiate shared memory")
+                    fill(_wire.SHM_REF_SIZE)
+                    name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
+                    start += _wire.SHM_REF_SIZE
+                    buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
+                    continue
                 tensor, view = _wire.new_buffer(size)
                 if size:
                     take_into(view)
@@ -231,6 +256,10 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+        if self.shm_tx is not None:
+            self.shm_tx.close()
+        if self.shm_rx is not None:
+            self.shm_rx.close()
         self._on_close(self, reason)
 
 
@@ -280,12 +309,18 @@ class Transport:
 
     ``on_connect(conn)`` is called for every authenticated connection, inbound or
     outbound, before its first frame is delivered.
+
+    With ``FEATURE_SHM`` in ``features``, a connection whose peer offered it too
+    accepts buffers in shared memory, and sends its own buffers of at least
+    ``shm_threshold`` bytes that way when ``same_host(peer_rank)`` says the peer
+    shares this machine's ``/dev/shm``.
     """
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
                  on_connect: Callable[[Connection], None], on_frame: FrameCallback,
                  on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
-                 tls_contexts: Optional[tls.TlsContexts] = None) -> None:
+                 tls_contexts: Optional[tls.TlsContexts] = None, shm_threshold: int = 0,
+                 same_host: Optional[Callable[[int], bool]] = None) -> None:
         self.rank = rank
         self._tls = tls_contexts
         self._rejects = _LogBudget()
@@ -294,7 +329,14 @@ class Transport:
         self._on_connect = on_connect
         self._on_frame = on_frame
         self._on_close = on_close
+        if features & handshake.FEATURE_SHM and not shm.available():
+            features &= ~handshake.FEATURE_SHM
         self._features = features
+        self._shm_threshold = shm_threshold
+        self._same_host = same_host
+        self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        if features & handshake.FEATURE_SHM:
+            shm.sweep_dead()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._sockets: set[socket.socket] = set()
@@ -361,6 +403,7 @@ class Transport:
         conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=False)
         conn.features = hello.features & self._features
+        self._setup_shm(conn)
         self._on_connect(conn)
         conn.read_loop()
 
@@ -396,6 +439,7 @@ class Transport:
         conn = Connection(sock, peer_rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=True)
         conn.features = features & self._features
+        self._setup_shm(conn)
         self._on_connect(conn)
         self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
         return conn
@@ -410,12 +454,32 @@ class Transport:
             self._sockets.add(wrapped)
         return wrapped
 
+    def _setup_shm(self, conn: Connection) -> None:
+        if not conn.features & handshake.FEATURE_SHM:
+            return
+        conn.shm_rx = shm.ShmReceiver()
+        if self._shm_threshold > 0 and self._same_host is not None \
+                and self._same_host(conn.peer_rank):
+            conn.shm_tx = shm.ShmSender(self._shm_threshold)
+        self._shm_conns.add(conn)
+
+    def housekeeping(self) -> None:
+        """Let shared-memory segments that nobody used for a while go (call now and then)."""
+        now = time.monotonic()
+        for conn in list(self._shm_conns):
+            if conn.shm_tx is not None:
+                conn.shm_tx.housekeeping(now)
+            if conn.shm_rx is not None:
+                conn.shm_rx.housekeeping()
+
     def _forget(self, sock: socket.socket) -> None:
         with self._lock:
             self._sockets.discard(sock)
 
     def _closed_cb(self, conn: Connection, reason: Optional[BaseException]) -> None:
         self._forget(conn.sock)
+        if reason is not None and conn.shm_rx is not None:
+            shm.sweep_dead()  # the peer may have died holding segments not yet mapped
         if isinstance(reason, ProtocolError):
             self._rejects.warn("torchrpc: rank %d closed its connection with rank %d: %s",
                                self.rank, conn.peer_rank, reason)
@@ -440,3 +504,5 @@ class Transport:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for t in threads:
             t.join(timeout)
+        if self._features & handshake.FEATURE_SHM:
+            shm.sweep_dead()

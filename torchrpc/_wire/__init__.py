@@ -1,12 +1,14 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
-from .frame import (FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, Frame, FrameDecoder, Header, Limits,
-                    pack_header, parse_header, parse_lengths)
+from .frame import (FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_REF_SIZE, Frame, FrameDecoder,
+                    Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
+                    parse_shm_ref)
 from .kinds import KNOWN_KINDS, Kind
 from .serialize import PassThrough, current_context, decode, encode, memoryview_of, new_buffer, tensor_bytes
 
 __all__ = [
-    "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "Frame", "FrameDecoder", "Header", "Limits",
+    "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT", "SHM_REF_SIZE", "Frame", "FrameDecoder",
+    "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "current_context", "decode", "encode", "memoryview_of", "new_buffer",
     "PassThrough", "pack_header", "parse_header", "parse_lengths", "tensor_bytes",
 ]

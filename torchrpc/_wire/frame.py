@@ -14,6 +14,14 @@ Every message on a connection is one frame::
     ...          envelope     pickle protocol 5 bytes
     ...          buffers      raw bytes of each buffer, back to back
 
+Shared memory. In a frame with the SHM flag, a length with bit 63 (:data:`SHM_BIT`)
+set is a buffer that lies in a shared-memory segment instead of on the stream: the
+low 63 bits are its size, and in its place the stream carries a
+:data:`SHM_REF_SIZE`-byte reference, the segment's name in ASCII padded with NUL
+bytes (:func:`pack_shm_ref`, :func:`parse_shm_ref`). What the name means is the
+transport's business; the wire layer only checks its form. Without the SHM flag,
+bit 63 is never set.
+
 All integers are little-endian. A receiver validates magic, version, kind and
 every length against its :class:`Limits` before it allocates or unpickles
 anything; a frame that fails is a :class:`~torchrpc.errors.ProtocolError` and
@@ -23,8 +31,9 @@ the connection is closed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
-from typing import List, Sequence
+from typing import List, Sequence, Union
 
 from ..errors import ProtocolError
 from .kinds import KNOWN_KINDS
@@ -37,6 +46,10 @@ HEADER_SIZE = HEADER.size  # 24
 FLAG_ONEWAY = 1
 FLAG_SHM = 2
 _KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM
+
+SHM_BIT = 1 << 63
+SHM_REF_SIZE = 64
+_SHM_NAME = re.compile(rb"[A-Za-z0-9._-]{1,64}")
 
 DEFAULT_MAX_MESSAGE_SIZE = 2 << 30  # 2 GiB
 DEFAULT_MAX_BUFFERS = 1 << 16
@@ -103,25 +116,66 @@ def parse_header(data: bytes | bytearray | memoryview, limits: Limits) -> Header
 
 def parse_lengths(data: bytes | bytearray | memoryview, header: Header,
                   limits: Limits) -> List[int]:
-    """Parse the buffer length table that follows the header and check the total size."""
+    """Parse the buffer length table that follows the header and check the total size.
+
+    In a frame with the SHM flag, entries of buffers in shared memory keep
+    :data:`SHM_BIT`; their size is ``n & ~SHM_BIT``.
+    """
     need = 8 * header.nbuffers
     if len(data) < need:
         raise ProtocolError(f"truncated length table: {len(data)} of {need} bytes")
     lengths = list(struct.unpack_from(f"<{header.nbuffers}Q", data)) if need else []
-    total = header.envelope_len + sum(lengths)
+    total = header.envelope_len
+    shm = header.flags & FLAG_SHM
+    for n in lengths:
+        if n & SHM_BIT:
+            if not shm:
+                raise ProtocolError("a buffer length has the shared-memory bit set in a frame "
+                                    "without the SHM flag")
+            n &= ~SHM_BIT
+        total += n
     if total > limits.max_message_size:
         raise ProtocolError(
             f"frame of {total} bytes exceeds max_message_size {limits.max_message_size}")
     return lengths
 
 
+def pack_shm_ref(name: str) -> bytes:
+    """The :data:`SHM_REF_SIZE`-byte reference to the shared-memory segment ``name``."""
+    raw = name.encode("ascii")
+    if not _SHM_NAME.fullmatch(raw):
+        raise ValueError(f"invalid shared-memory segment name {name!r}: use 1 to "
+                         f"{SHM_REF_SIZE} letters, digits, '.', '_' or '-'")
+    return raw.ljust(SHM_REF_SIZE, b"\0")
+
+
+def parse_shm_ref(data: bytes | bytearray | memoryview) -> str:
+    """The segment name in a shared-memory reference; ProtocolError if malformed."""
+    if len(data) != SHM_REF_SIZE:
+        raise ProtocolError(f"truncated shared-memory reference: {len(data)} of "
+                            f"{SHM_REF_SIZE} bytes")
+    raw = bytes(data).rstrip(b"\0")
+    if not _SHM_NAME.fullmatch(raw):
+        raise ProtocolError(f"malformed shared-memory reference {bytes(data)[:SHM_REF_SIZE]!r}")
+    return raw.decode("ascii")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmRef:
+    """A buffer of a decoded frame that lies in shared memory."""
+
+    name: str
+    size: int
+
+
 @dataclasses.dataclass
 class Frame:
-    """A whole decoded frame: header, envelope bytes and buffers."""
+    """A whole decoded frame: header, envelope bytes and buffers (a :class:`ShmRef` for
+    each buffer in shared memory)."""
 
     header: Header
     envelope: bytes
-    buffers: List[bytes]
+    buffers: List[Union[bytes, ShmRef]]
 
 
 class FrameDecoder:
@@ -155,15 +209,19 @@ class FrameDecoder:
         if len(buf) < table_end:
             return None
         lengths = parse_lengths(memoryview(buf)[HEADER_SIZE:table_end], header, self._limits)
-        end = table_end + header.envelope_len + sum(lengths)
+        on_stream = [SHM_REF_SIZE if n & SHM_BIT else n for n in lengths]
+        end = table_end + header.envelope_len + sum(on_stream)
         if len(buf) < end:
             return None
         pos = table_end + header.envelope_len
         envelope = bytes(buf[table_end:pos])
-        buffers = []
-        for n in lengths:
-            buffers.append(bytes(buf[pos:pos + n]))
-            pos += n
+        buffers: List[Union[bytes, ShmRef]] = []
+        for n, k in zip(lengths, on_stream):
+            if n & SHM_BIT:
+                buffers.append(ShmRef(parse_shm_ref(buf[pos:pos + k]), n & ~SHM_BIT))
+            else:
+                buffers.append(bytes(buf[pos:pos + k]))
+            pos += k
         del buf[:end]
         return Frame(header, envelope, buffers)
 

@@ -18,7 +18,7 @@ from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.membership import open_elastic_store
-from .._agent.rendezvous import open_store, validate_name
+from .._agent.rendezvous import open_store, rendezvous_timeout, validate_name
 from . import backend_registry, constants, functions
 from .backend_registry import BackendType
 
@@ -87,10 +87,11 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
         timeout = rpc_backend_options.rpc_timeout or \
             constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
         if world_size is None:  # dynamic membership: workers join and leave a running group
-            store = open_elastic_store(rpc_backend_options.init_method, rank, max(timeout, 60.0))
+            store = open_elastic_store(rpc_backend_options.init_method, rank,
+                                       rendezvous_timeout(timeout))
         else:
             store, rank, world_size = open_store(rpc_backend_options.init_method, rank,
-                                                 world_size, max(timeout, 60.0))
+                                                 world_size, rendezvous_timeout(timeout))
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         try:

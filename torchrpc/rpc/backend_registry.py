@@ -12,6 +12,7 @@ import enum
 from typing import Any, Callable
 
 from .._agent import Agent
+from .._agent.rendezvous import rendezvous_timeout
 from . import constants
 from .options import TensorPipeRpcBackendOptions
 
@@ -36,7 +37,7 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
             f"torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
     agent = Agent(store, name, rank, world_size, rpc_backend_options)
     timeout = rpc_backend_options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
-    return agent.start(max(timeout, 60.0))
+    return agent.start(rendezvous_timeout(timeout))
 
 
 class BackendType(enum.Enum):

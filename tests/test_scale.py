@@ -1,0 +1,103 @@
+"""Scale and topology: 32 workers, workers on separate network hosts, address selection."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .group import ROOT, free_port, worker_env
+from .test_lifecycle import assert_ok, launch
+
+NS = ("trpc_ns_a", "trpc_ns_b")
+ADDRS = ("10.231.7.1", "10.231.7.2")
+
+
+def test_thirty_two_workers_init_call_everyone_and_shut_down(monkeypatch):
+    monkeypatch.setenv("TORCHRPC_SCENARIO_TIMEOUT", "600")
+    import tests.test_lifecycle as lifecycle
+    monkeypatch.setattr(lifecycle, "TIMEOUT", 600)
+    outs = launch("all_to_all", 32)
+    assert_ok(outs)
+    inits = [float(re.search(r"init=([\d.]+)", out).group(1)) for _, out in outs]
+    print(f"32 workers: slowest init_rpc {max(inits):.2f} s")
+
+
+def _netns_available() -> str:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's 'ip' command"
+    probe = subprocess.run(["ip", "netns", "add", "trpc_probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "trpc_probe"], capture_output=True)
+    return ""
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    reason = _netns_available()
+    if reason:
+        pytest.skip(reason)
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    try:
+        for ns in NS:
+            _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", "trpc_va", "type", "veth", "peer", "name", "trpc_vb")
+        for ns, dev, addr in zip(NS, ("trpc_va", "trpc_vb"), ADDRS):
+            _sh("ip", "link", "set", dev, "netns", ns)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield
+    finally:
+        for ns in NS:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_workers_on_two_hosts_talk_over_tcp_without_shared_memory(two_hosts):
+    port = str(free_port())
+    procs = []
+    for rank, ns in enumerate(NS):
+        env = worker_env(int(port), 2, {"MASTER_ADDR": ADDRS[0]})
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scenarios", "multihost",
+             str(rank), "2", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out = p.communicate()[0] + "\nTIMEOUT"
+        outs.append((p.returncode, out))
+    assert_ok(outs)
+    assert f"OK multihost {ADDRS[0]}" in outs[0][1] and f"OK multihost {ADDRS[1]}" in outs[1][1]
+
+
+def test_listen_address_not_on_this_machine_fails_naming_it():
+    outs = launch("bad_listen", 1, {"TORCHRPC_LISTEN_ADDR": "10.231.9.9"})
+    assert "ERR" in outs[0][1] and "10.231.9.9" in outs[0][1], outs
+    outs = launch("bad_listen", 1, {"TORCHRPC_IFNAME": "nosuchif0"})
+    assert "ERR" in outs[0][1] and "nosuchif0" in outs[0][1], outs
+
+
+def test_unreachable_rendezvous_fails_within_timeout_naming_the_address():
+    port = free_port()
+    outs = launch("unreachable", 2, {"MASTER_PORT": str(port), "TORCHRPC_RENDEZVOUS_TIMEOUT": "3"},
+                  ranks=[1])
+    out = outs[0][1]
+    assert "ERR" in out and f"MASTER_PORT='{port}'" in out and "127.0.0.1" in out, out
+    seconds = float(re.search(r"ERR after ([\d.]+)s", out).group(1))
+    assert seconds < 30, out

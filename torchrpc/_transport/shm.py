@@ -1,0 +1,412 @@
+"""Same-host shared memory for large buffers: a pool of reusable segments per connection.
+
+Theory of operation. Two workers on one host (same boot, same IPC and mount
+namespaces, same ``/dev/shm``; see ``rendezvous.host_identity``) that both offered
+``FEATURE_SHM`` in the handshake move every buffer of at least ``threshold`` bytes
+through a file in ``/dev/shm`` instead of the socket. The frame then carries the
+segment's name in the buffer's place (``_wire.frame``: ``SHM_BIT``, ``pack_shm_ref``).
+
+A segment is a file: one header page, then the data. The sender of a connection owns
+a pool of them (:class:`ShmSender`); the receiver maps each one once and keeps the
+mapping (:class:`ShmReceiver`), so a segment used again costs neither a page
+allocation nor a mapping:
+
+* send: take a free segment big enough (or create one), mark it BUSY in its header,
+  ``pwrite`` the buffer into it -- the one copy the sender makes -- and send the name;
+* receive: map the segment the first time its name arrives and unlink the name at
+  once; then wrap the data as a uint8 tensor, no copy. When the last tensor using
+  that memory is freed, a finalizer marks the segment FREE in the shared header, and
+  the sender may reuse it.
+
+The sender never maps the data, so its own memory does not grow with what it sends.
+
+Segment states live in the header page, which both sides map: byte 0 is FREE or BUSY
+(the sender sets BUSY before it sends, the receiver sets FREE when done), byte 1 is
+RETIRED once the sender dropped the segment (idle, too small, or connection closed);
+a receiver drops its mapping of a retired segment, and the memory goes back to the
+system when the last tensor on it is freed.
+
+Nothing leaks from ``/dev/shm``, even when a process is killed: a name exists only
+between its creation and the receiver's first mapping. The sender unlinks the names
+of its segments when a connection closes, and names carry the creator's pid (and pid
+namespace), so :func:`sweep_dead` -- run by every worker when it starts, when it
+loses a connection and when it shuts down -- removes the names whose creator died.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _wire
+from ..errors import ProtocolError
+
+log = logging.getLogger("torchrpc")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "torchrpc-"
+HEADER = 4096  # the data starts one page into the file, page aligned
+FREE, BUSY = 0, 1
+_STATE, _RETIRED = 0, 1  # header byte offsets
+IDLE_RETIRE = 10.0  # seconds a free segment is kept for reuse
+MAX_FREE = 8  # free segments kept per connection
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_NAME = re.compile(r"torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+")
+_PWRITE_MAX = 1 << 30
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class _Names:
+    """Unique segment names of this process: ``torchrpc-<pidns>-<pid>-<token>-<n>``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._n = 0
+        self._prefix = ""
+
+    def next(self) -> str:
+        with self._lock:
+            pid = os.getpid()
+            if pid != self._pid:  # a forked child must not reuse its parent's names
+                self._pid = pid
+                self._prefix = f"{PREFIX}{_pid_namespace()}-{pid}-{secrets.token_hex(4)}-"
+            self._n += 1
+            return f"{self._prefix}{self._n}"
+
+
+_names = _Names()
+
+
+def available() -> bool:
+    """Whether this machine has a writable ``/dev/shm``."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def _capacity(n: int) -> int:
+    """Round ``n`` up so that segments get reused across similar sizes (<= 12.5% slack)."""
+    step = max(1 << max(n.bit_length() - 4, 0), 1 << 16)
+    return -(-n // step) * step
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.debug("torchrpc: cannot unlink %s: %s", path, exc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # a zombie is dead
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_dead(directory: str = SHM_DIR) -> int:
+    """Unlink the segments of dead torchrpc processes of this pid namespace; return how many."""
+    ns = str(_pid_namespace())
+    me = os.getpid()
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    alive: Dict[int, bool] = {}
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or m.group(1) != ns:
+            continue
+        pid = int(m.group(2))
+        if pid == me:
+            continue
+        if pid not in alive:
+            alive[pid] = _alive(pid)
+        if not alive[pid]:
+            _unlink(os.path.join(directory, name))
+            removed += 1
+    if removed:
+        log.info("torchrpc: removed %d shared-memory segments left by dead processes", removed)
+    return removed
+
+
+class _OutSegment:
+    """A segment of the sender's pool: its file and a mapping of its header page only."""
+
+    __slots__ = ("name", "path", "fd", "capacity", "header", "last_used", "writing")
+
+    def __init__(self, directory: str, capacity: int) -> None:
+        self.name = _names.next()
+        self.path = os.path.join(directory, self.name)
+        self.capacity = capacity
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o600)
+        try:
+            # Reserve every page now: a full /dev/shm fails here, not later in a write.
+            os.posix_fallocate(self.fd, 0, HEADER + capacity)
+            self.header = mmap.mmap(self.fd, HEADER)
+        except BaseException:
+            os.close(self.fd)
+            _unlink(self.path)
+            raise
+        self.header[_STATE] = BUSY
+        self.last_used = time.monotonic()
+        self.writing = True  # a thread is between _take and _written: don't close the fd
+
+    @property
+    def free(self) -> bool:
+        return self.header[_STATE] == FREE
+
+    def write(self, data: memoryview) -> None:
+        pos = 0
+        n = len(data)
+        while pos < n:
+            pos += os.pwrite(self.fd, data[pos:pos + _PWRITE_MAX], HEADER + pos)
+
+    def retire(self) -> None:
+        """Tell the receiver to drop its mapping; close our side."""
+        try:
+            self.header[_RETIRED] = 1
+            self.header.close()
+        except (ValueError, BufferError):
+            pass
+        os.close(self.fd)
+        _unlink(self.path)  # only there if the receiver never mapped it
+
+
+class ShmSender:
+    """The sending side of one connection: stages large buffers into pooled segments."""
+
+    def __init__(self, threshold: int, directory: str = SHM_DIR) -> None:
+        if threshold < 1:
+            raise ValueError(f"shm_threshold must be at least 1 byte, got {threshold}")
+        self.threshold = threshold
+        self._dir = directory
+        self._lock = threading.Lock()
+        self._segments: List[_OutSegment] = []
+        self._closed = False
+        self._broken = False
+
+    def stage(self, buffers: Sequence[Any], lengths: List[int]
+              ) -> Tuple[List[Any], List[int], List[_OutSegment]]:
+        """Copy every buffer of at least ``threshold`` bytes into a segment.
+
+        Returns the parts to send in their place (a reference for each staged buffer),
+        the length table (``SHM_BIT`` set for staged ones) and the segments used, which
+        the caller passes to :meth:`unstage` if the frame cannot be sent.
+        """
+        parts = list(buffers)
+        used: List[_OutSegment] = []
+        for i, n in enumerate(lengths):
+            if n < self.threshold or self._broken:
+                continue
+            seg = self._take(n)
+            if seg is None:
+                continue
+            try:
+                seg.write(parts[i])
+            except OSError as exc:
+                self._give_up(exc)
+                self._written(seg, ok=False)
+                continue
+            if not self._written(seg, ok=True):
+                continue  # closed meanwhile: the frame will not be sent either
+            parts[i] = _wire.pack_shm_ref(seg.name)
+            lengths[i] = n | _wire.SHM_BIT
+            used.append(seg)
+        return parts, lengths, used
+
+    def unstage(self, used: Sequence[_OutSegment]) -> None:
+        """The frame that would have carried ``used`` was not sent: free them again."""
+        for seg in used:
+            try:
+                seg.header[_STATE] = FREE
+            except ValueError:
+                pass  # retired meanwhile
+
+    def _take(self, n: int) -> Optional[_OutSegment]:
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return None
+            best = None
+            for seg in self._segments:
+                if seg.capacity >= n and seg.free and (best is None or seg.capacity < best.capacity):
+                    best = seg
+            if best is not None:
+                best.header[_STATE] = BUSY
+                best.last_used = now
+                best.writing = True
+                return best
+        try:
+            seg = _OutSegment(self._dir, _capacity(n))
+        except OSError as exc:
+            self._give_up(exc)
+            return None
+        with self._lock:
+            if self._closed:
+                seg.retire()
+                return None
+            # Free segments smaller than this one would only pin memory now.
+            self._retire_where(lambda s: s.capacity < seg.capacity and s.free)
+            self._segments.append(seg)
+        return seg
+
+    def _give_up(self, exc: OSError) -> None:
+        if not self._broken and not self._closed:
+            self._broken = True
+            log.warning("torchrpc: shared memory in %s failed (%s); large buffers on this "
+                        "connection go through the socket from now on", self._dir, exc)
+
+    def _written(self, seg: _OutSegment, ok: bool) -> bool:
+        """The write into ``seg`` is over; retire it if it failed or the sender closed."""
+        with self._lock:
+            seg.writing = False
+            if ok and not self._closed:
+                return True
+            if seg in self._segments:
+                self._segments.remove(seg)
+        seg.retire()
+        return False
+
+    def _retire_where(self, cond: Any) -> None:
+        keep = []
+        for seg in self._segments:
+            if cond(seg):
+                seg.retire()
+            else:
+                keep.append(seg)
+        self._segments = keep
+
+    def housekeeping(self, now: float) -> None:
+        """Retire free segments idle for :data:`IDLE_RETIRE` s, and all but :data:`MAX_FREE`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._retire_where(lambda s: s.free and now - s.last_used > IDLE_RETIRE)
+            free = sorted((s for s in self._segments if s.free), key=lambda s: s.last_used)
+            extra = set(map(id, free[:max(0, len(free) - MAX_FREE)]))
+            if extra:
+                self._retire_where(lambda s: id(s) in extra)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    def close(self) -> None:
+        """Retire every segment (the connection is closed)."""
+        with self._lock:
+            self._closed = True
+            segments = [s for s in self._segments if not s.writing]  # writers retire the rest
+            self._segments = [s for s in self._segments if s.writing]
+        for seg in segments:
+            seg.retire()
+
+
+class _InSegment:
+    """A peer's segment as mapped by the receiver (header page and data)."""
+
+    __slots__ = ("name", "map", "capacity", "__weakref__")
+
+    def __init__(self, directory: str, name: str) -> None:
+        if not name.startswith(PREFIX):
+            raise ProtocolError(f"shared-memory reference {name!r} is not a torchrpc segment")
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ProtocolError(f"cannot open shared-memory segment {name}: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size <= HEADER:
+                raise ProtocolError(f"shared-memory segment {name} is not a segment of this "
+                                    f"user ({st.st_size} bytes, uid {st.st_uid})")
+            _unlink(path)  # mapped from now on; the name is not needed any more
+            self.map = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS)
+        except OSError as exc:
+            raise ProtocolError(f"cannot map shared-memory segment {name}: {exc}") from exc
+        finally:
+            os.close(fd)
+        self.name = name
+        self.capacity = st.st_size - HEADER
+
+    @property
+    def retired(self) -> bool:
+        return self.map[_RETIRED] != 0
+
+
+def _release(segment: _InSegment) -> None:
+    # The last tensor on this segment's data was freed (in any thread): hand it back.
+    segment.map[_STATE] = FREE
+
+
+class ShmReceiver:
+    """The receiving side of one connection: maps the peer's segments, wraps them as tensors.
+
+    Only the connection's reader calls :meth:`open`; finalizers may run in any thread.
+    """
+
+    def __init__(self, directory: str = SHM_DIR) -> None:
+        self._dir = directory
+        self._segments: Dict[str, _InSegment] = {}
+        self._lock = threading.Lock()
+
+    def open(self, name: str, size: int) -> torch.Tensor:
+        """The ``size`` bytes of segment ``name`` as a uint8 tensor sharing its memory."""
+        with self._lock:
+            seg = self._segments.get(name)
+        if seg is None:
+            self.housekeeping()  # the sender retires old segments before it makes a new one
+            seg = _InSegment(self._dir, name)
+            with self._lock:
+                self._segments[name] = seg
+        if size > seg.capacity:
+            raise ProtocolError(f"buffer of {size} bytes exceeds shared-memory segment {name} "
+                                f"of {seg.capacity} bytes")
+        view = memoryview(seg.map)[HEADER:HEADER + size]
+        if not size:
+            return torch.empty((0,), dtype=torch.uint8)
+        tensor = torch.frombuffer(view, dtype=torch.uint8)
+        # torch holds ``view`` until the storage is freed: then the segment is free again.
+        weakref.finalize(view, _release, seg).atexit = False
+        return tensor
+
+    def housekeeping(self) -> None:
+        """Drop the mappings of segments the sender retired."""
+        with self._lock:
+            for name in [n for n, s in self._segments.items() if s.retired]:
+                del self._segments[name]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    def close(self) -> None:
+        """Drop every mapping; memory still used by tensors stays until they are freed."""
+        with self._lock:
+            self._segments.clear()

@@ -156,3 +156,18 @@ def test_retry_policy_validates():
     assert [RetryPolicy(5, 0.1, 2.0, 0.3).backoff(k) for k in (1, 2, 3)] == [0.1, 0.2, 0.3]
     with pytest.raises(TypeError, match="wrap it"):
         rpc.functions.idempotent(len)
+
+
+def test_rref_creation_failure_and_timeout_surface_on_use(agent):
+    plan = agent.inject(fail=["PYTHON_REMOTE_CALL"], num_fail_sends=1)
+    rref = rpc.remote("worker1", helpers.add, args=(1, 2))
+    with pytest.raises(ConnectionLostError, match="injected"):
+        rref.to_here()
+    assert plan.failed == {"RREF_REMOTE_CALL": 1}
+    assert rpc.remote("worker1", helpers.add, args=(1, 2)).to_here() == 3
+    agent.inject(delay={"RREF_REMOTE_CALL": 0.6})
+    rref = rpc.remote("worker1", helpers.add, args=(2, 2), timeout=0.2)
+    with pytest.raises(RpcTimeoutError):
+        rref.to_here()
+    agent.inject()
+    time.sleep(0.6)  # the late creation lands; the owner's bookkeeping settles at shutdown

@@ -64,6 +64,9 @@ def test_remote_and_to_here():
     assert torch.equal(rref1.to_here() + rref2.to_here(), torch.full((2,), 6.0))
     assert not rref1.is_owner()
     assert rref1.owner() == rpc.get_worker_info("worker1") and rref1.owner_name() == "worker1"
+    deadline = time.monotonic() + 10  # the creation's ack may still be in flight
+    while not rref1.confirmed_by_owner() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert rref1.confirmed_by_owner()
     with pytest.raises(RuntimeError, match="owner"):
         rref1.local_value()

@@ -314,6 +314,8 @@ class Agent:
             self._by_name[w.name] = w
             self._departed.pop(w.name, None)
             self._left.discard(rank)
+            self._lost.pop(rank, None)  # a new worker under a rank that was lost
+            self._gone.pop(rank, None)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
 
@@ -913,15 +915,21 @@ class Agent:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
-        for r in [r for r in self._lost if r not in self._left and r not in self._gone]:
+        for r in [r for r in list(self._lost) if r not in self._left and r not in self._gone]:
+            w = self._workers.get(r)
+            if w is None:
+                continue
             try:
-                self._connection(self._workers[r], patient=True)  # a live worker reconnects
+                self._connection(w, patient=True)  # a live worker reconnects
             except RpcError as exc:
                 self._gone[r] = str(exc)
-        gone = {r: why for r, why in self._gone.items() if r not in self._left}
+        gone = {r: why for r, why in list(self._gone.items()) if r not in self._left}
         if gone:
-            names = ", ".join(f"{self._workers[r].name} (rank {r})" for r in sorted(gone))
-            reasons = "; ".join(f"{self._workers[r].name}: {gone[r]}" for r in sorted(gone))
+            def name(r: int) -> str:
+                w = self._workers.get(r)
+                return w.name if w is not None else f"rank{r}"
+            names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
+            reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
             raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
                                 f"{names} left the group without shutting down; they probably "
                                 f"died ({reasons})")
@@ -941,7 +949,7 @@ class Agent:
         if seen == self._lost_seen:
             return
         self._lost_seen = seen
-        for r in self._workers:
+        for r in list(self._workers):
             if r != self.rank and r not in self._lost and r not in self._left \
                     and store.check([f"lost/{r}"]):
                 self._lost[r] = store.get(f"lost/{r}").decode(errors="replace")
@@ -954,7 +962,7 @@ class Agent:
         if now < self._next_probe:
             return
         self._next_probe = now + 1.0
-        for r, w in self._workers.items():
+        for r, w in list(self._workers.items()):
             if r == self.rank or r in self._left or r in self._lost:
                 continue
             if self.store.check([f"{barrier}/{r}"]):

@@ -236,6 +236,9 @@ class Connection:
                     take_into(view)
                 buffers.append(tensor)
             self._on_frame(self, header, envelope, buffers)
+            # Hold nothing of this frame while waiting for the next: its memory (or its
+            # shared-memory segment) must be free as soon as the receiver is done with it.
+            envelope = buffers = tensor = view = None
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ _KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM
 
 SHM_BIT = 1 << 63
 SHM_REF_SIZE = 64
-_SHM_NAME = re.compile(rb"[A-Za-z0-9._-]{1,64}")
+_SHM_NAME = re.compile(rb"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 
 DEFAULT_MAX_MESSAGE_SIZE = 2 << 30  # 2 GiB
 DEFAULT_MAX_BUFFERS = 1 << 16
@@ -145,7 +145,8 @@ def pack_shm_ref(name: str) -> bytes:
     raw = name.encode("ascii")
     if not _SHM_NAME.fullmatch(raw):
         raise ValueError(f"invalid shared-memory segment name {name!r}: use 1 to "
-                         f"{SHM_REF_SIZE} letters, digits, '.', '_' or '-'")
+                         f"{SHM_REF_SIZE} letters, digits, '.', '_' or '-', not starting "
+                         f"with '.' or '-'")
     return raw.ljust(SHM_REF_SIZE, b"\0")
 
 

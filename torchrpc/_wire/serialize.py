@@ -110,6 +110,7 @@ def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tup
         if len(shape) != 1:
             t = t.view(shape)
     else:
+        _check_extent(slot.numel(), byte_offset, itemsize, shape, stride)
         t = torch.empty((0,), dtype=dtype).set_(slot.untyped_storage(), byte_offset // itemsize,
                                                 shape, stride)
     if requires_grad:
@@ -118,6 +119,30 @@ def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tup
         if hook is not None:
             t = hook(t)
     return t
+
+
+def _rebuild_empty(dtype: Any, shape: Tuple[int, ...], stride: Tuple[int, ...],
+                   requires_grad: bool) -> torch.Tensor:
+    if type(dtype) is int:
+        dtype = _DTYPES[dtype]
+    if _prod(shape) != 0:
+        raise ValueError(f"malformed empty tensor: shape {shape} has elements")
+    return torch.empty_strided(shape, stride, dtype=dtype, requires_grad=requires_grad)
+
+
+def _check_extent(nbytes: int, byte_offset: int, itemsize: int, shape: Tuple[int, ...],
+                  stride: Tuple[int, ...]) -> None:
+    """Refuse tensor metadata that reaches outside its buffer (set_ would grow it)."""
+    if len(shape) != len(stride) or min(shape, default=0) < 0 or min(stride, default=0) < 0 \
+            or byte_offset < 0 or byte_offset % itemsize:
+        raise ValueError(f"malformed tensor metadata: shape {shape}, stride {stride}, "
+                         f"offset {byte_offset}")
+    if _prod(shape) == 0:
+        return
+    end = byte_offset + itemsize * (1 + sum((n - 1) * s for n, s in zip(shape, stride)))
+    if end > nbytes:
+        raise ValueError(f"tensor of shape {shape} and stride {stride} needs {end} bytes, "
+                         f"its buffer has {nbytes}")
 
 
 def _prod(shape: Tuple[int, ...]) -> int:
@@ -194,7 +219,7 @@ class _Encoder:
         layout = t.layout
         if layout is not torch.strided:
             return _reduce_sparse(t, layout)
-        if t.is_quantized or t.is_conj() or t.is_neg():
+        if t.is_quantized:
             return _plain_reduce(t)
         requires_grad = t.requires_grad
         data = t
@@ -202,12 +227,16 @@ class _Encoder:
             if not t.is_cuda:
                 return _plain_reduce(t)
             data = t.detach().cpu()
-        itemsize = data.element_size()
+        if data.is_conj() or data.is_neg():
+            data = data.detach().resolve_conj().resolve_neg()
         numel = data.numel()
-        off = data.storage_offset()
+        dtype = data.dtype
         if numel == 0:
-            lo = hi = off * itemsize
-        elif data.is_contiguous():
+            return _rebuild_empty, (_DTYPE_IDS.get(dtype, dtype), tuple(data.shape),
+                                    data.stride(), requires_grad)
+        itemsize = data.element_size()
+        off = data.storage_offset()
+        if data.is_contiguous():
             lo = off * itemsize
             hi = lo + numel * itemsize
         else:
@@ -230,7 +259,6 @@ class _Encoder:
             slot = _Slot(data, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a))
             self.slots[key] = slot
             self.keepalive.append(data)
-        dtype = data.dtype
         return _rebuild_tensor, (slot, lo - slot.lo, _DTYPE_IDS.get(dtype, dtype),
                                  tuple(data.shape), data.stride(), requires_grad)
 

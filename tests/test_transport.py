@@ -1,0 +1,264 @@
+"""The transport over real sockets and processes, with same-host shared memory on and off.
+
+Every test that takes the ``group`` fixture runs twice: once with shared memory
+(``enable_shm=True``, buffers from 64 KiB on go through /dev/shm) and once over the
+socket alone. Bare-transport tests (two transports in this process) cover what
+decides whether shared memory is used. The leak and peak-RSS tests are in
+``test_transport_lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any, List, Optional
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc import _wire
+from torchrpc._transport import Transport, handshake, shm
+from torchrpc._wire import Kind
+from torchrpc.errors import ProtocolError
+from torchrpc.rpc import api
+
+from . import helpers
+from . import transport_helpers as th
+from .group import running_group
+from .test_wire import DTYPES, Inner, Outer, assert_same, sample
+
+THRESHOLD = 64 << 10
+SMALL, LARGE = 1 << 10, 1 << 20  # bytes: below and above THRESHOLD
+
+
+def torchrpc_segments(pids: Optional[List[int]] = None) -> List[str]:
+    """Names in /dev/shm of torchrpc segments, of the given creator pids if any."""
+    out = []
+    for name in os.listdir(shm.SHM_DIR):
+        m = shm._NAME.fullmatch(name)
+        if m and (pids is None or int(m.group(2)) in pids):
+            out.append(name)
+    return out
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "socket"])
+def group(request):
+    opts = {"enable_shm": request.param, "shm_threshold": THRESHOLD}
+    with running_group(3, threads=4, timeout=30.0, options=opts) as g:
+        g.shm = request.param
+        yield g
+    # Everything a worker created was mapped (and so unlinked) or removed at close.
+    assert not torchrpc_segments([os.getpid()] + [p.pid for p in g.procs.values()])
+
+
+def _echo(x: Any, to: str = "worker1") -> Any:
+    return rpc.rpc_sync(to, helpers.echo, args=(x,))
+
+
+@pytest.mark.parametrize("nbytes", [SMALL, LARGE], ids=["small", "large"])
+def test_every_dtype_and_layout_round_trips(group, nbytes):
+    for dtype in DTYPES:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        x = sample(dtype, (4, nbytes // itemsize // 4), seed=itemsize)
+        out = _echo((x, x.t(), x[:, 1::3], x[1:3]))
+        assert_same(out[0], x)
+        assert_same(out[1], x.t())
+        assert_same(out[2], x[:, 1::3], strides=False)
+        assert_same(out[3], x[1:3])
+    n = nbytes // 4
+    a = torch.randn(n)
+    nested = {"outer": Outer("o", Inner(a, ("t",)), [a[: n // 2], None]),
+              "zero": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    out = _echo(nested, "worker2")
+    assert_same(out["outer"].inner.weight, a) and out["outer"].extras[1] is None
+    assert_same(out["outer"].extras[0], a[: n // 2])
+    assert out["zero"].shape == (0, 3) and out["scalar"].item() == 2.5
+    i = torch.randint(0, 1000, (2, n // 16))
+    coo = torch.sparse_coo_tensor(i, torch.randn(n // 16), (1000, 1000), check_invariants=True)
+    back = _echo(coo)
+    assert back.layout == torch.sparse_coo and torch.equal(back.to_dense(), coo.to_dense())
+
+
+def test_shared_storages_stay_shared(group):
+    x = torch.arange(float(LARGE // 4))
+    a, b = _echo((x[: LARGE // 8], x[LARGE // 16:]))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    a[LARGE // 16] = -1.0
+    assert b[0].item() == -1.0
+
+
+def test_large_buffers_use_shared_memory_only_when_enabled(group):
+    x = torch.randn(LARGE // 4)
+    back, where = rpc.rpc_sync("worker1", th.echo_where, args=(x,))
+    assert torch.equal(back, x)
+    conn = api.current_agent()._conns[1]
+    if group.shm:
+        assert where.startswith("/dev/shm/torchrpc-") and where.endswith("(deleted)"), where
+        assert th.mapping_of(back).startswith("/dev/shm/torchrpc-")
+        assert conn.shm_tx is not None and conn.shm_tx.num_segments >= 1
+    else:
+        assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
+        assert conn.shm_tx is None and conn.shm_rx is None
+    small, where = rpc.rpc_sync("worker1", th.echo_where, args=(torch.randn(SMALL // 4),))
+    assert "torchrpc" not in where  # below the threshold: through the socket
+
+
+def test_segments_are_reused_but_never_while_in_use(group):
+    kept = []
+    for i in range(12):
+        x = torch.full((LARGE // 4,), float(i))
+        back = _echo(x)
+        assert torch.equal(back, x)
+        if i % 3 == 0:
+            kept.append((i, back))  # these stay alive: their segments must not be reused
+        del back
+    for i, t in kept:
+        assert torch.equal(t, torch.full((LARGE // 4,), float(i))), i
+    tx, rx = th.shm_segments()
+    if group.shm:
+        # 4 held + a few in flight; without reuse there would be one per echo.
+        assert 1 <= tx <= 8 and rx <= 8, (tx, rx)
+        remote_tx, _ = rpc.rpc_sync("worker1", th.shm_segments)
+        assert 1 <= remote_tx <= 8, remote_tx
+    del kept
+
+
+def test_concurrent_large_and_small_calls(group):
+    errors: List[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for j in range(6):
+                n = (SMALL, LARGE, 3 * LARGE + 4)[(i + j) % 3] // 4
+                x = torch.randint(0, 1 << 30, (n,), dtype=torch.int32)
+                to = f"worker{1 + (i + j) % 2}"
+                assert torch.equal(_echo(x, to), x)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    # Workers pass large tensors on to each other, too.
+    x = torch.randn(LARGE // 4)
+    assert torch.equal(rpc.rpc_sync("worker2", th.echo_via, args=("worker1", x)), x)
+
+
+# ----------------------------------------------------------------------------------------
+# Bare transports: who may use shared memory
+
+
+class _Peer:
+    """A bare transport that echoes CALL frames and records everything else."""
+
+    def __init__(self, rank: int, shm_on: bool = True, same_host: bool = True) -> None:
+        self.frames: "queue.Queue" = queue.Queue()
+        self.closed: List[Any] = []
+        self.t = Transport(rank, b"s" * 32, _wire.Limits(), lambda c: None, self._on_frame,
+                           lambda c, why: self.closed.append(why), "127.0.0.1",
+                           features=handshake.FEATURE_SHM if shm_on else 0,
+                           shm_threshold=THRESHOLD, same_host=lambda r: same_host)
+
+    def _on_frame(self, conn, header, envelope, buffers) -> None:
+        if header.kind == Kind.CALL:
+            conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
+                      [_wire.tensor_bytes(b) for b in buffers], buffers)
+        else:
+            self.frames.put((header, buffers))
+
+    def connect(self, other: "_Peer"):
+        return self.t.connect(other.t.rank, *other.t.address, timeout=5)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+def _call(conn, peer: _Peer, data: torch.Tensor) -> torch.Tensor:
+    conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(data)], data)
+    header, bufs = peer.frames.get(timeout=20)
+    assert header.kind == Kind.RESPONSE
+    return bufs[0]
+
+
+@pytest.mark.parametrize("a_shm, b_shm, same_host, used", [
+    (True, True, True, True),
+    (True, True, False, False),  # peers on different hosts never try it
+    (True, False, True, False),  # both must offer it
+    (False, True, True, False),
+])
+def test_shared_memory_needs_both_sides_and_the_same_host(a_shm, b_shm, same_host, used):
+    a, b = _Peer(0, a_shm, same_host), _Peer(1, b_shm, same_host)
+    try:
+        conn = a.connect(b)
+        data = torch.randint(0, 255, (LARGE,), dtype=torch.uint8)
+        back = _call(conn, a, data)
+        assert torch.equal(back, data)
+        assert (conn.shm_tx is not None) == used
+        assert ("/dev/shm/torchrpc-" in th.mapping_of(back)) == used
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_shared_memory_references_close_only_that_connection():
+    a, b = _Peer(0), _Peer(1)
+    c = _Peer(2, shm_on=False)
+    try:
+        good = a.connect(b)
+        assert torch.equal(_call(good, a, torch.ones(10, dtype=torch.uint8)), torch.ones(10))
+        for bad_name in ["torchrpc-0-1-aa-404", "passwd", "torchrpc-..-x"]:
+            conn = a.connect(b)
+            head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
+            ref = bad_name.encode().ljust(_wire.SHM_REF_SIZE, b"\0")
+            conn.sock.sendall(head + b"e" + ref)
+            deadline = time.monotonic() + 10
+            while not conn.closed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert conn.closed
+        assert any(isinstance(why, ProtocolError) for why in b.closed)
+        # A peer that never negotiated shared memory is refused such frames.
+        conn = a.connect(c)
+        assert conn.shm_rx is None and conn.shm_tx is None
+        head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 3, 1, [LARGE | _wire.SHM_BIT])
+        conn.sock.sendall(head + b"e" + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
+        deadline = time.monotonic() + 10
+        while not conn.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn.closed and any("did not negotiate" in str(w) for w in c.closed)
+        # The first connection is unaffected.
+        assert torch.equal(_call(good, a, torch.full((LARGE,), 3, dtype=torch.uint8)),
+                           torch.full((LARGE,), 3, dtype=torch.uint8))
+    finally:
+        for p in (a, b, c):
+            p.close()
+
+
+def test_senders_retire_idle_and_outgrown_segments():
+    a, b = _Peer(0), _Peer(1)
+    try:
+        conn = a.connect(b)
+        for n in (LARGE, 4 * LARGE, 16 * LARGE):
+            back = _call(conn, a, torch.zeros(n, dtype=torch.uint8))
+            del back
+        b_conn = next(iter(b.t._shm_conns))
+        # A bigger segment retires the smaller free ones (the last may still have been
+        # in use by the peer when the next was made).
+        assert 1 <= conn.shm_tx.num_segments <= 2 and 1 <= b_conn.shm_tx.num_segments <= 2
+        assert conn.shm_rx.num_segments <= 2 and b_conn.shm_rx.num_segments <= 2
+        time.sleep(0.2)  # the peer's reader drops its last buffers
+        now = time.monotonic() + shm.IDLE_RETIRE + 1
+        conn.shm_tx.housekeeping(now)
+        b_conn.shm_tx.housekeeping(now)
+        assert conn.shm_tx.num_segments == 0 and b_conn.shm_tx.num_segments == 0
+        a.t.housekeeping()
+        b.t.housekeeping()
+        assert conn.shm_rx.num_segments == 0 and b_conn.shm_rx.num_segments == 0
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,115 @@
+"""Functions that the transport tests run on remote workers, and the memory-test worker.
+
+``python -m tests.transport_helpers memory RANK PORT OUT`` is one member of the two-worker
+group of the peak-RSS test: rank 0 echoes a large tensor off rank 1 and writes both
+processes' peak RSS to ``OUT`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+from typing import Any, Dict, List
+
+import torch
+
+import torchrpc.rpc as rpc
+
+_held: Dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def mapping_of(t: torch.Tensor) -> str:
+    """The file behind the memory of ``t`` in /proc/self/maps ('' for anonymous memory)."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi:
+                return fields[5].strip() if len(fields) == 6 else ""
+    return ""
+
+
+def echo_where(x: torch.Tensor) -> tuple:
+    """``x`` back, and where it lived on this worker."""
+    return x, mapping_of(x)
+
+
+def hold(key: str, value: Any) -> None:
+    with _lock:
+        _held[key] = value
+
+
+def held(key: str) -> Any:
+    with _lock:
+        return _held[key]
+
+
+def drop_all() -> None:
+    with _lock:
+        _held.clear()
+
+
+def fire(to: str, nbytes: int) -> None:
+    """Send ``nbytes`` to ``to`` without waiting for the answer (the call stays pending)."""
+    hold("fired", rpc.rpc_async(to, hold, args=("payload", torch.ones(nbytes, dtype=torch.uint8)),
+                                timeout=0))
+
+
+def echo_via(to: str, x: torch.Tensor) -> torch.Tensor:
+    """Echo ``x`` off worker ``to``, from here."""
+    return rpc.rpc_sync(to, echo_where, args=(x,))[0]
+
+
+def shm_segments() -> List[int]:
+    """(segments this worker's connections send through, segments they receive through)."""
+    from torchrpc.rpc import api
+    agent = api.current_agent()
+    conns = [c for lst in agent._all_conns.values() for c in lst]
+    return [sum(c.shm_tx.num_segments for c in conns if c.shm_tx is not None),
+            sum(c.shm_rx.num_segments for c in conns if c.shm_rx is not None)]
+
+
+def peak_rss() -> Dict[str, int]:
+    """Peak RSS of this process in KiB: VmHWM (this address space) and ru_maxrss.
+
+    ru_maxrss also counts the parent's size before exec (Linux folds it in at fork and
+    exec), so VmHWM is the number to hold a worker to.
+    """
+    hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    return {"vmhwm_kib": hwm, "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def _memory_member(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=60,
+                                           enable_shm=os.environ.get("SHM", "1") == "1")
+    rpc.init_rpc(f"m{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        nbytes = int(os.environ.get("PAYLOAD", str(256 << 20)))
+        base = {"caller": peak_rss(), "callee": rpc.rpc_sync("m1", peak_rss)}
+        x = torch.rand(nbytes // 4)
+        ok = True
+        for _ in range(3):
+            back = rpc.rpc_sync("m1", echo_where, args=(x,))[0]
+            ok = ok and torch.equal(back, x)
+            del back
+        report = {"ok": ok, "payload": nbytes, "base": base,
+                  "caller": peak_rss(), "callee": rpc.rpc_sync("m1", peak_rss)}
+        with open(out, "w") as f:
+            json.dump(report, f)
+    rpc.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "memory":
+        _memory_member(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

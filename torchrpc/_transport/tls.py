@@ -82,6 +82,7 @@ class TlsSocket:
         self.ssl_object = context.wrap_bio(self._in, self._out, server_side=server_side)
         self._lock = threading.Lock()       # guards the SSLObject and both BIOs
         self._send_lock = threading.Lock()  # keeps ciphertext records in order on the socket
+        self._cipher = memoryview(bytearray(_CIPHER_CHUNK))  # the reader's receive buffer
 
     def do_handshake(self) -> None:
         """Run the TLS handshake (one thread, before the connection is shared)."""
@@ -117,11 +118,11 @@ class TlsSocket:
                     pass
                 except ssl.SSLZeroReturnError:
                     return 0  # the peer closed the TLS session
-            data = self._sock.recv(_CIPHER_CHUNK)
-            if not data:
+            k = self._sock.recv_into(self._cipher)
+            if not k:
                 return 0
             with self._lock:
-                self._in.write(data)
+                self._in.write(self._cipher[:k])
 
     def recv(self, n: int) -> bytes:
         buf = bytearray(n)

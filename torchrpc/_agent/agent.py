@@ -423,6 +423,8 @@ class Agent:
             "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
             "agent.state": self._state,
         }
+        if self._transport is not None:
+            info.update(self._transport.debug_info())
         for source in self._debug_sources:
             info.update(source())
         return info

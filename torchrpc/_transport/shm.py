@@ -155,6 +155,20 @@ def sweep_dead(directory: str = SHM_DIR) -> int:
     return removed
 
 
+class Stats:
+    """Counters of one transport's shared-memory traffic (updated under the GIL)."""
+
+    def __init__(self) -> None:
+        self.buffers_sent = 0
+        self.bytes_sent = 0
+        self.buffers_received = 0
+        self.bytes_received = 0
+        self.segments_created = 0
+
+    def as_dict(self) -> Dict[str, int]:
+        return {f"transport.shm_{k}": v for k, v in vars(self).items()}
+
+
 class _OutSegment:
     """A segment of the sender's pool: its file and a mapping of its header page only."""
 
@@ -202,7 +216,8 @@ class _OutSegment:
 class ShmSender:
     """The sending side of one connection: stages large buffers into pooled segments."""
 
-    def __init__(self, threshold: int, directory: str = SHM_DIR) -> None:
+    def __init__(self, threshold: int, directory: str = SHM_DIR,
+                 stats: Optional[Stats] = None) -> None:
         if threshold < 1:
             raise ValueError(f"shm_threshold must be at least 1 byte, got {threshold}")
         self.threshold = threshold
@@ -211,6 +226,7 @@ class ShmSender:
         self._segments: List[_OutSegment] = []
         self._closed = False
         self._broken = False
+        self._stats = stats or Stats()
 
     def stage(self, buffers: Sequence[Any], lengths: List[int]
               ) -> Tuple[List[Any], List[int], List[_OutSegment]]:
@@ -239,6 +255,8 @@ class ShmSender:
             parts[i] = _wire.pack_shm_ref(seg.name)
             lengths[i] = n | _wire.SHM_BIT
             used.append(seg)
+            self._stats.buffers_sent += 1
+            self._stats.bytes_sent += n
         return parts, lengths, used
 
     def unstage(self, used: Sequence[_OutSegment]) -> None:
@@ -268,6 +286,7 @@ class ShmSender:
         except OSError as exc:
             self._give_up(exc)
             return None
+        self._stats.segments_created += 1
         with self._lock:
             if self._closed:
                 seg.retire()
@@ -371,10 +390,11 @@ class ShmReceiver:
     Only the connection's reader calls :meth:`open`; finalizers may run in any thread.
     """
 
-    def __init__(self, directory: str = SHM_DIR) -> None:
+    def __init__(self, directory: str = SHM_DIR, stats: Optional[Stats] = None) -> None:
         self._dir = directory
         self._segments: Dict[str, _InSegment] = {}
         self._lock = threading.Lock()
+        self._stats = stats or Stats()
 
     def open(self, name: str, size: int) -> torch.Tensor:
         """The ``size`` bytes of segment ``name`` as a uint8 tensor sharing its memory."""
@@ -392,6 +412,8 @@ class ShmReceiver:
         if not size:
             return torch.empty((0,), dtype=torch.uint8)
         tensor = torch.frombuffer(view, dtype=torch.uint8)
+        self._stats.buffers_received += 1
+        self._stats.bytes_received += size
         # torch holds ``view`` until the storage is freed: then the segment is free again.
         weakref.finalize(view, _release, seg).atexit = False
         return tensor

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -332,12 +332,16 @@ class Transport:
         self._on_connect = on_connect
         self._on_frame = on_frame
         self._on_close = on_close
+        if features & handshake.FEATURE_SHM and shm_threshold < 1:
+            raise ValueError(f"shm_threshold must be at least 1 byte, got {shm_threshold}; "
+                             f"to keep buffers off shared memory, set enable_shm=False")
         if features & handshake.FEATURE_SHM and not shm.available():
             features &= ~handshake.FEATURE_SHM
         self._features = features
         self._shm_threshold = shm_threshold
         self._same_host = same_host
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        self._shm_stats = shm.Stats()
         if features & handshake.FEATURE_SHM:
             shm.sweep_dead()
         self._lock = threading.Lock()
@@ -460,11 +464,17 @@ class Transport:
     def _setup_shm(self, conn: Connection) -> None:
         if not conn.features & handshake.FEATURE_SHM:
             return
-        conn.shm_rx = shm.ShmReceiver()
+        conn.shm_rx = shm.ShmReceiver(stats=self._shm_stats)
         if self._shm_threshold > 0 and self._same_host is not None \
                 and self._same_host(conn.peer_rank):
-            conn.shm_tx = shm.ShmSender(self._shm_threshold)
+            conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
         self._shm_conns.add(conn)
+
+    def debug_info(self) -> Dict[str, Any]:
+        """Shared-memory counters (``transport.shm_*``)."""
+        info: Dict[str, Any] = {"transport.shm_enabled": bool(self._features & handshake.FEATURE_SHM)}
+        info.update(self._shm_stats.as_dict())
+        return info
 
     def housekeeping(self) -> None:
         """Let shared-memory segments that nobody used for a while go (call now and then)."""

@@ -76,19 +76,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class _Slot:
-    """One storage range that becomes one out-of-band buffer."""
+    """One storage range that becomes one out-of-band buffer.
 
-    __slots__ = ("tensor", "lo", "hi", "index")
+    Pickling it appends a memoryview of the range to ``views``, in the order the
+    pickle refers to its buffers. The PickleBuffer handed to pickle wraps a ctypes
+    array, not that memoryview: a memoryview that a PickleBuffer exports from must
+    never be left to the cycle collector (CPython clears it despite the export, and
+    may then crash), and an exception's traceback can put both in a cycle.
+    """
 
-    def __init__(self, tensor: torch.Tensor, lo: int, hi: int) -> None:
+    __slots__ = ("tensor", "lo", "hi", "views")
+
+    def __init__(self, tensor: torch.Tensor, lo: int, hi: int, views: List[memoryview]) -> None:
         self.tensor = tensor  # keeps the memory alive until sent
         self.lo = lo
         self.hi = hi
-        self.index = -1
+        self.views = views
 
     def __reduce__(self) -> Tuple[Any, ...]:
         base = self.tensor.untyped_storage().data_ptr()
-        return _rebuild_slot, (pickle.PickleBuffer(memoryview_of(base + self.lo, self.hi - self.lo)),)
+        raw = (ctypes.c_ubyte * (self.hi - self.lo)).from_address(base + self.lo)
+        self.views.append(memoryview(raw).cast("B"))
+        return _rebuild_slot, (pickle.PickleBuffer(raw),)
+
+
+def _out_of_band(buf: pickle.PickleBuffer) -> None:
+    return None  # falsy: every buffer travels out of band
 
 
 def _rebuild_slot(buf: Any) -> torch.Tensor:
@@ -207,7 +220,7 @@ class _Encoder:
 
     def __init__(self, send_hook: Optional[TensorHook]) -> None:
         self.slots: dict = {}
-        self.buffers: List[pickle.PickleBuffer] = []
+        self.views: List[memoryview] = []
         self.keepalive: List[torch.Tensor] = []
         self.send_hook = send_hook
         self.retry_ranges: dict = {}
@@ -256,7 +269,7 @@ class _Encoder:
                 lo2, hi2 = self.retry_ranges.get(key, (slot.lo, slot.hi))
                 self.retry_ranges[key] = (min(lo2, lo), max(hi2, hi))
             lo_a, hi_a = self.retry_ranges.get(key, (lo, hi))
-            slot = _Slot(data, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a))
+            slot = _Slot(data, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a), self.views)
             self.slots[key] = slot
             self.keepalive.append(data)
         return _rebuild_tensor, (slot, lo - slot.lo, _DTYPE_IDS.get(dtype, dtype),
@@ -295,7 +308,7 @@ class _Pickler(pickle.Pickler):
     """Protocol 5 with out-of-band buffers; tensors reduced by an :class:`_Encoder`."""
 
     def __init__(self, file: Any, enc: _Encoder) -> None:
-        super().__init__(file, protocol=5, buffer_callback=enc.buffers.append)
+        super().__init__(file, protocol=5, buffer_callback=_out_of_band)
         self.enc = enc
 
     def reducer_override(self, obj: Any) -> Any:
@@ -358,7 +371,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
         if not enc.conflict:
             break
         retry = enc.retry_ranges
-    return out.getvalue(), [b.raw() for b in enc.buffers], enc.keepalive
+    return out.getvalue(), enc.views, enc.keepalive
 
 
 _NONE_META = pickle.dumps(None, protocol=5)

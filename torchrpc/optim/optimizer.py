@@ -7,8 +7,10 @@ gradients that context accumulated there, and waits for all of them.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Any, Dict, List, Sequence
+import weakref
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -43,19 +45,33 @@ class _LocalOptimizer:
                     p.grad = g
 
 
+# The local optimizers of this worker by number, so that a step names its optimizer with
+# an int: passing the RRef itself in every step would cost RRef protocol messages. The
+# RRef held by the DistributedOptimizer keeps the optimizer alive; this map does not.
+_by_number: "weakref.WeakValueDictionary[int, _LocalOptimizer]" = weakref.WeakValueDictionary()
+_numbers = itertools.count(1)
+
+
 def _new_local_optimizer(optimizer_class: Any, param_rrefs: List[rpc.RRef], args: Sequence[Any],
-                         kwargs: Dict[str, Any]) -> rpc.RRef:
+                         kwargs: Dict[str, Any]) -> Tuple[rpc.RRef, int]:
     params = [rref.local_value() for rref in param_rrefs]
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"DistributedOptimizer: params_rref[{i}] on "
                             f"{rpc.get_worker_info().name} holds a {type(p).__name__}, "
                             f"not a Tensor")
-    return rpc.RRef(_LocalOptimizer(optimizer_class, params, args, kwargs))
+    optimizer = _LocalOptimizer(optimizer_class, params, args, kwargs)
+    number = next(_numbers)
+    _by_number[number] = optimizer
+    return rpc.RRef(optimizer), number
 
 
-def _local_step(optimizer_rref: rpc.RRef, context_id: int) -> None:
-    optimizer_rref.local_value().step(context_id)
+def _local_step(number: int, context_id: int) -> None:
+    optimizer = _by_number.get(number)
+    if optimizer is None:
+        raise RuntimeError(f"DistributedOptimizer: local optimizer {number} no longer exists "
+                           f"on {rpc.get_worker_info().name}")
+    optimizer.step(context_id)
 
 
 def _wait_all(futures: List[torch.futures.Future]) -> List[Any]:
@@ -137,7 +153,9 @@ class DistributedOptimizer:
         futures = [rpc.rpc_async(owner, _new_local_optimizer,
                                  args=(optimizer_class, rrefs, args, kwargs))
                    for owner, rrefs in per_owner.items()]
-        self.remote_optimizers: List[rpc.RRef] = _wait_all(futures)
+        created = _wait_all(futures)
+        self.remote_optimizers: List[rpc.RRef] = [rref for rref, _ in created]
+        self._numbers = [number for _, number in created]
 
     def step(self, context_id: int) -> None:
         r"""Performs a single optimization step.
@@ -156,13 +174,14 @@ class DistributedOptimizer:
         if isinstance(context_id, bool) or not isinstance(context_id, int):
             raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
         # Start the remote steps, then run this worker's own optimizer here meanwhile.
-        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id))
-                   for opt in self.remote_optimizers if not opt.is_owner()]
-        for opt in self.remote_optimizers:
+        pairs = list(zip(self.remote_optimizers, self._numbers))
+        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(number, context_id))
+                   for opt, number in pairs if not opt.is_owner()]
+        for opt, number in pairs:
             if opt.is_owner():
                 fut: torch.futures.Future = torch.futures.Future()
                 try:
-                    _local_step(opt, context_id)
+                    _local_step(number, context_id)
                     fut.set_result(None)
                 except BaseException as exc:  # noqa: BLE001 - raised after all are done
                     fut.set_exception(exc)

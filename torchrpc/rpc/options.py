@@ -122,7 +122,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             reaches the rendezvous host (loopback for a local job).
         max_message_size (int): frames larger than this are refused (default 2 GiB).
         enable_shm (bool): same-host shared memory for large buffers (default True).
-        shm_threshold (int): buffers at least this large go through shared memory.
+        shm_threshold (int): between workers of one host, buffers of at least this many
+            bytes go through shared memory (default 64 KiB, where it starts to beat the
+            socket; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
             seconds (default 0.5; 0 sends none).
         heartbeat_timeout (float): a connection that brings nothing in for this long is

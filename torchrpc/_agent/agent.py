@@ -22,6 +22,7 @@ request pending on that worker with an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -34,14 +35,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _wire
-from .._transport import Connection, Transport, handshake
+from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
 from . import membership, rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
-from .pool import WorkerPool
+from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
 from .worker import WorkerInfo
 
@@ -639,8 +640,19 @@ class Agent:
         """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
         self._ready.set()
 
+    # Theory of operation (reading). A connection is read by whichever thread holds its
+    # reading role (Connection.read_frames). The transport's own thread starts reading;
+    # as soon as the pool has an idle thread, the role moves into the pool, where a
+    # reading thread counts as blocked (it waits for the network, not for work). A pool
+    # thread that reads a request and has nothing more buffered hands the role to an
+    # idle pool thread and runs the request itself: the request starts without waking
+    # anybody (leader/follower). A request that arrives with more behind it goes to
+    # the pool as before, so a burst is read at full speed. Replies are completed by
+    # the reader. Nested calls cannot deadlock: reading never waits for a busy thread,
+    # it stays where it is when no thread is idle.
+
     def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
-                  buffers: List[torch.Tensor]) -> None:
+                  buffers: List[torch.Tensor]) -> Optional[Callable[[], None]]:
         mark_reader_thread()
         if not self._ready.is_set():
             # A peer may finish rendezvous and call us before init_rpc here has returned.
@@ -648,7 +660,7 @@ class Agent:
         kind = header.kind
         if kind == Kind.RESPONSE or kind == Kind.ERROR:
             self._on_reply(conn, header, envelope, buffers)
-            return
+            return self._reading_to_pool(conn)
         src = self._workers.get(conn.peer_rank)
         if src is None and self.elastic:
             self._refresh_members()  # a new member may call before we saw it join
@@ -663,12 +675,44 @@ class Agent:
             return
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)
-            return
+            return self._reading_to_pool(conn)
         handler = self._handlers.get(kind)
+        pool = self._pool
+        if _EXPERIMENT == "lazy" and current_pool() is pool and not conn.rx_buffered:
+            self._serve(src, header, envelope, buffers, handler)
+            return None
+        if _EXPERIMENT == "off":
+            pool.submit(self._serve, src, header, envelope, buffers, handler)
+            return None
+        if current_pool() is pool:
+            if not conn.rx_buffered and pool.hand_off(self._keep_reading, conn):
+                return functools.partial(self._serve_here, src, header, envelope, buffers,
+                                         handler)
+            work = None
+        else:
+            work = self._reading_to_pool(conn)
         try:
-            self._pool.submit(self._serve, src, header, envelope, buffers, handler)
+            pool.submit(self._serve, src, header, envelope, buffers, handler)
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
+        return work
+
+    def _reading_to_pool(self, conn: Connection) -> Optional[Callable[[], None]]:
+        """On a transport thread: move the reading role into the pool if a thread is idle."""
+        if current_pool() is not self._pool and self._pool.hand_off(self._keep_reading, conn):
+            return _nothing
+        return None
+
+    def _keep_reading(self, conn: Connection) -> None:
+        """A pool task: hold the reading role of ``conn`` until it moves on or ends."""
+        with self._pool.blocking():
+            work = conn.read_frames()
+        if work is not None:
+            work()
+
+    def _serve_here(self, *args: Any) -> None:
+        mark_reader_thread(False)  # this thread handed its reading role on
+        self._serve(*args)
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
@@ -716,6 +760,7 @@ class Agent:
         what: Any = Kind(kind).name
         try:
             _, payload = _wire.decode(envelope, buffers, MessageContext(self, src, kind), recv_hook)
+            buffers.clear()  # the tensors in payload hold what they need
             if kind == Kind.CALL:
                 what = payload[0]
             if handler is None:
@@ -745,9 +790,18 @@ class Agent:
                     self._reply(src, rid, value, scopes, what)
             result.future.add_done_callback(done)
             return
-        self._reply(src, rid, result, scopes, what)
+        # Hand the result over and let go of the request: once the reply is staged
+        # into shared memory, nothing may hold the request's segment any more, so the
+        # caller finds it free for its next call.
+        owned = [result]
+        result = payload = None
+        self._reply(src, rid, owned, scopes, what, owned=True)
 
-    def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any) -> None:
+    def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any,
+               owned: bool = False) -> None:
+        """Send ``value`` back; with ``owned``, ``value`` is a one-item list to take it from."""
+        if owned:
+            value = value.pop()
         meta = None
         if scopes:
             meta = {s.hook_key: s.response_meta() for s in scopes} or None
@@ -757,6 +811,9 @@ class Agent:
         except SerializationError as exc:
             self._reply_error(dst, rid, exc, what)
             return
+        if owned:
+            value = None
+            keep = Releasable(keep)
         self._send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep)
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any) -> None:
@@ -1057,6 +1114,14 @@ class Agent:
             log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
+
+
+import os as _os
+_EXPERIMENT = _os.environ.get("TORCHRPC_EXPERIMENT", "")
+
+
+def _nothing() -> None:
+    """The work of a reader that handed its role on and has nothing else to do."""
 
 
 def _handle_call(src: WorkerInfo, payload: Any) -> Any:

@@ -26,9 +26,9 @@ S = TypeVar("S")
 _reader = threading.local()
 
 
-def mark_reader_thread() -> None:
-    """Called once by each transport reader thread of the agent."""
-    _reader.active = True
+def mark_reader_thread(active: bool = True) -> None:
+    """Called by a thread of the agent when it takes (or leaves) a reading role."""
+    _reader.active = active
 
 
 def on_reader_thread() -> bool:

@@ -72,6 +72,20 @@ class WorkerPool:
                 self._spawn_locked()
         self._queue.put((fn, args))
 
+    def hand_off(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on a thread that is idle now, or return False.
+
+        Unlike :meth:`submit`, the task never waits behind others: it is queued only
+        while more threads are idle than tasks are queued, so an idle thread takes it
+        at once. The agent hands a connection's reading role on this way.
+        """
+        with self._lock:
+            if self._closed or self._idle <= self._pending:
+                return False
+            self._pending += 1
+        self._queue.put((fn, args))
+        return True
+
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
         """Mark the calling pool thread as blocked for the duration of the block."""

@@ -1,5 +1,5 @@
 """The transport layer: authenticated TCP connections carrying wire frames."""
 
-from .tcp import Connection, Transport
+from .tcp import Connection, Releasable, Transport
 
-__all__ = ["Connection", "Transport"]
+__all__ = ["Connection", "Releasable", "Transport"]

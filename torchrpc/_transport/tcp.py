@@ -35,8 +35,17 @@ HANDSHAKE_TIMEOUT = 10.0
 _READ_CHUNK = 256 * 1024
 _IOV_MAX = 512
 
-FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]], None]
+FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
+                         Optional[Callable[[], None]]]
 CloseCallback = Callable[["Connection", Optional[BaseException]], None]
+
+
+class Releasable(list):
+    """A keepalive list its sender gives away: :meth:`Connection.send` empties it as
+    soon as the frame no longer needs the memory it keeps alive (every buffer staged
+    into shared memory), so that memory is freed before the frame even leaves."""
+
+    __slots__ = ()
 
 
 class Connection:
@@ -59,6 +68,10 @@ class Connection:
         # Same-host shared memory (see shm.py), set up by the transport after the handshake.
         self.shm_tx: Optional[shm.ShmSender] = None
         self.shm_rx: Optional[shm.ShmReceiver] = None
+        # The read buffer and the unconsumed bytes in it, [_rstart, _rend): state of the
+        # reading role, which moves between threads (see read_frames).
+        self._rmv: Optional[memoryview] = None
+        self._rstart = self._rend = 0
         # When bytes last came in and last went out (monotonic); the agent's heartbeat
         # sends on idle connections and closes silent ones.
         self.last_recv = self.last_send = time.monotonic()
@@ -78,6 +91,8 @@ class Connection:
             buffers, lengths, staged = self.shm_tx.stage(buffers, lengths)
             if staged:
                 flags |= _wire.FLAG_SHM
+                if type(keepalive) is Releasable and len(staged) == sum(1 for n in lengths if n):
+                    keepalive.clear()
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
         parts.extend(b for b in buffers if len(b))
@@ -127,99 +142,127 @@ class Connection:
                     sent = 0
 
     # -- receiving -----------------------------------------------------------------------------
+    #
+    # Reading is a role, not a thread. Whichever thread runs read_frames() holds it. The
+    # on_frame callback may return a callable: it has arranged for another thread to go
+    # on reading (read_frames() again), so this one stops, touches no read state any more
+    # and runs the callable instead. The agent uses this to run a request on the thread
+    # that read it, instead of waking a pool thread for it (leader/follower).
 
     def start(self, name: str) -> None:
         self.thread = threading.Thread(target=self.read_loop, name=name, daemon=True)
         self.thread.start()
 
     def read_loop(self) -> None:
-        """Read frames until the connection ends; then report the close once."""
+        """Read frames until the connection ends or the reading role is handed on; in that
+        case, run what the frame callback returned."""
+        work = self.read_frames()
+        if work is not None:
+            work()
+
+    def read_frames(self) -> Optional[Callable[[], None]]:
+        """Hold the reading role: read frames until the connection ends (report the close
+        once and return None) or the frame callback hands the role on (return its work)."""
         error: Optional[BaseException] = None
         try:
-            self._read_frames()
+            return self._read_frames()
         except (OSError, ProtocolError, ConnectionLostError) as exc:
             error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
         except Exception as exc:  # a bug in a callback must not kill the thread silently
             log.exception("torchrpc: reader for rank %s failed", self.peer_rank)
             error = exc
         self.close(error)
+        return None
 
-    def _read_frames(self) -> None:
-        sock, limits = self.sock, self._limits
-        buf = bytearray(_READ_CHUNK)
-        mv = memoryview(buf)
-        start = end = 0
+    @property
+    def rx_buffered(self) -> int:
+        """Bytes read from the socket that no frame has consumed yet (reader only)."""
+        return self._rend - self._rstart
 
-        def fill(n: int) -> None:
-            nonlocal start, end
-            if end - start >= n:
-                return
-            if start and (len(buf) - start < n):
-                mv[:end - start] = mv[start:end]
-                end -= start
-                start = 0
-            while end - start < n:
-                k = sock.recv_into(mv[end:])
-                if k == 0:
-                    if end > start:
-                        raise ProtocolError(f"truncated frame: the peer closed the connection "
-                                            f"after {end - start} of {n} bytes")
-                    raise ConnectionLostError("peer closed the connection")
-                end += k
-                self.last_recv = time.monotonic()
+    def _fill(self, n: int) -> None:
+        # Make n bytes available at self._rstart in the read buffer.
+        start, end, mv = self._rstart, self._rend, self._rmv
+        if end - start >= n:
+            return
+        if start and (len(mv) - start < n):
+            mv[:end - start] = mv[start:end]
+            end -= start
+            start = 0
+        recv_into = self.sock.recv_into
+        while end - start < n:
+            k = recv_into(mv[end:])
+            if k == 0:
+                self._rstart, self._rend = start, end
+                if end > start:
+                    raise ProtocolError(f"truncated frame: the peer closed the connection "
+                                        f"after {end - start} of {n} bytes")
+                raise ConnectionLostError("peer closed the connection")
+            end += k
+            self.last_recv = time.monotonic()
+        self._rstart, self._rend = start, end
 
-        def take_into(dst: memoryview) -> None:
-            nonlocal start
-            n = len(dst)
-            have = min(n, end - start)
-            if have:
-                dst[:have] = mv[start:start + have]
-                start += have
-            got = have
-            while got < n:
-                k = sock.recv_into(dst[got:])
-                if k == 0:
-                    raise ProtocolError("truncated frame: the peer closed the connection "
-                                        "in the middle of a frame")
-                got += k
-                self.last_recv = time.monotonic()
+    def _take_into(self, dst: memoryview) -> None:
+        # Fill dst from the read buffer, then straight from the socket.
+        start, mv = self._rstart, self._rmv
+        n = len(dst)
+        have = min(n, self._rend - start)
+        if have:
+            dst[:have] = mv[start:start + have]
+            self._rstart = start + have
+        got = have
+        while got < n:
+            k = self.sock.recv_into(dst[got:])
+            if k == 0:
+                raise ProtocolError("truncated frame: the peer closed the connection "
+                                    "in the middle of a frame")
+            got += k
+            self.last_recv = time.monotonic()
 
-        def take_bytes(n: int) -> bytearray:
-            # Grow with what arrives, so a length claimed in a header allocates nothing
-            # until the peer actually sends the bytes.
-            out = bytearray()
-            while len(out) < n:
-                old = len(out)
-                out.extend(bytes(min(n - old, max(old, _READ_CHUNK))))
-                tail = memoryview(out)[old:]
-                try:
-                    take_into(tail)
-                finally:
-                    tail.release()
-            return out
+    def _take_bytes(self, n: int) -> bytearray:
+        # Grow with what arrives, so a length claimed in a header allocates nothing
+        # until the peer actually sends the bytes.
+        out = bytearray()
+        while len(out) < n:
+            old = len(out)
+            out.extend(bytes(min(n - old, max(old, _READ_CHUNK))))
+            tail = memoryview(out)[old:]
+            try:
+                self._take_into(tail)
+            finally:
+                tail.release()
+        return out
 
+    def _read_frames(self) -> Optional[Callable[[], None]]:
+        limits = self._limits
+        if self._rmv is None:
+            self._rmv = memoryview(bytearray(_READ_CHUNK))
+        mv = self._rmv
+        fill, take_into = self._fill, self._take_into
         while True:
-            if start == end:
-                start = end = 0
+            if self._rstart == self._rend:
+                self._rstart = self._rend = 0
             fill(_wire.HEADER_SIZE)
+            start = self._rstart
             header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
-            start += _wire.HEADER_SIZE
+            self._rstart = start = start + _wire.HEADER_SIZE
             table = 8 * header.nbuffers
-            if table <= len(buf):
+            if table <= len(mv):
                 fill(table)
+                start = self._rstart
                 lengths = _wire.parse_lengths(mv[start:start + table], header, limits)
-                start += table
+                self._rstart = start + table
             else:
                 raw = bytearray(table)
                 take_into(memoryview(raw))
                 lengths = _wire.parse_lengths(raw, header, limits)
             n = header.envelope_len
-            if n <= len(buf):
+            if n <= len(mv):
                 fill(n)
+                start = self._rstart
                 envelope = bytes(mv[start:start + n])
-                start += n
+                self._rstart = start + n
             else:
-                envelope = take_bytes(n)
+                envelope = self._take_bytes(n)
             buffers = []
             for size in lengths:
                 if size & _wire.SHM_BIT:
@@ -227,15 +270,18 @@ class Connection:
                         raise ProtocolError("a shared-memory buffer on a connection that did "
                                             "not negotiate shared memory")
                     fill(_wire.SHM_REF_SIZE)
+                    start = self._rstart
                     name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
-                    start += _wire.SHM_REF_SIZE
+                    self._rstart = start + _wire.SHM_REF_SIZE
                     buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
                     continue
                 tensor, view = _wire.new_buffer(size)
                 if size:
                     take_into(view)
                 buffers.append(tensor)
-            self._on_frame(self, header, envelope, buffers)
+            work = self._on_frame(self, header, envelope, buffers)
+            if work is not None:
+                return work  # another thread reads on: touch nothing here any more
             # Hold nothing of this frame while waiting for the next: its memory (or its
             # shared-memory segment) must be free as soon as the receiver is done with it.
             envelope = buffers = tensor = view = None

@@ -8,7 +8,9 @@ import time
 from typing import List
 
 import pytest
+import torch
 
+import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.rpc import api
@@ -51,6 +53,12 @@ def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
         group.init_self()
         assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
         assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+        owned = rpc.remote("worker2", helpers.echo, args=(5,))
+        assert owned.to_here() == 5
+        x = torch.ones(3, requires_grad=True)
+        ctx_cm = dist_autograd.context()
+        ctx = ctx_cm.__enter__()  # a graph through worker2, kept until worker2 is dead
+        through_2 = rpc.rpc_sync("worker2", helpers.add, args=(x, 1))
         futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0,)) for _ in range(6)]
         time.sleep(0.3)  # the calls are running on worker2
         start = time.monotonic()
@@ -62,6 +70,12 @@ def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
         with pytest.raises(ConnectionLostError, match="worker2") as info:
             rpc.rpc_sync("worker2", helpers.whoami)
         assert info.value.worker == "worker2" and time.monotonic() - start < 2.0
+        # RRefs it owns raise, naming it; a backward pass that needs it fails, naming it.
+        with pytest.raises(ConnectionLostError, match="worker2"):
+            owned.to_here()
+        with pytest.raises(RuntimeError, match="worker2"):
+            dist_autograd.backward(ctx, [through_2.sum()])
+        ctx_cm.__exit__(None, None, None)  # releasing it must not hang either
         # The others keep working with each other, both ways.
         assert rpc.rpc_sync("worker1", helpers.nested_call, args=("worker0", 2)) == \
             "worker1>worker0>worker1"

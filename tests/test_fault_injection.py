@@ -171,3 +171,25 @@ def test_rref_creation_failure_and_timeout_surface_on_use(agent):
         rref.to_here()
     agent.inject()
     time.sleep(0.6)  # the late creation lands; the owner's bookkeeping settles at shutdown
+
+
+def test_rref_control_messages_are_retried(agent):
+    import gc
+    plan = agent.inject(fail=["RREF_FORK_REQUEST", "RREF_CHILD_ACCEPT", "RREF_USER_DELETE"],
+                        num_fail_sends=2)
+    rref = rpc.remote("worker1", helpers.echo, args=(41,))
+    assert rref.to_here() == 41
+    # A user -> user fork (to this worker itself): FORK_REQUEST to the owner, CHILD_ACCEPT back.
+    assert rpc.rpc_sync("worker0", helpers.rref_value_plus, args=(rref, 1)) == 42
+    del rref
+    deadline = time.monotonic() + 15
+    while True:
+        gc.collect()
+        mine = helpers.rref_counts()
+        owner = rpc.rpc_sync("worker1", helpers.rref_counts)
+        if owner["num_owner_rrefs"] == 0 and mine["num_pending_children"] == 0 \
+                and mine["num_user_rrefs"] == 0:
+            break
+        assert time.monotonic() < deadline, (plan.failed, mine, owner)
+        time.sleep(0.05)
+    assert plan.failed == {"RREF_FORK_REQUEST": 2, "RREF_CHILD_ACCEPT": 2, "RREF_USER_DELETE": 2}

@@ -117,11 +117,13 @@ class RRefBook:
     def remove_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         """A fork is gone (USER_DELETE, or an owner's self-fork arrived)."""
         with self._lock:
+            # A deleted fork never comes back: a late or duplicated (retried) creation or
+            # FORK_REQUEST for it must not resurrect it.
+            self._tombstones[(rref_id, fork_id)] = None
+            while len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
             entry = self.owners.get(rref_id)
             if entry is None or fork_id not in entry.forks:
-                self._tombstones[(rref_id, fork_id)] = None
-                while len(self._tombstones) > _TOMBSTONES:
-                    self._tombstones.popitem(last=False)
                 return
             entry.forks.discard(fork_id)
             self._drop_if_unused(entry)

@@ -23,12 +23,16 @@ import torch
 
 from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, describe, run_callable
 from .._agent.current import current_agent
+from .._agent.retry import RetryPolicy
 from .._wire import Kind, PassThrough, current_context
 from ..errors import RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
 T = TypeVar("T")
+# Control messages are idempotent on the receiver (sets and tombstones), so they are
+# retried on connection failures, as the protocol prescribes.
+_CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
 _UNSET = -1.0
 
 
@@ -457,7 +461,8 @@ class RRefLayer:
         try:
             dst = agent.resolve(msg.dst)
             fut = agent.request(dst, msg.kind, msg.payload, agent.default_timeout,
-                                what=f"RRef control message {msg.kind.name}")
+                                what=f"RRef control message {msg.kind.name}",
+                                retry=_CONTROL_RETRY)
         except Exception as exc:  # noqa: BLE001 - control messages are best effort past here
             log.debug("torchrpc: %s to rank %d failed: %s", msg.kind.name, msg.dst, exc)
             return

@@ -22,7 +22,6 @@ request pending on that worker with an error naming it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import logging
@@ -49,6 +48,10 @@ from .worker import WorkerInfo
 log = logging.getLogger("torchrpc")
 
 _TICK = 0.1
+# A request running on its reading thread for longer than this hands the reading role on.
+INLINE_LIMIT = 0.01
+_LENT_TICK = 0.02  # the timer looks at lent roles this often
+_inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,10 @@ class Agent:
         self._members_thread: Optional[threading.Thread] = None
         self._log: Optional[membership.EventLog] = None
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._pool.on_block = self._lend_out  # a request that blocks gives up reading
+        self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
+        self._lent_lock = threading.Lock()
+        self._next_tick = 0.0
         self._transport: Optional[Transport] = None
         self._timer: Optional[threading.Thread] = None
         # callbacks due later, run on the pool: (when, seq, fn, args)
@@ -641,15 +648,20 @@ class Agent:
         self._ready.set()
 
     # Theory of operation (reading). A connection is read by whichever thread holds its
-    # reading role (Connection.read_frames). The transport's own thread starts reading;
-    # as soon as the pool has an idle thread, the role moves into the pool, where a
-    # reading thread counts as blocked (it waits for the network, not for work). A pool
-    # thread that reads a request and has nothing more buffered hands the role to an
-    # idle pool thread and runs the request itself: the request starts without waking
-    # anybody (leader/follower). A request that arrives with more behind it goes to
-    # the pool as before, so a burst is read at full speed. Replies are completed by
-    # the reader. Nested calls cannot deadlock: reading never waits for a busy thread,
-    # it stays where it is when no thread is idle.
+    # reading role (Connection.read_frames). The transport's own thread reads first; as
+    # soon as the pool has an idle thread the role moves into the pool, where a reading
+    # thread counts as blocked (it waits for the network, not for work).
+    #
+    # A pool thread that reads a request runs it at once, itself: no other thread is
+    # woken, and on two cores a wake-up and the GIL hand-over that follows cost more
+    # than a small request does. While it runs the request, the reading role is *lent*
+    # (``_lent``): it goes to another pool thread the moment the request blocks on an
+    # RPC (``WorkerPool.blocking`` calls ``_lend_out``), so a nested call, even back to
+    # the caller over this very connection, never waits for itself; and the timer hands
+    # it on when a request runs for longer than ``INLINE_LIMIT`` without returning
+    # (blocked on a lock, sleeping, computing), so one slow request holds the frames
+    # behind it up for INLINE_LIMIT plus a tick at most. A reader whose role went
+    # elsewhere stops reading when its request returns.
 
     def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> Optional[Callable[[], None]]:
@@ -672,30 +684,59 @@ class Agent:
             self._fail_pending(src.id, WorkerLeftError(
                 f"worker {src.name} (rank {src.id}) has shut down and left the group",
                 worker=src.name))
-            return
+            return None
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)
             return self._reading_to_pool(conn)
         handler = self._handlers.get(kind)
-        pool = self._pool
-        if _EXPERIMENT == "lazy" and current_pool() is pool and not conn.rx_buffered:
-            self._serve(src, header, envelope, buffers, handler)
-            return None
-        if _EXPERIMENT == "off":
-            pool.submit(self._serve, src, header, envelope, buffers, handler)
-            return None
-        if current_pool() is pool:
-            if not conn.rx_buffered and pool.hand_off(self._keep_reading, conn):
-                return functools.partial(self._serve_here, src, header, envelope, buffers,
-                                         handler)
-            work = None
-        else:
-            work = self._reading_to_pool(conn)
+        if current_pool() is self._pool and self._state == "running":
+            return self._serve_inline(conn, src, header, envelope, buffers, handler)
         try:
-            pool.submit(self._serve, src, header, envelope, buffers, handler)
+            self._pool.submit(self._serve, src, header, envelope, buffers, handler)
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
-        return work
+        return self._reading_to_pool(conn)
+
+    def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
+                      envelope: bytes, buffers: List[torch.Tensor], handler: Any
+                      ) -> Optional[Callable[[], None]]:
+        """Run a request on the reading thread, lending the reading role meanwhile."""
+        with self._lent_lock:
+            self._lent[conn] = time.monotonic()
+        _inline.conn = conn
+        try:
+            self._serve(src, header, envelope, buffers, handler)
+        finally:
+            _inline.conn = None
+            with self._lent_lock:
+                kept = self._lent.pop(conn, None) is not None
+        return None if kept else _nothing  # None: read on; else the role is elsewhere
+
+    def _lend_out(self, conn: Optional[Connection] = None) -> None:
+        """Give a lent reading role to another thread (this one's, without ``conn``)."""
+        if conn is None:
+            conn = getattr(_inline, "conn", None)
+            if conn is None:
+                return
+            _inline.conn = None
+        with self._lent_lock:
+            if self._lent.pop(conn, None) is None:
+                return
+        mark_reader_thread(False)
+        try:
+            if not self._pool.hand_off(self._keep_reading, conn):
+                self._pool.submit(self._keep_reading, conn)
+        except RuntimeError:
+            pass  # the pool is shut down, and with it the connection
+
+    def _check_lent(self, now: float) -> None:
+        """Timer: hand on the reading role of requests that run inline for too long."""
+        if not self._lent:
+            return
+        with self._lent_lock:
+            overdue = [c for c, since in self._lent.items() if now - since > INLINE_LIMIT]
+        for conn in overdue:
+            self._lend_out(conn)
 
     def _reading_to_pool(self, conn: Connection) -> Optional[Callable[[], None]]:
         """On a transport thread: move the reading role into the pool if a thread is idle."""
@@ -709,10 +750,6 @@ class Agent:
             work = conn.read_frames()
         if work is not None:
             work()
-
-    def _serve_here(self, *args: Any) -> None:
-        mark_reader_thread(False)  # this thread handed its reading role on
-        self._serve(*args)
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
@@ -860,7 +897,7 @@ class Agent:
                 if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
                     self._heap = heap = [e for e in heap if e[1] in self._pending]
                     heapq.heapify(heap)
-                wait = min(_TICK, heap[0][0] - now) if heap else _TICK
+                wait = min(_LENT_TICK, heap[0][0] - now) if heap else _LENT_TICK
                 due = []
                 later = self._later
                 while later and later[0][0] <= now:
@@ -879,9 +916,12 @@ class Agent:
                         f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
                         f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
                         f"for this call)"))
-            self._pool.check_progress()
-            if self._transport is not None:
-                self._transport.housekeeping()
+            self._check_lent(now)
+            if now >= self._next_tick:
+                self._next_tick = now + _TICK
+                self._pool.check_progress()
+                if self._transport is not None:
+                    self._transport.housekeeping()
             self._check_liveness(now)
             with cv:
                 if self._state != "stopped":
@@ -1114,10 +1154,6 @@ class Agent:
             log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
-
-
-import os as _os
-_EXPERIMENT = _os.environ.get("TORCHRPC_EXPERIMENT", "")
 
 
 def _nothing() -> None:

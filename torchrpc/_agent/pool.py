@@ -50,6 +50,8 @@ class WorkerPool:
         self._started = 0
         self._last_started = 0
         self._closed = False
+        # Called (no arguments, in the blocking thread) whenever a thread starts blocking.
+        self.on_block: Optional[Callable[[], None]] = None
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -89,6 +91,8 @@ class WorkerPool:
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
         """Mark the calling pool thread as blocked for the duration of the block."""
+        if self.on_block is not None:
+            self.on_block()
         with self._lock:
             self._blocked += 1
             if self._pending > self._idle and len(self._threads) - self._blocked < self._size:

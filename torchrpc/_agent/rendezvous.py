@@ -263,4 +263,4 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
                 f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
                 f"workers arrived")
         time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 2, 0.01)

@@ -500,7 +500,8 @@ class RRefLayer:
         """Graceful shutdown: phase 1 settles forks in flight; phase 2 (after every worker
         stopped calling) deletes all user RRefs left here."""
         self._phase += 1
-        gc.collect()
+        if self._phase == 1:
+            gc.collect(0)  # cheap: young garbage RRefs send their deletes now; phase 2 gets the rest
         if self._phase >= 2:
             for fork_id in self.book.live_user_forks():
                 rref = self._users.get(fork_id)

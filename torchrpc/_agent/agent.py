@@ -54,13 +54,22 @@ _LENT_TICK = 0.02  # the timer looks at lent roles this often
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
-@dataclasses.dataclass(frozen=True)
 class MessageContext:
-    """What pickling code of upper layers may know about the message being (un)pickled."""
+    """What pickling code of upper layers may know about the message being (un)pickled.
 
-    agent: "Agent"
-    peer: WorkerInfo
-    kind: int
+    Read-only by convention. Not a frozen dataclass: one is built for every message
+    both ways, and a frozen dataclass takes several times as long to build.
+    """
+
+    __slots__ = ("agent", "peer", "kind")
+
+    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"
 
 
 class AsyncResult:
@@ -226,7 +235,6 @@ class Agent:
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
         self._pool.on_block = self._lend_out  # a request that blocks gives up reading
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
-        self._lent_lock = threading.Lock()
         self._next_tick = 0.0
         self._transport: Optional[Transport] = None
         self._timer: Optional[threading.Thread] = None
@@ -701,15 +709,14 @@ class Agent:
                       envelope: bytes, buffers: List[torch.Tensor], handler: Any
                       ) -> Optional[Callable[[], None]]:
         """Run a request on the reading thread, lending the reading role meanwhile."""
-        with self._lent_lock:
-            self._lent[conn] = time.monotonic()
+        # _lent is changed with single dict operations, which the GIL makes atomic.
+        self._lent[conn] = time.monotonic()
         _inline.conn = conn
         try:
             self._serve(src, header, envelope, buffers, handler)
         finally:
             _inline.conn = None
-            with self._lent_lock:
-                kept = self._lent.pop(conn, None) is not None
+            kept = self._lent.pop(conn, None) is not None
         return None if kept else _nothing  # None: read on; else the role is elsewhere
 
     def _lend_out(self, conn: Optional[Connection] = None) -> None:
@@ -719,10 +726,9 @@ class Agent:
             if conn is None:
                 return
             _inline.conn = None
-        with self._lent_lock:
-            if self._lent.pop(conn, None) is None:
-                return
-        mark_reader_thread(False)
+            mark_reader_thread(False)  # this thread reads no more
+        if self._lent.pop(conn, None) is None:
+            return  # the request returned, or the role went elsewhere already
         try:
             if not self._pool.hand_off(self._keep_reading, conn):
                 self._pool.submit(self._keep_reading, conn)
@@ -733,8 +739,7 @@ class Agent:
         """Timer: hand on the reading role of requests that run inline for too long."""
         if not self._lent:
             return
-        with self._lent_lock:
-            overdue = [c for c, since in self._lent.items() if now - since > INLINE_LIMIT]
+        overdue = [c for c, since in list(self._lent.items()) if now - since > INLINE_LIMIT]
         for conn in overdue:
             self._lend_out(conn)
 
@@ -785,16 +790,17 @@ class Agent:
         scopes: List[CallScope] = []
 
         def recv_hook(meta: Any) -> Optional[Callable]:
-            if meta:
-                for hook in self._hooks:
-                    if hook.key in meta:
-                        scope = hook.incoming_request(src, kind, meta[hook.key])
-                        if scope is not None:
-                            scope.hook_key = hook.key
-                            scopes.append(scope)
+            if not meta:
+                return None
+            for hook in self._hooks:
+                if hook.key in meta:
+                    scope = hook.incoming_request(src, kind, meta[hook.key])
+                    if scope is not None:
+                        scope.hook_key = hook.key
+                        scopes.append(scope)
             return _combine([s.recv_hook for s in scopes])
 
-        what: Any = Kind(kind).name
+        what: Any = kind  # the function, once known; only error paths describe it
         try:
             _, payload = _wire.decode(envelope, buffers, MessageContext(self, src, kind), recv_hook)
             buffers.clear()  # the tensors in payload hold what they need
@@ -839,12 +845,13 @@ class Agent:
         """Send ``value`` back; with ``owned``, ``value`` is a one-item list to take it from."""
         if owned:
             value = value.pop()
-        meta = None
+        meta = send_hook = None
         if scopes:
             meta = {s.hook_key: s.response_meta() for s in scopes} or None
+            send_hook = _combine([s.send_hook for s in scopes])
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
-                                           _combine([s.send_hook for s in scopes]), meta)
+                                           send_hook, meta)
         except SerializationError as exc:
             self._reply_error(dst, rid, exc, what)
             return

@@ -51,20 +51,6 @@ def current_context() -> Any:
     return getattr(_local, "context", None)
 
 
-class _ContextScope:
-    __slots__ = ("_ctx", "_prev")
-
-    def __init__(self, ctx: Any) -> None:
-        self._ctx = ctx
-
-    def __enter__(self) -> None:
-        self._prev = getattr(_local, "context", None)
-        _local.context = self._ctx
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.context = self._prev
-
-
 def memoryview_of(ptr: int, nbytes: int) -> memoryview:
     """A writable byte memoryview over raw memory (caller keeps the owner alive)."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
@@ -85,23 +71,42 @@ class _Slot:
     may then crash), and an exception's traceback can put both in a cycle.
     """
 
-    __slots__ = ("tensor", "lo", "hi", "views")
+    __slots__ = ("tensor", "base", "lo", "hi", "views")
 
-    def __init__(self, tensor: torch.Tensor, lo: int, hi: int, views: List[memoryview]) -> None:
+    def __init__(self, tensor: torch.Tensor, base: int, lo: int, hi: int,
+                 views: List[memoryview]) -> None:
         self.tensor = tensor  # keeps the memory alive until sent
+        self.base = base  # address of the storage's first byte
         self.lo = lo
         self.hi = hi
         self.views = views
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        base = self.tensor.untyped_storage().data_ptr()
-        raw = (ctypes.c_ubyte * (self.hi - self.lo)).from_address(base + self.lo)
+        raw = (ctypes.c_ubyte * (self.hi - self.lo)).from_address(self.base + self.lo)
         self.views.append(memoryview(raw).cast("B"))
-        return _rebuild_slot, (pickle.PickleBuffer(raw),)
+        return _rebuild, (_SLOT, pickle.PickleBuffer(raw))
 
 
 def _out_of_band(buf: pickle.PickleBuffer) -> None:
     return None  # falsy: every buffer travels out of band
+
+
+def _rebuild(tag: int, *args: Any) -> Any:
+    """The one global the encoder's reductions refer to.
+
+    Pickling a global costs an import-system lookup per global and message, so the
+    slot, tensor and torch-function reductions share this one (memoized within a
+    message); the tag says which it is. The tags are part of the wire format.
+    """
+    return _REBUILDERS[tag](*args)
+
+
+def _torch_function(name: str) -> Any:
+    return getattr(_TORCH_FUNCTIONS, name)
+
+
+_BUILTIN = type(len)
+_TORCH_FUNCTIONS = torch._C._VariableFunctionsClass
 
 
 def _rebuild_slot(buf: Any) -> torch.Tensor:
@@ -116,9 +121,10 @@ def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tup
     if type(dtype) is int:
         dtype = _DTYPES[dtype]
     itemsize = _ITEMSIZE.get(dtype) or dtype.itemsize
-    if byte_offset == 0 and stride == _contiguous_strides(shape) \
-            and slot.numel() == itemsize * _prod(shape) and slot.numel():
-        # The common case: a contiguous tensor that fills its buffer. Two cheap views.
+    if byte_offset == 0 and (stride == (1,) if len(shape) == 1 else
+                             stride == _contiguous_strides(shape)) \
+            and slot.numel() == itemsize * _prod(shape):
+        # The common case: a contiguous tensor that fills its buffer. One or two views.
         t = slot.view(dtype)
         if len(shape) != 1:
             t = t.view(shape)
@@ -159,6 +165,8 @@ def _check_extent(nbytes: int, byte_offset: int, itemsize: int, shape: Tuple[int
 
 
 def _prod(shape: Tuple[int, ...]) -> int:
+    if len(shape) == 1:
+        return shape[0]
     n = 1
     for d in shape:
         n *= d
@@ -183,6 +191,11 @@ _DTYPES = tuple(getattr(torch, name, None) for name in (
     "bool", "complex64", "complex128", "complex32", "uint16", "uint32", "uint64"))
 _DTYPE_IDS = {d: i for i, d in enumerate(_DTYPES) if d is not None}
 _ITEMSIZE = {d: d.itemsize for d in _DTYPE_IDS}
+
+
+# _rebuild tags: never renumber one.
+_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION = 0, 1, 2, 3
+_REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function)
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
@@ -218,48 +231,53 @@ def _load_script_function(qualified_name: str) -> Any:
 class _Encoder:
     """State of one :func:`encode` call."""
 
-    def __init__(self, send_hook: Optional[TensorHook]) -> None:
+    def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict) -> None:
         self.slots: dict = {}
         self.views: List[memoryview] = []
         self.keepalive: List[torch.Tensor] = []
         self.send_hook = send_hook
-        self.retry_ranges: dict = {}
+        self.retry_ranges = retry_ranges
         self.conflict = False
 
     def reduce_tensor(self, t: torch.Tensor) -> Tuple[Any, ...]:
+        # The hot path of every message with a tensor: each attribute read below is a
+        # call into torch, so read as few as the common case needs.
         if self.send_hook is not None and t.requires_grad:
             t = self.send_hook(t)
         layout = t.layout
         if layout is not torch.strided:
             return _reduce_sparse(t, layout)
-        if t.is_quantized:
-            return _plain_reduce(t)
+        dtype = t.dtype
+        dtype_ref = _DTYPE_IDS.get(dtype)
+        if dtype_ref is None:
+            if t.is_quantized:
+                return _plain_reduce(t)
+            dtype_ref = dtype
         requires_grad = t.requires_grad
         data = t
         if not t.is_cpu:
             if not t.is_cuda:
                 return _plain_reduce(t)
             data = t.detach().cpu()
-        if data.is_conj() or data.is_neg():
+        if (dtype.is_complex and data.is_conj()) or data.is_neg():
             data = data.detach().resolve_conj().resolve_neg()
         numel = data.numel()
-        dtype = data.dtype
         if numel == 0:
-            return _rebuild_empty, (_DTYPE_IDS.get(dtype, dtype), tuple(data.shape),
-                                    data.stride(), requires_grad)
-        itemsize = data.element_size()
+            return _rebuild, (_EMPTY, dtype_ref, tuple(data.shape), data.stride(), requires_grad)
+        itemsize = dtype.itemsize
         off = data.storage_offset()
+        lo = off * itemsize
         if data.is_contiguous():
-            lo = off * itemsize
             hi = lo + numel * itemsize
         else:
             span = 1 + sum((n - 1) * s for n, s in zip(data.shape, data.stride()) if s > 0)
             if span > _SPAN_SLACK * numel:
                 data = data.detach().contiguous()
-                off, span = 0, numel
-            lo, hi = off * itemsize, (off + span) * itemsize
-        storage = data.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+                lo, span = 0, numel
+            hi = lo + span * itemsize
+        # The storage is known by the address of its first byte: two live storages never
+        # share one, and everything encoded stays alive until encode() returns.
+        key = data.data_ptr() - lo
         slot = self.slots.get(key)
         if slot is None or not (slot.lo <= lo and hi <= slot.hi):
             if slot is not None:
@@ -269,11 +287,11 @@ class _Encoder:
                 lo2, hi2 = self.retry_ranges.get(key, (slot.lo, slot.hi))
                 self.retry_ranges[key] = (min(lo2, lo), max(hi2, hi))
             lo_a, hi_a = self.retry_ranges.get(key, (lo, hi))
-            slot = _Slot(data, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a), self.views)
+            slot = _Slot(data, key, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a), self.views)
             self.slots[key] = slot
             self.keepalive.append(data)
-        return _rebuild_tensor, (slot, lo - slot.lo, _DTYPE_IDS.get(dtype, dtype),
-                                 tuple(data.shape), data.stride(), requires_grad)
+        return _rebuild, (_TENSOR, slot, lo - slot.lo, dtype_ref, tuple(data.shape),
+                          data.stride(), requires_grad)
 
     def reduce_parameter(self, p: torch.nn.Parameter) -> Tuple[Any, ...]:
         return _rebuild_parameter, (p.data, p.requires_grad)
@@ -312,10 +330,15 @@ class _Pickler(pickle.Pickler):
         self.enc = enc
 
     def reducer_override(self, obj: Any) -> Any:
-        reduce = _REDUCERS.get(type(obj))
-        if reduce is None:
-            return NotImplemented
-        return reduce(self.enc, obj)
+        cls = type(obj)
+        reduce = _REDUCERS.get(cls)
+        if reduce is not None:
+            return reduce(self.enc, obj)
+        if cls is _BUILTIN and obj.__self__ is None \
+                and getattr(_TORCH_FUNCTIONS, obj.__name__, None) is obj:
+            # torch.add and friends: one global (memoized) instead of two per message.
+            return _rebuild, (_TORCH_FUNCTION, obj.__name__)
+        return NotImplemented
 
 
 class _Unpickler(pickle.Unpickler):
@@ -353,24 +376,27 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     except Exception as exc:
         raise SerializationError(f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
     retry: dict = {}
-    for _ in range(2):
-        enc = _Encoder(send_hook)
-        enc.retry_ranges = retry
-        out = io.BytesIO()
-        out.write(head)
-        pickler = _Pickler(out, enc)
-        try:
-            with _ContextScope(context):
-                pickler.dump(obj)
-        except SerializationError:
-            raise
-        except PassThrough as wrapper:
-            raise wrapper.error.with_traceback(None) from None
-        except Exception as exc:
-            raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
-        if not enc.conflict:
-            break
-        retry = enc.retry_ranges
+    local = _local
+    prev = getattr(local, "context", None)
+    local.context = context
+    try:
+        for _ in range(2):
+            enc = _Encoder(send_hook, retry)
+            out = io.BytesIO()
+            out.write(head)
+            try:
+                _Pickler(out, enc).dump(obj)
+            except SerializationError:
+                raise
+            except PassThrough as wrapper:
+                raise wrapper.error.with_traceback(None) from None
+            except Exception as exc:
+                raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
+            if not enc.conflict:
+                break
+            retry = enc.retry_ranges
+    finally:
+        local.context = prev
     return out.getvalue(), enc.views, enc.keepalive
 
 
@@ -384,16 +410,23 @@ def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], con
     Returns ``(meta, obj)``. ``recv_hook(meta)``, when given, returns the hook to
     apply to every received tensor that requires grad.
     """
-    prev_hook = getattr(_local, "recv_hook", None)
+    local = _local
+    prev_hook = getattr(local, "recv_hook", None)
+    prev_context = getattr(local, "context", None)
+    local.context = context
     try:
-        with _ContextScope(context):
-            stream = io.BytesIO(envelope)
+        stream = io.BytesIO(envelope)
+        if type(envelope) is not memoryview and envelope.startswith(_NONE_META):
+            meta = None  # the common case, without an unpickler of its own
+            stream.seek(len(_NONE_META))
+        else:
             meta = _Unpickler(stream).load()
-            _local.recv_hook = recv_hook(meta) if recv_hook is not None else None
-            # A new unpickler: the payload's memo indices start at 0, like its pickler's.
-            return meta, _Unpickler(stream, buffers=buffers).load()
+        local.recv_hook = recv_hook(meta) if recv_hook is not None else None
+        # A new unpickler: the payload's memo indices start at 0, like its pickler's.
+        return meta, _Unpickler(stream, buffers=buffers).load()
     finally:
-        _local.recv_hook = prev_hook
+        local.recv_hook = prev_hook
+        local.context = prev_context
 
 
 def _describe(obj: Any) -> str:

@@ -150,6 +150,26 @@ def test_concurrent_large_and_small_calls(group):
     assert torch.equal(rpc.rpc_sync("worker2", th.echo_via, args=("worker1", x)), x)
 
 
+def test_requests_run_on_the_reader_yet_never_hold_up_the_connection(group):
+    # A request runs on the thread that read it. One that blocks on something other
+    # than an RPC keeps that thread, but the reading role moves on within a tick, so
+    # the request it waits for (sent after it, on the same connection) gets through.
+    key = f"flag-{group.shm}"
+    waiting = rpc.rpc_async("worker1", th.wait_for_flag, args=(key, 10.0))
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert rpc.rpc_sync("worker1", th.set_flag, args=(key,)) is True
+    assert waiting.wait() is True
+    assert time.monotonic() - start < 1.0
+    # A long request does not hold up short ones behind it for long either.
+    slow = rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, "slow"))
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+    assert time.monotonic() - start < 0.5
+    assert slow.wait() == "slow"
+
+
 # ----------------------------------------------------------------------------------------
 # Bare transports: who may use shared memory
 
@@ -221,6 +241,10 @@ def test_bad_shared_memory_references_close_only_that_connection():
             while not conn.closed and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert conn.closed
+        deadline = time.monotonic() + 10
+        while not any(isinstance(why, ProtocolError) for why in b.closed) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert any(isinstance(why, ProtocolError) for why in b.closed)
         # A peer that never negotiated shared memory is refused such frames.
         conn = a.connect(c)
@@ -228,8 +252,8 @@ def test_bad_shared_memory_references_close_only_that_connection():
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 3, 1, [LARGE | _wire.SHM_BIT])
         conn.sock.sendall(head + b"e" + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
         deadline = time.monotonic() + 10
-        while not conn.closed and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while not (conn.closed and c.closed) and time.monotonic() < deadline:
+            time.sleep(0.01)  # both ends: c records its reason a moment after a sees EOF
         assert conn.closed and any("did not negotiate" in str(w) for w in c.closed)
         # The first connection is unaffected.
         assert torch.equal(_call(good, a, torch.full((LARGE,), 3, dtype=torch.uint8)),

@@ -54,6 +54,24 @@ def drop_all() -> None:
         _held.clear()
 
 
+_flags: Dict[str, threading.Event] = {}
+
+
+def _flag(key: str) -> threading.Event:
+    with _lock:
+        return _flags.setdefault(key, threading.Event())
+
+
+def wait_for_flag(key: str, timeout: float) -> bool:
+    """Block (not on an RPC) until set_flag(key) runs on this worker."""
+    return _flag(key).wait(timeout)
+
+
+def set_flag(key: str) -> bool:
+    _flag(key).set()
+    return True
+
+
 def fire(to: str, nbytes: int) -> None:
     """Send ``nbytes`` to ``to`` without waiting for the answer (the call stays pending)."""
     hold("fired", rpc.rpc_async(to, hold, args=("payload", torch.ones(nbytes, dtype=torch.uint8)),

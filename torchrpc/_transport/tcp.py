@@ -1,13 +1,18 @@
 """TCP connections between workers: authenticated, framed, zero-copy for tensors.
 
-One :class:`Connection` per socket. Its reader thread parses frames with the wire
-layer and reads tensor buffers straight into freshly allocated tensor memory
-(``recv_into``). Senders hand the header, envelope and tensor memory to
-``sendmsg`` as one scatter/gather list. Writes are combined: a thread that
-finds the connection busy leaves its frame in the outbox and returns; the
-thread that is writing flushes everything queued in one ``sendmsg``, so many
-small messages under load cost few system calls while a lone message goes out
-at once.
+One :class:`Connection` per socket. The thread that holds its reading role (the
+transport's own thread at first; see ``read_frames`` for how the role moves)
+parses frames with the wire layer and reads tensor buffers straight into freshly
+allocated tensor memory (``recv_into``). Senders hand the header, envelope and
+tensor memory to ``sendmsg`` as one scatter/gather list. Writes are combined: a
+thread that finds the connection busy leaves its frame in the outbox and
+returns; the thread that is writing flushes everything queued in one
+``sendmsg``, so many small messages under load cost few system calls while a
+lone message goes out at once.
+
+Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at
+least ``shm_threshold`` bytes go through shared memory instead (``shm.py``): the
+sender copies them into a segment and the frame carries the segment's name.
 
 The transport knows no message meanings: it hands whole frames to the
 ``on_frame`` callback and reports a closed connection to ``on_close``, with the

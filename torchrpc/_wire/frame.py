@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import struct
-from typing import List, Sequence, Union
+from typing import List, NamedTuple, Sequence, Union
 
 from ..errors import ProtocolError
 from .kinds import KNOWN_KINDS
@@ -69,9 +69,12 @@ class Limits:
             raise ValueError(f"max_buffers must be positive, got {self.max_buffers}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Header:
-    """The fixed part of a frame, already validated."""
+class Header(NamedTuple):
+    """The fixed part of a frame, already validated.
+
+    A named tuple rather than a frozen dataclass: one is built for every frame, and a
+    tuple builds several times faster.
+    """
 
     kind: int
     flags: int
@@ -121,10 +124,14 @@ def parse_lengths(data: bytes | bytearray | memoryview, header: Header,
     In a frame with the SHM flag, entries of buffers in shared memory keep
     :data:`SHM_BIT`; their size is ``n & ~SHM_BIT``.
     """
-    need = 8 * header.nbuffers
+    n = header.nbuffers
+    need = 8 * n
     if len(data) < need:
         raise ProtocolError(f"truncated length table: {len(data)} of {need} bytes")
-    lengths = list(struct.unpack_from(f"<{header.nbuffers}Q", data)) if need else []
+    if not n:
+        return []
+    table = _TABLES[n] if n < len(_TABLES) else struct.Struct(f"<{n}Q")
+    lengths = list(table.unpack_from(data))
     total = header.envelope_len
     shm = header.flags & FLAG_SHM
     for n in lengths:
@@ -138,6 +145,9 @@ def parse_lengths(data: bytes | bytearray | memoryview, header: Header,
         raise ProtocolError(
             f"frame of {total} bytes exceeds max_message_size {limits.max_message_size}")
     return lengths
+
+
+_TABLES = [struct.Struct(f"<{n}Q") for n in range(16)]
 
 
 def pack_shm_ref(name: str) -> bytes:

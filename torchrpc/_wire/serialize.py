@@ -7,8 +7,11 @@ one storage that the message needs; it is pickled once and becomes one
 out-of-band buffer, so two views of one storage arrive as two views of one
 storage. Only the covered range is sent; a view that covers much less than its
 span (a strided slice) is sent compacted instead. :func:`decode` receives the
-buffers as uint8 tensors that the transport already filled (``recv_into``), and
-rebuilds each tensor on that memory without a copy.
+buffers as uint8 tensors that the transport already filled (``recv_into``, or
+mapped from shared memory), and rebuilds each tensor on that memory without a
+copy. A tensor's dtype travels as a small fixed id, and every reduction made here
+refers to one global, :func:`_rebuild`, with a tag: pickling a global costs an
+import-system lookup per message, which is most of what a small call spends here.
 
 Nothing here does I/O. Callers may pass hooks to see every tensor that requires
 grad on the way out and on the way in (distributed autograd uses them), and a

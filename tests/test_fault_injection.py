@@ -193,3 +193,19 @@ def test_rref_control_messages_are_retried(agent):
         assert time.monotonic() < deadline, (plan.failed, mine, owner)
         time.sleep(0.05)
     assert plan.failed == {"RREF_FORK_REQUEST": 2, "RREF_CHILD_ACCEPT": 2, "RREF_USER_DELETE": 2}
+
+
+def test_autograd_control_messages_are_retried(agent):
+    import torch
+    import torchrpc.autograd as dist_autograd
+    plan = agent.inject(fail=["AUTOGRAD_BACKWARD", "AUTOGRAD_RELEASE"], num_fail_sends=1)
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", helpers.add, args=(x, 2.0))
+        dist_autograd.backward(ctx, [(y * y).sum()])
+        assert torch.allclose(dist_autograd.get_gradients(ctx)[x], 2 * (x.detach() + 2))
+    deadline = time.monotonic() + 10
+    while rpc.rpc_sync("worker1", helpers.debug_info)["num_autograd_contexts"] != 0:
+        assert time.monotonic() < deadline, "the retried release never arrived"
+        time.sleep(0.05)
+    assert plan.failed == {"AUTOGRAD_BACKWARD": 1, "AUTOGRAD_RELEASE": 1}

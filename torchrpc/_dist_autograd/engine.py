@@ -58,6 +58,7 @@ import torch
 from .. import _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
 from .._agent.agent import RemoteErrorInfo, rebuild_error
+from .._agent.retry import RetryPolicy
 from .._wire import Kind
 from ..errors import RpcError, RpcTimeoutError, SerializationError
 from .messages import BackwardRequest, DoneReport, PassId, ReleaseRequest
@@ -72,6 +73,9 @@ EXTENSION_KEY = "autograd"
 _OWN_KINDS = frozenset((int(Kind.AUTOGRAD_BACKWARD), int(Kind.AUTOGRAD_RELEASE),
                         int(Kind.AUTOGRAD_DONE)))
 _ALL_CREDIT = Fraction(1)
+# Control messages are resent only when sending them failed (they did not arrive), as the
+# design note prescribes for internal messages.
+_CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
 _TOMBSTONES = 16384
 # Backward requests are answered (an empty reply once the callee's part is under way)
 # so that a sender learns at once that a callee died and returns the credit with the
@@ -215,7 +219,8 @@ class DistAutogradEngine(CallHook):
         agent = self._agent
         try:
             agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE, ReleaseRequest(context_id),
-                          0, what="distributed autograd context release", oneway=True)
+                          0, what="distributed autograd context release", oneway=True,
+                          retry=_CONTROL_RETRY)
         except (RpcError, ValueError) as exc:
             log.debug("torchrpc: %s could not release autograd context %d on rank %d: %s",
                       agent.name, context_id, rank, exc)
@@ -299,7 +304,7 @@ class DistAutogradEngine(CallHook):
                 fut = agent.request(agent.resolve(rank), Kind.AUTOGRAD_BACKWARD,
                                     BackwardRequest(context_id, pass_id, share, tuple(items)),
                                     agent.default_timeout, what="distributed autograd backward",
-                                    oneway=not _ACK_HOPS)
+                                    oneway=not _ACK_HOPS, retry=_CONTROL_RETRY)
             except BaseException as exc:  # noqa: BLE001 - returned to the root with the credit
                 self._report(pass_id, share, exc)
                 continue
@@ -323,7 +328,8 @@ class DistAutogradEngine(CallHook):
             try:
                 report = DoneReport(pass_id, credit, info)
                 agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
-                              what="distributed autograd report", oneway=True)
+                              what="distributed autograd report", oneway=True,
+                              retry=_CONTROL_RETRY)
             except SerializationError:
                 if info is None:
                     raise

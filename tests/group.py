@@ -100,6 +100,14 @@ class Group:
         self.procs[rank].send_signal(signal.SIGKILL)
         self.procs[rank].wait()
 
+    def abandon(self, timeout: float = 30.0) -> Dict[int, int]:
+        """After a fault: stop rank 0 here at once (if still up) and reap the subprocesses."""
+        import torchrpc.rpc as rpc
+        from torchrpc._agent.current import handle
+        if handle.agent is not None:
+            rpc.shutdown(graceful=False)
+        return self.wait(timeout)
+
     def wait(self, timeout: float = 60.0) -> Dict[int, int]:
         """Wait for every subprocess; kill what is left after ``timeout``; return exit codes."""
         deadline = time.monotonic() + timeout

@@ -13,7 +13,6 @@ import torch
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError, ShutdownError
-from torchrpc.rpc import api
 
 from . import helpers
 from .group import Group
@@ -38,13 +37,7 @@ def _shutdown_reports(name: str, limit: float) -> None:
 
 
 def _cleanup(group: Group) -> dict:
-    try:
-        api.current_agent()
-    except RuntimeError:
-        pass
-    else:
-        rpc.shutdown(graceful=False)
-    return group.wait(30)
+    return group.abandon(30)
 
 
 def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():

@@ -12,7 +12,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc._transport import handshake
-from torchrpc.errors import ConnectionLostError, RpcTimeoutError, SerializationError
+from torchrpc.errors import RpcTimeoutError, SerializationError
 from torchrpc.rpc import api
 
 from . import helpers

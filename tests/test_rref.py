@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import tempfile
-import threading
 import time
 
 import pytest

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import torchrpc.rpc as rpc
-from torchrpc.rpc import api
 
 from . import helpers
 from . import transport_helpers as th
@@ -50,13 +49,7 @@ def test_no_segment_files_left_after_sigkill():
             fut.wait()
         assert rpc.rpc_sync("worker3", helpers.whoami) == "worker3"  # the rest go on
     finally:
-        try:
-            api.current_agent()
-        except RuntimeError:
-            pass
-        else:
-            rpc.shutdown(graceful=False)
-        group.wait(30)
+        group.abandon(30)
     assert not torchrpc_segments(pids)
 
 

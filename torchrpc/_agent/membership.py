@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import secrets
 import time
 import urllib.parse
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import SECRET_ENV, host_identity
+from .rendezvous import host_identity, job_secret
 
 
 def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
@@ -65,17 +64,7 @@ def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
         store.delete_key(f"rank/{rank}")
         raise RendezvousError(f"worker name {name!r} is already in use by rank {owner} of the "
                               f"running group; pick another name")
-    env_secret = os.environ.get(SECRET_ENV)
-    if env_secret:
-        return env_secret.encode()
-    if rank == 0:
-        store.compare_set("secret", "", secrets.token_hex(32))
-    deadline = time.monotonic() + timeout
-    while not store.check(["secret"]):
-        if time.monotonic() > deadline:
-            raise RendezvousError("timed out waiting for rank 0 to create the job secret")
-        time.sleep(0.01)
-    return store.get("secret")
+    return job_secret(store, rank, timeout)
 
 
 def announce(store: Any, name: str, rank: int, address: Tuple[str, int]) -> None:

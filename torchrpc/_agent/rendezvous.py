@@ -173,8 +173,6 @@ def _poll(store: Any, keys: List[str], deadline: float, what: str, rank: Optiona
         except Exception as exc:  # noqa: BLE001 - the store's own errors are cryptic
             raise RendezvousError(f"lost the rendezvous store while waiting for {what} (the "
                                   f"worker hosting it, rank 0, probably failed): {exc}") from exc
-        if store.check(keys):
-            return
         if time.monotonic() > deadline:
             missing = [k for k in keys if not store.check([k])]
             raise RendezvousError(f"timed out waiting for {what}: missing {missing[:8]}")
@@ -221,13 +219,17 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
     if owner != str(rank):
         raise fail(store, f"duplicate worker name {name!r}: ranks {owner} and {rank} both use it; "
                           f"give every worker its own name", rank, world_size)
+    return job_secret(store, rank, timeout, world_size)
+
+
+def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None) -> bytes:
+    """``TORCHRPC_SECRET`` when set; else rank 0 creates it in the store and the others wait."""
     env_secret = os.environ.get(SECRET_ENV)
     if env_secret:
         return env_secret.encode()
     if rank == 0:
-        secret = secrets.token_bytes(32)
-        store.set("secret", secret)
-        return secret
+        # compare_set: a rank 0 that rejoins a dynamic group keeps the group's secret
+        store.compare_set("secret", "", secrets.token_hex(32))
     _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0", rank,
           world_size)
     return store.get("secret")

@@ -181,6 +181,17 @@ def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
     return agent, dst, args, kwargs, float(timeout)
 
 
+def _invoke(rpc_type: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
+            timeout: float) -> torch.futures.Future:
+    """The one path of rpc_async and rpc_sync: a future of ``func``'s result on ``to``."""
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    retry = functions.retry_policy(func)
+    if _profiler.enabled():
+        return _profiler.profiled(rpc_type, agent, dst, func, lambda: agent.call(
+            dst, func, args, kwargs, timeout, retry=retry))
+    return agent.call(dst, func, args, kwargs, timeout, retry=retry)
+
+
 def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
               kwargs: Optional[Dict[str, Any]] = None,
               timeout: float = constants.UNSET_RPC_TIMEOUT) -> torch.futures.Future:
@@ -198,11 +209,7 @@ def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any
     Returns:
         A :class:`torch.futures.Future` of the return value of ``func``.
     """
-    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    if _profiler.enabled():
-        return _profiler.profiled("rpc_async", agent, dst, func, lambda: agent.call(
-            dst, func, args, kwargs, timeout, retry=functions.retry_policy(func)))
-    return agent.call(dst, func, args, kwargs, timeout, retry=functions.retry_policy(func))
+    return _invoke("rpc_async", to, func, args, kwargs, timeout)
 
 
 def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -214,11 +221,7 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
     with the remote traceback in the message).
     """
-    if _profiler.enabled():
-        agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-        return _profiler.profiled("rpc_sync", agent, dst, func, lambda: agent.call(
-            dst, func, args, kwargs, timeout, retry=functions.retry_policy(func))).wait()
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    return _invoke("rpc_sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

@@ -8,6 +8,7 @@ import os
 import pickle
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -162,7 +163,18 @@ def test_creation_failure_is_recorded_on_the_rref():
     slow = rpc.remote("worker1", helpers.sleep_then, args=(2.0, 1), timeout=0.2)
     with pytest.raises(RuntimeError, match="timed out"):
         slow.to_here()
-    del rref, slow
+    # The recorded errors must not tie the RRefs into a reference cycle through traceback
+    # frames: reference counting alone frees them, with the cycle collector off.
+    alive = [weakref.ref(rref), weakref.ref(slow)]
+    gc.disable()
+    try:
+        del rref, slow
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in alive) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(r() is None for r in alive), "a failed RRef is only freed by the gc"
+    finally:
+        gc.enable()
     time.sleep(2.0)
     wait_clean()
 

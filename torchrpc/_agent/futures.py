@@ -52,9 +52,12 @@ class RpcFuture(torch.futures.Future):
             # exception must never hold frames (which hold this future): clear its
             # traceback and raise a copy.
             exc.__traceback__ = None
-            error = _fresh(exc)
+            error = fresh_error(exc)
         del self
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # the frame must not hold the exception whose traceback holds it
 
     def add_done_callback(self, callback: Callable[["RpcFuture"], None]) -> None:
         pool = self._pool
@@ -83,8 +86,9 @@ class RpcFuture(torch.futures.Future):
         return child
 
 
-def _fresh(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` (same type, args and attributes) that can be raised freely."""
+def fresh_error(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` (same type, args and attributes, no traceback) that can be
+    stored or raised freely: it holds no frames, so it never keeps their locals alive."""
     try:
         clone = copy.copy(exc)
     except Exception:  # noqa: BLE001 - an exception that won't copy is raised as is

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
-from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, describe, run_callable
+from .._agent import (Agent, AsyncResult, MessageContext, WorkerInfo, describe, fresh_error,
+                      run_callable)
 from .._agent.current import current_agent
 from .._agent.retry import RetryPolicy
 from .._wire import Kind, PassThrough, current_context
@@ -115,7 +116,12 @@ class RRef(Generic[T]):
 
     def _check_error(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
+
+    def _record_error(self, exc: BaseException) -> None:
+        # A copy without a traceback: the original's frames hold this RRef, and a cycle
+        # through them outlives gc when a C++ future is part of it (the RRef would leak).
+        self._error = fresh_error(exc)
 
     def local_value(self) -> T:
         r"""The local value, if this is an owner ``RRef``; raises on a user ``RRef``."""
@@ -154,7 +160,7 @@ class RRef(Generic[T]):
             try:
                 creation.wait()
             except BaseException as exc:  # noqa: BLE001
-                self._error = exc
+                self._record_error(exc)
                 raise
 
     def _get_future(self) -> torch.futures.Future:
@@ -209,7 +215,7 @@ class RRef(Generic[T]):
                                "an RPC (rpc_sync, rpc_async, remote); pickling it elsewhere is "
                                "not supported")
         if self._error is not None:
-            raise PassThrough(self._error)  # a fork raises the creation error itself
+            raise PassThrough(fresh_error(self._error))  # a fork raises the creation error itself
         return ctx.agent.extensions["rref"].fork(self, ctx.peer)
 
     def __del__(self) -> None:
@@ -338,7 +344,7 @@ class RRefLayer:
             fut.wait()
         except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
             if rref is not None:
-                rref._error = exc
+                rref._record_error(exc)
         if rref is not None:
             rref._confirmed = True
             rref._creation = None
@@ -476,7 +482,7 @@ class RRefLayer:
         except BaseException as exc:  # noqa: BLE001 - the owner is unreachable
             rref = self._users.get(fork_id)
             if rref is not None:
-                rref._error = exc
+                rref._record_error(exc)
             log.warning("torchrpc: owner did not confirm RRef fork %s: %s", fork_id, exc)
         rref = self._users.get(fork_id)
         if rref is not None:

@@ -46,7 +46,14 @@ class PassThrough(Exception):
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
-        self.error = error
+        self.error: Optional[BaseException] = error
+
+    def take(self) -> BaseException:
+        """The wrapped error, released: raising it must not make a cycle through us."""
+        error, self.error = self.error, None
+        self.__traceback__ = None  # its frames hold the objects being pickled
+        assert error is not None
+        return error.with_traceback(None)
 
 
 def current_context() -> Any:
@@ -392,7 +399,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
             except SerializationError:
                 raise
             except PassThrough as wrapper:
-                raise wrapper.error.with_traceback(None) from None
+                raise wrapper.take() from None
             except Exception as exc:
                 raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
             if not enc.conflict:

@@ -220,3 +220,14 @@ def blocking_to_here(rref: rpc.RRef) -> Any:
 
 def worker_infos() -> list:
     return rpc.get_worker_infos()
+
+
+def connection_census() -> dict:
+    """This worker's open connections: private ones, shared ones, and how many of the
+    agent's registry (heartbeats, liveness) are private (must be none)."""
+    from torchrpc.rpc import api
+    agent = api.current_agent()
+    conns = agent._transport.connections()
+    registered = [c for lst in agent._all_conns.values() for c in lst if not c.closed]
+    return {"private": sum(c.private for c in conns), "shared": sum(not c.private for c in conns),
+            "registered_private": sum(c.private for c in registered)}

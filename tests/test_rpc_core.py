@@ -257,3 +257,33 @@ def test_debug_info_counters():
     assert info["agent.thread_pool_size"] >= 1
     remote = rpc.rpc_sync("worker1", helpers.debug_info)
     assert remote["agent.state"] == "running"
+
+
+def test_blocking_calls_read_their_reply_on_private_connections():
+    agent = api.current_agent()
+    assert rpc.rpc_sync("worker1", helpers.add, args=(2, 3)) == 5
+    idle = agent._private.get(1, [])
+    assert idle and all(c.private and not c.closed for c in idle)
+    # Same host: a Unix socket, polled a moment before blocking; not in the registry
+    # that heartbeats and liveness go by, on either side.
+    assert idle[0].sock.family == socket.AF_UNIX and idle[0].spin
+    assert helpers.connection_census()["registered_private"] == 0
+    callee = rpc.rpc_sync("worker1", helpers.connection_census)
+    assert callee["private"] >= 1 and callee["registered_private"] == 0
+    # A call that times out closes its private connection (waking its caller at once);
+    # the next call gets a fresh one and the late reply never reaches anybody.
+    used = idle[-1]
+    start = time.monotonic()
+    with pytest.raises(RpcTimeoutError, match="timed out"):
+        rpc.rpc_sync("worker1", helpers.sleep_then, args=(1.0, "late"), timeout=0.2)
+    assert time.monotonic() - start < 0.9
+    assert used.closed and used not in agent._private.get(1, [])
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 1)) == 2
+    time.sleep(1.0)
+    assert rpc.rpc_sync("worker1", helpers.echo, args=("after",)) == "after"
+    # A remote error comes back on the private connection, which stays usable.
+    with pytest.raises(ValueError, match="bad"):
+        rpc.rpc_sync("worker1", helpers.raise_value_error, args=("bad",))
+    assert rpc.rpc_sync("worker1", helpers.add, args=(4, 4)) == 8
+    assert api.get_debug_info()["agent.num_private_connections"] >= 1
+    assert api.get_debug_info()["agent.num_pending_requests"] == 0

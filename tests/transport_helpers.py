@@ -87,7 +87,7 @@ def shm_segments() -> List[int]:
     """(segments this worker's connections send through, segments they receive through)."""
     from torchrpc.rpc import api
     agent = api.current_agent()
-    conns = [c for lst in agent._all_conns.values() for c in lst]
+    conns = agent._transport.connections()
     return [sum(c.shm_tx.num_segments for c in conns if c.shm_tx is not None),
             sum(c.shm_rx.num_segments for c in conns if c.shm_rx is not None)]
 

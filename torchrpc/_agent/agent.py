@@ -124,7 +124,7 @@ class CallHook:
 
 
 class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend")
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]]) -> None:
@@ -134,6 +134,14 @@ class _Pending:
         self.timeout = timeout
         self.states = states
         self.resend: Optional[_Resend] = None
+        # The private connection whose caller reads the reply itself (see request_sync).
+        self.private: Optional[Connection] = None
+
+    def set_exception(self, error: BaseException) -> None:
+        """Fail the call; wake a caller blocked reading a private connection."""
+        self.future.set_exception(error)
+        if self.private is not None:
+            self.private.close(error)
 
 
 class _Resend:
@@ -213,6 +221,7 @@ class Agent:
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
         self._pending: Dict[int, _Pending] = {}
+        self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._rid = itertools.count(1)
         self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
@@ -272,7 +281,9 @@ class Agent:
                                         tls_contexts=self._tls_contexts(),
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
-                                        same_host=self._same_host)
+                                        same_host=self._same_host,
+                                        local_socket=bool(getattr(self.options, "enable_uds",
+                                                                  False)))
         except ValueError as exc:
             rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
             raise
@@ -439,6 +450,7 @@ class Agent:
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
             "agent.num_queued_tasks": self._pool.num_pending,
             "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
+            "agent.num_private_connections": sum(len(v) for v in self._private.values()),
             "agent.state": self._state,
         }
         if self._transport is not None:
@@ -476,16 +488,23 @@ class Agent:
         must tolerate receiving the message twice.
         """
         self._check_running()
-        meta = None
-        send_hook = None
-        states = None
+        rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
+                                                           oneway, retry)
+        self._attempt(rid, p, kind, flags, env, bufs, keep)
+        return p.future
+
+    def _new_request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any,
+                     oneway: bool = False, retry: Optional[RetryPolicy] = None,
+                     private: Optional[Connection] = None) -> Tuple[Any, ...]:
+        """Encode a request and enter it in the pending table (unless one-way)."""
+        meta = send_hook = states = None
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
         env, bufs, keep = _wire.encode(payload, MessageContext(self, dst, kind), send_hook, meta)
-        fut = new_future(self._pool)
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
-        p = _Pending(fut, dst, what, timeout, states)
+        p = _Pending(new_future(self._pool), dst, what, timeout, states)
+        p.private = private
         deadline = time.monotonic() + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
@@ -493,8 +512,91 @@ class Agent:
             self._pending[rid] = p
             if deadline is not None:
                 self._push_deadline(deadline, rid)
-        self._attempt(rid, p, kind, flags, env, bufs, keep)
-        return fut
+        return rid, p, flags, env, bufs, keep
+
+    # -- private connections -------------------------------------------------------------------
+    #
+    # A blocking call (rpc_sync, RRef.to_here) would otherwise cost two thread switches on
+    # the way back: the connection's reader takes the reply and wakes the caller, and the
+    # GIL goes back and forth between them. Instead it goes out on a private connection,
+    # used by this one call at a time, and the calling thread reads the reply from the
+    # socket itself. The call still sits in the pending table, so deadlines, lost workers
+    # and shutdown fail it like any other; failing it closes the private connection,
+    # which wakes the caller blocked on it (_Pending.set_exception).
+
+    private_calls = True
+    """Whether blocking calls use private connections (the fault-injecting agent's sends
+    must all go through ``_send``, so it turns them off)."""
+
+    def request_sync(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
+                     what: Any = None, retry: Optional[RetryPolicy] = None) -> Any:
+        """:meth:`request` and wait for the reply; the calling thread reads it itself."""
+        self._check_running()
+        conn = None
+        if retry is None and self.private_calls and dst.id != self.rank:
+            conn = self._checkout_private(dst)
+        if conn is None:
+            return self.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
+        try:
+            rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
+                                                               private=conn)
+        except BaseException:
+            self._checkin_private(dst, conn)
+            raise
+        try:
+            conn.send(kind, flags, rid, env, bufs, keep)
+        except RpcError as exc:
+            self.send_failed(kind, rid, dst, exc)
+            return p.future.wait()
+        env = bufs = keep = None
+        pool = current_pool()
+        if pool is None:
+            self._read_reply(conn, rid, p)
+        else:
+            with pool.blocking():
+                self._read_reply(conn, rid, p)
+        return p.future.wait()
+
+    def _read_reply(self, conn: Connection, rid: int, p: _Pending) -> None:
+        while True:
+            try:
+                header, envelope, buffers = conn.read_frame()
+            except RpcError as exc:  # broken, or closed because the call failed already
+                q = self._pending.pop(rid, None)
+                if q is not None:
+                    q.future.set_exception(self._lost_error(p.dst, exc))
+                return
+            if header.request_id == rid and (header.kind == Kind.RESPONSE
+                                             or header.kind == Kind.ERROR):
+                break
+            # Nothing else is sent on a private connection; ignore what a peer sends anyway.
+        p.private = None
+        self._checkin_private(p.dst, conn)
+        self._on_reply(conn, header, envelope, buffers)
+
+    def _checkout_private(self, dst: WorkerInfo) -> Optional[Connection]:
+        free = self._private.get(dst.id)
+        while free:
+            try:
+                conn = free.pop()
+            except IndexError:
+                break
+            if not conn.closed:
+                return conn
+        shared = self._connection(dst)  # checks the worker and carries the heartbeats
+        if getattr(shared.sock, "family", None) is None:
+            return None  # TLS: keep one connection per peer
+        host, port = self._addresses[dst.id]
+        try:
+            conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
+                                           local=self._same_host(dst.id), private=True)
+        except RpcError:
+            return None  # the shared connection reports what is wrong
+        return conn if conn.private else None
+
+    def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
+        if not conn.closed and self._state == "running":
+            self._private.setdefault(dst.id, []).append(conn)
 
     def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
@@ -510,13 +612,15 @@ class Agent:
             p.future.set_result(None)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-              keep: Any) -> None:
-        """Send one frame to ``dst``; raise :class:`RpcError` when it cannot.
+              keep: Any, via: Optional[Connection] = None) -> None:
+        """Send one frame to ``dst`` (on ``via``, a private connection, if given); raise
+        :class:`RpcError` when it cannot.
 
-        Every frame of a request or reply leaves through here; the fault-injecting
-        agent of the tests (``torchrpc._testing.faulty``) overrides it.
+        Every frame of a reply, and of a request not sent privately, leaves through
+        here; the fault-injecting agent of the tests (``torchrpc._testing.faulty``)
+        overrides it.
         """
-        self._connection(dst).send(kind, flags, rid, env, bufs, keep)
+        (via or self._connection(dst)).send(kind, flags, rid, env, bufs, keep)
 
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
@@ -544,7 +648,7 @@ class Agent:
             if r.attempt > 1:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
                                             worker=getattr(error, "worker", None))
-        p.future.set_exception(error)
+        p.set_exception(error)
 
     def _resend(self, rid: int) -> None:
         p = self._pending.get(rid)
@@ -605,7 +709,8 @@ class Agent:
             if lost is not None and self._hb_timeout > 0 and not patient:
                 timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
             try:
-                conn = self._transport.connect(dst.id, host, port, timeout)
+                conn = self._transport.connect(dst.id, host, port, timeout,
+                                               local=self._same_host(dst.id))
             except RpcError as exc:
                 raise ConnectionLostError(
                     f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}"
@@ -616,6 +721,8 @@ class Agent:
     # -- connections -------------------------------------------------------------------------------
 
     def _on_connect(self, conn: Connection) -> None:
+        if conn.private:
+            return  # used by one call at a time, never for heartbeats or other traffic
         with self._lock:
             self._all_conns.setdefault(conn.peer_rank, []).append(conn)
             current = self._conns.get(conn.peer_rank)
@@ -624,6 +731,8 @@ class Agent:
             self._lost.pop(conn.peer_rank, None)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
+        if conn.private:
+            return  # its caller learns it from read_frame; the shared connection watches the peer
         rank = conn.peer_rank
         with self._lock:
             conns = self._all_conns.get(rank, [])
@@ -699,23 +808,24 @@ class Agent:
             self._beating.add(src.id)
             return self._reading_to_pool(conn)
         handler = self._handlers.get(kind)
+        via = conn if conn.private else None
         if current_pool() is self._pool and self._state == "running":
-            return self._serve_inline(conn, src, header, envelope, buffers, handler)
+            return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         try:
-            self._pool.submit(self._serve, src, header, envelope, buffers, handler)
+            self._pool.submit(self._serve, src, header, envelope, buffers, handler, via)
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return self._reading_to_pool(conn)
 
     def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
-                      envelope: bytes, buffers: List[torch.Tensor], handler: Any
-                      ) -> Optional[Callable[[], None]]:
+                      envelope: bytes, buffers: List[torch.Tensor], handler: Any,
+                      via: Optional[Connection]) -> Optional[Callable[[], None]]:
         """Run a request on the reading thread, lending the reading role meanwhile."""
         # _lent is changed with single dict operations, which the GIL makes atomic.
         self._lent[conn] = time.monotonic()
         _inline.conn = conn
         try:
-            self._serve(src, header, envelope, buffers, handler)
+            self._serve(src, header, envelope, buffers, handler, via)
         finally:
             _inline.conn = None
             kept = self._lent.pop(conn, None) is not None
@@ -787,7 +897,10 @@ class Agent:
         return _combine(hooks)
 
     def _serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
-               buffers: List[torch.Tensor], handler: Optional[Callable]) -> None:
+               buffers: List[torch.Tensor], handler: Optional[Callable],
+               via: Optional[Connection] = None) -> None:
+        """Run a request and send the reply (on ``via``, the private connection it came
+        on, if any)."""
         rid, oneway, kind = header.request_id, header.oneway, header.kind
         scopes: List[CallScope] = []
 
@@ -819,7 +932,7 @@ class Agent:
                     s.__exit__(None, None, None)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             if not oneway:
-                self._reply_error(src, rid, exc, what)
+                self._reply_error(src, rid, exc, what, via)
             else:
                 log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
             return
@@ -830,9 +943,9 @@ class Agent:
                 try:
                     value = fut.wait()
                 except BaseException as exc:  # noqa: BLE001
-                    self._reply_error(src, rid, exc, what)
+                    self._reply_error(src, rid, exc, what, via)
                 else:
-                    self._reply(src, rid, value, scopes, what)
+                    self._reply(src, rid, value, scopes, what, via=via)
             result.future.add_done_callback(done)
             return
         # Hand the result over and let go of the request: once the reply is staged
@@ -840,10 +953,10 @@ class Agent:
         # caller finds it free for its next call.
         owned = [result]
         result = payload = None
-        self._reply(src, rid, owned, scopes, what, owned=True)
+        self._reply(src, rid, owned, scopes, what, owned=True, via=via)
 
     def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any,
-               owned: bool = False) -> None:
+               owned: bool = False, via: Optional[Connection] = None) -> None:
         """Send ``value`` back; with ``owned``, ``value`` is a one-item list to take it from."""
         if owned:
             value = value.pop()
@@ -855,14 +968,15 @@ class Agent:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
                                            send_hook, meta)
         except SerializationError as exc:
-            self._reply_error(dst, rid, exc, what)
+            self._reply_error(dst, rid, exc, what, via)
             return
         if owned:
             value = None
             keep = Releasable(keep)
-        self._send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep)
+        self._send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep, via)
 
-    def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any) -> None:
+    def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
+                     via: Optional[Connection] = None) -> None:
         info = RemoteErrorInfo(type(exc), str(exc), "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
         try:
@@ -874,11 +988,12 @@ class Agent:
         except SerializationError:
             info.exc_type = RpcError
             env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
-        self._send_reply(dst, Kind.ERROR, rid, env, bufs, keep)
+        self._send_reply(dst, Kind.ERROR, rid, env, bufs, keep, via)
 
-    def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any) -> None:
+    def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
+                    via: Optional[Connection] = None) -> None:
         try:
-            self._send(dst, kind, 0, rid, env, bufs, keep)
+            self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
             self.send_failed(kind, rid, dst, exc)
 
@@ -921,7 +1036,7 @@ class Agent:
             for rid in expired:
                 p = self._pending.pop(rid, None)
                 if p is not None:
-                    p.future.set_exception(RpcTimeoutError(
+                    p.set_exception(RpcTimeoutError(
                         f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
                         f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
                         f"for this call)"))
@@ -1150,9 +1265,10 @@ class Agent:
         for rid in list(self._pending):
             p = self._pending.pop(rid, None)
             if p is not None:
-                p.future.set_exception(NotInitializedError(
+                p.set_exception(NotInitializedError(
                     f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
                     f"to {describe(p.what)} arrived"))
+        self._private.clear()
         if self._transport is not None:
             self._transport.close()
         for thread in (self._timer, self._heartbeat):

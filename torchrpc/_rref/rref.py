@@ -143,10 +143,9 @@ class RRef(Generic[T]):
             return self._entry.future.wait()
         layer = self._layer
         t = _timeout(layer, timeout)
-        fetch = layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id,), t,
-                                    what=f"RRef.to_here() of {self!r}")
         try:
-            value = fetch.wait()
+            value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH, (self._rref_id,), t,
+                                             what=f"RRef.to_here() of {self!r}")
         except BaseException:  # noqa: BLE001 - a recorded creation failure explains it better
             self._raise_creation_error()
             raise

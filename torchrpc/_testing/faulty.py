@@ -118,6 +118,8 @@ class FaultyTensorPipeRpcBackendOptions(TensorPipeRpcBackendOptions):
 class FaultyAgent(Agent):
     """An agent whose sends go through a :class:`FaultPlan` first."""
 
+    private_calls = False  # every frame must leave through _send, where faults are injected
+
     def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
         super().__init__(store, name, rank, world_size, options)
         self.faults = FaultPlan(getattr(options, "messages_to_fail", ()),
@@ -131,7 +133,7 @@ class FaultyAgent(Agent):
         return self.faults
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-              keep: Any) -> None:
+              keep: Any, via: Any = None) -> None:
         plan = self.faults
         if plan.should_fail(kind):
             raise ConnectionLostError(
@@ -139,14 +141,15 @@ class FaultyAgent(Agent):
                 f"({BACKEND_NAME} messages_to_fail)", worker=dst.name)
         seconds = plan.delay_for(kind)
         if seconds > 0:
-            self.call_later(seconds, self._send_late, dst, kind, flags, rid, env, bufs, keep)
+            self.call_later(seconds, self._send_late, dst, kind, flags, rid, env, bufs, keep,
+                            via)
             return
-        super()._send(dst, kind, flags, rid, env, bufs, keep)
+        super()._send(dst, kind, flags, rid, env, bufs, keep, via)
 
     def _send_late(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
-                   bufs: Any, keep: Any) -> None:
+                   bufs: Any, keep: Any, via: Any = None) -> None:
         try:
-            Agent._send(self, dst, kind, flags, rid, env, bufs, keep)
+            Agent._send(self, dst, kind, flags, rid, env, bufs, keep, via)
         except RpcError as exc:
             self.send_failed(kind, rid, dst, exc)
 

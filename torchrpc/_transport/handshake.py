@@ -36,6 +36,10 @@ ACCEPT = b"\x01"
 
 # Feature bits exchanged in the handshake.
 FEATURE_SHM = 1
+# In a HELLO: this connection is private to one calling thread of the client: it carries
+# only the client's requests and the server's replies to them, which the calling thread
+# reads itself. In a CHALLENGE: the server accepts private connections.
+FEATURE_PRIVATE = 2
 
 
 @dataclasses.dataclass(frozen=True)

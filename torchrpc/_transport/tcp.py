@@ -22,11 +22,12 @@ exception when the connection broke rather than closed.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,6 +40,22 @@ log = logging.getLogger("torchrpc")
 HANDSHAKE_TIMEOUT = 10.0
 _READ_CHUNK = 256 * 1024
 _IOV_MAX = 512
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+
+
+def _spin_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        log.warning("torchrpc: TORCHRPC_SPIN_US must be microseconds between 0 and 1e6, "
+                    "got %r; using 200", text)
+        value = 200.0
+    return value / 1e6
+
+
+_SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
 
 FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
                          Optional[Callable[[], None]]]
@@ -77,6 +94,13 @@ class Connection:
         # reading role, which moves between threads (see read_frames).
         self._rmv: Optional[memoryview] = None
         self._rstart = self._rend = 0
+        # A private connection (handshake.FEATURE_PRIVATE) has no reader of its own on the
+        # client side: the thread that made the call reads the reply (read_frame).
+        self.private = False
+        # Whether readers poll a moment before they block (see _spin_recv): on private
+        # connections, where one blocked caller waits for its reply and the callee's
+        # reader for the caller's next request.
+        self.spin = False
         # When bytes last came in and last went out (monotonic); the agent's heartbeat
         # sends on idle connections and closes silent ones.
         self.last_recv = self.last_send = time.monotonic()
@@ -194,8 +218,13 @@ class Connection:
             end -= start
             start = 0
         recv_into = self.sock.recv_into
+        spin = _SPIN if start == end and self.spin else 0.0
         while end - start < n:
-            k = recv_into(mv[end:])
+            if spin:
+                k = self._spin_recv(mv[end:], spin)
+                spin = 0.0
+            else:
+                k = recv_into(mv[end:])
             if k == 0:
                 self._rstart, self._rend = start, end
                 if end > start:
@@ -205,6 +234,20 @@ class Connection:
             end += k
             self.last_recv = time.monotonic()
         self._rstart, self._rend = start, end
+
+    def _spin_recv(self, dst: memoryview, seconds: float) -> int:
+        # Poll without blocking for a moment before sleeping in recv. A thread that
+        # sleeps leaves its CPU idle, and on virtual machines in particular the first
+        # tens of microseconds after an idle CPU is woken run several times slower;
+        # a reply or next request usually comes within the moment.
+        recv_into = self.sock.recv_into
+        until = time.perf_counter() + seconds
+        while True:
+            try:
+                return recv_into(dst, 0, _DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > until:
+                    return recv_into(dst)
 
     def _take_into(self, dst: memoryview) -> None:
         # Fill dst from the read buffer, then straight from the socket.
@@ -238,18 +281,41 @@ class Connection:
         return out
 
     def _read_frames(self) -> Optional[Callable[[], None]]:
+        next_frame = self._next_frame
+        while True:
+            header, envelope, buffers = next_frame()
+            work = self._on_frame(self, header, envelope, buffers)
+            if work is not None:
+                return work  # another thread reads on: touch nothing here any more
+            # Hold nothing of this frame while waiting for the next: its memory (or its
+            # shared-memory segment) must be free as soon as the receiver is done with it.
+            envelope = buffers = None
+
+    def read_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
+        """Read one frame on the calling thread (private connections, which have no
+        reader: their caller reads its own reply). A broken connection is closed and
+        its error raised."""
+        try:
+            return self._next_frame()
+        except (OSError, ProtocolError, ConnectionLostError) as exc:
+            self.close(exc)
+            raise ConnectionLostError(f"connection to rank {self.peer_rank} broke: {exc}") \
+                from exc
+
+    def _next_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
         limits = self._limits
         if self._rmv is None:
             self._rmv = memoryview(bytearray(_READ_CHUNK))
         mv = self._rmv
-        fill, take_into = self._fill, self._take_into
-        while True:
-            if self._rstart == self._rend:
-                self._rstart = self._rend = 0
-            fill(_wire.HEADER_SIZE)
-            start = self._rstart
-            header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
-            self._rstart = start = start + _wire.HEADER_SIZE
+        fill = self._fill
+        if self._rstart == self._rend:
+            self._rstart = self._rend = 0
+        fill(_wire.HEADER_SIZE)
+        start = self._rstart
+        header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
+        self._rstart = start = start + _wire.HEADER_SIZE
+        lengths: Sequence[int] = ()
+        if header.nbuffers:
             table = 8 * header.nbuffers
             if table <= len(mv):
                 fill(table)
@@ -258,38 +324,33 @@ class Connection:
                 self._rstart = start + table
             else:
                 raw = bytearray(table)
-                take_into(memoryview(raw))
+                self._take_into(memoryview(raw))
                 lengths = _wire.parse_lengths(raw, header, limits)
-            n = header.envelope_len
-            if n <= len(mv):
-                fill(n)
+        n = header.envelope_len
+        if n <= len(mv):
+            fill(n)
+            start = self._rstart
+            envelope = bytes(mv[start:start + n])
+            self._rstart = start + n
+        else:
+            envelope = self._take_bytes(n)
+        buffers = []
+        for size in lengths:
+            if size & _wire.SHM_BIT:
+                if self.shm_rx is None:
+                    raise ProtocolError("a shared-memory buffer on a connection that did "
+                                        "not negotiate shared memory")
+                fill(_wire.SHM_REF_SIZE)
                 start = self._rstart
-                envelope = bytes(mv[start:start + n])
-                self._rstart = start + n
-            else:
-                envelope = self._take_bytes(n)
-            buffers = []
-            for size in lengths:
-                if size & _wire.SHM_BIT:
-                    if self.shm_rx is None:
-                        raise ProtocolError("a shared-memory buffer on a connection that did "
-                                            "not negotiate shared memory")
-                    fill(_wire.SHM_REF_SIZE)
-                    start = self._rstart
-                    name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
-                    self._rstart = start + _wire.SHM_REF_SIZE
-                    buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
-                    continue
-                tensor, view = _wire.new_buffer(size)
-                if size:
-                    take_into(view)
-                buffers.append(tensor)
-            work = self._on_frame(self, header, envelope, buffers)
-            if work is not None:
-                return work  # another thread reads on: touch nothing here any more
-            # Hold nothing of this frame while waiting for the next: its memory (or its
-            # shared-memory segment) must be free as soon as the receiver is done with it.
-            envelope = buffers = tensor = view = None
+                name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
+                self._rstart = start + _wire.SHM_REF_SIZE
+                buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
+                continue
+            tensor, view = _wire.new_buffer(size)
+            if size:
+                self._take_into(view)
+            buffers.append(tensor)
+        return header, envelope, buffers
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -354,8 +415,24 @@ class _LogBudget:
         log.warning(msg, *args)
 
 
+def _spin_ok(sock: Any) -> bool:
+    return bool(_SPIN and _DONTWAIT) and type(sock) is socket.socket
+
+
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # a Unix socket (perhaps under TLS): no Nagle to turn off
+
+
+def local_name(host: str, port: int) -> str:
+    """The abstract Unix socket name of the worker listening on ``host:port``.
+
+    Abstract names live in the network namespace, as TCP ports do, so the name is as
+    unique as the TCP address it is derived from and vanishes with the process.
+    """
+    return f"\0torchrpc-{host}-{port}"
 
 
 class Transport:
@@ -374,7 +451,8 @@ class Transport:
                  on_connect: Callable[[Connection], None], on_frame: FrameCallback,
                  on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
                  tls_contexts: Optional[tls.TlsContexts] = None, shm_threshold: int = 0,
-                 same_host: Optional[Callable[[int], bool]] = None) -> None:
+                 same_host: Optional[Callable[[int], bool]] = None,
+                 local_socket: bool = False) -> None:
         self.rank = rank
         self._tls = tls_contexts
         self._rejects = _LogBudget()
@@ -388,10 +466,11 @@ class Transport:
                              f"to keep buffers off shared memory, set enable_shm=False")
         if features & handshake.FEATURE_SHM and not shm.available():
             features &= ~handshake.FEATURE_SHM
-        self._features = features
+        self._features = features | handshake.FEATURE_PRIVATE
         self._shm_threshold = shm_threshold
         self._same_host = same_host
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
         if features & handshake.FEATURE_SHM:
             shm.sweep_dead()
@@ -411,7 +490,27 @@ class Transport:
                 f"'listen_addr' option to an address of this machine") from exc
         self._listener.listen(128)
         self.address = self._listener.getsockname()[:2]
-        self._accept_thread = self._spawn(self._accept_loop, f"torchrpc-accept-{rank}")
+        # Same-host peers connect through a Unix socket instead: the same handshake and
+        # frames, at a fraction of loopback TCP's cost per system call.
+        self._local: Optional[socket.socket] = None
+        if local_socket and hasattr(socket, "AF_UNIX"):
+            self._local = self._listen_local(local_name(*self.address))
+        self._accept_thread = self._spawn(self._accept_loop, f"torchrpc-accept-{rank}",
+                                          self._listener)
+        if self._local is not None:
+            self._spawn(self._accept_loop, f"torchrpc-accept-local-{rank}", self._local)
+
+    @staticmethod
+    def _listen_local(name: str) -> Optional[socket.socket]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+            sock.listen(128)
+        except OSError as exc:
+            log.info("torchrpc: no local socket (%s); same-host peers use TCP", exc)
+            sock.close()
+            return None
+        return sock
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
         def run() -> None:
@@ -426,10 +525,10 @@ class Transport:
         t.start()
         return t
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except OSError:
                 return
             with self._lock:
@@ -461,16 +560,27 @@ class Transport:
         conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=False)
         conn.features = hello.features & self._features
+        conn.private = bool(hello.features & handshake.FEATURE_PRIVATE)
+        conn.spin = conn.private and _spin_ok(sock)
         self._setup_shm(conn)
         self._on_connect(conn)
         conn.read_loop()
 
-    def connect(self, peer_rank: int, host: str, port: int, timeout: float) -> Connection:
-        """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``."""
-        try:
-            sock = socket.create_connection((host, port), timeout=min(timeout, HANDSHAKE_TIMEOUT))
-        except OSError as exc:
-            raise ConnectionLostError(f"cannot connect to {host}:{port}: {exc}") from exc
+    def connect(self, peer_rank: int, host: str, port: int, timeout: float,
+                local: bool = False, private: bool = False) -> Connection:
+        """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``;
+        with ``local`` (the peer shares this host), through its Unix socket if it has one.
+
+        A ``private`` connection gets no reader: whoever sends a request on it reads
+        the reply with :meth:`Connection.read_frame`.
+        """
+        sock = self._connect_local(host, port, timeout) if local and self._local else None
+        if sock is None:
+            try:
+                sock = socket.create_connection((host, port),
+                                                timeout=min(timeout, HANDSHAKE_TIMEOUT))
+            except OSError as exc:
+                raise ConnectionLostError(f"cannot connect to {host}:{port}: {exc}") from exc
         with self._lock:
             if self._closing:
                 sock.close()
@@ -479,7 +589,8 @@ class Transport:
         try:
             if self._tls is not None:
                 sock = self._secure(sock, server_side=False)
-            hello, nonce = handshake.make_hello(self.rank, self._features)
+            offer = self._features if private else self._features & ~handshake.FEATURE_PRIVATE
+            hello, nonce = handshake.make_hello(self.rank, offer)
             sock.sendall(hello)
             proof, server_rank, features = handshake.answer_challenge(
                 self._secret, _recv_exact(sock, handshake.CHALLENGE.size), self.rank, nonce, peer_rank)
@@ -496,11 +607,26 @@ class Transport:
             raise ConnectionLostError(f"handshake with {host}:{port} failed: {exc}") from exc
         conn = Connection(sock, peer_rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=True)
-        conn.features = features & self._features
+        conn.features = features & offer
+        conn.private = bool(conn.features & handshake.FEATURE_PRIVATE)
+        conn.spin = conn.private and _spin_ok(sock)
         self._setup_shm(conn)
         self._on_connect(conn)
-        self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
+        if not conn.private:
+            self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
         return conn
+
+    @staticmethod
+    def _connect_local(host: str, port: int, timeout: float) -> Optional[socket.socket]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(min(timeout, HANDSHAKE_TIMEOUT))
+        try:
+            sock.connect(local_name(host, port))
+        except OSError as exc:
+            log.debug("torchrpc: no local socket for %s:%d (%s); using TCP", host, port, exc)
+            sock.close()
+            return None
+        return sock
 
     def _secure(self, sock: socket.socket, server_side: bool) -> tls.TlsSocket:
         """Run the TLS handshake on ``sock``; return the TLS socket that replaces it."""
@@ -512,7 +638,12 @@ class Transport:
             self._sockets.add(wrapped)
         return wrapped
 
+    def connections(self) -> List[Connection]:
+        """Every open connection, shared and private (for counters and tests)."""
+        return [c for c in list(self._every_conn) if not c.closed]
+
     def _setup_shm(self, conn: Connection) -> None:
+        self._every_conn.add(conn)
         if not conn.features & handshake.FEATURE_SHM:
             return
         conn.shm_rx = shm.ShmReceiver(stats=self._shm_stats)
@@ -554,11 +685,14 @@ class Transport:
         with self._lock:
             self._closing = True
             sockets = list(self._sockets)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in (self._listener, self._local):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         for s in sockets:
             try:
                 s.shutdown(socket.SHUT_RDWR)

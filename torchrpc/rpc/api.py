@@ -18,6 +18,7 @@ from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.membership import open_elastic_store
 from .._agent.rendezvous import open_store, rendezvous_timeout, validate_name
+from .._wire import Kind
 from . import backend_registry, constants, functions
 from .backend_registry import BackendType
 
@@ -221,7 +222,11 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
     with the remote traceback in the message).
     """
-    return _invoke("rpc_sync", to, func, args, kwargs, timeout).wait()
+    if _profiler.enabled():
+        return _invoke("rpc_sync", to, func, args, kwargs, timeout).wait()
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
+                              retry=functions.retry_policy(func))
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

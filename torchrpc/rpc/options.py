@@ -122,6 +122,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             reaches the rendezvous host (loopback for a local job).
         max_message_size (int): frames larger than this are refused (default 2 GiB).
         enable_shm (bool): same-host shared memory for large buffers (default True).
+        enable_uds (bool): workers of one host (and network namespace) connect through a
+            Unix socket instead of loopback TCP, with the same authentication (default
+            True; see BENCHMARKS.md).
         shm_threshold (int): between workers of one host, buffers of at least this many
             bytes go through shared memory (default 64 KiB, where it starts to beat the
             socket; see BENCHMARKS.md).
@@ -148,6 +151,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  listen_addr: Optional[str] = None,
                  max_message_size: int = constants.DEFAULT_MAX_MESSAGE_SIZE,
                  enable_shm: bool = True,
+                 enable_uds: bool = True,
                  shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD,
                  heartbeat_interval: float = constants.DEFAULT_HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
@@ -167,6 +171,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.listen_addr = listen_addr
         self.max_message_size = max_message_size
         self.enable_shm = enable_shm
+        self.enable_uds = enable_uds
         self.shm_threshold = shm_threshold
         self._heartbeat_interval = _seconds("heartbeat_interval", heartbeat_interval)
         self.heartbeat_timeout = heartbeat_timeout

@@ -90,6 +90,9 @@ class Connection:
         # Same-host shared memory (see shm.py), set up by the transport after the handshake.
         self.shm_tx: Optional[shm.ShmSender] = None
         self.shm_rx: Optional[shm.ShmReceiver] = None
+        # Decides shm_tx on the first send: a connection may be accepted before this
+        # worker knows which peers share its host.
+        self.shm_decider: Optional[Callable[["Connection"], None]] = None
         # The read buffer and the unconsumed bytes in it, [_rstart, _rend): state of the
         # reading role, which moves between threads (see read_frames).
         self._rmv: Optional[memoryview] = None
@@ -116,6 +119,8 @@ class Connection:
         """
         lengths = [len(b) for b in buffers]
         staged = None
+        if self.shm_decider is not None:
+            self.shm_decider(self)
         if self.shm_tx is not None and buffers:
             buffers, lengths, staged = self.shm_tx.stage(buffers, lengths)
             if staged:
@@ -647,10 +652,17 @@ class Transport:
         if not conn.features & handshake.FEATURE_SHM:
             return
         conn.shm_rx = shm.ShmReceiver(stats=self._shm_stats)
-        if self._shm_threshold > 0 and self._same_host is not None \
-                and self._same_host(conn.peer_rank):
-            conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
+        if self._shm_threshold > 0 and self._same_host is not None:
+            conn.shm_decider = self._decide_shm_tx
         self._shm_conns.add(conn)
+
+    def _decide_shm_tx(self, conn: Connection) -> None:
+        with conn._lock:
+            if conn.shm_decider is None:
+                return
+            conn.shm_decider = None
+            if self._same_host(conn.peer_rank) and not conn.closed:
+                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
 
     def debug_info(self) -> Dict[str, Any]:
         """Shared-memory counters (``transport.shm_*``)."""

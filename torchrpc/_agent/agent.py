@@ -533,7 +533,8 @@ class Agent:
         """:meth:`request` and wait for the reply; the calling thread reads it itself."""
         self._check_running()
         conn = None
-        if retry is None and self.private_calls and dst.id != self.rank:
+        if retry is None and self.private_calls and dst.id != self.rank \
+                and not self._transport.secure:  # under TLS, one connection per peer
             conn = self._checkout_private(dst)
         if conn is None:
             return self.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
@@ -562,9 +563,7 @@ class Agent:
             try:
                 header, envelope, buffers = conn.read_frame()
             except RpcError as exc:  # broken, or closed because the call failed already
-                q = self._pending.pop(rid, None)
-                if q is not None:
-                    q.future.set_exception(self._lost_error(p.dst, exc))
+                self._request_lost(rid, p.dst, exc)
                 return
             if header.request_id == rid and (header.kind == Kind.RESPONSE
                                              or header.kind == Kind.ERROR):
@@ -583,9 +582,7 @@ class Agent:
                 break
             if not conn.closed:
                 return conn
-        shared = self._connection(dst)  # checks the worker and carries the heartbeats
-        if getattr(shared.sock, "family", None) is None:
-            return None  # TLS: keep one connection per peer
+        self._connection(dst)  # checks the worker; the shared connection carries heartbeats
         host, port = self._addresses[dst.id]
         try:
             conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
@@ -627,6 +624,11 @@ class Agent:
         if kind in (Kind.RESPONSE, Kind.ERROR):
             log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
             return
+        self._request_lost(rid, dst, exc)
+
+    def _request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
+        """Request ``rid`` to ``dst`` may never be answered (its connection failed):
+        retry or fail it, unless it is settled already."""
         p = self._pending.pop(rid, None)
         if p is not None:
             self._fail(rid, p, self._lost_error(dst, exc))

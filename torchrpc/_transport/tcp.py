@@ -104,6 +104,11 @@ class Connection:
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
+
+    def set_private(self, private: bool) -> None:
+        """Mark the connection private (or not), and so whether its readers poll."""
+        self.private = private
+        self.spin = private and bool(_SPIN and _DONTWAIT) and type(self.sock) is socket.socket
         # When bytes last came in and last went out (monotonic); the agent's heartbeat
         # sends on idle connections and closes silent ones.
         self.last_recv = self.last_send = time.monotonic()
@@ -420,10 +425,6 @@ class _LogBudget:
         log.warning(msg, *args)
 
 
-def _spin_ok(sock: Any) -> bool:
-    return bool(_SPIN and _DONTWAIT) and type(sock) is socket.socket
-
-
 def _tune(sock: socket.socket) -> None:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -565,8 +566,7 @@ class Transport:
         conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=False)
         conn.features = hello.features & self._features
-        conn.private = bool(hello.features & handshake.FEATURE_PRIVATE)
-        conn.spin = conn.private and _spin_ok(sock)
+        conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
         self._setup_shm(conn)
         self._on_connect(conn)
         conn.read_loop()
@@ -613,8 +613,7 @@ class Transport:
         conn = Connection(sock, peer_rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=True)
         conn.features = features & offer
-        conn.private = bool(conn.features & handshake.FEATURE_PRIVATE)
-        conn.spin = conn.private and _spin_ok(sock)
+        conn.set_private(bool(conn.features & handshake.FEATURE_PRIVATE))
         self._setup_shm(conn)
         self._on_connect(conn)
         if not conn.private:
@@ -642,6 +641,11 @@ class Transport:
             self._sockets.discard(sock)
             self._sockets.add(wrapped)
         return wrapped
+
+    @property
+    def secure(self) -> bool:
+        """Whether every link runs over TLS."""
+        return self._tls is not None
 
     def connections(self) -> List[Connection]:
         """Every open connection, shared and private (for counters and tests)."""

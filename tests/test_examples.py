@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torchrpc
 
 PROGRAM_LIMIT_S = 120   # passed to the program as --timeout
@@ -109,3 +111,13 @@ def test_profile_rpc_shows_rpc_events() -> None:
     assert float(match.group(1)) >= 1000.0, out
     # The callee's operators come back as remote events under the RPC's name.
     assert re.search(r"rpc_async#aten::add\(worker0 -> worker1\)#remote_op: aten::add", out), out
+
+
+def test_count_flags_below_one_are_refused() -> None:
+    from torchrpc.examples import batch_rl, pipeline, rnn
+
+    for main, flag in ((batch_rl.main, "--observers"), (pipeline.main, "--batches"),
+                       (rnn.main, "--sample-len")):
+        with pytest.raises(SystemExit) as info:
+            main(["--smoke", flag, "0"])
+        assert info.value.code == 2, flag

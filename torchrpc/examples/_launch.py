@@ -70,6 +70,17 @@ def base_parser(description: str, *, default_timeout: float = 300.0) -> argparse
     return parser
 
 
+def smoke_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   **defaults: tuple[int, int]) -> None:
+    """Give each count flag left unset its ``(smoke, full)`` default; refuse one below 1."""
+    for name, (smoke, full) in defaults.items():
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, smoke if args.smoke else full)
+        elif value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def say(text: str) -> None:
     """Print ``text`` and a newline in one write, then flush.
 

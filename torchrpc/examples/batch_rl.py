@@ -302,11 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per observer per episode; default 100, or 20 with --smoke")
     args = parser.parse_args(argv)
-    args.observers = args.observers or (2 if args.smoke else 3)
-    args.episodes = args.episodes or (2 if args.smoke else 5)
-    args.steps = args.steps or (20 if args.smoke else 100)
-    if args.observers < 1:
-        parser.error(f"--observers must be at least 1, got {args.observers}")
+    _launch.smoke_defaults(parser, args, observers=(2, 3), episodes=(2, 5), steps=(20, 100))
     return _launch.launch(run_rank, args.observers + 1, args)
 
 

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp-port", type=int, default=None,
                         help="gloo rendezvous port on 127.0.0.1 (default: a free one)")
     args = parser.parse_args(argv)
-    args.epochs = args.epochs or (5 if args.smoke else 20)
+    _launch.smoke_defaults(parser, args, epochs=(5, 20))
     if _launch.torchrun_rank() is not None and (args.rpc_port is None or args.ddp_port is None):
         parser.error("under torchrun pass --rpc-port and --ddp-port, so that every rank uses the same")
     spare = _launch.free_ports(2)

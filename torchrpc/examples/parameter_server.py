@@ -259,8 +259,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, int]:
     parser.add_argument("--lr", type=float, default=0.03)
     parser.add_argument("--momentum", type=float, default=0.9)
     args = parser.parse_args(argv)
-    if args.epochs is None:
-        args.epochs = 5 if args.smoke else 10
+    _launch.smoke_defaults(parser, args, epochs=(5, 10))
     world_size = args.world_size
     if world_size is None:
         from_torchrun = _launch.torchrun_rank()

@@ -276,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=None,
                         help="timed batches per split value; default 2, or 1 with --smoke")
     args = parser.parse_args(argv)
-    args.batch_size = args.batch_size or (16 if args.smoke else 32)
-    args.image_size = args.image_size or (16 if args.smoke else 32)
-    args.batches = args.batches or (1 if args.smoke else 2)
+    _launch.smoke_defaults(parser, args, batch_size=(16, 32), image_size=(16, 32), batches=(1, 2))
     return _launch.launch(run_rank, len(WORKERS), args)
 
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=None,
                         help="table rows to print; default 30, or 20 with --smoke")
     args = parser.parse_args(argv)
-    args.rows = args.rows or (20 if args.smoke else 30)
+    _launch.smoke_defaults(parser, args, rows=(20, 30))
     return _launch.launch(run_rank, 2, args)
 
 

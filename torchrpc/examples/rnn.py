@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on this module's text: `this` (the Zen of Python, default) "
                              "or any standard-library module's source, e.g. `json.decoder`")
     args = parser.parse_args(argv)
-    args.epochs = args.epochs or (10 if args.smoke else 30)
-    args.sample_len = args.sample_len or (40 if args.smoke else 120)
+    _launch.smoke_defaults(parser, args, epochs=(10, 30), sample_len=(40, 120))
     return _launch.launch(run_rank, 2, args)
 
 

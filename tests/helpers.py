@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
@@ -231,3 +231,24 @@ def connection_census() -> dict:
     registered = [c for lst in agent._all_conns.values() for c in lst if not c.closed]
     return {"private": sum(c.private for c in conns), "shared": sum(not c.private for c in conns),
             "registered_private": sum(c.private for c in registered)}
+
+
+def run_in_threads(fn: Callable[..., Any], args: Sequence[Tuple[Any, ...]],
+                   timeout: float = 60.0) -> List[BaseException]:
+    """Run ``fn(*a)`` for each ``a`` in ``args``, one thread each, all at once; join them
+    and return what they raised (empty when every run succeeded)."""
+    errors: List[BaseException] = []
+
+    def run(*a: Any) -> None:
+        try:
+            fn(*a)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+    return errors

@@ -13,7 +13,7 @@ import torchrpc.rpc as rpc
 from torchrpc import _wire
 from torchrpc._dist_autograd.records import DistAutogradContext, RecvRecorder, SendRecorder
 
-from . import autograd_helpers as h
+from . import autograd_helpers as h, helpers
 from .group import running_group
 
 WORKERS = ["worker0", "worker1", "worker2"]
@@ -251,23 +251,16 @@ def test_rref_backward():
 def test_concurrent_contexts_in_threads():
     x = rand(4, seed=20)
     want = local_grads(lambda x: h.chain(x, [None]).sum(), x)[0]
-    results, errors = [], []
+    results = []
 
     def run(dst: str) -> None:
-        try:
-            for _ in range(5):
-                with dist_autograd.context() as cid:
-                    loss = rpc.rpc_sync(dst, h.chain, args=(x, ["worker0"])).sum()
-                    dist_autograd.backward(cid, [loss])
-                    results.append(dist_autograd.get_gradients(cid)[x])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for _ in range(5):
+            with dist_autograd.context() as cid:
+                loss = rpc.rpc_sync(dst, h.chain, args=(x, ["worker0"])).sum()
+                dist_autograd.backward(cid, [loss])
+                results.append(dist_autograd.get_gradients(cid)[x])
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in ("worker1", "worker2", "worker1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = helpers.run_in_threads(run, [("worker1",), ("worker2",), ("worker1",)], timeout=30)
     assert not errors, errors
     assert len(results) == 15
     for g in results:

@@ -117,22 +117,13 @@ def test_zero_timeout_means_none_and_default_timeout():
 
 
 def test_many_caller_threads():
-    errors = []
     results = {}
 
     def caller(i: int) -> None:
-        try:
-            for j in range(20):
-                results[(i, j)] = rpc.rpc_sync(f"worker{1 + (i + j) % 2}", helpers.add, args=(i, j))
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
+        for j in range(20):
+            results[(i, j)] = rpc.rpc_sync(f"worker{1 + (i + j) % 2}", helpers.add, args=(i, j))
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
+    assert not helpers.run_in_threads(caller, [(i,) for i in range(16)])
     assert all(results[(i, j)] == i + j for i in range(16) for j in range(20))
 
 

@@ -7,7 +7,6 @@ import queue
 import shutil
 import socket
 import subprocess
-import threading
 from pathlib import Path
 from typing import Dict, List
 
@@ -94,24 +93,15 @@ def test_frames_cross_a_tls_link_both_ways_under_concurrency(pki):
         assert conn.sock.ssl_object.version() == "TLSv1.3"
         assert conn.sock.ssl_object.getpeercert()["subject"] == ((("commonName", "worker"),),)
         payloads = {}
-        errors = []
 
         def send(i: int) -> None:
-            try:
-                for j in range(5):
-                    rid = i * 100 + j
-                    data = torch.full((((i + j) % 3) * (4 << 20) + 7,), rid % 251, dtype=torch.uint8)
-                    payloads[rid] = data
-                    conn.send(Kind.CALL, 0, rid, f"env{rid}".encode(), [_wire.tensor_bytes(data)], data)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
+            for j in range(5):
+                rid = i * 100 + j
+                data = torch.full((((i + j) % 3) * (4 << 20) + 7,), rid % 251, dtype=torch.uint8)
+                payloads[rid] = data
+                conn.send(Kind.CALL, 0, rid, f"env{rid}".encode(), [_wire.tensor_bytes(data)], data)
 
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors
+        assert not helpers.run_in_threads(send, [(i,) for i in range(4)])
         for _ in range(len(payloads)):
             header, env, bufs = client.frames.get(timeout=30)
             assert header.kind == Kind.RESPONSE and env == f"env{header.request_id}".encode()

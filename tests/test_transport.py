@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 import time
 from typing import Any, List, Optional
 
@@ -127,23 +126,14 @@ def test_segments_are_reused_but_never_while_in_use(group):
 
 
 def test_concurrent_large_and_small_calls(group):
-    errors: List[BaseException] = []
-
     def run(i: int) -> None:
-        try:
-            for j in range(6):
-                n = (SMALL, LARGE, 3 * LARGE + 4)[(i + j) % 3] // 4
-                x = torch.randint(0, 1 << 30, (n,), dtype=torch.int32)
-                to = f"worker{1 + (i + j) % 2}"
-                assert torch.equal(_echo(x, to), x)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for j in range(6):
+            n = (SMALL, LARGE, 3 * LARGE + 4)[(i + j) % 3] // 4
+            x = torch.randint(0, 1 << 30, (n,), dtype=torch.int32)
+            to = f"worker{1 + (i + j) % 2}"
+            assert torch.equal(_echo(x, to), x)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = helpers.run_in_threads(run, [(i,) for i in range(6)], timeout=120)
     assert not errors, errors[0]
     # Workers pass large tensors on to each other, too.
     x = torch.randn(LARGE // 4)

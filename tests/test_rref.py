@@ -111,6 +111,25 @@ def test_proxies_and_async_methods():
     del store, cls_rref, local  # pytest keeps failed-assertion frames alive; drop our refs
 
 
+def test_fork_to_the_owner_is_accepted_by_the_reply():
+    # A user RRef sent to its owner in a call: the reply itself accepts the child, so
+    # nothing is pending on this worker once rpc_sync returns, and the owner sends no
+    # RREF_CHILD_ACCEPT (its RRef sender thread has nothing to do for it).
+    rref = rpc.remote("worker1", helpers.echo, args=(5,))
+    assert rref.to_here() == 5
+    for i in range(20):
+        assert rpc.rpc_sync("worker1", helpers.rref_value_plus, args=(rref, i)) == 5 + i
+        assert counts("worker0")["num_pending_children"] == 0
+    # A one-way path keeps the message: a fork to the owner inside a reply.
+    back = rpc.rpc_sync("worker1", helpers.echo_rrefs, args=(rref,))
+    assert back.owner_name() == "worker1" and back.to_here() == 5
+    # And an asynchronous call accepts it when its reply comes.
+    fut = rpc.rpc_async("worker1", helpers.rref_value_plus, args=(rref, 1))
+    assert fut.wait() == 6
+    del rref, back, fut
+    wait_clean()
+
+
 def test_forks_in_every_direction():
     # user -> owner (argument)
     rref = rpc.remote("worker1", helpers.echo, args=(7,))

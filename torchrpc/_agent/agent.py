@@ -24,6 +24,7 @@ request pending on that worker with an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -63,12 +64,24 @@ class MessageContext:
     both ways, and a frozen dataclass takes several times as long to build.
     """
 
-    __slots__ = ("agent", "peer", "kind")
+    __slots__ = ("agent", "peer", "kind", "replied", "on_settled")
 
-    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int) -> None:
+    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
+                 replied: bool = False) -> None:
         self.agent = agent
         self.peer = peer
         self.kind = kind
+        # A request that gets a reply: the reply shows that the callee has unpickled it.
+        self.replied = replied
+        # While encoding such a request: what to run once it is answered or has failed.
+        self.on_settled: Optional[List[Callable[[], None]]] = None
+
+    def when_settled(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the request being encoded is answered or has failed
+        (only for a request that gets a reply: check :attr:`replied`)."""
+        if self.on_settled is None:
+            self.on_settled = []
+        self.on_settled.append(action)
 
     def __repr__(self) -> str:
         return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"
@@ -500,10 +513,15 @@ class Agent:
         meta = send_hook = states = None
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
-        env, bufs, keep = _wire.encode(payload, MessageContext(self, dst, kind), send_hook, meta)
+        ctx = MessageContext(self, dst, kind, replied=not oneway)
+        env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta)
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
         p = _Pending(new_future(self._pool), dst, what, timeout, states)
+        if ctx.on_settled:
+            # Inline, wherever the future completes: these are short bookkeeping steps.
+            torch.futures.Future.add_done_callback(
+                p.future, functools.partial(_run_all, ctx.on_settled))
         p.private = private
         deadline = time.monotonic() + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
@@ -919,7 +937,9 @@ class Agent:
 
         what: Any = kind  # the function, once known; only error paths describe it
         try:
-            _, payload = _wire.decode(envelope, buffers, MessageContext(self, src, kind), recv_hook)
+            _, payload = _wire.decode(envelope, buffers,
+                                      MessageContext(self, src, kind, replied=not oneway),
+                                      recv_hook)
             buffers.clear()  # the tensors in payload hold what they need
             if kind == Kind.CALL:
                 what = payload[0]
@@ -1281,6 +1301,14 @@ class Agent:
             log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
+
+
+def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:
+    for action in actions:
+        try:
+            action()
+        except Exception:  # noqa: BLE001 - one must not keep the others from running
+            log.exception("torchrpc: an action after a request settled failed")
 
 
 def _nothing() -> None:

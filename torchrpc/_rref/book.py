@@ -10,7 +10,9 @@ Python references keep the entry object alive on their own).
   when its copy is garbage collected, but only once the owner has confirmed it.
 * G2 -- a parent is not deleted before its child is confirmed: forking a user
   RRef parks the parent in ``pending_children`` under the child's ForkId until a
-  CHILD_ACCEPT for it arrives.
+  CHILD_ACCEPT for it arrives. A fork sent to the owner itself in a request that
+  gets a reply is accepted by that reply (or the request's failure) instead: the
+  owner has unpickled the request before it answers, and sends no CHILD_ACCEPT.
 
 User copy states::
 

@@ -11,6 +11,7 @@ that are garbage collected only enqueue their deletion (safe from ``__del__``).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import queue
@@ -215,7 +216,7 @@ class RRef(Generic[T]):
                                "not supported")
         if self._error is not None:
             raise PassThrough(fresh_error(self._error))  # a fork raises the creation error itself
-        return ctx.agent.extensions["rref"].fork(self, ctx.peer)
+        return ctx.agent.extensions["rref"].fork(self, ctx)
 
     def __del__(self) -> None:
         if getattr(self, "_fork_id", None) is not None and not self._deleted:
@@ -236,7 +237,8 @@ def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: i
     ctx = current_context()
     if not isinstance(ctx, MessageContext):
         raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
-    return ctx.agent.extensions["rref"].adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer)
+    return ctx.agent.extensions["rref"].adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer,
+                                                   ctx.replied)
 
 
 class _Proxy:
@@ -349,25 +351,31 @@ class RRefLayer:
             rref._creation = None
         self.post(self.book.user_confirmed(fork_id))
 
-    def fork(self, rref: RRef, dst: WorkerInfo) -> Tuple[Any, ...]:
-        """Pickle ``rref`` for ``dst``: register the fork as the protocol requires."""
+    def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:
+        """Pickle ``rref`` for the message of ``ctx``: register the fork as the protocol
+        requires."""
         if rref._entry is not None:  # owner -> anyone: the owner counts the fork itself
             fork_id = self.book.new_id()
             self.book.adopt(rref._entry)
             self.book.add_fork(rref._rref_id, fork_id)
             return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, True)
         fork_id = self.book.fork_child(rref)  # G2: keep the parent until the child is accepted
+        if ctx.replied and ctx.peer.id == rref._owner.id:
+            # To the owner, in a request that gets a reply: the reply (or the request's
+            # failure) accepts the child, with no RREF_CHILD_ACCEPT message.
+            ctx.when_settled(functools.partial(self.book.child_accepted, fork_id))
         return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, False)
 
     def adopt_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
-                   by_owner: bool, sender: WorkerInfo) -> RRef:
-        """Unpickle a fork that ``sender`` sent here."""
+                   by_owner: bool, sender: WorkerInfo, replied: bool = False) -> RRef:
+        """Unpickle a fork that ``sender`` sent here (in a request that gets a reply, if
+        ``replied``)."""
         agent = self.agent
         if owner == agent.rank:
             entry = self.book.owner_entry(rref_id)
             if by_owner:
                 self.book.remove_fork(rref_id, fork_id)  # our own fork came back to us
-            else:
+            elif not replied:  # otherwise our reply accepts the child (see fork)
                 self.post([Msg(sender.id, Kind.RREF_CHILD_ACCEPT, (fork_id,))])
             return RRef._make(self, rref_id, None, agent.worker_info, entry)
         owner_info = agent.resolve(owner)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from typing import Any, List, Optional
 
@@ -275,4 +276,43 @@ def test_senders_retire_idle_and_outgrown_segments():
         assert conn.shm_rx.num_segments == 0 and b_conn.shm_rx.num_segments == 0
     finally:
         a.close()
+        b.close()
+
+
+def test_private_readers_stop_polling_when_polls_keep_missing():
+    import socket
+
+    from torchrpc._transport import tcp
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = tcp.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
+                          outbound=True)
+    conn.set_private(True)
+    assert conn.spin
+    frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
+
+    def reply_after(seconds: float) -> None:
+        threading.Timer(seconds, b.sendall, args=(frame,)).start()
+
+    try:
+        # Each answer comes long after a poll (200 us) has given up: misses pile up.
+        for expected in range(1, tcp._SPIN_MISSES + 1):
+            reply_after(0.02)
+            header, env, _ = conn.read_frame()
+            assert header.request_id == 7 and env == b"ok"
+            assert conn._misses == expected
+        # Now the reader sleeps at once (no further miss is counted) ...
+        reply_after(0.02)
+        conn.read_frame()
+        assert conn._misses == tcp._SPIN_MISSES
+        # ... until a probe (every _SPIN_PROBE-th wait) finds data at once: then it
+        # polls again.
+        waits = 0
+        while conn._misses:
+            b.sendall(frame)  # already there when the reader looks
+            conn.read_frame()
+            waits += 1
+            assert waits <= tcp._SPIN_PROBE
+        assert waits > 1  # not the very next wait: only a probe
+    finally:
+        conn.close()
         b.close()

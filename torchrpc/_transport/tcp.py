@@ -56,6 +56,8 @@ def _spin_seconds(text: str) -> float:
 
 
 _SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
+_SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
+_SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pays again
 
 FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
                          Optional[Callable[[], None]]]
@@ -104,6 +106,11 @@ class Connection:
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
+        # Polls that ended without data in a row, and waits so far: a connection whose
+        # polls keep missing (the answer takes longer than the poll, or the next call
+        # comes much later) stops polling, and tries again every _SPIN_PROBE-th wait.
+        self._misses = 0
+        self._waits = 0
 
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
@@ -228,7 +235,11 @@ class Connection:
             end -= start
             start = 0
         recv_into = self.sock.recv_into
-        spin = _SPIN if start == end and self.spin else 0.0
+        spin = 0.0
+        if start == end and self.spin:
+            self._waits += 1
+            if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
+                spin = _SPIN
         while end - start < n:
             if spin:
                 k = self._spin_recv(mv[end:], spin)
@@ -250,14 +261,20 @@ class Connection:
         # sleeps leaves its CPU idle, and on virtual machines in particular the first
         # tens of microseconds after an idle CPU is woken run several times slower;
         # a reply or next request usually comes within the moment.
+        # Polling costs a CPU that other threads and processes may need, so a connection
+        # whose polls keep missing stops polling (see _fill).
         recv_into = self.sock.recv_into
         until = time.perf_counter() + seconds
         while True:
             try:
-                return recv_into(dst, 0, _DONTWAIT)
+                k = recv_into(dst, 0, _DONTWAIT)
             except BlockingIOError:
                 if time.perf_counter() > until:
+                    self._misses += 1
                     return recv_into(dst)
+            else:
+                self._misses = 0
+                return k
 
     def _take_into(self, dst: memoryview) -> None:
         # Fill dst from the read buffer, then straight from the socket.

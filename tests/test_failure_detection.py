@@ -4,6 +4,7 @@ graceful shutdown reports it instead of hanging."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import List
 
@@ -53,11 +54,26 @@ def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
         ctx = ctx_cm.__enter__()  # a graph through worker2, kept until worker2 is dead
         through_2 = rpc.rpc_sync("worker2", helpers.add, args=(x, 1))
         futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0,)) for _ in range(6)]
+        # A to_here() blocked reading the reply of a creation still running on worker2
+        # (both on one private connection).
+        fetching = rpc.remote("worker2", helpers.sleep_then, args=(30.0, 1))
+        fetched: list = []
+
+        def fetch() -> None:
+            try:
+                fetching.to_here()
+            except Exception as exc:  # noqa: BLE001 - checked below
+                fetched.append((time.monotonic(), exc))
+        fetcher = threading.Thread(target=fetch)
+        fetcher.start()
         time.sleep(0.3)  # the calls are running on worker2
         start = time.monotonic()
         group.procs[2].send_signal(signal.SIGKILL)
         times = _fail_times(futs, start)
         assert max(times) < 2.0, times
+        fetcher.join(5)
+        assert fetched and fetched[0][0] - start < 2.0, fetched
+        assert isinstance(fetched[0][1], ConnectionLostError) and "worker2" in str(fetched[0][1])
         # New calls fail the same way, at once.
         start = time.monotonic()
         with pytest.raises(ConnectionLostError, match="worker2") as info:

@@ -198,6 +198,47 @@ def test_creation_failure_is_recorded_on_the_rref():
     wait_clean()
 
 
+def test_deletions_travel_with_the_next_request():
+    # A loop of remote().to_here() drops one RRef per call; each deletion rides along with
+    # the next REMOTE_CALL or FETCH to the owner instead of costing a message of its own.
+    before = rpc.rpc_sync("worker1", helpers.debug_info)["num_delete_messages_received"]
+    n = 300
+    for i in range(n):
+        assert rpc.remote("worker1", helpers.echo, args=(i,)).to_here() == i
+    wait_clean()
+    sent = rpc.rpc_sync("worker1", helpers.debug_info)["num_delete_messages_received"] - before
+    assert 1 <= sent < n // 3, sent  # the last one (at least) goes out by itself
+
+
+def test_unclaimed_creation_reply_is_read_for_the_rref():
+    # The creation's reply waits for a to_here() that never comes: it is read anyway, so
+    # the RRef is confirmed and a failed creation is recorded without any call.
+    rref = rpc.remote("worker1", helpers.echo, args=(7,))
+    failed = rpc.remote("worker2", helpers.raise_value_error, args=("unread",))
+    deadline = time.monotonic() + 5
+    while not (rref.confirmed_by_owner() and failed._error is not None):
+        assert time.monotonic() < deadline, "the parked creation replies were never read"
+        time.sleep(0.01)
+    with pytest.raises(ValueError, match="unread"):
+        failed.to_here()
+    assert rref.to_here() == 7
+    assert rpc.get_debug_info()["agent.num_parked"] == 0
+    del rref, failed
+    wait_clean()
+
+
+def test_many_creations_in_flight_then_fetched_in_any_order():
+    refs = [rpc.remote(f"worker{1 + i % 2}", helpers.sleep_then, args=(0.01, i))
+            for i in range(40)]
+    assert [r.to_here() for r in reversed(refs)] == list(reversed(range(40)))
+    deadline = time.monotonic() + 5
+    while rpc.get_debug_info()["agent.num_parked"] != 0:
+        assert time.monotonic() < deadline, rpc.get_debug_info()
+        time.sleep(0.01)
+    del refs
+    wait_clean()
+
+
 def test_to_here_timeout():
     rref = rpc.remote("worker1", helpers.sleep_then, args=(1.5, "late"))
     start = time.monotonic()

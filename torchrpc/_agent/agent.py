@@ -53,7 +53,8 @@ log = logging.getLogger("torchrpc")
 _TICK = 0.1
 # A request running on its reading thread for longer than this hands the reading role on.
 INLINE_LIMIT = 0.01
-_LENT_TICK = 0.02  # the timer looks at lent roles this often
+_LENT_TICK = 0.02  # the timer looks at lent roles (and parked replies) this often
+_MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -157,6 +158,19 @@ class _Pending:
             self.private.close(error)
 
 
+class Parked:
+    """A request sent on a private connection whose reply waits there unread (see
+    :meth:`Agent.request_parked`)."""
+
+    __slots__ = ("conn", "rid", "deadline", "since")
+
+    def __init__(self, conn: Connection, rid: int, deadline: Optional[float]) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.deadline = deadline
+        self.since = time.monotonic()
+
+
 class _Resend:
     """What a request with a retry policy needs to be sent again: the same frame."""
 
@@ -235,6 +249,9 @@ class Agent:
         self._connect_locks: Dict[int, threading.Lock] = {}
         self._pending: Dict[int, _Pending] = {}
         self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
+        self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
+        self._num_parked = 0  # parked requests whose reply is not read yet
+        self._tick_hooks: List[Callable[[], None]] = []
         self._rid = itertools.count(1)
         self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
@@ -453,6 +470,11 @@ class Agent:
         """``hook()`` runs in every shutdown, graceful or not, before connections close."""
         self._stop_hooks.append(hook)
 
+    def add_tick_hook(self, hook: Callable[[], None]) -> None:
+        """``hook()`` runs on the timer thread every few tens of milliseconds; it must be
+        quick and must not block."""
+        self._tick_hooks.append(hook)
+
     def add_debug_source(self, source: Callable[[], Dict[str, Any]]) -> None:
         self._debug_sources.append(source)
 
@@ -464,6 +486,7 @@ class Agent:
             "agent.num_queued_tasks": self._pool.num_pending,
             "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
             "agent.num_private_connections": sum(len(v) for v in self._private.values()),
+            "agent.num_parked": self._num_parked,
             "agent.state": self._state,
         }
         if self._transport is not None:
@@ -547,15 +570,93 @@ class Agent:
     must all go through ``_send``, so it turns them off)."""
 
     def request_sync(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
-                     what: Any = None, retry: Optional[RetryPolicy] = None) -> Any:
-        """:meth:`request` and wait for the reply; the calling thread reads it itself."""
+                     what: Any = None, retry: Optional[RetryPolicy] = None,
+                     after: Optional[Parked] = None) -> Any:
+        """:meth:`request` and wait for the reply; the calling thread reads it itself.
+
+        With ``after`` (a request to ``dst`` parked by :meth:`request_parked`), the
+        request goes out on the parked request's connection if it is still unclaimed and
+        this call's deadline is not earlier than the parked one's; this thread then reads
+        both replies.
+        """
         self._check_running()
         conn = None
-        if retry is None and self.private_calls and dst.id != self.rank \
+        also: Tuple[int, ...] = ()
+        if after is not None and self._claim(after, timeout):
+            conn, also = after.conn, (after.rid,)
+        elif retry is None and self.private_calls and dst.id != self.rank \
                 and not self._transport.secure:  # under TLS, one connection per peer
             conn = self._checkout_private(dst)
         if conn is None:
             return self.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
+        try:
+            rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
+                                                               private=conn)
+        except BaseException:
+            self._release_private(dst, conn, also)
+            raise
+        try:
+            conn.send(kind, flags, rid, env, bufs, keep)
+        except RpcError as exc:
+            self.send_failed(kind, rid, dst, exc)
+            self._release_private(dst, conn, also)
+            return p.future.wait()
+        env = bufs = keep = None
+        pool = current_pool()
+        if pool is None:
+            self._read_reply(conn, rid, p, also)
+        else:
+            with pool.blocking():
+                self._read_reply(conn, rid, p, also)
+        return p.future.wait()
+
+    def _read_reply(self, conn: Connection, rid: int, p: _Pending,
+                    also: Tuple[int, ...] = ()) -> None:
+        """Read replies from private connection ``conn`` until request ``rid`` and the
+        requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
+        waiting = {rid, *also}
+        while waiting:
+            try:
+                header, envelope, buffers = conn.read_frame()
+            except RpcError as exc:  # broken, or closed because a call failed already
+                for r in waiting:
+                    self._request_lost(r, p.dst, exc)
+                if also:
+                    self._unpark()
+                return
+            if header.request_id in waiting and (header.kind == Kind.RESPONSE
+                                                 or header.kind == Kind.ERROR):
+                waiting.discard(header.request_id)
+                if not waiting:
+                    p.private = None
+                    if also:
+                        self._unpark()
+                    self._checkin_private(p.dst, conn)
+                self._on_reply(conn, header, envelope, buffers)
+            # Nothing else is sent on a private connection; ignore what a peer sends anyway.
+            envelope = buffers = None
+
+    # -- parked requests -----------------------------------------------------------------------
+    #
+    # RRef creation (remote()) gets a reply that nobody waits for, and usually a to_here()
+    # right after it. The creation is sent on a private connection and its reply left in
+    # the socket ("parked"): a request_sync(after=...) to the same worker goes out on that
+    # connection and its thread reads both replies, so no reader thread wakes up for the
+    # first. A parked request nobody claims within a tick or two of the timer is read by a
+    # pool thread (_drain). At most _MAX_PARKED requests are parked at once; beyond that,
+    # and wherever private connections are not used, request_parked is plain request.
+
+    def request_parked(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
+                       what: Any = None) -> Tuple[RpcFuture, Optional[Parked]]:
+        """:meth:`request`, parking the reply for a later :meth:`request_sync` to read; the
+        future of the reply, and the parked request (None if it was sent the usual way)."""
+        self._check_running()
+        conn = None
+        if self._num_parked < _MAX_PARKED and self.private_calls and dst.id != self.rank \
+                and not self._transport.secure:
+            conn = self._checkout_private(dst)
+        if conn is None:
+            return self.request(dst, kind, payload, timeout, what=what), None
         try:
             rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
                                                                private=conn)
@@ -566,30 +667,55 @@ class Agent:
             conn.send(kind, flags, rid, env, bufs, keep)
         except RpcError as exc:
             self.send_failed(kind, rid, dst, exc)
-            return p.future.wait()
-        env = bufs = keep = None
-        pool = current_pool()
-        if pool is None:
-            self._read_reply(conn, rid, p)
-        else:
-            with pool.blocking():
-                self._read_reply(conn, rid, p)
-        return p.future.wait()
+            self._checkin_private(dst, conn)
+            return p.future, None
+        parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
+        with self._lock:
+            self._num_parked += 1
+        self._parked[rid] = parked
+        return p.future, parked
 
-    def _read_reply(self, conn: Connection, rid: int, p: _Pending) -> None:
-        while True:
-            try:
-                header, envelope, buffers = conn.read_frame()
-            except RpcError as exc:  # broken, or closed because the call failed already
-                self._request_lost(rid, p.dst, exc)
-                return
-            if header.request_id == rid and (header.kind == Kind.RESPONSE
-                                             or header.kind == Kind.ERROR):
-                break
-            # Nothing else is sent on a private connection; ignore what a peer sends anyway.
-        p.private = None
-        self._checkin_private(p.dst, conn)
-        self._on_reply(conn, header, envelope, buffers)
+    def _claim(self, parked: Parked, timeout: float) -> bool:
+        """Take ``parked`` over for a request with ``timeout``, if still unclaimed. A
+        request that may time out first does not: its timeout would close the connection
+        under the parked request."""
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        if parked.deadline is not None and deadline is not None and deadline < parked.deadline:
+            return False
+        if parked.deadline is None and deadline is not None:
+            return False
+        return self._parked.pop(parked.rid, None) is not None
+
+    def _unpark(self) -> None:
+        with self._lock:
+            self._num_parked -= 1
+
+    def _release_private(self, dst: WorkerInfo, conn: Connection, also: Tuple[int, ...]) -> None:
+        """A claimed parked connection carries no new request after all: read the parked
+        reply on the pool; a plain private connection goes back to the free list."""
+        if also:
+            self._pool.submit(self._drain, conn, also[0])
+        else:
+            self._checkin_private(dst, conn)
+
+    def _drain_parked(self, now: float) -> None:
+        """Timer: unclaimed parked requests older than a tick get their reply read."""
+        if not self._parked:
+            return
+        for rid, parked in list(self._parked.items()):
+            if now - parked.since > _LENT_TICK and self._parked.pop(rid, None) is not None:
+                try:
+                    self._pool.submit(self._drain, parked.conn, rid)
+                except RuntimeError:
+                    self._unpark()  # shutting down: the pending call is failed there
+
+    def _drain(self, conn: Connection, rid: int) -> None:
+        p = self._pending.get(rid)
+        if p is None:  # failed already (which closed the connection)
+            self._unpark()
+            return
+        with self._pool.blocking():
+            self._read_reply(conn, rid, p, (rid,))
 
     def _checkout_private(self, dst: WorkerInfo) -> Optional[Connection]:
         free = self._private.get(dst.id)
@@ -1063,6 +1189,12 @@ class Agent:
                         f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
                         f"for this call)"))
             self._check_lent(now)
+            self._drain_parked(now)
+            for hook in self._tick_hooks:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - the timer must keep running
+                    log.exception("torchrpc: a tick hook of %s failed", self.name)
             if now >= self._next_tick:
                 self._next_tick = now + _TICK
                 self._pool.check_progress()
@@ -1291,6 +1423,7 @@ class Agent:
                     f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
                     f"to {describe(p.what)} arrived"))
         self._private.clear()
+        self._parked.clear()
         if self._transport is not None:
             self._transport.close()
         for thread in (self._timer, self._heartbeat):

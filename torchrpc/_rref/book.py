@@ -8,6 +8,9 @@ Python references keep the entry object alive on their own).
 
 * G1 -- the owner hears of every deleted user RRef: a user sends USER_DELETE
   when its copy is garbage collected, but only once the owner has confirmed it.
+  Its payload is a tuple of ``(RRefId, ForkId)`` pairs, so deletions to one owner
+  travel together (the RRef layer batches them, or adds them to its next
+  REMOTE_CALL or FETCH to that owner).
 * G2 -- a parent is not deleted before its child is confirmed: forking a user
   RRef parks the parent in ``pending_children`` under the child's ForkId until a
   CHILD_ACCEPT for it arrives. A fork sent to the owner itself in a request that
@@ -175,7 +178,7 @@ class RRefBook:
                 msgs.append(Msg(state.parent, Kind.RREF_CHILD_ACCEPT, (fork_id,)))
             if state.doomed:
                 del self.users[fork_id]
-                msgs.append(Msg(state.owner, Kind.RREF_USER_DELETE, (state.rref_id, fork_id)))
+                msgs.append(Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),)))
             return msgs
 
     def user_deleted(self, fork_id: GloballyUniqueId) -> List[Msg]:
@@ -188,7 +191,7 @@ class RRefBook:
                 state.doomed = True
                 return []
             del self.users[fork_id]
-            return [Msg(state.owner, Kind.RREF_USER_DELETE, (state.rref_id, fork_id))]
+            return [Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),))]
 
     # -- accounting ------------------------------------------------------------------------------
 

@@ -5,12 +5,15 @@ RRefs (a reference to a value on another worker). Pickling one is a *fork*: it
 is only allowed while an RPC message is being built, because the destination
 decides what the fork means (see :mod:`torchrpc._rref.book`). The
 :class:`RRefLayer` registers the protocol's message handlers with the agent and
-sends the control messages the book asks for from one sender thread; user RRefs
-that are garbage collected only enqueue their deletion (safe from ``__del__``).
+sends the control messages the book asks for from one sender thread. User RRefs
+that are garbage collected only append their ForkId to a queue (safe from
+``__del__``); the next REMOTE_CALL or FETCH to the owner carries the deletion, or
+the sender sends it at the agent timer's next tick.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import logging
@@ -22,8 +25,8 @@ from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
-from .._agent import (Agent, AsyncResult, MessageContext, WorkerInfo, describe, fresh_error,
-                      run_callable)
+from .._agent import (Agent, AsyncResult, MessageContext, Parked, WorkerInfo, describe,
+                      fresh_error, run_callable)
 from .._agent.current import current_agent
 from .._agent.retry import RetryPolicy
 from .._wire import Kind, PassThrough, current_context
@@ -68,7 +71,7 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "__weakref__")
+                 "_deleted", "_creation", "_parked", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         layer = _layer_of(current_agent())
@@ -88,6 +91,7 @@ class RRef(Generic[T]):
         self._confirmed = confirmed
         self._deleted = False
         self._creation: Optional[torch.futures.Future] = None
+        self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
 
     @classmethod
     def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
@@ -144,10 +148,15 @@ class RRef(Generic[T]):
             return self._entry.future.wait()
         layer = self._layer
         t = _timeout(layer, timeout)
+        parked, self._parked = self._parked, None
+        owner = self._owner.id
+        deletes = layer.take_deletes(owner)
         try:
-            value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH, (self._rref_id,), t,
-                                             what=f"RRef.to_here() of {self!r}")
+            value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH,
+                                             (self._rref_id, deletes), t,
+                                             what=f"RRef.to_here() of {self!r}", after=parked)
         except BaseException:  # noqa: BLE001 - a recorded creation failure explains it better
+            layer.return_deletes(owner, deletes)
             self._raise_creation_error()
             raise
         self._raise_creation_error()
@@ -168,7 +177,7 @@ class RRef(Generic[T]):
         self._check_error()
         if self._entry is not None:
             return self._entry.future
-        return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id,),
+        return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id, ()),
                                          self._layer.agent.default_timeout,
                                          what=f"RRef fetch of {self!r}")
 
@@ -222,7 +231,7 @@ class RRef(Generic[T]):
         if getattr(self, "_fork_id", None) is not None and not self._deleted:
             self._deleted = True
             try:
-                self._layer.enqueue(("del", self._fork_id))
+                self._layer.deferred.append(self._fork_id)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
 
@@ -303,6 +312,13 @@ class RRefLayer:
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._users: "weakref.WeakValueDictionary[GloballyUniqueId, RRef]" = weakref.WeakValueDictionary()
         self._phase = 0
+        # Deletions: user RRefs garbage collected here (ForkIds, appended by __del__) and
+        # the USER_DELETE pairs they became, by owner rank, not sent yet. A REMOTE_CALL or
+        # FETCH to an owner takes that owner's along; the timer's tick flushes the rest.
+        self.deferred: "collections.deque[GloballyUniqueId]" = collections.deque()
+        self._ready: Dict[int, List[Tuple[GloballyUniqueId, GloballyUniqueId]]] = {}
+        self._del_lock = threading.Lock()
+        self.delete_messages = 0  # USER_DELETE messages received (not counting carried ones)
         self._sender = threading.Thread(target=self._send_loop, name=f"torchrpc-rref-{agent.name}",
                                         daemon=True)
         agent.extensions["rref"] = self
@@ -311,10 +327,16 @@ class RRefLayer:
         agent.register_handler(Kind.RREF_USER_DELETE, self._on_user_delete)
         agent.register_handler(Kind.RREF_FORK_REQUEST, self._on_fork_request)
         agent.register_handler(Kind.RREF_CHILD_ACCEPT, self._on_child_accept)
-        agent.add_debug_source(self.book.counts)
+        agent.add_debug_source(self._counts)
         agent.add_shutdown_hook(self._settle)
         agent.add_stop_hook(self._stop)
+        agent.add_tick_hook(self._tick)
         self._sender.start()
+
+    def _counts(self) -> Dict[str, int]:
+        counts = self.book.counts()
+        counts["num_delete_messages_received"] = self.delete_messages
+        return counts
 
     # -- creating and forking ------------------------------------------------------------------
 
@@ -331,21 +353,30 @@ class RRefLayer:
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
         self._users[fork_id] = rref
-        fut = agent.request(dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id),
-                            timeout, what=func)
+        deletes = self.take_deletes(dst.id)
+        try:
+            # Parked: the reply is read by this RRef's to_here() if it comes soon.
+            fut, rref._parked = agent.request_parked(
+                dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
+                timeout, what=func)
+        except BaseException:
+            self.return_deletes(dst.id, deletes)
+            raise
         ref = weakref.ref(rref)
         rref._creation = fut
-        fut.add_done_callback(lambda f: self._created(ref, fork_id, f))
+        fut.add_done_callback(lambda f: self._created(ref, fork_id, f, dst.id, deletes))
         return rref
 
     def _created(self, ref: "weakref.ref[RRef]", fork_id: GloballyUniqueId,
-                 fut: torch.futures.Future) -> None:
+                 fut: torch.futures.Future, owner: int,
+                 deletes: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]) -> None:
         rref = ref()
         try:
             fut.wait()
         except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
             if rref is not None:
                 rref._record_error(exc)
+            self.return_deletes(owner, deletes)  # they may not have arrived
         if rref is not None:
             rref._confirmed = True
             rref._creation = None
@@ -421,18 +452,24 @@ class RRefLayer:
     # -- handlers (owner side unless noted) ----------------------------------------------------
 
     def _on_remote_call(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
-        func, args, kwargs, rref_id, fork_id = payload
+        func, args, kwargs, rref_id, fork_id, deletes = payload
+        self._remove_forks(deletes)
         self.book.add_fork(rref_id, fork_id)
         entry = self.book.owner_entry(rref_id)
         return self._run_into(entry, func, args, kwargs)
 
     def _on_fetch(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> AsyncResult:
-        (rref_id,) = payload
+        rref_id, deletes = payload
+        self._remove_forks(deletes)
         return AsyncResult(self.book.owner_entry(rref_id).future)
 
     def _on_user_delete(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
-        rref_id, fork_id = payload
-        self.book.remove_fork(rref_id, fork_id)
+        self.delete_messages += 1
+        self._remove_forks(payload)
+
+    def _remove_forks(self, pairs: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]) -> None:
+        for rref_id, fork_id in pairs:
+            self.book.remove_fork(rref_id, fork_id)
 
     def _on_fork_request(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
         rref_id, fork_id = payload
@@ -444,13 +481,53 @@ class RRefLayer:
 
     # -- control messages ----------------------------------------------------------------------
 
-    def enqueue(self, item: Any) -> None:
-        """Safe from ``__del__`` and weakref callbacks (SimpleQueue.put is reentrant)."""
-        self._queue.put(item)
-
     def post(self, msgs: List[Msg]) -> None:
-        if msgs:
-            self._queue.put(("msgs", msgs))
+        """Send ``msgs`` from the sender thread; deletions wait to travel with others."""
+        if not msgs:
+            return
+        other = [m for m in msgs if m.kind != Kind.RREF_USER_DELETE]
+        if len(other) < len(msgs):
+            with self._del_lock:
+                for m in msgs:
+                    if m.kind == Kind.RREF_USER_DELETE:
+                        self._ready.setdefault(m.dst, []).extend(m.payload)
+        if other:
+            self._queue.put(("msgs", other))
+
+    def _collect(self) -> None:
+        # Under _del_lock: turn the garbage collected forks into USER_DELETE pairs.
+        deferred, ready = self.deferred, self._ready
+        while deferred:
+            for m in self.book.user_deleted(deferred.popleft()):
+                ready.setdefault(m.dst, []).extend(m.payload)
+
+    def take_deletes(self, owner: int) -> Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]:
+        """The deletions owed to ``owner``, for a request to it to carry."""
+        if not self.deferred and not self._ready:
+            return ()
+        with self._del_lock:
+            self._collect()
+            return tuple(self._ready.pop(owner, ()))
+
+    def return_deletes(self, owner: int,
+                       deletes: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]) -> None:
+        """The request that carried ``deletes`` failed: send them again (removing a fork
+        twice is harmless)."""
+        if deletes:
+            with self._del_lock:
+                self._ready.setdefault(owner, []).extend(deletes)
+
+    def _tick(self) -> None:
+        # Timer thread: deletions no request took along go out by themselves.
+        if self.deferred or self._ready:
+            self._queue.put(("deletes", None))
+
+    def _send_deletes(self) -> None:
+        with self._del_lock:
+            self._collect()
+            ready, self._ready = self._ready, {}
+        for dst, pairs in ready.items():
+            self._send(Msg(dst, Kind.RREF_USER_DELETE, tuple(pairs)))
 
     def _send_loop(self) -> None:
         q = self._queue
@@ -459,15 +536,14 @@ class RRefLayer:
             if item is None:
                 return
             what, arg = item
-            if what == "del":
-                msgs = self.book.user_deleted(arg)
+            if what == "deletes":
+                self._send_deletes()
             elif what == "flush":
+                self._send_deletes()
                 arg.set()
-                continue
             else:
-                msgs = arg
-            for msg in msgs:
-                self._send(msg)
+                for msg in arg:
+                    self._send(msg)
 
     def _send(self, msg: Msg) -> None:
         agent = self.agent
@@ -520,7 +596,7 @@ class RRefLayer:
                 rref = self._users.get(fork_id)
                 if rref is not None:
                     rref._deleted = True
-                self.enqueue(("del", fork_id))
+                self.deferred.append(fork_id)
         self._flush(deadline)
         delay = 0.001
         while not self.book.settled():

@@ -584,14 +584,16 @@ class Agent:
         also: Tuple[int, ...] = ()
         if after is not None and self._claim(after, timeout):
             conn, also = after.conn, (after.rid,)
-        elif retry is None and self.private_calls and dst.id != self.rank \
+        elif self.private_calls and dst.id != self.rank \
                 and not self._transport.secure:  # under TLS, one connection per peer
+            # With retry, an attempt that fails on the connection is sent again on the
+            # shared one, and its reply read there (see _fail).
             conn = self._checkout_private(dst)
         if conn is None:
             return self.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
         try:
             rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
-                                                               private=conn)
+                                                               retry=retry, private=conn)
         except BaseException:
             self._release_private(dst, conn, also)
             raise
@@ -710,12 +712,24 @@ class Agent:
                     self._unpark()  # shutting down: the pending call is failed there
 
     def _drain(self, conn: Connection, rid: int) -> None:
+        """Read the reply of parked request ``rid`` (claimed by this thread) from ``conn``."""
         p = self._pending.get(rid)
         if p is None:  # failed already (which closed the connection)
             self._unpark()
             return
-        with self._pool.blocking():
+        pool = current_pool()
+        if pool is None:
             self._read_reply(conn, rid, p, (rid,))
+        else:
+            with pool.blocking():
+                self._read_reply(conn, rid, p, (rid,))
+
+    def wait_parked(self, future: RpcFuture, parked: Optional[Parked]) -> Any:
+        """Wait for the reply of a :meth:`request_parked` request: this thread reads it
+        if it is still parked."""
+        if parked is not None and self._parked.pop(parked.rid, None) is not None:
+            self._drain(parked.conn, parked.rid)
+        return future.wait()
 
     def _checkout_private(self, dst: WorkerInfo) -> Optional[Connection]:
         free = self._private.get(dst.id)

@@ -33,10 +33,13 @@ error, which names the worker; the root raises the first error once all the
 credit is back. The root waits at most the agent's RPC timeout, so a pass never
 hangs on a dead or stuck worker.
 
-*Release.* Leaving ``with context()`` drops the context here and sends
+*Release.* Leaving ``with context()`` drops the context here and owes an
 ``AUTOGRAD_RELEASE`` to every worker a message of the context went to; each of
 them drops its copy and passes the release on to the workers it sent to, so the
-release follows the same tree the context spread along. Released ids are
+release follows the same tree the context spread along. Releases are sent in
+batches, one message per worker at each tick of the agent's timer (tens of
+milliseconds) and at shutdown, so that a training loop does not pay a message
+per step for them. Released ids are
 remembered for a while, so that a request of the context that arrives after its
 release does not bring it back.
 """
@@ -49,6 +52,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import traceback
 from fractions import Fraction
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -61,7 +65,7 @@ from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
 from .._wire import Kind
 from ..errors import RpcError, RpcTimeoutError, SerializationError
-from .messages import BackwardRequest, DoneReport, PassId, ReleaseRequest
+from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, ReleaseRequest
 from .records import (DistAutogradContext, MessageKey, RecvRecorder, SendRecorder, local_pass,
                       make_context_id)
 
@@ -77,10 +81,7 @@ _ALL_CREDIT = Fraction(1)
 # design note prescribes for internal messages.
 _CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
 _TOMBSTONES = 16384
-# Backward requests are answered (an empty reply once the callee's part is under way)
-# so that a sender learns at once that a callee died and returns the credit with the
-# error, instead of the root waiting out its timeout.
-_ACK_HOPS = True
+_BACKWARD = "distributed autograd backward"
 
 
 class _CalleeScope(CallScope):
@@ -150,6 +151,10 @@ class DistAutogradEngine(CallHook):
         self._roots: Dict[PassId, _PassState] = {}
         self._local = threading.local()
         self._running = 0
+        # Releases owed to other workers (rank -> context ids), sent in batches at the
+        # agent timer's tick and at shutdown (see release).
+        self._releases: Dict[int, List[int]] = {}
+        self._flushing = False
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -209,21 +214,38 @@ class DistAutogradEngine(CallHook):
                 self._released.popitem(last=False)
         if ctx is None:
             return
-        for rank in ctx.known_workers():
-            if rank != self._rank and rank != notified_by:
-                self._send_release(rank, context_id)
+        ranks = [r for r in ctx.known_workers() if r != self._rank and r != notified_by]
+        if ranks:
+            with self._lock:
+                for rank in ranks:
+                    self._releases.setdefault(rank, []).append(context_id)
 
-    def _send_release(self, rank: int, context_id: int) -> None:
-        # One-way: nothing waits for a release. It is written to the connection before
-        # this call returns, so a later shutdown of this worker still delivers it.
+    def _tick(self) -> None:
+        # Timer thread: releases go out in batches, from the pool (sending may block).
+        if self._releases and not self._flushing:
+            self._flushing = True
+            try:
+                self._agent.pool.submit(self._flush_releases)
+            except RuntimeError:
+                self._flushing = False  # shutting down
+
+    def _flush_releases(self, deadline: Optional[float] = None) -> None:
+        """Send the releases due to other workers: one message per worker."""
+        with self._lock:
+            releases, self._releases = self._releases, {}
+            self._flushing = False
         agent = self._agent
-        try:
-            agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE, ReleaseRequest(context_id),
-                          0, what="distributed autograd context release", oneway=True,
-                          retry=_CONTROL_RETRY)
-        except (RpcError, ValueError) as exc:
-            log.debug("torchrpc: %s could not release autograd context %d on rank %d: %s",
-                      agent.name, context_id, rank, exc)
+        for rank, ids in releases.items():
+            # One-way: nothing waits for a release. It is written to the connection before
+            # this call returns, so a later shutdown of this worker still delivers it.
+            try:
+                agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
+                              ReleaseRequest(tuple(ids)), 0, oneway=True,
+                              what="distributed autograd context release",
+                              retry=_CONTROL_RETRY)
+            except (RpcError, ValueError) as exc:
+                log.debug("torchrpc: %s could not release autograd contexts %s on rank %d: %s",
+                          agent.name, ids, rank, exc)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return self.retrieve(context_id).gradients()
@@ -271,14 +293,16 @@ class DistAutogradEngine(CallHook):
         state = _PassState()
         with self._lock:
             self._roots[pass_id] = state
+        timeout = self._agent.default_timeout
+        deadline = time.monotonic() + timeout
         try:
             with self._counting():
                 routed = local_pass(ctx, list(roots), grads)
             self._forward(context_id, pass_id, routed, _ALL_CREDIT)
-            timeout = self._agent.default_timeout
             pool = current_pool()
             with pool.blocking() if pool is not None else contextlib.nullcontext():
-                finished = state.event.wait(timeout if timeout > 0 else None)
+                finished = state.event.wait(max(deadline - time.monotonic(), 0.0)
+                                            if timeout > 0 else None)
         finally:
             with self._lock:
                 self._roots.pop(pass_id, None)
@@ -291,30 +315,71 @@ class DistAutogradEngine(CallHook):
             raise state.error
 
     def _forward(self, context_id: int, pass_id: PassId,
-                 routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]],
-                 credit: Fraction) -> None:
-        """Send the gradients due to other workers, splitting ``credit`` among them."""
-        if not routed:
+                 routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]], credit: Fraction,
+                 reply_to: Optional[int] = None) -> Optional[BackwardReply]:
+        """Send the gradients due to other workers, splitting ``credit`` among them.
+
+        The gradients due to ``reply_to`` (the sender of the request being served) are
+        returned as the request's reply instead, with their share of the credit. The
+        last request goes out blocking: this thread reads its reply and goes on with the
+        gradients it carries, so a pass between two workers is one round trip that the
+        root's own thread drives.
+        """
+        back = routed.pop(reply_to, None) if reply_to is not None else None
+        if not routed and not back:
             self._report(pass_id, credit, None)
-            return
+            return None
         agent = self._agent
-        share = credit / len(routed)
-        for rank, items in routed.items():
+        share = credit / (len(routed) + (1 if back else 0))
+        last = len(routed) - 1
+        for i, (rank, items) in enumerate(routed.items()):
+            req = BackwardRequest(context_id, pass_id, share, tuple(items))
             try:
-                fut = agent.request(agent.resolve(rank), Kind.AUTOGRAD_BACKWARD,
-                                    BackwardRequest(context_id, pass_id, share, tuple(items)),
-                                    agent.default_timeout, what="distributed autograd backward",
-                                    oneway=not _ACK_HOPS, retry=_CONTROL_RETRY)
+                dst = agent.resolve(rank)
+                if i == last:
+                    reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
+                                               agent.default_timeout, what=_BACKWARD,
+                                               retry=_CONTROL_RETRY)
+                else:
+                    fut = agent.request(dst, Kind.AUTOGRAD_BACKWARD, req, agent.default_timeout,
+                                        what=_BACKWARD, retry=_CONTROL_RETRY)
             except BaseException as exc:  # noqa: BLE001 - returned to the root with the credit
                 self._report(pass_id, share, exc)
                 continue
-            fut.add_done_callback(functools.partial(self._hop_done, pass_id, share))
+            if i == last:
+                self._on_reply(context_id, pass_id, reply)
+            else:
+                fut.add_done_callback(functools.partial(self._hop_done, context_id, pass_id,
+                                                        share))
+        return BackwardReply(share, tuple(back)) if back else None
 
-    def _hop_done(self, pass_id: PassId, share: Fraction, fut: torch.futures.Future) -> None:
+    def _hop_done(self, context_id: int, pass_id: PassId, share: Fraction,
+                  fut: torch.futures.Future) -> None:
         try:
-            fut.value()
+            reply = fut.value()
         except BaseException as exc:  # noqa: BLE001 - undelivered: return its credit
             self._report(pass_id, share, exc)
+            return
+        self._on_reply(context_id, pass_id, reply)
+
+    def _on_reply(self, context_id: int, pass_id: PassId, reply: Any) -> None:
+        """The reply to a backward request: go on with the gradients it brings back."""
+        if isinstance(reply, BackwardReply):
+            self._run_part(context_id, pass_id, reply.credit, reply.grads, None)
+
+    def _run_part(self, context_id: int, pass_id: PassId, credit: Fraction,
+                  grads: Sequence[Tuple[MessageKey, torch.Tensor]],
+                  reply_to: Optional[int]) -> Optional[BackwardReply]:
+        """Run this worker's engine from the send records ``grads`` name, then forward."""
+        try:
+            ctx = self.retrieve(context_id)
+            edges = [ctx.send_edge(key) for key, _ in grads]
+            with self._counting():
+                routed = local_pass(ctx, edges, [g for _, g in grads])
+        except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
+            self._report(pass_id, credit, exc)
+            return None
+        return self._forward(context_id, pass_id, routed, credit, reply_to)
 
     def _report(self, pass_id: PassId, credit: Fraction, error: Optional[BaseException]) -> None:
         """Return ``credit`` of ``pass_id`` (and the error that ended it here) to its root."""
@@ -359,19 +424,11 @@ class DistAutogradEngine(CallHook):
 
     # -- handlers ----------------------------------------------------------------------------------
 
-    def _on_backward(self, src: WorkerInfo, req: Any) -> None:
+    def _on_backward(self, src: WorkerInfo, req: Any) -> Optional[BackwardReply]:
         if not isinstance(req, BackwardRequest):
             raise RpcError(f"malformed distributed autograd backward request from {src.name}: "
                            f"{type(req).__name__}")
-        try:
-            ctx = self.retrieve(req.context_id)
-            edges = [ctx.send_edge(key) for key, _ in req.grads]
-            with self._counting():
-                routed = local_pass(ctx, edges, [g for _, g in req.grads])
-        except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
-            self._report(req.pass_id, req.credit, exc)
-            return
-        self._forward(req.context_id, req.pass_id, routed, req.credit)
+        return self._run_part(req.context_id, req.pass_id, req.credit, req.grads, src.id)
 
     def _on_done(self, src: WorkerInfo, report: Any) -> None:
         if not isinstance(report, DoneReport):
@@ -384,7 +441,8 @@ class DistAutogradEngine(CallHook):
         if not isinstance(req, ReleaseRequest):
             raise RpcError(f"malformed distributed autograd release request from {src.name}: "
                            f"{type(req).__name__}")
-        self.release(req.context_id, src.id)
+        for context_id in req.context_ids:
+            self.release(context_id, src.id)
 
 
 def _parse_meta(meta: Any) -> Tuple[int, int]:
@@ -435,6 +493,8 @@ def install(agent: Agent) -> DistAutogradEngine:
     agent.register_handler(Kind.AUTOGRAD_RELEASE, engine._on_release)
     agent.register_handler(Kind.AUTOGRAD_DONE, engine._on_done)
     agent.add_debug_source(engine.debug_info)
+    agent.add_tick_hook(engine._tick)
+    agent.add_shutdown_hook(engine._flush_releases)
     return engine
 
 

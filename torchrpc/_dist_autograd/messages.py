@@ -55,6 +55,22 @@ class BackwardRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class BackwardReply:
+    """The reply to an ``AUTOGRAD_BACKWARD``: gradients the callee owes the request's
+    sender (for the sender's own send records), with ``credit`` for the sender to go on
+    with. A callee with nothing for the sender replies None.
+    """
+
+    credit: Fraction
+    grads: Tuple[Tuple[MessageKey, torch.Tensor], ...]
+
+    def __post_init__(self) -> None:
+        _check_credit(self.credit)
+        if not self.grads:
+            raise ValueError("a BackwardReply must carry at least one gradient")
+
+
+@dataclasses.dataclass(frozen=True)
 class DoneReport:
     """``AUTOGRAD_DONE`` (one-way, to the root): ``credit`` of pass ``pass_id`` comes back.
 
@@ -73,9 +89,13 @@ class DoneReport:
 
 @dataclasses.dataclass(frozen=True)
 class ReleaseRequest:
-    """``AUTOGRAD_RELEASE``: drop context ``context_id`` here and where this worker sent it."""
+    """``AUTOGRAD_RELEASE``: drop contexts ``context_ids`` here and where this worker sent
+    them."""
 
-    context_id: int
+    context_ids: Tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_id("context_id", self.context_id)
+        if not isinstance(self.context_ids, tuple) or not self.context_ids:
+            raise TypeError(f"context_ids must be a non-empty tuple, got {self.context_ids!r}")
+        for context_id in self.context_ids:
+            _check_id("context_id", context_id)

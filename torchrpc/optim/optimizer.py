@@ -7,15 +7,17 @@ gradients that context accumulated there, and waits for all of them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
+from torchrpc.rpc.api import _start_call
 
 
 class _LocalOptimizer:
@@ -74,12 +76,12 @@ def _local_step(number: int, context_id: int) -> None:
     optimizer.step(context_id)
 
 
-def _wait_all(futures: List[torch.futures.Future]) -> List[Any]:
-    """Wait for every future; then raise the first error, if any."""
+def _wait_all(waits: List[Callable[[], Any]]) -> List[Any]:
+    """Call every wait (``future.wait``, or the work itself); then raise the first error."""
     results, errors = [], []
-    for fut in futures:
+    for wait in waits:
         try:
-            results.append(fut.wait())
+            results.append(wait())
         except BaseException as exc:  # noqa: BLE001 - raised after all are done
             errors.append(exc)
     if errors:
@@ -153,7 +155,7 @@ class DistributedOptimizer:
         futures = [rpc.rpc_async(owner, _new_local_optimizer,
                                  args=(optimizer_class, rrefs, args, kwargs))
                    for owner, rrefs in per_owner.items()]
-        created = _wait_all(futures)
+        created = _wait_all([fut.wait for fut in futures])
         self.remote_optimizers: List[rpc.RRef] = [rref for rref, _ in created]
         self._numbers = [number for _, number in created]
 
@@ -173,17 +175,12 @@ class DistributedOptimizer:
         """
         if isinstance(context_id, bool) or not isinstance(context_id, int):
             raise TypeError(f"context_id must be an int, got {type(context_id).__name__}")
-        # Start the remote steps, then run this worker's own optimizer here meanwhile.
+        # Start the remote steps, then run this worker's own optimizer here meanwhile;
+        # then read the remote replies on this thread.
         pairs = list(zip(self.remote_optimizers, self._numbers))
-        futures = [rpc.rpc_async(opt.owner(), _local_step, args=(number, context_id))
-                   for opt, number in pairs if not opt.is_owner()]
+        waits = [_start_call(opt.owner(), _local_step, args=(number, context_id))
+                 for opt, number in pairs if not opt.is_owner()]
         for opt, number in pairs:
             if opt.is_owner():
-                fut: torch.futures.Future = torch.futures.Future()
-                try:
-                    _local_step(number, context_id)
-                    fut.set_result(None)
-                except BaseException as exc:  # noqa: BLE001 - raised after all are done
-                    fut.set_exception(exc)
-                futures.append(fut)
-        _wait_all(futures)
+                waits.insert(0, functools.partial(_local_step, number, context_id))
+        _wait_all(waits)

@@ -6,6 +6,8 @@ handle of the current agent, set by :func:`init_rpc` and cleared by :func:`shutd
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -227,6 +229,26 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
                               retry=functions.retry_policy(func))
+
+
+def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
+                kwargs: Optional[Dict[str, Any]] = None,
+                timeout: float = constants.UNSET_RPC_TIMEOUT) -> Callable[[], Any]:
+    """Start ``func`` on ``to``; a function that waits for its result and returns it.
+
+    The reply waits unread on a private connection where it can, and the thread that
+    waits reads it itself: no reader thread wakes up for it. For a caller that starts
+    calls, works meanwhile and then collects them (``DistributedOptimizer.step``).
+    """
+    if _profiler.enabled():
+        return _invoke("rpc_async", to, func, args, kwargs, timeout).wait
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    if functions.retry_policy(func) is not None:
+        return agent.call(dst, func, args, kwargs, timeout,
+                          retry=functions.retry_policy(func)).wait
+    future, parked = agent.request_parked(dst, Kind.CALL, (func, args, kwargs), timeout,
+                                          what=func)
+    return functools.partial(agent.wait_parked, future, parked)
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

@@ -155,6 +155,7 @@ class DistAutogradEngine(CallHook):
         # agent timer's tick and at shutdown (see release).
         self._releases: Dict[int, List[int]] = {}
         self._flushing = False
+        self._release_messages = 0
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -252,6 +253,7 @@ class DistAutogradEngine(CallHook):
 
     def debug_info(self) -> Dict[str, Any]:
         return {"num_autograd_contexts": len(self._contexts),
+                "num_release_messages_received": self._release_messages,
                 "num_current_backward_passes": len(self._roots),
                 "num_running_local_backward_passes": self._running}
 
@@ -441,6 +443,7 @@ class DistAutogradEngine(CallHook):
         if not isinstance(req, ReleaseRequest):
             raise RpcError(f"malformed distributed autograd release request from {src.name}: "
                            f"{type(req).__name__}")
+        self._release_messages += 1
         for context_id in req.context_ids:
             self.release(context_id, src.id)
 

@@ -316,3 +316,28 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
     finally:
         conn.close()
         b.close()
+
+
+def test_private_readers_poll_longer_while_cpus_are_spare(monkeypatch):
+    import socket
+
+    from torchrpc._transport import tcp
+    monkeypatch.setattr(tcp, "_SPIN_SPARE", 1.0)  # long enough to be sure under load
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = tcp.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
+                          outbound=True)
+    conn.set_private(True)
+    frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
+    try:
+        # An answer 50 ms after the wait began: beyond the short poll, within the long one.
+        for spare, missed in ((False, 1), (True, 0)):
+            tcp.set_spare_cpus(spare)
+            conn._misses = 0
+            threading.Timer(0.05, b.sendall, args=(frame,)).start()
+            header, env, _ = conn.read_frame()
+            assert env == b"ok"
+            assert conn._misses == missed, (spare, conn._misses)
+    finally:
+        tcp.set_spare_cpus(False)
+        conn.close()
+        b.close()

@@ -28,6 +28,7 @@ import functools
 import heapq
 import itertools
 import logging
+import os
 import select
 import threading
 import time
@@ -38,6 +39,7 @@ import torch
 
 from .. import _wire
 from .._transport import Connection, Releasable, Transport, handshake
+from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
@@ -156,6 +158,13 @@ class _Pending:
         self.future.set_exception(error)
         if self.private is not None:
             self.private.close(error)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Parked:
@@ -351,6 +360,13 @@ class Agent:
 
     def _features(self) -> int:
         return handshake.FEATURE_SHM if getattr(self.options, "enable_shm", False) else 0
+
+    def _spare_cpus(self) -> bool:
+        """Whether the workers on this host, computing with torch's thread count each,
+        leave CPUs idle (assuming they all compute with as many threads as this one)."""
+        mine = self.hostids.get(self.rank)
+        local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
+        return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
 
     def _same_host(self, rank: int) -> bool:
         """Whether worker ``rank`` shares this machine and its shared-memory namespace."""
@@ -1214,6 +1230,7 @@ class Agent:
                 self._pool.check_progress()
                 if self._transport is not None:
                     self._transport.housekeeping()
+                    set_spare_cpus(self._spare_cpus())
             self._check_liveness(now)
             with cv:
                 if self._state != "stopped":

@@ -265,4 +265,6 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
                 f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
                 f"workers arrived")
         time.sleep(delay)
-        delay = min(delay * 2, 0.01)
+        # Back off to a few polls a second: a worker may wait here for as long as the
+        # others keep working, and each poll wakes the store's host.
+        delay = min(delay * 2, 0.05)

@@ -55,7 +55,22 @@ def _spin_seconds(text: str) -> float:
     return value / 1e6
 
 
+# How long a private connection's reader polls: _SPIN normally; _SPIN_SPARE while the
+# workers of this host leave CPUs spare (see set_spare_cpus); TORCHRPC_SPIN_US sets both.
 _SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
+_SPIN_SPARE = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "2000"))
+_poll = _SPIN
+
+
+def set_spare_cpus(spare: bool) -> None:
+    """Tell the readers whether the workers on this host leave CPUs idle.
+
+    Polling takes a CPU. Where the workers' compute threads already use every CPU, a
+    poll that waits long slows down the computation it waits for, so the readers poll
+    only briefly; where CPUs are spare, they poll for as long as a typical call takes.
+    """
+    global _poll
+    _poll = _SPIN_SPARE if spare else _SPIN
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
 _SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pays again
 
@@ -239,7 +254,7 @@ class Connection:
         if start == end and self.spin:
             self._waits += 1
             if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
-                spin = _SPIN
+                spin = _poll
         while end - start < n:
             if spin:
                 k = self._spin_recv(mv[end:], spin)

@@ -50,8 +50,10 @@ class RpcFuture(torch.futures.Future):
         except BaseException as exc:  # noqa: BLE001 - re-raised as a fresh copy below
             # The C++ future is invisible to Python's cycle collector, so the stored
             # exception must never hold frames (which hold this future): clear its
-            # traceback and raise a copy.
+            # traceback, and the exception it was raised in the middle of handling
+            # (raising it here sets that as its context), and raise a copy.
             exc.__traceback__ = None
+            exc.__context__ = exc.__cause__ = None
             error = fresh_error(exc)
         del self
         try:

@@ -87,7 +87,7 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
     if workload == "remote":
         return [
             MetricSpec("remote_to_here_p50_us", "remote() + to_here() p50", "us", "lower",
-                       workload),
+                       workload, Target("ratio", "<=", 0.6, "issue 3")),
             MetricSpec("remote_to_here_p99_us", "remote() + to_here() p99", "us", "lower",
                        workload),
         ]

@@ -38,11 +38,13 @@ class BenchOptions:
     echo_sizes_mb: tuple[float, ...] = (1.0, 64.0, 256.0)
     echo_iters: int = 5
     echo_warmup: int = 1
-    # 6. distributed training step
+    # 6. distributed training step. The warmup covers the first steps after the
+    # optimizers are made (torch.optim's first optimizer imports ~800 modules, and
+    # steps run slower for a while after that); the median is of the steady state.
     train_dims: tuple[int, ...] = (256, 512, 512, 10)
     train_batch: int = 64
-    train_steps: int = 50
-    train_warmup: int = 5
+    train_steps: int = 200
+    train_warmup: int = 50
     train_lr: float = 0.05
     # 7. scale mode
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)

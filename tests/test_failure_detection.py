@@ -14,6 +14,7 @@ import torch
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError, ShutdownError
+from torchrpc.optim import DistributedOptimizer
 
 from . import helpers
 from .group import Group
@@ -49,6 +50,9 @@ def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
         assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
         owned = rpc.remote("worker2", helpers.echo, args=(5,))
         assert owned.to_here() == 5
+        # An optimizer with a parameter on worker2 (its step's reply is read by the caller).
+        weight = rpc.remote("worker2", torch.zeros, args=(3,), kwargs={"requires_grad": True})
+        optimizer = DistributedOptimizer(torch.optim.SGD, [weight], lr=0.1)
         x = torch.ones(3, requires_grad=True)
         ctx_cm = dist_autograd.context()
         ctx = ctx_cm.__enter__()  # a graph through worker2, kept until worker2 is dead
@@ -84,6 +88,10 @@ def test_sigkill_fails_pending_and_new_calls_and_shutdown_names_the_worker():
             owned.to_here()
         with pytest.raises(RuntimeError, match="worker2"):
             dist_autograd.backward(ctx, [through_2.sum()])
+        start = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="worker2"):
+            optimizer.step(ctx)
+        assert time.monotonic() - start < 2.0
         ctx_cm.__exit__(None, None, None)  # releasing it must not hang either
         # The others keep working with each other, both ways.
         assert rpc.rpc_sync("worker1", helpers.nested_call, args=("worker0", 2)) == \

@@ -71,6 +71,8 @@ def set_spare_cpus(spare: bool) -> None:
     """
     global _poll
     _poll = _SPIN_SPARE if spare else _SPIN
+
+
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
 _SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pays again
 
@@ -126,14 +128,14 @@ class Connection:
         # comes much later) stops polling, and tries again every _SPIN_PROBE-th wait.
         self._misses = 0
         self._waits = 0
+        # When bytes last came in and last went out (monotonic); the agent's heartbeat
+        # sends on idle connections and closes silent ones.
+        self.last_recv = self.last_send = time.monotonic()
 
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
         self.private = private
         self.spin = private and bool(_SPIN and _DONTWAIT) and type(self.sock) is socket.socket
-        # When bytes last came in and last went out (monotonic); the agent's heartbeat
-        # sends on idle connections and closes silent ones.
-        self.last_recv = self.last_send = time.monotonic()
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -599,7 +601,7 @@ class Transport:
                           outbound=False)
         conn.features = hello.features & self._features
         conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
-        self._setup_shm(conn)
+        self._register(conn)
         self._on_connect(conn)
         conn.read_loop()
 
@@ -646,7 +648,7 @@ class Transport:
                           outbound=True)
         conn.features = features & offer
         conn.set_private(bool(conn.features & handshake.FEATURE_PRIVATE))
-        self._setup_shm(conn)
+        self._register(conn)
         self._on_connect(conn)
         if not conn.private:
             self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
@@ -683,7 +685,8 @@ class Transport:
         """Every open connection, shared and private (for counters and tests)."""
         return [c for c in list(self._every_conn) if not c.closed]
 
-    def _setup_shm(self, conn: Connection) -> None:
+    def _register(self, conn: Connection) -> None:
+        """Count ``conn`` among the transport's connections and set up its shared memory."""
         self._every_conn.add(conn)
         if not conn.features & handshake.FEATURE_SHM:
             return

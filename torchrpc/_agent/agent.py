@@ -600,13 +600,28 @@ class Agent:
         also: Tuple[int, ...] = ()
         if after is not None and self._claim(after, timeout):
             conn, also = after.conn, (after.rid,)
-        elif self.private_calls and dst.id != self.rank \
-                and not self._transport.secure:  # under TLS, one connection per peer
+        elif self._private_ok(dst):
             # With retry, an attempt that fails on the connection is sent again on the
             # shared one, and its reply read there (see _fail).
             conn = self._checkout_private(dst)
         if conn is None:
             return self.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
+        rid, p, sent = self._send_private(conn, also, dst, kind, payload, timeout, what, retry)
+        if sent:
+            self._read_blocking(conn, rid, p, also)
+        return p.future.wait()
+
+    def _private_ok(self, dst: WorkerInfo) -> bool:
+        """Whether calls to ``dst`` may use private connections (under TLS there is one
+        connection per peer)."""
+        return self.private_calls and dst.id != self.rank and not self._transport.secure
+
+    def _send_private(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
+                      payload: Any, timeout: float, what: Any,
+                      retry: Optional[RetryPolicy] = None) -> Tuple[int, _Pending, bool]:
+        """Enter a request and send it on private connection ``conn`` (which carries the
+        parked requests ``also``); the request id, its pending record, and whether it was
+        sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
         try:
             rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
                                                                retry=retry, private=conn)
@@ -618,15 +633,18 @@ class Agent:
         except RpcError as exc:
             self.send_failed(kind, rid, dst, exc)
             self._release_private(dst, conn, also)
-            return p.future.wait()
-        env = bufs = keep = None
+            return rid, p, False
+        return rid, p, True
+
+    def _read_blocking(self, conn: Connection, rid: int, p: _Pending,
+                       also: Tuple[int, ...] = ()) -> None:
+        """:meth:`_read_reply`, as a blocked thread in the eyes of the pool."""
         pool = current_pool()
         if pool is None:
             self._read_reply(conn, rid, p, also)
         else:
             with pool.blocking():
                 self._read_reply(conn, rid, p, also)
-        return p.future.wait()
 
     def _read_reply(self, conn: Connection, rid: int, p: _Pending,
                     also: Tuple[int, ...] = ()) -> None:
@@ -670,22 +688,12 @@ class Agent:
         future of the reply, and the parked request (None if it was sent the usual way)."""
         self._check_running()
         conn = None
-        if self._num_parked < _MAX_PARKED and self.private_calls and dst.id != self.rank \
-                and not self._transport.secure:
+        if self._num_parked < _MAX_PARKED and self._private_ok(dst):
             conn = self._checkout_private(dst)
         if conn is None:
             return self.request(dst, kind, payload, timeout, what=what), None
-        try:
-            rid, p, flags, env, bufs, keep = self._new_request(dst, kind, payload, timeout, what,
-                                                               private=conn)
-        except BaseException:
-            self._checkin_private(dst, conn)
-            raise
-        try:
-            conn.send(kind, flags, rid, env, bufs, keep)
-        except RpcError as exc:
-            self.send_failed(kind, rid, dst, exc)
-            self._checkin_private(dst, conn)
+        rid, p, sent = self._send_private(conn, (), dst, kind, payload, timeout, what)
+        if not sent:
             return p.future, None
         parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
         with self._lock:
@@ -733,12 +741,7 @@ class Agent:
         if p is None:  # failed already (which closed the connection)
             self._unpark()
             return
-        pool = current_pool()
-        if pool is None:
-            self._read_reply(conn, rid, p, (rid,))
-        else:
-            with pool.blocking():
-                self._read_reply(conn, rid, p, (rid,))
+        self._read_blocking(conn, rid, p, (rid,))
 
     def wait_parked(self, future: RpcFuture, parked: Optional[Parked]) -> Any:
         """Wait for the reply of a :meth:`request_parked` request: this thread reads it

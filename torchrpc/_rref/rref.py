@@ -488,18 +488,20 @@ class RRefLayer:
         other = [m for m in msgs if m.kind != Kind.RREF_USER_DELETE]
         if len(other) < len(msgs):
             with self._del_lock:
-                for m in msgs:
-                    if m.kind == Kind.RREF_USER_DELETE:
-                        self._ready.setdefault(m.dst, []).extend(m.payload)
+                self._owe([m for m in msgs if m.kind == Kind.RREF_USER_DELETE])
         if other:
             self._queue.put(("msgs", other))
 
+    def _owe(self, deletes: List[Msg]) -> None:
+        # Under _del_lock: the USER_DELETE messages become pairs owed to their owners.
+        for m in deletes:
+            self._ready.setdefault(m.dst, []).extend(m.payload)
+
     def _collect(self) -> None:
         # Under _del_lock: turn the garbage collected forks into USER_DELETE pairs.
-        deferred, ready = self.deferred, self._ready
+        deferred = self.deferred
         while deferred:
-            for m in self.book.user_deleted(deferred.popleft()):
-                ready.setdefault(m.dst, []).extend(m.payload)
+            self._owe(self.book.user_deleted(deferred.popleft()))
 
     def take_deletes(self, owner: int) -> Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]:
         """The deletions owed to ``owner``, for a request to it to carry."""

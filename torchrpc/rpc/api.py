@@ -7,7 +7,6 @@ handle of the current agent, set by :func:`init_rpc` and cleared by :func:`shutd
 from __future__ import annotations
 
 import functools
-
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -243,9 +242,9 @@ def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[A
     if _profiler.enabled():
         return _invoke("rpc_async", to, func, args, kwargs, timeout).wait
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    if functions.retry_policy(func) is not None:
-        return agent.call(dst, func, args, kwargs, timeout,
-                          retry=functions.retry_policy(func)).wait
+    retry = functions.retry_policy(func)
+    if retry is not None:
+        return agent.call(dst, func, args, kwargs, timeout, retry=retry).wait
     future, parked = agent.request_parked(dst, Kind.CALL, (func, args, kwargs), timeout,
                                           what=func)
     return functools.partial(agent.wait_parked, future, parked)

@@ -55,7 +55,7 @@ import threading
 import time
 import traceback
 from fractions import Fraction
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -123,10 +123,10 @@ class _PassState:
 
     def add(self, credit: Fraction, error: Optional[BaseException]) -> None:
         with self._lock:
-            self._returned += credit
             if error is not None and self.error is None:
                 self.error = error
-            if self._returned >= _ALL_CREDIT:
+            self._returned = returned = self._returned + credit if self._returned else credit
+            if returned >= 1:
                 self.event.set()
 
     def missing(self) -> Fraction:
@@ -293,21 +293,16 @@ class DistAutogradEngine(CallHook):
         grads = [torch.ones_like(r, memory_format=torch.contiguous_format) for r in roots]
         pass_id = (self._rank, next(self._next_pass))
         state = _PassState()
-        with self._lock:
-            self._roots[pass_id] = state
+        self._roots[pass_id] = state
         timeout = self._agent.default_timeout
         deadline = time.monotonic() + timeout
         try:
-            with self._counting():
-                routed = local_pass(ctx, list(roots), grads)
+            routed = self._local_pass(ctx, roots, grads)
             self._forward(context_id, pass_id, routed, _ALL_CREDIT)
-            pool = current_pool()
-            with pool.blocking() if pool is not None else contextlib.nullcontext():
-                finished = state.event.wait(max(deadline - time.monotonic(), 0.0)
-                                            if timeout > 0 else None)
+            # Between two workers the pass is usually over here: this thread drove it.
+            finished = state.event.is_set() or self._wait_pass(state, deadline, timeout)
         finally:
-            with self._lock:
-                self._roots.pop(pass_id, None)
+            self._roots.pop(pass_id, None)
         if not finished:
             raise RpcTimeoutError(
                 f"distributed backward pass of autograd context {context_id} timed out after "
@@ -315,6 +310,24 @@ class DistAutogradEngine(CallHook):
                 f"reported back; a worker may have died or be stuck")
         if state.error is not None:
             raise state.error
+
+    @staticmethod
+    def _wait_pass(state: _PassState, deadline: float, timeout: float) -> bool:
+        pool = current_pool()
+        with pool.blocking() if pool is not None else contextlib.nullcontext():
+            return state.event.wait(max(deadline - time.monotonic(), 0.0)
+                                    if timeout > 0 else None)
+
+    def _local_pass(self, ctx: DistAutogradContext, outputs: List[Any],
+                    grads: List[torch.Tensor]) -> Dict[int, List[Tuple[MessageKey, torch.Tensor]]]:
+        """:func:`local_pass`, counted in ``num_running_local_backward_passes``."""
+        with self._lock:
+            self._running += 1
+        try:
+            return local_pass(ctx, outputs, grads)
+        finally:
+            with self._lock:
+                self._running -= 1
 
     def _forward(self, context_id: int, pass_id: PassId,
                  routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]], credit: Fraction,
@@ -332,7 +345,8 @@ class DistAutogradEngine(CallHook):
             self._report(pass_id, credit, None)
             return None
         agent = self._agent
-        share = credit / (len(routed) + (1 if back else 0))
+        parts = len(routed) + (1 if back else 0)
+        share = credit / parts if parts > 1 else credit
         last = len(routed) - 1
         for i, (rank, items) in enumerate(routed.items()):
             req = BackwardRequest(context_id, pass_id, share, tuple(items))
@@ -376,8 +390,7 @@ class DistAutogradEngine(CallHook):
         try:
             ctx = self.retrieve(context_id)
             edges = [ctx.send_edge(key) for key, _ in grads]
-            with self._counting():
-                routed = local_pass(ctx, edges, [g for _, g in grads])
+            routed = self._local_pass(ctx, edges, [g for _, g in grads])
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
             self._report(pass_id, credit, exc)
             return None
@@ -413,16 +426,6 @@ class DistAutogradEngine(CallHook):
         state = self._roots.get(pass_id)
         if state is not None:
             state.add(credit, error)
-
-    @contextlib.contextmanager
-    def _counting(self) -> Iterator[None]:
-        with self._lock:
-            self._running += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running -= 1
 
     # -- handlers ----------------------------------------------------------------------------------
 

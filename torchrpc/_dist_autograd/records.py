@@ -17,7 +17,7 @@ sides:
   its gradient flows into the leaf (the ``recv`` function of the design note).
 
 Both sides count tensors the same way because the wire rebuilds, in pickling
-order, exactly the tensors the sender's hook saw (see :func:`carries_grad`).
+order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``).
 
 The backward pass (FAST mode) uses these records: gradients that reach a recv
 leaf go back to the sender, which looks up its send record by key and runs
@@ -57,17 +57,6 @@ def context_creator(context_id: int) -> int:
     return context_id >> CONTEXT_ID_BITS
 
 
-def carries_grad(t: torch.Tensor) -> bool:
-    """Whether the wire rebuilds ``t`` through the receive hook when it requires grad.
-
-    Mirrors the strided path of ``torchrpc._wire.serialize``: sparse, quantized,
-    conjugate/negative-bit and non-CPU/CUDA tensors travel by torch's own pickling,
-    which does not call the hooks; they cross without autograd recording.
-    """
-    return (t.layout == torch.strided and not t.is_quantized and not t.is_conj()
-            and not t.is_neg() and t.device.type in ("cpu", "cuda"))
-
-
 class RecvRpc(torch.autograd.Function):
     """The receiving end of a send/recv pair: identity forward, gradient flows to the leaf.
 
@@ -82,6 +71,11 @@ class RecvRpc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad
+
+
+# RecvRpc.apply without the Python wrapper of torch.autograd.Function.apply (argument
+# binding for functorch, which never applies to a tensor just received): its C entry.
+_recv_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, RecvRpc)
 
 
 class DistAutogradContext:
@@ -112,17 +106,21 @@ class DistAutogradContext:
         with self._lock:
             return sorted(self._known)
 
+    # The two records below run for every tensor that requires grad and crosses an RPC,
+    # so they are kept short: a single dict store is atomic and needs no lock.
+
     def record_send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        edge = get_gradient_edge(tensor)
-        with self._lock:
-            self._sends[key] = edge
+        node = tensor.grad_fn
+        self._sends[key] = (GradientEdge(node, tensor.output_nr) if node is not None
+                            else get_gradient_edge(tensor))
 
     def record_recv(self, leaf: torch.Tensor, src: int, key: MessageKey) -> torch.Tensor:
         """Record a received leaf; return the tensor user code gets in its place."""
-        with self._lock:
-            self._recvs[leaf] = (src, key)
+        self._recvs[leaf] = (src, key)
+        if torch.is_grad_enabled():
+            return _recv_apply(leaf)
         with torch.enable_grad():
-            return RecvRpc.apply(leaf)
+            return _recv_apply(leaf)
 
     def send_edge(self, key: MessageKey) -> GradientEdge:
         """The gradient edge recorded when the tensor of ``key`` was sent."""
@@ -162,7 +160,8 @@ class DistAutogradContext:
 class SendRecorder:
     """The send hook of one outgoing message: records each tensor that requires grad.
 
-    The wire may pickle a message twice (to widen a shared storage range), calling
+    The wire calls it for exactly the tensors it will rebuild through the receiver's
+    hook. It may pickle a message twice (to widen a shared storage range), calling
     the hook again for the same tensors in the same order; a tensor keeps the
     index it got the first time.
     """
@@ -174,14 +173,11 @@ class SendRecorder:
         self._msg = msg
         self._index: Dict[int, int] = {}
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if not carries_grad(t):
-            return t
+    def __call__(self, t: torch.Tensor) -> None:
         key = id(t)  # the payload holds t until the message is encoded
         if key not in self._index:
             index = self._index[key] = len(self._index)
             self._ctx.record_send((self._msg, index), t)
-        return t
 
 
 class RecvRecorder:

@@ -252,8 +252,6 @@ class _Encoder:
     def reduce_tensor(self, t: torch.Tensor) -> Tuple[Any, ...]:
         # The hot path of every message with a tensor: each attribute read below is a
         # call into torch, so read as few as the common case needs.
-        if self.send_hook is not None and t.requires_grad:
-            t = self.send_hook(t)
         layout = t.layout
         if layout is not torch.strided:
             return _reduce_sparse(t, layout)
@@ -264,6 +262,12 @@ class _Encoder:
                 return _plain_reduce(t)
             dtype_ref = dtype
         requires_grad = t.requires_grad
+        if requires_grad and self.send_hook is not None:
+            # Exactly the tensors whose receiver calls its receive hook (_rebuild_tensor
+            # with requires_grad): strided, not quantized, CPU or CUDA (below), not empty.
+            if t.is_cpu or t.is_cuda:
+                if t.numel():
+                    self.send_hook(t)
         data = t
         if not t.is_cpu:
             if not t.is_cuda:
@@ -333,11 +337,10 @@ _REDUCERS: dict = {
 
 
 class _Pickler(pickle.Pickler):
-    """Protocol 5 with out-of-band buffers; tensors reduced by an :class:`_Encoder`."""
+    """Protocol 5 with out-of-band buffers; tensors reduced by an :class:`_Encoder` (set as
+    ``enc`` after construction: a Python ``__init__`` would cost a call per message)."""
 
-    def __init__(self, file: Any, enc: _Encoder) -> None:
-        super().__init__(file, protocol=5, buffer_callback=_out_of_band)
-        self.enc = enc
+    enc: _Encoder
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -378,13 +381,12 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     tensors to keep alive until the buffers are sent.
 
     ``meta`` is a small plain object (no tensors) that the receiver reads before
-    ``obj``, so it can choose how to rebuild ``obj``. Raises
+    ``obj``, so it can choose how to rebuild ``obj``. ``send_hook`` sees, in pickling
+    order, each tensor that requires grad and whose receiver will call its receive hook
+    (its return value is ignored). Both are pickled by one pickler, one after the
+    other, so the envelope is two pickles sharing one memo. Raises
     :class:`~torchrpc.errors.SerializationError` when something can't be pickled.
     """
-    try:
-        head = _NONE_META if meta is None else pickle.dumps(meta, protocol=5)
-    except Exception as exc:
-        raise SerializationError(f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
     retry: dict = {}
     local = _local
     prev = getattr(local, "context", None)
@@ -393,9 +395,18 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
         for _ in range(2):
             enc = _Encoder(send_hook, retry)
             out = io.BytesIO()
-            out.write(head)
+            pickler = _Pickler(out, 5, buffer_callback=_out_of_band)
+            pickler.enc = enc
+            if meta is None:
+                out.write(_NONE_META)
+            else:
+                try:
+                    pickler.dump(meta)
+                except Exception as exc:
+                    raise SerializationError(
+                        f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
             try:
-                _Pickler(out, enc).dump(obj)
+                pickler.dump(obj)
             except SerializationError:
                 raise
             except PassThrough as wrapper:
@@ -426,14 +437,14 @@ def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], con
     local.context = context
     try:
         stream = io.BytesIO(envelope)
+        unpickler = _Unpickler(stream, buffers=buffers)
         if type(envelope) is not memoryview and envelope.startswith(_NONE_META):
-            meta = None  # the common case, without an unpickler of its own
+            meta = None  # the common case: skip the empty pickle
             stream.seek(len(_NONE_META))
         else:
-            meta = _Unpickler(stream).load()
+            meta = unpickler.load()
         local.recv_hook = recv_hook(meta) if recv_hook is not None else None
-        # A new unpickler: the payload's memo indices start at 0, like its pickler's.
-        return meta, _Unpickler(stream, buffers=buffers).load()
+        return meta, unpickler.load()
     finally:
         local.recv_hook = prev_hook
         local.context = prev_context

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
@@ -31,6 +32,7 @@ class _LocalOptimizer:
                  kwargs: Dict[str, Any]) -> None:
         self._params = params
         self.optim = optimizer_class(params, *args, **kwargs)
+        self._step = _unprofiled_step(self.optim)
 
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
@@ -41,10 +43,36 @@ class _LocalOptimizer:
                 # the optimizer leaves it unchanged.
                 for p in self._params:
                     p.grad = grads.get(p)
-                self.optim.step()
+                self._step()
             finally:
                 for p, g in zip(self._params, saved):
                     p.grad = g
+
+
+def _unprofiled_step(optim: Any) -> Callable[[], Any]:
+    """``optim.step``, without torch's profiling wrapper when nothing would see it.
+
+    ``torch.optim.Optimizer`` wraps every ``step`` to open a profiler range and run
+    the step hooks; opening the range costs about as much as a small model's SGD step
+    itself. The returned function calls the unwrapped step while no profiler is running
+    and no hook is registered (checked at every call), else the full ``step``.
+    """
+    step = optim.step
+    inner = getattr(type(optim).step, "__wrapped__", None)
+    hooks = (getattr(optim, "_optimizer_step_pre_hooks", None),
+             getattr(optim, "_optimizer_step_post_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+    profiler = torch.autograd.profiler
+    if inner is None or any(h is None for h in hooks) \
+            or not hasattr(profiler, "_is_profiler_enabled"):
+        return step
+
+    def unprofiled() -> Any:
+        if profiler._is_profiler_enabled or any(hooks):
+            return step()
+        return inner(optim)
+    return unprofiled
 
 
 # The local optimizers of this worker by number, so that a step names its optimizer with

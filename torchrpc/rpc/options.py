@@ -126,8 +126,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             Unix socket instead of loopback TCP, with the same authentication (default
             True; see BENCHMARKS.md).
         shm_threshold (int): between workers of one host, buffers of at least this many
-            bytes go through shared memory (default 64 KiB, where it starts to beat the
-            socket; see BENCHMARKS.md).
+            bytes go through shared memory (default 256 KiB: below it the socket is as
+            fast in a tight loop and faster between computations; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
             seconds (default 0.5; 0 sends none).
         heartbeat_timeout (float): a connection that brings nothing in for this long is

@@ -111,13 +111,18 @@ class _CalleeScope(CallScope):
 
 
 class _PassState:
-    """What the root of one backward pass waits for: all the credit back."""
+    """What the root of one backward pass waits for: all the credit back.
 
-    __slots__ = ("event", "error", "_returned", "_lock")
+    Between two workers the root's own thread gets all the credit back before it would
+    wait, so the event to wait on is only made when some credit is still out then.
+    """
+
+    __slots__ = ("done", "error", "_event", "_returned", "_lock")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.done = False
         self.error: Optional[BaseException] = None
+        self._event: Optional[threading.Event] = None
         self._returned = Fraction(0)
         self._lock = threading.Lock()
 
@@ -127,7 +132,19 @@ class _PassState:
                 self.error = error
             self._returned = returned = self._returned + credit if self._returned else credit
             if returned >= 1:
-                self.event.set()
+                self.done = True
+                if self._event is not None:
+                    self._event.set()
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        """Wait until all the credit is back (at most ``timeout`` s); whether it is."""
+        with self._lock:
+            if self.done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def missing(self) -> Fraction:
         with self._lock:
@@ -300,7 +317,7 @@ class DistAutogradEngine(CallHook):
             routed = self._local_pass(ctx, roots, grads)
             self._forward(context_id, pass_id, routed, _ALL_CREDIT)
             # Between two workers the pass is usually over here: this thread drove it.
-            finished = state.event.is_set() or self._wait_pass(state, deadline, timeout)
+            finished = state.done or self._wait_pass(state, deadline, timeout)
         finally:
             self._roots.pop(pass_id, None)
         if not finished:
@@ -315,8 +332,7 @@ class DistAutogradEngine(CallHook):
     def _wait_pass(state: _PassState, deadline: float, timeout: float) -> bool:
         pool = current_pool()
         with pool.blocking() if pool is not None else contextlib.nullcontext():
-            return state.event.wait(max(deadline - time.monotonic(), 0.0)
-                                    if timeout > 0 else None)
+            return state.wait(max(deadline - time.monotonic(), 0.0) if timeout > 0 else None)
 
     def _local_pass(self, ctx: DistAutogradContext, outputs: List[Any],
                     grads: List[torch.Tensor]) -> Dict[int, List[Tuple[MessageKey, torch.Tensor]]]:

@@ -468,8 +468,8 @@ class DistAutogradEngine(CallHook):
 
 
 def _parse_meta(meta: Any) -> Tuple[int, int]:
-    if (isinstance(meta, tuple) and len(meta) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in meta)):
+    if type(meta) is tuple and len(meta) == 2 and type(meta[0]) is int \
+            and type(meta[1]) is int:
         return meta
     raise RpcError(f"malformed distributed autograd metadata in a request: {meta!r}")
 

@@ -32,7 +32,8 @@ def _check_pass(pass_id: object) -> None:
 
 
 def _check_credit(credit: object) -> None:
-    if not isinstance(credit, Fraction) or not 0 < credit <= 1:
+    # On the numerator and denominator: Fraction's own comparisons cost a few us each.
+    if type(credit) is not Fraction or not 0 < credit.numerator <= credit.denominator:
         raise ValueError(f"credit must be a Fraction in (0, 1], got {credit!r}")
 
 

@@ -107,7 +107,9 @@ class DistAutogradContext:
         self.id = context_id
         self._lock = threading.Lock()
         self._sends: Dict[MessageKey, GradientEdge] = {}
-        self._recvs: Dict[torch.Tensor, Tuple[int, MessageKey]] = {}
+        # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
+        # leaf, so the id cannot be reused while the record exists.
+        self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey]] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
 
@@ -136,7 +138,7 @@ class DistAutogradContext:
 
     def record_recv(self, leaf: torch.Tensor, src: int, key: MessageKey) -> torch.Tensor:
         """Record a received leaf; return the tensor user code gets in its place."""
-        self._recvs[leaf] = (src, key)
+        self._recvs[id(leaf)] = (leaf, src, key)
         if torch.is_grad_enabled():
             return _recv_apply(leaf)
         with torch.enable_grad():
@@ -154,14 +156,16 @@ class DistAutogradContext:
 
     def recv_source(self, leaf: torch.Tensor) -> Optional[Tuple[int, MessageKey]]:
         """``(sender rank, key)`` when ``leaf`` was received over RPC, else None."""
-        return self._recvs.get(leaf)
+        record = self._recvs.get(id(leaf))
+        return None if record is None else record[1:]
 
     # -- gradients -------------------------------------------------------------------------------
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         with self._lock:
-            old = self._grads.get(tensor)
-            self._grads[tensor] = grad if old is None else old + grad
+            old = self._grads.setdefault(tensor, grad)
+            if old is not grad:
+                self._grads[tensor] = old + grad
 
     def gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
         """A new dict from each leaf tensor to its gradient accumulated in this context."""
@@ -289,12 +293,13 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
         return {}
     leaf_grads = _run_engine(outputs, grads, leaves)
     routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
+    recvs = ctx._recvs
     for leaf, grad in zip(leaves, leaf_grads):
         if grad is None:
             continue
-        source = ctx.recv_source(leaf)
-        if source is None:
+        record = recvs.get(id(leaf))
+        if record is None:
             ctx.accumulate(leaf, grad)
         else:
-            routed.setdefault(source[0], []).append((source[1], grad))
+            routed.setdefault(record[1], []).append((record[2], grad))
     return routed

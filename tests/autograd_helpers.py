@@ -181,3 +181,26 @@ def random_tensor(seed: int) -> torch.Tensor:
 def seeded_mlp(seed: int, d_in: int, d_out: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(d_in, 8), torch.nn.Tanh(), torch.nn.Linear(8, d_out))
+
+
+_hook_calls: List[str] = []
+_hook_handles: List[Any] = []
+
+
+def add_step_hooks() -> None:
+    """Register a global optimizer step pre-hook and post-hook on this worker."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    _hook_calls.clear()
+    _hook_handles.append(register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: _hook_calls.append(f"pre:{type(opt).__name__}")))
+    _hook_handles.append(register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: _hook_calls.append(f"post:{type(opt).__name__}")))
+
+
+def remove_step_hooks() -> List[str]:
+    """Remove the hooks of :func:`add_step_hooks`; the calls they saw."""
+    while _hook_handles:
+        _hook_handles.pop().remove()
+    return list(_hook_calls)
+

@@ -89,8 +89,23 @@ def test_send_and_recv_hooks_see_the_same_tensors():
     assert not out["x"][2].requires_grad
 
 
+def test_send_and_recv_hooks_agree_on_conjugate_and_empty_tensors():
+    # A conjugate view travels resolved but is rebuilt with requires_grad, so it is
+    # recorded on both sides; an empty tensor is rebuilt without the hook, on neither.
+    a = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+    payload = (a.conj(), torch.zeros(0, requires_grad=True), (a * 1).neg())
+    sender, receiver = DistAutogradContext(1), DistAutogradContext(1)
+    env, bufs, _ = _wire.encode(payload, send_hook=SendRecorder(sender, 3), meta=None)
+    bufs = [torch.frombuffer(bytearray(bytes(m)), dtype=torch.uint8) for m in bufs]
+    _, out = _wire.decode(env, bufs, recv_hook=lambda meta: RecvRecorder(receiver, 0, 3))
+    assert sender.num_sends == receiver.num_recvs == 2
+    torch.testing.assert_close(out[0].detach(), a.detach().conj().resolve_conj())
+    assert out[1].requires_grad and out[1].is_leaf and out[1].numel() == 0
+
+
 def test_metadata_does_not_disturb_the_payload():
-    # meta and payload are two pickles: the payload's memo must not see the meta's
+    # meta and payload are two pickles by one pickler: the payload may refer to objects
+    # the meta pickled (its memo), and must come back the same
     meta = {"autograd": (12, 34), "x": "torchrpc._wire.serialize"}
     payload = (h.scale, (torch.ones(2), "tests", "tests"), {"k": [1, 2]})
     env, bufs, _ = _wire.encode(payload, meta=meta)

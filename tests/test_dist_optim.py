@@ -172,6 +172,36 @@ def test_concurrent_trainers_on_a_shared_parameter():
     torch.testing.assert_close(rpc.rpc_sync("worker1", h.param_value, args=("shared",)), want)
 
 
+def test_step_hooks_and_the_profiler_still_see_every_step():
+    # The local step skips torch's profiling wrapper only while nothing would notice.
+    r1 = rpc.remote("worker1", h.new_param, args=(13, 4, 3))
+    local = h.new_param(14, 4, 3)
+    opt = DistributedOptimizer(torch.optim.SGD, [r1, rpc.RRef(local)], lr=0.1)
+    x = inputs(1, 15, shape=(2, 4))[0]
+
+    def step() -> None:
+        with dist_autograd.context() as cid:
+            out = rpc.rpc_sync("worker1", h.rref_linear, args=(r1, x)) + x @ local
+            dist_autograd.backward(cid, [out.sum()])
+            opt.step(cid)
+
+    rpc.rpc_sync("worker1", h.add_step_hooks)
+    h.add_step_hooks()
+    try:
+        step()
+    finally:
+        remote_calls = rpc.rpc_sync("worker1", h.remove_step_hooks)
+        local_calls = h.remove_step_hooks()
+    assert remote_calls == local_calls == ["pre:SGD", "post:SGD"]
+    step()  # no hooks now: the unwrapped step, still a step
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    assert "Optimizer.step#SGD.step" in {e.name for e in prof.events()}
+    before = local.detach().clone()
+    step()
+    assert not torch.equal(local.detach(), before)
+
+
 def test_errors():
     r = rpc.remote("worker1", h.new_param, args=(12, 2, 2))
     with pytest.raises(TypeError, match="must be an RRef"):

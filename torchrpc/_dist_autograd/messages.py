@@ -37,9 +37,14 @@ def _check_credit(credit: object) -> None:
         raise ValueError(f"credit must be a Fraction in (0, 1], got {credit!r}")
 
 
+_ONE = Fraction(1)
+
+
 def _credit(numerator: int, denominator: int) -> Fraction:
     if type(numerator) is not int or type(denominator) is not int or denominator <= 0:
         raise ValueError(f"malformed credit {numerator!r}/{denominator!r}")
+    if numerator == denominator == 1:
+        return _ONE  # a pass between two workers: all of it, every time
     return Fraction(numerator, denominator)
 
 

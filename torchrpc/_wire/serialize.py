@@ -186,6 +186,8 @@ def _prod(shape: Tuple[int, ...]) -> int:
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     if len(shape) == 1:
         return (1,)
+    if len(shape) == 2:  # the common case, without the loop
+        return (max(shape[1], 1), 1)
     strides = []
     acc = 1
     for d in reversed(shape):

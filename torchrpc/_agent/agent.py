@@ -261,6 +261,7 @@ class Agent:
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self._num_parked = 0  # parked requests whose reply is not read yet
         self._tick_hooks: List[Callable[[], None]] = []
+        self._tick_pending: List[Callable[[], bool]] = []
         self._rid = itertools.count(1)
         self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
@@ -489,10 +490,14 @@ class Agent:
         """``hook()`` runs in every shutdown, graceful or not, before connections close."""
         self._stop_hooks.append(hook)
 
-    def add_tick_hook(self, hook: Callable[[], None]) -> None:
-        """``hook()`` runs on the timer thread every few tens of milliseconds; it must be
-        quick and must not block."""
+    def add_tick_hook(self, hook: Callable[[], None],
+                      pending: Optional[Callable[[], bool]] = None) -> None:
+        """``hook()`` runs on the timer thread at every tick; it must be quick and not
+        block. Ticks come ``_TICK`` apart, and ``_LENT_TICK`` apart while ``pending()``
+        (if given) says the hook has work queued."""
         self._tick_hooks.append(hook)
+        if pending is not None:
+            self._tick_pending.append(pending)
 
     def add_debug_source(self, source: Callable[[], Dict[str, Any]]) -> None:
         self._debug_sources.append(source)
@@ -1219,7 +1224,8 @@ class Agent:
                     heapq.heapify(heap)
                 self._timer_slow = True  # before looking at _lent: see _serve_inline
                 tick = _TICK
-                if any(not c.private for c in list(self._lent)):
+                if any(not c.private for c in list(self._lent)) \
+                        or any(pending() for pending in self._tick_pending):
                     self._timer_slow, tick = False, _LENT_TICK
                 wait = min(tick, heap[0][0] - now) if heap else tick
                 due = []

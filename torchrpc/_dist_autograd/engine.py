@@ -37,9 +37,10 @@ hangs on a dead or stuck worker.
 ``AUTOGRAD_RELEASE`` to every worker a message of the context went to; each of
 them drops its copy and passes the release on to the workers it sent to, so the
 release follows the same tree the context spread along. Releases are sent in
-batches, one message per worker at each tick of the agent's timer (tens of
-milliseconds) and at shutdown, so that a training loop does not pay a message
-per step for them. Released ids are
+batches, one message per worker at each tick of the agent's timer and at shutdown,
+so that a training loop does not pay a message per step for them; while releases
+are queued the timer ticks every few tens of milliseconds, since the other workers
+hold the contexts' memory until they hear. Released ids are
 remembered for a while, so that a request of the context that arrives after its
 release does not bring it back.
 """
@@ -515,7 +516,9 @@ def install(agent: Agent) -> DistAutogradEngine:
     agent.register_handler(Kind.AUTOGRAD_RELEASE, engine._on_release)
     agent.register_handler(Kind.AUTOGRAD_DONE, engine._on_done)
     agent.add_debug_source(engine.debug_info)
-    agent.add_tick_hook(engine._tick)
+    # While releases are queued the timer ticks fast: the workers that took part hold
+    # the contexts' memory until they hear.
+    agent.add_tick_hook(engine._tick, pending=lambda: bool(engine._releases))
     agent.add_shutdown_hook(engine._flush_releases)
     return engine
 

@@ -330,7 +330,8 @@ class RRefLayer:
         agent.add_debug_source(self._counts)
         agent.add_shutdown_hook(self._settle)
         agent.add_stop_hook(self._stop)
-        agent.add_tick_hook(self._tick)
+        # Deleted RRefs pin their values on the owners until the deletion arrives.
+        agent.add_tick_hook(self._tick, pending=lambda: bool(self.deferred or self._ready))
         self._sender.start()
 
     def _counts(self) -> Dict[str, int]:

@@ -250,6 +250,20 @@ def test_debug_info_counters():
     assert remote["agent.state"] == "running"
 
 
+def test_a_slow_request_does_not_hold_up_the_next_on_a_shared_connection():
+    # rpc_async goes over the shared connection; the first request sleeps on the thread
+    # that read it, so the timer must hand the connection's reading role on (it ticks
+    # every 100 ms when idle and is woken for this).
+    for _ in range(2):  # the second time the timer has been idle a while
+        time.sleep(0.3)
+        slow = rpc.rpc_async("worker2", helpers.sleep_then, args=(1.5, "slow"))
+        time.sleep(0.05)
+        start = time.monotonic()
+        assert rpc.rpc_async("worker2", helpers.add, args=(1, 2)).wait() == 3
+        assert time.monotonic() - start < 0.6  # not behind the 1.5 s sleep
+        assert slow.wait() == "slow"
+
+
 def test_blocking_calls_read_their_reply_on_private_connections():
     agent = api.current_agent()
     assert rpc.rpc_sync("worker1", helpers.add, args=(2, 3)) == 5

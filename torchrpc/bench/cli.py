@@ -94,9 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scale mode: run the scale workload (alone, unless "
                              "--workloads is given too)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat everything this many times (each workload runs on "
-                             "every system back to back, the systems' order reversed every "
-                             "other round) and report medians (default: 1)")
+                        help="repeat everything this many times, systems alternating, and "
+                             "report medians (default: 1)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few iterations, for a smoke run; implies "
                              "--sessions shared unless --sessions is given")

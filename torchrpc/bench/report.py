@@ -184,8 +184,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     rounds = report.get("rounds", 1)
     out.append("Ratios are the compared system's value over the baseline's; 'better' says "
                "which direction wins. Echo GB/s = 2 x size / median round trip. Each "
-               "system runs in its own fresh worker processes, each workload on every "
-               "system back to back"
-               + (f"; values are medians over {rounds} rounds, the systems' order reversed "
-                  f"every other round." if rounds > 1 else "."))
+               "system runs in its own fresh worker processes"
+               + (f"; values are medians over {rounds} rounds." if rounds > 1 else "."))
     return "\n".join(out) + "\n"

@@ -1,11 +1,8 @@
 """Running the selected workloads on each system, one system after the other.
 
-Workload by workload, every system runs it in turn, in fresh processes, before the next
-workload starts: the sessions whose values are compared run back to back, so a machine
-whose speed drifts over a run (a shared VM does, over seconds) treats them alike. With
-``rounds > 1`` the whole sequence is repeated, the order of the systems reversed every
-other round so that neither always goes first; a metric's value is then the median over
-the rounds that produced it.
+With ``rounds > 1`` the whole sequence (every system, every workload) is repeated, systems
+alternating, each time in fresh processes; a metric's value is then the median over the
+rounds that produced it. That evens out a machine whose load changes during the run.
 """
 
 from __future__ import annotations
@@ -135,8 +132,6 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
 
     Each pair workload gets its own fresh pair of processes, unless ``shared_session``, in
     which case a system's pair workloads all run in one pair (faster, less isolated).
-    Every system runs a workload (group) before the next one starts; odd rounds run the
-    systems in reverse order.
     """
     specs = [spec for w in workloads for spec in metric_specs(w, options)]
     result = RunResult(specs, systems)
@@ -148,9 +143,8 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
     for round_no in range(rounds):
         if rounds > 1:
             log(f"round {round_no + 1} of {rounds}")
-        order = systems if round_no % 2 == 0 else systems[::-1]
-        for group in groups:
-            for system in order:
+        for system in systems:
+            for group in groups:
                 if system.name in broken:
                     for workload in group:
                         result.fail_workload(system.name, workload, broken[system.name])

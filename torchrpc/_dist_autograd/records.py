@@ -12,8 +12,9 @@ sides:
   design note). The message id is chosen by the sender; the index is the
   tensor's position among the recorded tensors of that message.
 - a *recv* record on the receiver: the received leaf, the sender's rank and the
-  same key. The value handed to user code is the output of :class:`RecvRpc`
-  applied to that leaf, so it is a non-leaf like any result of an operator and
+  same key. The value handed to user code is the output of an identity node
+  applied to that leaf (``aten::_unsafe_view``, or :class:`RecvRpc`; see
+  ``_pick_recv_apply``), so it is a non-leaf like any result of an operator and
   its gradient flows into the leaf (the ``recv`` function of the design note).
 
 Both sides count tensors the same way because the wire rebuilds, in pickling

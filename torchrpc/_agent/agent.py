@@ -713,10 +713,8 @@ class Agent:
         """Take ``parked`` over for a request with ``timeout``, if still unclaimed. A
         request that may time out first does not: its timeout would close the connection
         under the parked request."""
-        deadline = time.monotonic() + timeout if timeout > 0 else None
-        if parked.deadline is not None and deadline is not None and deadline < parked.deadline:
-            return False
-        if parked.deadline is None and deadline is not None:
+        if timeout > 0 and (parked.deadline is None
+                            or time.monotonic() + timeout < parked.deadline):
             return False
         return self._parked.pop(parked.rid, None) is not None
 

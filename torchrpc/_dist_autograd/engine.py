@@ -131,8 +131,8 @@ class _PassState:
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
-            self._returned = returned = self._returned + credit if self._returned else credit
-            if returned >= 1:
+            self._returned += credit
+            if self._returned >= _ALL_CREDIT:
                 self.done = True
                 if self._event is not None:
                     self._event.set()

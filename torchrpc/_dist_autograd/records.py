@@ -155,11 +155,6 @@ class DistAutogradContext:
                 f"this context")
         return edge
 
-    def recv_source(self, leaf: torch.Tensor) -> Optional[Tuple[int, MessageKey]]:
-        """``(sender rank, key)`` when ``leaf`` was received over RPC, else None."""
-        record = self._recvs.get(id(leaf))
-        return None if record is None else record[1:]
-
     # -- gradients -------------------------------------------------------------------------------
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -264,12 +264,6 @@ class _Encoder:
                 return _plain_reduce(t)
             dtype_ref = dtype
         requires_grad = t.requires_grad
-        if requires_grad and self.send_hook is not None:
-            # Exactly the tensors whose receiver calls its receive hook (_rebuild_tensor
-            # with requires_grad): strided, not quantized, CPU or CUDA (below), not empty.
-            if t.is_cpu or t.is_cuda:
-                if t.numel():
-                    self.send_hook(t)
         data = t
         if not t.is_cpu:
             if not t.is_cuda:
@@ -280,6 +274,10 @@ class _Encoder:
         numel = data.numel()
         if numel == 0:
             return _rebuild, (_EMPTY, dtype_ref, tuple(data.shape), data.stride(), requires_grad)
+        if requires_grad and self.send_hook is not None:
+            # Exactly the tensors whose receiver calls its receive hook: those rebuilt by
+            # _rebuild_tensor (strided, not quantized, CPU or CUDA, not empty) with grad.
+            self.send_hook(t)
         itemsize = dtype.itemsize
         off = data.storage_offset()
         lo = off * itemsize

@@ -138,9 +138,14 @@ class CallHook:
         """Caller side, for the reply: return a tensor receive hook or None."""
         return None
 
+    def request_failed(self, dst: WorkerInfo, state: Any) -> None:
+        """Caller side: the request failed here, with no reply (it could not be encoded or
+        sent, timed out, or its connection or the agent went down); it may or may not
+        have reached ``dst``."""
+
 
 class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private")
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]]) -> None:
@@ -152,9 +157,14 @@ class _Pending:
         self.resend: Optional[_Resend] = None
         # The private connection whose caller reads the reply itself (see request_sync).
         self.private: Optional[Connection] = None
+        # Tells the call hooks with a state that the request failed here (see set_exception).
+        self.on_failure: Optional[Callable[[], None]] = None
 
     def set_exception(self, error: BaseException) -> None:
-        """Fail the call; wake a caller blocked reading a private connection."""
+        """Fail the call with an error of this side (not a reply); wake a caller blocked
+        reading a private connection."""
+        if self.on_failure is not None:
+            self.on_failure()
         self.future.set_exception(error)
         if self.private is not None:
             self.private.close(error)
@@ -561,10 +571,17 @@ class Agent:
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
         ctx = MessageContext(self, dst, kind, replied=not oneway)
-        env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta)
+        try:
+            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta)
+        except BaseException:
+            if states is not None:
+                self._request_failed(dst, states)
+            raise
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
         p = _Pending(new_future(self._pool), dst, what, timeout, states)
+        if states is not None:
+            p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
             # Inline, wherever the future completes: these are short bookkeeping steps.
             torch.futures.Future.add_done_callback(
@@ -784,7 +801,7 @@ class Agent:
             self._send(p.dst, kind, flags, rid, env, bufs, keep)
         except RpcError as exc:
             if flags & _wire.FLAG_ONEWAY and p.resend is None:
-                p.future.set_exception(self._lost_error(p.dst, exc))
+                p.set_exception(self._lost_error(p.dst, exc))
             else:
                 self.send_failed(kind, rid, p.dst, exc)
             return
@@ -1085,6 +1102,14 @@ class Agent:
             p.future.set_exception(rebuild_error(value))
         else:
             p.future.set_result(value)
+
+    def _request_failed(self, dst: WorkerInfo, states: Dict[str, Any]) -> None:
+        for hook in self._hooks:
+            if hook.key in states:
+                try:
+                    hook.request_failed(dst, states[hook.key])
+                except Exception:  # noqa: BLE001 - the caller's error matters more
+                    log.exception("torchrpc: %s: call hook %r failed", self.name, hook.key)
 
     def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
         hooks = []

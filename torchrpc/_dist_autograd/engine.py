@@ -36,13 +36,18 @@ hangs on a dead or stuck worker.
 *Release.* Leaving ``with context()`` drops the context here and owes an
 ``AUTOGRAD_RELEASE`` to every worker a message of the context went to; each of
 them drops its copy and passes the release on to the workers it sent to, so the
-release follows the same tree the context spread along. Releases are sent in
-batches, one message per worker at each tick of the agent's timer and at shutdown,
-so that a training loop does not pay a message per step for them; while releases
-are queued the timer ticks every few tens of milliseconds, since the other workers
-hold the contexts' memory until they hear. Released ids are
-remembered for a while, so that a request of the context that arrives after its
-release does not bring it back.
+release follows the same tree the context spread along. A training loop pays no
+message for them: the releases owed to a worker ride along with the next request of
+a context sent to it (the next step's forward, typically), which drops them before
+it runs, so each step frees the memory of the step before and the allocator reuses
+it (freeing several steps' worth at once makes glibc hand it back to the kernel,
+and the next steps fault it in again). Releases not carried within a timer tick go
+in batches, one message per worker at each tick of the agent's timer and at
+shutdown; while releases are queued the timer ticks every few tens of milliseconds,
+since the other workers hold the contexts' memory until they hear. A request that
+fails on the sender's side puts the releases it carried back in the queue (a second
+release of a context is a no-op). Released ids are remembered for a while, so that
+a request of the context that arrives after its release does not bring it back.
 """
 
 from __future__ import annotations
@@ -111,6 +116,16 @@ class _CalleeScope(CallScope):
         return self._reply_msg
 
 
+class _Piggyback:
+    """The call-hook state of a request that also carries releases owed to its callee."""
+
+    __slots__ = ("ctx", "release_ids")
+
+    def __init__(self, ctx: DistAutogradContext, release_ids: Tuple[int, ...]) -> None:
+        self.ctx = ctx
+        self.release_ids = release_ids
+
+
 class _PassState:
     """What the root of one backward pass waits for: all the credit back.
 
@@ -174,6 +189,7 @@ class DistAutogradEngine(CallHook):
         self._releases: Dict[int, List[int]] = {}
         self._flushing = False
         self._release_messages = 0
+        self._piggybacked = 0
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -272,6 +288,7 @@ class DistAutogradEngine(CallHook):
     def debug_info(self) -> Dict[str, Any]:
         return {"num_autograd_contexts": len(self._contexts),
                 "num_release_messages_received": self._release_messages,
+                "num_piggybacked_releases_received": self._piggybacked,
                 "num_current_backward_passes": len(self._roots),
                 "num_running_local_backward_passes": self._running}
 
@@ -284,10 +301,29 @@ class DistAutogradEngine(CallHook):
             return None
         msg = next(self._next_message)
         ctx.add_known_worker(dst.id)
+        if self._releases:
+            with self._lock:
+                ids = self._releases.pop(dst.id, None)
+            if ids:
+                # The releases owed to dst ride along; they come back to the queue if
+                # this request fails here (request_failed).
+                ids = tuple(ids)
+                return (ctx.id, msg, ids), SendRecorder(ctx, msg), _Piggyback(ctx, ids)
         return (ctx.id, msg), SendRecorder(ctx, msg), ctx
 
+    def request_failed(self, dst: WorkerInfo, state: Any) -> None:
+        if type(state) is _Piggyback:
+            # The request may have reached dst, or not: owe the releases again (a second
+            # release of a context is a no-op).
+            with self._lock:
+                self._releases.setdefault(dst.id, []).extend(state.release_ids)
+
     def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
-        context_id, msg = _parse_meta(meta)
+        context_id, msg, released = _parse_meta(meta)
+        if released:
+            self._piggybacked += 1
+            for old_id in released:
+                self.release(old_id, src.id)
         ctx = self._join(context_id)
         if ctx is None:
             return None  # arrived after the context was released: run it outside
@@ -297,6 +333,8 @@ class DistAutogradEngine(CallHook):
                           ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         if not isinstance(meta, int) or isinstance(meta, bool):
             return None
+        if type(state) is _Piggyback:
+            state = state.ctx
         return RecvRecorder(state, src.id, meta)
 
     # -- backward ----------------------------------------------------------------------------------
@@ -468,10 +506,18 @@ class DistAutogradEngine(CallHook):
             self.release(context_id, src.id)
 
 
-def _parse_meta(meta: Any) -> Tuple[int, int]:
-    if type(meta) is tuple and len(meta) == 2 and type(meta[0]) is int \
+_NO_IDS: Tuple[int, ...] = ()
+
+
+def _parse_meta(meta: Any) -> Tuple[int, int, Tuple[int, ...]]:
+    # (context id, message id) or (context id, message id, context ids released).
+    if type(meta) is tuple and 2 <= len(meta) <= 3 and type(meta[0]) is int \
             and type(meta[1]) is int:
-        return meta
+        if len(meta) == 2:
+            return meta[0], meta[1], _NO_IDS
+        if len(meta) == 3 and type(meta[2]) is tuple \
+                and all(type(i) is int for i in meta[2]):
+            return meta
     raise RpcError(f"malformed distributed autograd metadata in a request: {meta!r}")
 
 

@@ -76,6 +76,35 @@ def test_quick_run_ratios_are_torchrpc_over_torch(quick_report: dict[str, Any]) 
         assert entry["ratios"]["torchrpc"] == pytest.approx(ours / torch_value), name
 
 
+def test_training_sessions_take_turns() -> None:
+    proc = run_bench("--quick", "--workloads", "train", "--systems", "torch,torchrpc",
+                     "--json", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "train (in turns): ok" in proc.stderr
+    report = json.loads(proc.stdout)
+    turns = QUICK_OVERRIDES["train_turns"]
+    for system in ("torch", "torchrpc"):
+        assert report["metrics"]["train_step_ms"]["values"][system] > 0
+        (train,) = report["details"][system]["train"]
+        assert train["turns"] == turns, train
+        assert len(train["turn_medians_ms"]) == turns
+        assert train["steps"] == QUICK_OVERRIDES["train_steps"]
+
+
+def test_a_failing_system_does_not_hold_up_the_turns() -> None:
+    # torch's autograd with torchrpc's RPC: its first training step fails (no torch RPC
+    # agent), before it is ready to take turns; torchrpc still trains, alone.
+    proc = run_bench("--quick", "--workloads", "train", "--systems", "torchrpc,mixed",
+                     "--define-system",
+                     "mixed=torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
+                     "--json", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
+    assert entry["values"]["torchrpc"] > 0, entry
+    assert entry["values"]["mixed"] is None
+    assert entry["errors"]["mixed"], entry
+
+
 def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
     table = tmp_path / "table.md"
     proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,ghost",
@@ -102,3 +131,6 @@ def test_bad_arguments_are_refused() -> None:
     proc = run_bench("--echo-sizes-mb", "1,-4", timeout=60)
     assert proc.returncode == 2
     assert "--echo-sizes-mb" in proc.stderr
+    proc = run_bench("--train-steps", "4", "--train-turns", "5", timeout=60)
+    assert proc.returncode == 2
+    assert "--train-turns" in proc.stderr

@@ -33,7 +33,7 @@ import torch
 from torch.distributed import TCPStore
 
 from .options import BenchOptions
-from .workloads import PAIR_RUNNERS, WorkerContext, peak_rss_mb
+from .workloads import PAIR_RUNNERS, Turns, WorkerContext, peak_rss_mb
 
 TIMEOUT_MARKER = "Timeout ("
 """How faulthandler's watchdog starts its report; the launcher looks for it in the log."""
@@ -130,9 +130,10 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
     record.data["init_s"] = time.perf_counter() - start
     record.data["rss_after_init_MB"] = peak_rss_mb()
     if rank == 0:
+        turns = spec.get("turns")
         ctx = WorkerContext(rpc=rpc, autograd=mods["autograd"], optim=mods["optim"],
                             rpc_module_name=spec["system"]["rpc"], peer="callee",
-                            options=opts)
+                            options=opts, turns=Turns(turns) if turns else None)
         results = record.data.setdefault("results", {})
         for workload in spec["workloads"]:
             record.data["workload"] = workload

@@ -44,6 +44,9 @@ _HELP = {
     "train_steps": "timed training steps; the median is reported",
     "train_warmup": "untimed training steps first",
     "train_lr": "SGD learning rate",
+    "train_turns": "with two or more systems, their training sessions (when not shared with "
+                   "other workloads) run side by side and take this many turns each, one "
+                   "system at a time, so that all see the same machine",
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",

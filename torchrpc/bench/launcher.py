@@ -258,8 +258,13 @@ def _tail(path: Path, limit: int = 8000) -> str:
 
 
 def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size: int,
-                options: BenchOptions, time_limit: float, workdir: Path) -> SessionOutcome:
-    """Run one session to completion, failure or time limit, and collect the records."""
+                options: BenchOptions, time_limit: float, workdir: Path,
+                extra: dict[str, Any] | None = None) -> SessionOutcome:
+    """Run one session to completion, failure or time limit, and collect the records.
+
+    ``extra`` is added to every worker's spec (the turn plan of a training session that
+    takes turns with other systems, see runner.py).
+    """
     # The workers' barriers (between scale phases, before exiting) use this store, which
     # lives as long as the session: torch's, but apart from the system under test.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -282,6 +287,7 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
                 "init_method": init_method, "options": options.to_json(),
                 "time_limit": time_limit, "store": store_addr,
                 "result_path": str(session_dir / f"rank{rank}.result.json"),
+                **(extra or {}),
             }
             spec_path = session_dir / f"rank{rank}.spec.json"
             spec_path.write_text(json.dumps(spec), encoding="utf-8")

@@ -46,6 +46,9 @@ class BenchOptions:
     train_steps: int = 200
     train_warmup: int = 50
     train_lr: float = 0.05
+    # With two or more systems, their training sessions run side by side and take turns
+    # (see runner.py): the timed steps are split into this many turns per system.
+    train_turns: int = 8
     # 7. scale mode
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
     scale_threads: int = 2
@@ -57,7 +60,7 @@ class BenchOptions:
         """Raise ValueError naming the first setting that makes no sense."""
         positive_ints = ("num_worker_threads", "latency_calls", "throughput_calls",
                          "throughput_repeats", "remote_calls", "echo_iters", "train_batch",
-                         "train_steps", "scale_threads")
+                         "train_steps", "train_turns", "scale_threads")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
@@ -79,6 +82,9 @@ class BenchOptions:
         if len(self.train_dims) < 3 or any(d < 1 for d in self.train_dims):
             raise ValueError(f"--train-dims needs at least 3 positive sizes (two layers), "
                              f"got {self.train_dims}")
+        if self.train_turns > self.train_steps:
+            raise ValueError(f"--train-turns ({self.train_turns}) can't exceed --train-steps "
+                             f"({self.train_steps}): each turn times at least one step")
         if not self.scale_sizes or any(n < 2 for n in self.scale_sizes):
             raise ValueError(f"--scale-sizes needs worker counts >= 2, got {self.scale_sizes}")
         if len(set(self.scale_sizes)) != len(self.scale_sizes):
@@ -110,7 +116,8 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "echo_warmup": 1,
     "train_dims": (32, 64, 64, 10),
     "train_batch": 16,
-    "train_steps": 5,
+    "train_steps": 6,
+    "train_turns": 2,
     "train_warmup": 1,
     "scale_sizes": (3, 4),
     "scale_time_limit": 60.0,

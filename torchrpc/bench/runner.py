@@ -3,15 +3,31 @@
 With ``rounds > 1`` the whole sequence (every system, every workload) is repeated, systems
 alternating, each time in fresh processes; a metric's value is then the median over the
 rounds that produced it. That evens out a machine whose load changes during the run.
+
+The training step is the exception. On a shared machine its speed drifts by a quarter
+within seconds, more than the difference being measured, so in each round the systems'
+training sessions run side by side instead, and take turns: every system warms up, then
+the timed steps go in ``train_turns`` turns per system, one system at a time, the first
+system changing from turn to turn. The systems whose turn it is not are stopped
+(SIGSTOP): torch's TensorPipe polls its shared-memory queues with a busy thread even
+when idle, and would otherwise take a CPU from whoever is measured. Each system's median
+then comes from the same stretch of time as the others', with the machine to itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
+import signal
 import statistics
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from torch.distributed import TCPStore
 
 from .launcher import SessionOutcome, run_session
 from .metrics import SCALE_PHASES, MetricSpec, metric_specs, scale_metric
@@ -139,16 +155,26 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
     groups = ([pair] if shared_session else [[w] for w in pair]) if pair else []
     if "scale" in workloads:
         groups.append(["scale"])
+    # The training sessions of all systems take turns (see the module docs), last in a round.
+    turns = ["train"] in groups and len(systems) > 1
+    if turns:
+        groups.remove(["train"])
     broken: dict[str, str] = {}
+
+    def skip(system: SystemSpec, group: list[str]) -> bool:
+        if system.name not in broken:
+            return False
+        for workload in group:
+            result.fail_workload(system.name, workload, broken[system.name])
+        log(f"[{system.name}] {'+'.join(group)}: skipped, {broken[system.name]}")
+        return True
+
     for round_no in range(rounds):
         if rounds > 1:
             log(f"round {round_no + 1} of {rounds}")
         for system in systems:
             for group in groups:
-                if system.name in broken:
-                    for workload in group:
-                        result.fail_workload(system.name, workload, broken[system.name])
-                    log(f"[{system.name}] {'+'.join(group)}: skipped, {broken[system.name]}")
+                if skip(system, group):
                     continue
                 if group == ["scale"]:
                     error = _run_scale(result, system, options, workdir, log)
@@ -156,6 +182,14 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
                     error = _run_pair(result, system, group, options, workdir, log)
                 if error is not None:
                     broken[system.name] = error
+        if turns:
+            live = [system for system in systems if not skip(system, ["train"])]
+            if len(live) > 1:
+                broken.update(_run_train_turns(result, live, round_no, options, workdir, log))
+            elif live:
+                error = _run_pair(result, live[0], ["train"], options, workdir, log)
+                if error is not None:
+                    broken[live[0].name] = error
     return result
 
 
@@ -168,6 +202,84 @@ def _run_pair(result: RunResult, system: SystemSpec, workloads: list[str],
     for workload in workloads:
         _log_outcome(log, system.name, workload, outcome, outcome.workload_error(workload))
     return outcome.failure() if outcome.is_import_failure() else None
+
+
+def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int,
+                     options: BenchOptions, workdir: Path, log: Log) -> dict[str, str]:
+    """The training sessions of ``systems`` side by side, taking turns (module docs).
+
+    Returns the import errors of systems that could not run at all.
+    """
+    n = len(systems)
+    owner: list[int] = []  # turn -> system
+    for turn in range(options.train_turns):
+        first = (turn + round_no) % n
+        owner += [*range(first, n), *range(first)]
+    limit = options.time_limit + 30.0
+    timeout = datetime.timedelta(seconds=limit)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    # The sessions' threads and the leading thread each use their own client.
+    waiter = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timeout)
+    lock = threading.Lock()
+    outcomes: list[SessionOutcome | None] = [None] * n
+    ended = [False] * n
+    pids: list[list[int]] = [[] for _ in systems]
+
+    def session(i: int) -> None:
+        slots = [turn for turn, who in enumerate(owner) if who == i]
+        try:
+            outcomes[i] = run_session(
+                systems[i], ["train"], "pair", 2, options, options.time_limit, workdir,
+                extra={"turns": {"store": ["127.0.0.1", store.port], "index": i,
+                                 "slots": slots, "time_limit": limit}})
+        finally:
+            ended[i] = True
+            with lock:  # over, in whatever way: nobody waits for this system any more
+                store.set(f"ready/{i}", "")
+                for turn in slots:
+                    store.set(f"done/{turn}", "")
+
+    def signal_all(i: int, sig: int) -> None:
+        for pid in pids[i]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)  # each worker leads its own process group
+
+    threads = [threading.Thread(target=session, args=(i,), name=f"bench-train-{i}", daemon=True)
+               for i in range(n)]
+    for thread in threads:
+        thread.start()
+    try:
+        waiter.wait([f"ready/{i}" for i in range(n)])
+        for i in range(n):
+            pids[i] = [int(p) for p in waiter.get(f"ready/{i}").decode().split(",") if p]
+        for turn, i in enumerate(owner):
+            if ended[i]:
+                continue
+            for j in range(n):
+                if j != i:
+                    signal_all(j, signal.SIGSTOP)
+            signal_all(i, signal.SIGCONT)
+            waiter.set(f"go/{turn}", "1")
+            waiter.wait([f"done/{turn}"])
+    except Exception as exc:  # noqa: BLE001 - the sessions' own limits end them
+        log(f"train (in turns): the turns stopped early: {exc}")
+    finally:
+        for i in range(n):
+            signal_all(i, signal.SIGCONT)
+    for thread in threads:
+        thread.join()
+    errors = {}
+    for system, outcome in zip(systems, outcomes):
+        if outcome is None:  # run_session itself failed
+            result.fail_workload(system.name, "train", "the session could not be run")
+            continue
+        result.sessions.append(outcome.summary())
+        _record_pair(result, outcome)
+        _log_outcome(log, system.name, "train (in turns)", outcome,
+                     outcome.workload_error("train"))
+        if outcome.is_import_failure():
+            errors[system.name] = outcome.failure() or "import failed"
+    return errors
 
 
 def _run_scale(result: RunResult, system: SystemSpec, options: BenchOptions, workdir: Path,

@@ -11,8 +11,10 @@ None of this imports an RPC module: the modules arrive in :class:`WorkerContext`
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import itertools
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from torch import nn
 from .metrics import echo_metric
 from .options import BenchOptions
 
-__all__ = ["PAIR_RUNNERS", "WorkerContext", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "peak_rss_mb", "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 
@@ -41,6 +43,40 @@ class WorkerContext:
     rpc_module_name: str
     peer: str
     options: BenchOptions
+    turns: Turns | None = None
+
+
+class Turns:
+    """This system's part in a training run that takes turns with other systems.
+
+    The launcher leads, through its store: once this system has warmed up it says so
+    (``ready/I``, with the process ids of both workers); turn N may start once the
+    launcher sets ``go/N``, and this system sets ``done/N`` when its turn N is over.
+    ``slots`` lists the turns that are this system's. Between its turns the launcher
+    stops the system's processes (SIGSTOP), so the one whose turn it is has the machine
+    to itself, as when the systems run one after the other.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from torch.distributed import TCPStore
+
+        host, port = spec["store"]
+        self.slots: list[int] = list(spec["slots"])
+        self.index: int = spec["index"]
+        self._store = TCPStore(host, port, is_master=False,
+                               timeout=datetime.timedelta(seconds=spec["time_limit"]))
+
+    def ready(self, callee_pid: int) -> None:
+        """Warmed up: the launcher starts the first turn once every system is."""
+        self._store.set(f"ready/{self.index}", f"{os.getpid()},{callee_pid}")
+
+    def start(self, slot: int) -> None:
+        """Block until turn ``slot`` may begin."""
+        self._store.wait([f"go/{slot}"])
+
+    def end(self, slot: int) -> None:
+        """Turn ``slot`` is over: let the next one begin."""
+        self._store.set(f"done/{slot}", "1")
 
 
 # ----------------------------------------------------------------------------------------
@@ -119,6 +155,11 @@ def _mlp(dims: list[int], final_relu: bool) -> nn.Sequential:
         if final_relu or i < len(dims) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+def worker_pid() -> int:
+    """This worker's process id."""
+    return os.getpid()
 
 
 def make_stage(dims: list[int], seed: int) -> nn.Module:
@@ -265,17 +306,38 @@ def run_train(ctx: WorkerContext) -> Result:
         return float(loss)
 
     losses = [step() for _ in range(opts.train_warmup)]
-    times = []
-    for _ in range(opts.train_steps):
-        start = time.perf_counter()
-        losses.append(step())
-        times.append((time.perf_counter() - start) * 1e3)
+    turns = ctx.turns
+    # Taking turns, each turn starts with one untimed step: the other systems ran last.
+    plan = _split(opts.train_steps, len(turns.slots)) if turns else [opts.train_steps]
+    if turns:
+        turns.ready(ctx.rpc.rpc_sync(ctx.peer, worker_pid))
+    times: list[float] = []
+    turn_medians = []
+    for k, steps in enumerate(plan):
+        if turns:
+            turns.start(turns.slots[k])
+            losses.append(step())
+        turn = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            losses.append(step())
+            turn.append((time.perf_counter() - start) * 1e3)
+        if turns:
+            turns.end(turns.slots[k])
+        times += turn
+        turn_medians.append(percentile(turn, 50))
     if len(losses) >= 3 and not losses[-1] < losses[0]:
         raise AssertionError(f"training did not reduce the loss: {losses[0]:.4f} -> "
                              f"{losses[-1]:.4f}")
     details = {"steps": len(times), "min_ms": min(times), "first_loss": losses[0],
-               "last_loss": losses[-1], "split": [dims[:split + 1], dims[split:]]}
+               "last_loss": losses[-1], "split": [dims[:split + 1], dims[split:]],
+               "turns": len(plan), "turn_medians_ms": turn_medians}
     return {"train_step_ms": percentile(times, 50)}, details
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal positive counts."""
+    return [total // parts + (k < total % parts) for k in range(parts)]
 
 
 PAIR_RUNNERS: dict[str, Callable[[WorkerContext], Result]] = {

@@ -50,6 +50,12 @@ def pid() -> int:
     return os.getpid()
 
 
+def served_by_reader() -> bool:
+    """Whether this call runs on the thread that read it from its connection (inline)."""
+    from torchrpc._agent.futures import on_reader_thread
+    return on_reader_thread()
+
+
 def thread_names() -> list:
     return [t.name for t in threading.enumerate()]
 

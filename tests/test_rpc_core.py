@@ -292,3 +292,20 @@ def test_blocking_calls_read_their_reply_on_private_connections():
     assert rpc.rpc_sync("worker1", helpers.add, args=(4, 4)) == 8
     assert api.get_debug_info()["agent.num_private_connections"] >= 1
     assert api.get_debug_info()["agent.num_pending_requests"] == 0
+
+
+def test_a_new_private_connection_is_read_and_served_by_one_pool_thread():
+    # A call while another is running from this process goes out on a new private
+    # connection, which the callee's transport thread reads first. Once it has moved the
+    # request and the reading role into the pool, each request is served on the thread
+    # that read it, with no wake-up of another thread: at once, when a pool thread is
+    # idle then; else from the next request on.
+    slow = threading.Thread(target=rpc.rpc_sync, args=("worker2", helpers.sleep_then, (1.0,)))
+    slow.start()
+    time.sleep(0.2)
+    try:
+        inline = [rpc.rpc_sync("worker2", helpers.served_by_reader) for _ in range(30)]
+    finally:
+        slow.join()
+    assert sum(inline) >= 28, inline
+

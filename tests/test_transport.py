@@ -322,15 +322,24 @@ def test_private_readers_poll_longer_while_cpus_are_spare(monkeypatch):
     import socket
 
     from torchrpc._transport import tcp
-    monkeypatch.setattr(tcp, "_SPIN_SPARE", 1.0)  # long enough to be sure under load
+    short, long = tcp._SPIN, 1.0  # long enough to be sure under load
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     conn = tcp.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
                           outbound=True)
     conn.set_private(True)
     frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
+    monkeypatch.setattr(tcp, "_SPIN_SPARE", long)
+    tcp.set_spare_cpus(True)
+    assert tcp._poll == long
+    tcp.set_spare_cpus(False)
+    assert tcp._poll == short
     try:
         # An answer 50 ms after the wait began: beyond the short poll, within the long one.
         for spare, missed in ((False, 1), (True, 0)):
+            # Both settings the same for this round: an agent left running in this
+            # process by another test may call set_spare_cpus from its timer meanwhile.
+            monkeypatch.setattr(tcp, "_SPIN", long if spare else short)
+            monkeypatch.setattr(tcp, "_SPIN_SPARE", long if spare else short)
             tcp.set_spare_cpus(spare)
             conn._misses = 0
             threading.Timer(0.05, b.sendall, args=(frame,)).start()

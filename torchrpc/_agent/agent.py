@@ -1019,6 +1019,14 @@ class Agent:
         via = conn if conn.private else None
         if current_pool() is self._pool and self._state == "running":
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
+        # A transport thread. With a pool thread idle, it takes the request and the
+        # reading role with it, and serves what comes next as it comes, inline. Otherwise
+        # (and until then) this thread reads on and passes each request to the pool,
+        # which costs a wake-up per request: where both CPUs are taken by this thread
+        # polling and the caller, the woken thread waits for the poll to end.
+        if self._state == "running" and self._pool.hand_off(
+                self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
+            return _nothing
         try:
             self._pool.submit(self._serve, src, header, envelope, buffers, handler, via)
         except RuntimeError:
@@ -1040,6 +1048,19 @@ class Agent:
             _inline.conn = None
             kept = self._lent.pop(conn, None) is not None
         return None if kept else _nothing  # None: read on; else the role is elsewhere
+
+    def _serve_then_read(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
+                         envelope: bytes, buffers: List[torch.Tensor], handler: Any,
+                         via: Optional[Connection]) -> None:
+        """A pool task: run a request that a transport thread read, then hold the reading
+        role of its connection, as if this thread had read the request itself."""
+        with self._pool.blocking():
+            mark_reader_thread()
+            work = self._serve_inline(conn, src, header, envelope, buffers, handler, via)
+            if work is None:
+                work = conn.read_frames()
+        if work is not None:
+            work()
 
     def _wake_timer(self) -> None:
         with self._timer_cv:

@@ -263,6 +263,10 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
             waiter.wait([f"done/{turn}"])
     except Exception as exc:  # noqa: BLE001 - the sessions' own limits end them
         log(f"train (in turns): the turns stopped early: {exc}")
+    except BaseException:  # interrupted: leave no stopped workers behind
+        for i in range(n):
+            signal_all(i, signal.SIGKILL)
+        raise
     finally:
         for i in range(n):
             signal_all(i, signal.SIGCONT)

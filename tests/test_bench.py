@@ -105,6 +105,18 @@ def test_a_failing_system_does_not_hold_up_the_turns() -> None:
     assert entry["errors"]["mixed"], entry
 
 
+def test_a_system_dying_in_its_turn_does_not_hold_up_the_others() -> None:
+    proc = run_bench("--quick", "--workloads", "train", "--systems", "torchrpc,crashy",
+                     "--define-system",
+                     "crashy=torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim",
+                     "--json", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
+    assert entry["values"]["torchrpc"] > 0, entry
+    assert entry["values"]["crashy"] is None
+    assert entry["errors"]["crashy"], entry  # its callee reports the lost caller
+
+
 def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
     table = tmp_path / "table.md"
     proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,ghost",

@@ -91,30 +91,30 @@ def test_training_sessions_take_turns() -> None:
         assert train["steps"] == QUICK_OVERRIDES["train_steps"]
 
 
+def assert_trains_beside_a_broken_system(name: str, modules: str) -> None:
+    """torchrpc's training takes turns with system ``name`` (``modules``), which fails:
+    torchrpc still gets its number, ``name`` an error."""
+    proc = run_bench("--quick", "--workloads", "train", "--systems", f"torchrpc,{name}",
+                     "--define-system", f"{name}={modules}", "--json", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
+    assert entry["values"]["torchrpc"] > 0, entry
+    assert entry["values"][name] is None
+    assert entry["errors"][name], entry
+
+
 def test_a_failing_system_does_not_hold_up_the_turns() -> None:
     # torch's autograd with torchrpc's RPC: its first training step fails (no torch RPC
     # agent), before it is ready to take turns; torchrpc still trains, alone.
-    proc = run_bench("--quick", "--workloads", "train", "--systems", "torchrpc,mixed",
-                     "--define-system",
-                     "mixed=torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
-                     "--json", timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
-    assert entry["values"]["torchrpc"] > 0, entry
-    assert entry["values"]["mixed"] is None
-    assert entry["errors"]["mixed"], entry
+    assert_trains_beside_a_broken_system(
+        "mixed", "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim")
 
 
 def test_a_system_dying_in_its_turn_does_not_hold_up_the_others() -> None:
-    proc = run_bench("--quick", "--workloads", "train", "--systems", "torchrpc,crashy",
-                     "--define-system",
-                     "crashy=torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim",
-                     "--json", timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
-    assert entry["values"]["torchrpc"] > 0, entry
-    assert entry["values"]["crashy"] is None
-    assert entry["errors"]["crashy"], entry  # its callee reports the lost caller
+    # Its caller exits in its 4th step, in the middle of its first turn; its callee
+    # reports the lost caller.
+    assert_trains_beside_a_broken_system(
+        "crashy", "torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim")
 
 
 def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:

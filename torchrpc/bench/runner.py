@@ -197,10 +197,17 @@ def _run_pair(result: RunResult, system: SystemSpec, workloads: list[str],
               options: BenchOptions, workdir: Path, log: Log) -> str | None:
     """Run pair workloads in one session; return an error if the system cannot be imported."""
     outcome = run_session(system, workloads, "pair", 2, options, options.time_limit, workdir)
+    return _take_pair(result, outcome, log)
+
+
+def _take_pair(result: RunResult, outcome: SessionOutcome, log: Log, how: str = "") -> str | None:
+    """Record and log a pair session's outcome; return an error if the system cannot be
+    imported. ``how`` follows the workload's name in the log."""
     result.sessions.append(outcome.summary())
     _record_pair(result, outcome)
-    for workload in workloads:
-        _log_outcome(log, system.name, workload, outcome, outcome.workload_error(workload))
+    for workload in outcome.workloads:
+        _log_outcome(log, outcome.system, workload + how, outcome,
+                     outcome.workload_error(workload))
     return outcome.failure() if outcome.is_import_failure() else None
 
 
@@ -277,12 +284,9 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
         if outcome is None:  # run_session itself failed
             result.fail_workload(system.name, "train", "the session could not be run")
             continue
-        result.sessions.append(outcome.summary())
-        _record_pair(result, outcome)
-        _log_outcome(log, system.name, "train (in turns)", outcome,
-                     outcome.workload_error("train"))
-        if outcome.is_import_failure():
-            errors[system.name] = outcome.failure() or "import failed"
+        error = _take_pair(result, outcome, log, " (in turns)")
+        if error is not None:
+            errors[system.name] = error
     return errors
 
 

@@ -279,7 +279,8 @@ class Agent:
         self._hooks: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
-        self._debug_sources: List[Callable[[], Dict[str, Any]]] = []
+        # Layer name ("rref", "autograd") -> counters of that layer.
+        self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
         self.extensions: Dict[str, Any] = {}
         self._left: set[int] = set()
@@ -509,13 +510,38 @@ class Agent:
         if pending is not None:
             self._tick_pending.append(pending)
 
-    def add_debug_source(self, source: Callable[[], Dict[str, Any]]) -> None:
-        self._debug_sources.append(source)
+    # torch's RpcAgent methods, for code that calls rpc._get_current_rpc_agent().
 
-    def debug_info(self) -> Dict[str, Any]:
+    def get_worker_info(self, worker_name: Optional[str] = None) -> WorkerInfo:
+        """The :class:`WorkerInfo` of ``worker_name``, or of this worker."""
+        return self.worker_info if worker_name is None else self.resolve(worker_name)
+
+    def get_worker_infos(self) -> List[WorkerInfo]:
+        """Every worker's :class:`WorkerInfo`, ordered by id."""
+        return self.worker_infos()
+
+    def get_debug_info(self) -> Dict[str, Any]:
+        """The agent's own counters (torch's agent debug info; no RRef or autograd keys)."""
+        return self.debug_info("agent")
+
+    def get_num_worker_threads(self) -> int:
+        """The size of the worker thread pool the options asked for."""
+        return int(self.options.num_worker_threads)
+
+    def add_debug_source(self, layer: str, source: Callable[[], Dict[str, Any]]) -> None:
+        """Make ``source()``'s counters part of :meth:`debug_info`, under ``layer``."""
+        self._debug_sources[layer] = source
+
+    def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
+        """Counters of the agent and every layer; of one layer when ``layer`` is given
+        (``"agent"`` for the agent's and the transport's own)."""
+        if layer is not None and layer != "agent":
+            source = self._debug_sources.get(layer)
+            return source() if source is not None else {}
         info: Dict[str, Any] = {
             "agent.num_pending_requests": len(self._pending),
-            "agent.thread_pool_size": self._pool.num_threads,
+            "agent.thread_pool_size": int(self.options.num_worker_threads),
+            "agent.num_threads_started": self._pool.num_threads,
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
             "agent.num_queued_tasks": self._pool.num_pending,
             "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
@@ -525,8 +551,9 @@ class Agent:
         }
         if self._transport is not None:
             info.update(self._transport.debug_info())
-        for source in self._debug_sources:
-            info.update(source())
+        if layer is None:
+            for source in self._debug_sources.values():
+                info.update(source())
         return info
 
     @property
@@ -1288,9 +1315,11 @@ class Agent:
                 p = self._pending.pop(rid, None)
                 if p is not None:
                     p.set_exception(RpcTimeoutError(
-                        f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
-                        f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
-                        f"for this call)"))
+                        f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and "
+                        f"will now be marked with an error: the call to worker {p.dst.name} "
+                        f"(rank {p.dst.id}) of {describe(p.what)} timed out after "
+                        f"{p.timeout:g} s; pass a larger timeout= or raise the options' "
+                        f"rpc_timeout"))
             self._check_lent(now)
             self._drain_parked(now)
             for hook in self._tick_hooks:

@@ -561,7 +561,7 @@ def install(agent: Agent) -> DistAutogradEngine:
     agent.register_handler(Kind.AUTOGRAD_BACKWARD, engine._on_backward)
     agent.register_handler(Kind.AUTOGRAD_RELEASE, engine._on_release)
     agent.register_handler(Kind.AUTOGRAD_DONE, engine._on_done)
-    agent.add_debug_source(engine.debug_info)
+    agent.add_debug_source("autograd", engine.debug_info)
     # While releases are queued the timer ticks fast: the workers that took part hold
     # the contexts' memory until they hear.
     agent.add_tick_hook(engine._tick, pending=lambda: bool(engine._releases))

@@ -202,6 +202,9 @@ class RRefBook:
                 "num_forks": sum(len(e.forks) for e in self.owners.values()),
                 "num_pending_users": sum(1 for s in self.users.values() if not s.confirmed),
                 "num_pending_children": len(self.pending_children),
+                # Owner values still being computed (torch's pending owner futures).
+                "num_pending_futures": sum(1 for e in self.owners.values()
+                                           if not e.future.done()),
                 "num_user_rrefs": len(self.users),
             }
 

@@ -327,7 +327,7 @@ class RRefLayer:
         agent.register_handler(Kind.RREF_USER_DELETE, self._on_user_delete)
         agent.register_handler(Kind.RREF_FORK_REQUEST, self._on_fork_request)
         agent.register_handler(Kind.RREF_CHILD_ACCEPT, self._on_child_accept)
-        agent.add_debug_source(self._counts)
+        agent.add_debug_source("rref", self._counts)
         agent.add_shutdown_hook(self._settle)
         agent.add_stop_hook(self._stop)
         # Deleted RRefs pin their values on the owners until the deletion arrives.
@@ -595,11 +595,7 @@ class RRefLayer:
         if self._phase == 1:
             gc.collect(0)  # cheap: young garbage RRefs send their deletes now; phase 2 gets the rest
         if self._phase >= 2:
-            for fork_id in self.book.live_user_forks():
-                rref = self._users.get(fork_id)
-                if rref is not None:
-                    rref._deleted = True
-                self.deferred.append(fork_id)
+            self._delete_users()
         self._flush(deadline)
         delay = 0.001
         while not self.book.settled():
@@ -607,6 +603,19 @@ class RRefLayer:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         self._flush(deadline)
+
+    def _delete_users(self) -> None:
+        """Mark every live user RRef here deleted and queue its USER_DELETE."""
+        for fork_id in self.book.live_user_forks():
+            rref = self._users.get(fork_id)
+            if rref is not None:
+                rref._deleted = True
+            self.deferred.append(fork_id)
+
+    def delete_all_users(self, timeout: float) -> None:
+        """Release every user RRef held here and wait until the deletes are sent."""
+        self._delete_users()
+        self._flush(time.monotonic() + timeout if timeout > 0 else None)
 
     def _stop(self) -> None:
         self._queue.put(None)
@@ -627,4 +636,8 @@ def remote(agent: Agent, dst: WorkerInfo, func: Any, args: Tuple[Any, ...],
     return _layer_of(agent).remote(dst, func, args, kwargs, timeout)
 
 
-__all__ = ["RRef", "RRefLayer", "install", "remote", "describe"]
+def delete_all_users(agent: Agent, timeout: float) -> None:
+    _layer_of(agent).delete_all_users(timeout)
+
+
+__all__ = ["RRef", "RRefLayer", "delete_all_users", "install", "remote", "describe"]

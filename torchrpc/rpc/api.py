@@ -6,9 +6,11 @@ handle of the current agent, set by :func:`init_rpc` and cleared by :func:`shutd
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -20,8 +22,10 @@ from .._rref import RRef
 from .._agent.membership import open_elastic_store
 from .._agent.rendezvous import open_store, rendezvous_timeout, validate_name
 from .._wire import Kind
-from . import backend_registry, constants, functions
+from ..errors import RpcError
+from . import _gather, backend_registry, constants, functions
 from .backend_registry import BackendType
+from .internal import _internal_rpc_pickler
 
 log = logging.getLogger("torchrpc")
 
@@ -93,6 +97,17 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
         else:
             store, rank, world_size = open_store(rpc_backend_options.init_method, rank,
                                                  world_size, rendezvous_timeout(timeout))
+        _init_rpc_backend(backend, store, name, rank, world_size, rpc_backend_options)
+
+
+def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
+                      world_size: Optional[int], rpc_backend_options: Any) -> None:
+    """Start ``backend``'s agent on a rendezvous ``store`` and make it the current agent."""
+    validate_name(name)
+    with _state.lock:
+        if _state.agent is not None:
+            raise RuntimeError(f"RPC is already initialized on this process as "
+                               f"{_state.agent.name!r}; call shutdown() first")
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         try:
@@ -158,6 +173,101 @@ def get_debug_info() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
+def _get_current_rpc_agent() -> Agent:
+    """The agent of this worker (torch's ``RpcAgent`` methods: ``get_worker_info``,
+    ``get_worker_infos``, ``get_debug_info``); a RuntimeError before ``init_rpc``."""
+    return current_agent()
+
+
+def _is_current_rpc_agent_set() -> bool:
+    """Whether ``init_rpc`` has run and ``shutdown`` has not."""
+    return _state.agent is not None
+
+
+def _rref_context_get_debug_info() -> Dict[str, Any]:
+    """Counters of this worker's RRefs: ``num_owner_rrefs``, ``num_forks``,
+    ``num_pending_users``, ``num_pending_futures`` and more."""
+    return current_agent().debug_info("rref")
+
+
+def _get_debug_info() -> Dict[str, Any]:
+    """The agent's, the RRefs' and distributed autograd's counters in one dict."""
+    return current_agent().debug_info()
+
+
+# Read by torch's API at shutdown; kept for code that sets it (RRefs never leak here:
+# graceful shutdown settles them all).
+_ignore_rref_leak = True
+
+
+def _delete_all_user_and_unforked_owner_rrefs(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT
+                                              ) -> None:
+    """Release every user RRef this worker holds and drop owner RRefs never shared."""
+    _rref.delete_all_users(current_agent(), timeout)
+
+
+# The pickler torch's API serializes Python calls with; torchrpc's wire format is fixed,
+# so swapping it (``_use_rpc_pickler``) is seen only by code that reads this name.
+_default_pickler = _internal_rpc_pickler
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler: Any):
+    """Make ``rpc_pickler`` the value of ``_default_pickler`` inside the ``with`` block."""
+    global _default_pickler
+    _default_pickler = rpc_pickler
+    try:
+        yield
+    finally:
+        _default_pickler = _internal_rpc_pickler
+
+
+# Per thread: ``future_list``, the futures rpc_async made inside ``with _wait_all()``.
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all():
+    """Wait, on leaving the block, for every ``rpc_async`` future this thread made in it;
+    raise the first error among them."""
+    futures: List[torch.futures.Future] = []
+    _thread_local_var.future_list = futures
+    try:
+        yield
+    finally:
+        del _thread_local_var.future_list
+        if futures:
+            torch.futures.wait_all(futures)
+
+
+def _all_gather(obj: Any, worker_names: Optional[List[str]] = None,
+                timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
+    """Gather ``obj`` from every worker of ``worker_names`` (default: all); a dict by name.
+
+    Every worker of the set calls it; a worker that does not arrive within ``timeout``
+    makes it raise a RuntimeError that says "timed out in _all_gather".
+    """
+    return _gather.all_gather(obj, worker_names, timeout)
+
+
+def _barrier(worker_names: List[str]) -> None:
+    """Return once every worker of ``worker_names`` has called ``_barrier`` with them."""
+    try:
+        _gather.all_gather(None, set(worker_names))
+    except RuntimeError as exc:
+        raise RpcError(f"Failed to complete barrier, got error {exc}") from exc
+
+
+def _wait_all_workers(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Block until every worker of the group has called it (the start of a shutdown)."""
+    try:
+        _gather.all_gather(None, timeout=timeout)
+    except RuntimeError as exc:
+        log.error("torchrpc: failed to respond to 'Shutdown Proceed' in time, got error %s",
+                  exc)
+        raise
+
+
 def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
              ) -> Tuple[Agent, WorkerInfo, Tuple[Any, ...], Dict[str, Any], float]:
     agent = current_agent()
@@ -189,9 +299,15 @@ def _invoke(rpc_type: str, to: WorkerLike, func: Callable[..., Any], args: Any, 
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
-        return _profiler.profiled(rpc_type, agent, dst, func, lambda: agent.call(
+        fut = _profiler.profiled(rpc_type, agent, dst, func, lambda: agent.call(
             dst, func, args, kwargs, timeout, retry=retry))
-    return agent.call(dst, func, args, kwargs, timeout, retry=retry)
+    else:
+        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry)
+    if rpc_type == "rpc_async":
+        futures = getattr(_thread_local_var, "future_list", None)
+        if futures is not None:
+            futures.append(fut)
+    return fut
 
 
 def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

@@ -144,3 +144,8 @@ def _make_unsupported(name: str) -> Callable[..., Any]:
 for _name in _NOT_SUPPORTED:
     setattr(RemoteModule, _name, _make_unsupported(_name))
 del _name
+
+# The attributes a RemoteModule pickles with, as torch names them.
+_REMOTE_MODULE_PICKLED_ATTRIBUTES = ("on", "device", "is_device_map_set", "is_scriptable",
+                                     "generated_methods", "module_rref")
+_RemoteModule = RemoteModule

@@ -1,0 +1,1 @@
+"""Runs PyTorch's own RPC test suites, imported from the installed torch, against torchrpc."""

@@ -1,0 +1,66 @@
+"""Internals of ``torch.distributed.rpc.internal`` that user and test code reach for.
+
+The execution modes, the profiling key format, the pickled form of a Python call and
+the RPC pickler, all on torchrpc's own wire format.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Any, List, Tuple
+
+import torch
+
+from .._wire import serialize as _wire
+
+
+class RPCExecMode(enum.Enum):
+    """How a call was made; its value names the call in profiling keys."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    ASYNC_JIT = "async_jit"
+    REMOTE = "remote"
+
+
+# A Python call as it is pickled: the function and its arguments.
+PythonUDF = collections.namedtuple("PythonUDF", ["func", "args", "kwargs"])
+# A remote exception that could not be rebuilt on the caller: its message and type.
+RemoteException = collections.namedtuple("RemoteException", ["msg", "exception_type"])
+
+
+def _build_rpc_profiling_key(exec_type: RPCExecMode, func_name: str, current_worker_name: str,
+                             dst_worker_name: str) -> str:
+    """The profiler event name of an RPC: ``rpc_<mode>#<func>(<caller> -> <callee>)``."""
+    return f"rpc_{exec_type.value}#{func_name}({current_worker_name} -> {dst_worker_name})"
+
+
+class _InternalRPCPickler:
+    """Pickles Python objects for RPC: tensors travel beside the pickle, not inside it."""
+
+    def serialize(self, obj: Any) -> Tuple[bytes, List[torch.Tensor]]:
+        """Return the pickled ``obj`` and the tensors that carry its buffers."""
+        envelope, views, _ = _wire.encode(obj)
+        return envelope, [torch.frombuffer(bytearray(v), dtype=torch.uint8) if len(v)
+                          else torch.empty(0, dtype=torch.uint8) for v in views]
+
+    def deserialize(self, binary_data: bytes, tensor_table: List[torch.Tensor]) -> Any:
+        """Rebuild the object :meth:`serialize` returned ``binary_data`` and ``tensor_table`` for."""
+        return _wire.decode(binary_data, list(tensor_table))[1]
+
+
+_internal_rpc_pickler = _InternalRPCPickler()
+
+
+def serialize(obj: Any) -> Tuple[bytes, List[torch.Tensor]]:
+    """``obj`` pickled by the RPC pickler: the bytes and the tensor table."""
+    return _internal_rpc_pickler.serialize(obj)
+
+
+def deserialize(binary_data: bytes, tensor_table: List[torch.Tensor]) -> Any:
+    """The inverse of :func:`serialize`."""
+    return _internal_rpc_pickler.deserialize(binary_data, tensor_table)
+
+
+__all__ = ["PythonUDF", "RPCExecMode", "RemoteException", "deserialize", "serialize"]

@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     # Progress goes to the terminal; each test's own output (its workers write to the
     # same descriptors) goes to a file that the report keeps for failures.
     console = os.fdopen(os.dup(1), "w", buffering=1)
+    if args.report:
+        open(args.report, "w").close()
     counts: Dict[str, Dict[str, int]] = {}
     failures: List[Tuple[str, str]] = []
     start = time.monotonic()
@@ -149,6 +151,9 @@ def main(argv=None) -> int:
                 if result.unexpectedSuccesses:
                     details += "unexpected success\n"
                 failures.append((f"{suite}.{test}", details + "---- output\n" + log.read()))
+                if args.report:  # written as it goes, so a long run can be read meanwhile
+                    with open(args.report, "a") as f:
+                        f.write(f"==== {failures[-1][0]}\n{failures[-1][1]}\n")
         counts.setdefault(suite, {"pass": 0, "fail": 0, "skip": 0})[outcome] += 1
         print(f"[{i}/{len(pairs)}] {outcome.upper():4} {suite}.{test} "
               f"({time.monotonic() - t0:.1f} s)", file=console)
@@ -157,10 +162,6 @@ def main(argv=None) -> int:
     print(f"\n{'suite':36} {'passed':>7} {'failed':>7} {'skipped':>8} {'of':>5}")
     for suite, c in counts.items():
         print(f"{suite:36} {c['pass']:7} {c['fail']:7} {c['skip']:8} {sum(c.values()):5}")
-    if args.report:
-        with open(args.report, "w") as f:
-            for name, details in failures:
-                f.write(f"==== {name}\n{details}\n")
     print(f"({time.monotonic() - start:.0f} s, target {args.target})")
     print(f"conformance: {total['pass']} passed, {total['fail']} failed, {total['skip']} "
           f"skipped of {len(pairs)}")

@@ -42,7 +42,7 @@ from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
+from ..errors import (ConnectionLostError, WrongTypeError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
 from . import membership, rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
@@ -1252,6 +1252,9 @@ class Agent:
                      via: Optional[Connection] = None) -> None:
         info = RemoteErrorInfo(type(exc), str(exc), "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        # The callee's side of the story, as torch's agent logs it; the caller gets the error.
+        log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
+                    type(exc).__name__, exc, describe(what), dst.name)
         try:
             info.original = _wire.encode(exc)[0]
         except SerializationError:
@@ -1593,8 +1596,10 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
         if not isinstance(fut, torch._C.Future):
-            raise TypeError(f"@async_execution function {describe(func)} must return a "
-                            f"torch.futures.Future, but it returned {type(fut).__name__}")
+            raise WrongTypeError(
+                f"Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(fut).__name__} from "
+                f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
     return func(*args, **(kwargs or {}))
 
@@ -1618,7 +1623,9 @@ def rebuild_error(info: Any) -> BaseException:
             except Exception:  # noqa: BLE001
                 exc = None
         if not isinstance(exc, BaseException):
-            exc = RpcError(f"{exc_type.__name__}: {text}")
+            exc = RpcError(f"Couldn't unpickle the exception {exc_type.__name__} raised on "
+                           f"worker {info.worker}. Original exception on remote side was "
+                           f"{exc_type.__name__}: {text}")
         elif hasattr(exc, "add_note"):
             exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
     exc.remote_traceback = info.remote_traceback

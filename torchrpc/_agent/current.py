@@ -27,7 +27,7 @@ def current_agent() -> "Agent":
     agent = handle.agent
     if agent is None:
         if handle.was_shut_down:
-            raise NotInitializedError("RPC has been shut down on this worker; call "
+            raise NotInitializedError("RPC has not been initialized: it was shut down on this worker; call "
                                       "torchrpc.rpc.init_rpc() again to use it")
         raise NotInitializedError("RPC has not been initialized; call "
                                   "torchrpc.rpc.init_rpc() first")

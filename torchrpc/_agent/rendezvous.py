@@ -23,10 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from .worker import check_worker_name
 from ..errors import RendezvousError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
-MAX_NAME = 128
 SECRET_ENV = "TORCHRPC_SECRET"
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
@@ -49,13 +48,7 @@ def rendezvous_timeout(rpc_timeout: float) -> float:
 
 def validate_name(name: Any) -> str:
     """Check a worker name as torch documents it; return it."""
-    if not isinstance(name, str):
-        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= MAX_NAME or not NAME_RE.match(name):
-        raise ValueError(
-            f"invalid worker name {name!r}: use only letters, digits, '_', ':' and '-', "
-            f"and fewer than {MAX_NAME} characters")
-    return name
+    return check_worker_name(name)
 
 
 def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: float
@@ -217,8 +210,9 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
                    rank, world_size)
     owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
     if owner != str(rank):
-        raise fail(store, f"duplicate worker name {name!r}: ranks {owner} and {rank} both use it; "
-                          f"give every worker its own name", rank, world_size)
+        raise fail(store, f"RPC worker name {name} is not unique. Workers {owner} and {rank} "
+                          f"share the same name; give every worker its own name",
+                   rank, world_size)
     return job_secret(store, rank, timeout, world_size)
 
 

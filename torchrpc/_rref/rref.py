@@ -27,10 +27,10 @@ import torch
 
 from .._agent import (Agent, AsyncResult, MessageContext, Parked, WorkerInfo, describe,
                       fresh_error, run_callable)
-from .._agent.current import current_agent
+from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
 from .._wire import Kind, PassThrough, current_context
-from ..errors import RpcError
+from ..errors import NotInitializedError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
@@ -71,9 +71,12 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "_parked", "__weakref__")
+                 "_deleted", "_creation", "_parked", "_type_future", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
+        if agent_handle.agent is None:
+            raise NotInitializedError("Current RPC agent is not set! Did you initialize the "
+                                      "RPC framework (e.g. by calling `rpc.init_rpc`)?")
         layer = _layer_of(current_agent())
         entry = OwnerEntry(layer.book.new_id())
         entry.set_value(value)
@@ -92,6 +95,7 @@ class RRef(Generic[T]):
         self._deleted = False
         self._creation: Optional[torch.futures.Future] = None
         self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
+        self._type_future: Optional[torch.futures.Future] = None  # of the value's type
 
     @classmethod
     def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
@@ -132,9 +136,30 @@ class RRef(Generic[T]):
         r"""The local value, if this is an owner ``RRef``; raises on a user ``RRef``."""
         if self._entry is None:
             raise RuntimeError(
-                f"RRef.local_value() can only be called on the owner {self._owner!r}, but "
-                f"this is a user RRef on {self._layer.agent.worker_info!r}; use to_here()")
+                f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), "
+                f"can't call localValue() on user {self._layer.agent.worker_info!r}. Call it "
+                f"on owner {self._owner!r}, or use to_here() to copy the value here")
         return self._entry.future.wait()
+
+    def _get_type(self, timeout: float = _UNSET, blocking: bool = True) -> Any:
+        r"""The type of the value; with ``blocking=False``, a future of it.
+
+        A user RRef asks the owner once and remembers the answer.
+
+        Args:
+            timeout (float, optional): seconds to wait for the owner's answer.
+            blocking (bool, optional): wait for the type (default) or return a future.
+        """
+        fut = self._type_future
+        if fut is None:
+            if self._entry is not None:
+                fut = _typeof_on_owner(self)
+            else:
+                layer = self._layer
+                fut = layer.public_rpc_async(self._owner, _rref_typeof_on_owner, args=(self,),
+                                             timeout=_timeout(layer, timeout))
+            self._type_future = fut
+        return fut.wait() if blocking else fut
 
     def to_here(self, timeout: float = _UNSET) -> T:
         r"""Blocking call that copies the value of the RRef from the owner to here.
@@ -220,9 +245,9 @@ class RRef(Generic[T]):
     def __reduce__(self) -> Tuple[Any, ...]:
         ctx = current_context()
         if not isinstance(ctx, MessageContext):
-            raise RuntimeError("an RRef can only be pickled as an argument or return value of "
-                               "an RPC (rpc_sync, rpc_async, remote); pickling it elsewhere is "
-                               "not supported")
+            raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
+                               "pickled when using RPC: pass it as an argument or return "
+                               "value of rpc_sync, rpc_async or remote")
         if self._error is not None:
             raise PassThrough(fresh_error(self._error))  # a fork raises the creation error itself
         return ctx.agent.extensions["rref"].fork(self, ctx)
@@ -237,8 +262,34 @@ class RRef(Generic[T]):
 
     def __repr__(self) -> str:
         if self._entry is not None:
-            return f"OwnerRRef(RRefId = {self._rref_id})"
-        return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+
+def _agent_rpc_async(agent: Agent, to: WorkerInfo, func: Any, args: Tuple[Any, ...],
+                     timeout: float) -> torch.futures.Future:
+    return agent.call(to, func, args, {}, timeout)
+
+
+def _gid(gid: Optional[GloballyUniqueId]) -> str:
+    """An RRef or fork id as torch prints it."""
+    if gid is None:
+        return "None"
+    return f"GloballyUniqueId(created_on={gid[0]}, local_id={gid[1]})"
+
+
+def _typeof_on_owner(rref: RRef) -> torch.futures.Future:
+    """On the owner: a future of the type of the value (once it exists)."""
+    assert rref._entry is not None
+    return rref._entry.future.then(lambda f: type(f.value()))
+
+
+def _rref_typeof_on_owner(rref: RRef) -> torch.futures.Future:
+    """Run on the owner for :meth:`RRef._get_type`; replies when the value exists."""
+    return _typeof_on_owner(rref)
+
+
+_rref_typeof_on_owner._wrapped_async_rpc_function = _rref_typeof_on_owner  # type: ignore[attr-defined]
 
 
 def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
@@ -268,6 +319,11 @@ class _Proxy:
         def method(*args: Any, **kwargs: Any) -> Any:
             payload = (rref, name, args, kwargs)
             if mode == "remote":
+                # As in torch, a method the value's type lacks fails here, not at to_here().
+                cls = rref._get_type(timeout)
+                if not hasattr(cls, name):
+                    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r} "
+                                         f"(the value of {rref!r} on {rref._owner.name})")
                 return layer.remote(rref._owner, _invoke_method, payload, {}, timeout)
             fut = layer.agent.call(rref._owner, _invoke_method, payload, {}, timeout)
             return fut.wait() if mode == "sync" else fut
@@ -319,6 +375,10 @@ class RRefLayer:
         self._ready: Dict[int, List[Tuple[GloballyUniqueId, GloballyUniqueId]]] = {}
         self._del_lock = threading.Lock()
         self.delete_messages = 0  # USER_DELETE messages received (not counting carried ones)
+        # The public rpc_async, set by the RPC layer, so calls RRefs make themselves (for
+        # _get_type) are seen as user calls are (profiling).
+        self.public_rpc_async: Callable[..., torch.futures.Future] = functools.partial(
+            _agent_rpc_async, agent)
         self._sender = threading.Thread(target=self._send_loop, name=f"torchrpc-rref-{agent.name}",
                                         daemon=True)
         agent.extensions["rref"] = self

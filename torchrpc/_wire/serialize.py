@@ -5,8 +5,9 @@ strided CPU tensor it meets is reduced to a reference to a *storage slot* plus
 its metadata (dtype, shape, stride, offset). A slot stands for the byte range of
 one storage that the message needs; it is pickled once and becomes one
 out-of-band buffer, so two views of one storage arrive as two views of one
-storage. Only the covered range is sent; a view that covers much less than its
-span (a strided slice) is sent compacted instead. :func:`decode` receives the
+storage. Only the covered range is sent, and a view arrives with its strides,
+unless it covers much less than its span (a sparse strided slice of a large
+tensor): that one is sent compacted. :func:`decode` receives the
 buffers as uint8 tensors that the transport already filled (``recv_into``, or
 mapped from shared memory), and rebuilds each tensor on that memory without a
 copy. A tensor's dtype travels as a small fixed id, and every reduction made here
@@ -36,8 +37,8 @@ from ..errors import SerializationError
 TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
 _local = threading.local()
-# A strided view whose span is larger than this many times its own bytes is compacted.
 _SPAN_SLACK = 2
+_SPAN_EXTRA = 64 * 1024
 _ALIGN = 16
 
 
@@ -284,8 +285,12 @@ class _Encoder:
         if data.is_contiguous():
             hi = lo + numel * itemsize
         else:
+            # A view keeps its strides: the span of storage it covers travels. Only a view
+            # whose span would add more than _SPAN_EXTRA bytes beyond twice its elements'
+            # (a sparse strided slice of a big tensor) is sent compacted, and arrives
+            # contiguous.
             span = 1 + sum((n - 1) * s for n, s in zip(data.shape, data.stride()) if s > 0)
-            if span > _SPAN_SLACK * numel:
+            if span > _SPAN_SLACK * numel and (span - numel) * itemsize > _SPAN_EXTRA:
                 data = data.detach().contiguous()
                 lo, span = 0, numel
             hi = lo + span * itemsize
@@ -351,6 +356,10 @@ class _Pickler(pickle.Pickler):
                 and getattr(_TORCH_FUNCTIONS, obj.__name__, None) is obj:
             # torch.add and friends: one global (memoized) instead of two per message.
             return _rebuild, (_TORCH_FUNCTION, obj.__name__)
+        if isinstance(obj, torch._C.Future):
+            raise PassThrough(RuntimeError(
+                "Can not pickle torch.futures.Future: a future is local to its process; "
+                "wait for it and send its value instead"))
         return NotImplemented
 
 

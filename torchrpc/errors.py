@@ -66,6 +66,10 @@ class WrongTypeError(RpcError, TypeError):
     """An argument of the wrong type where torch raises ``RuntimeError``."""
 
 
+class DestinationTypeError(RpcError, ValueError, TypeError):
+    """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
+
+
 _runtime_twins: Dict[type, type] = {}
 _twins_lock = threading.Lock()
 

@@ -42,7 +42,8 @@ from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from ..errors import (ConnectionLostError, WrongTypeError, NotInitializedError, RpcError, RpcTimeoutError,
+from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
+                      WrongTypeError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
 from . import membership, rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
@@ -461,7 +462,8 @@ class Agent:
                 raise WorkerLeftError(f"worker {to.name} (rank {to.id}) has shut down and left "
                                       f"the group", worker=to.name)
             if w is None or w.name != to.name:
-                raise ValueError(f"unknown worker {to!r}: it is not a member of this group")
+                raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
+                                           f"destination: {to!r} is not a member of this group")
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
@@ -469,17 +471,19 @@ class Agent:
                 raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
                                       f"and left the group", worker=to)
             if w is None:
-                raise ValueError(f"unknown worker name {to!r}; known workers: "
-                                 f"{sorted(self._by_name)[:16]}")
+                raise InvalidArgumentError(f"name:{to} could not find destination; known "
+                                           f"workers: {sorted(self._by_name)[:16]}")
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
             if w is None:
                 if to in self._left:
                     raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
-                raise ValueError(f"unknown worker rank {to}; known ranks: {sorted(self._workers)[:16]}")
+                raise InvalidArgumentError(f"rank:{to} could not find destination; known ranks: "
+                                           f"{sorted(self._workers)[:16]}")
             return w
-        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+        raise DestinationTypeError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a "
+                                   f"worker name, rank or WorkerInfo, got {type(to).__name__}")
 
     # -- plug-in points ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import contextlib
 import heapq
 import itertools
 import logging
@@ -68,7 +69,7 @@ class MessageContext:
     both ways, and a frozen dataclass takes several times as long to build.
     """
 
-    __slots__ = ("agent", "peer", "kind", "replied", "on_settled")
+    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates")
 
     def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
                  replied: bool = False) -> None:
@@ -79,6 +80,15 @@ class MessageContext:
         self.replied = replied
         # While encoding such a request: what to run once it is answered or has failed.
         self.on_settled: Optional[List[Callable[[], None]]] = None
+        # While decoding a request: futures that must complete before it runs.
+        self.gates: Optional[List[torch.futures.Future]] = None
+
+    def add_gate(self, gate: torch.futures.Future) -> None:
+        """Make the request being decoded run only once ``gate`` has completed (or the
+        request's handling has waited the agent's RPC timeout for it)."""
+        if self.gates is None:
+            self.gates = []
+        self.gates.append(gate)
 
     def when_settled(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request being encoded is answered or has failed
@@ -1192,10 +1202,11 @@ class Agent:
 
         what: Any = kind  # the function, once known; only error paths describe it
         try:
-            _, payload = _wire.decode(envelope, buffers,
-                                      MessageContext(self, src, kind, replied=not oneway),
-                                      recv_hook)
+            ctx = MessageContext(self, src, kind, replied=not oneway)
+            _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
             buffers.clear()  # the tensors in payload hold what they need
+            if ctx.gates is not None:
+                self._pass_gates(ctx.gates)
             if kind == Kind.CALL:
                 what = payload[0]
             if handler is None:
@@ -1231,6 +1242,18 @@ class Agent:
         owned = [result]
         result = payload = None
         self._reply(src, rid, owned, scopes, what, owned=True, via=via)
+
+    def _pass_gates(self, gates: List[torch.futures.Future]) -> None:
+        """Wait (as a blocked pool thread) until every gate of a request has completed."""
+        passed = threading.Semaphore(0)
+        for gate in gates:
+            gate.add_done_callback(lambda _: passed.release())
+        pool = current_pool()
+        deadline = time.monotonic() + (self.default_timeout or 60.0)
+        with pool.blocking() if pool is not None else contextlib.nullcontext():
+            for _ in gates:
+                if not passed.acquire(timeout=max(deadline - time.monotonic(), 0)):
+                    break
 
     def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any,
                owned: bool = False, via: Optional[Connection] = None) -> None:

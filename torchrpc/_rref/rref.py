@@ -297,8 +297,12 @@ def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: i
     ctx = current_context()
     if not isinstance(ctx, MessageContext):
         raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
-    return ctx.agent.extensions["rref"].adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer,
-                                                   ctx.replied)
+    layer = ctx.agent.extensions["rref"]
+    rref = layer.adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer, ctx.replied)
+    if not rref.confirmed_by_owner():
+        # As in torch, a function given a forked RRef runs once the owner knows of it.
+        ctx.add_gate(layer.confirmation(fork_id))
+    return rref
 
 
 class _Proxy:
@@ -375,6 +379,8 @@ class RRefLayer:
         self._ready: Dict[int, List[Tuple[GloballyUniqueId, GloballyUniqueId]]] = {}
         self._del_lock = threading.Lock()
         self.delete_messages = 0  # USER_DELETE messages received (not counting carried ones)
+        # Futures of user forks a request waits on until the owner confirms them.
+        self._confirmations: Dict[GloballyUniqueId, torch.futures.Future] = {}
         # The public rpc_async, set by the RPC layer, so calls RRefs make themselves (for
         # _get_type) are seen as user calls are (profiling).
         self.public_rpc_async: Callable[..., torch.futures.Future] = functools.partial(
@@ -634,6 +640,18 @@ class RRefLayer:
         if rref is not None:
             rref._confirmed = True
         self.post(self.book.user_confirmed(fork_id))
+        gate = self._confirmations.pop(fork_id, None)
+        if gate is not None:
+            gate.set_result(None)
+
+    def confirmation(self, fork_id: GloballyUniqueId) -> torch.futures.Future:
+        """A future that completes when the owner has confirmed the user fork ``fork_id``
+        (or could not be reached)."""
+        gate = self._confirmations.setdefault(fork_id, torch.futures.Future())
+        rref = self._users.get(fork_id)
+        if (rref is None or rref._confirmed) and self._confirmations.pop(fork_id, None):
+            gate.set_result(None)
+        return gate
 
     def _flush(self, deadline: Optional[float]) -> None:
         done = threading.Event()

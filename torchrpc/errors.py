@@ -54,6 +54,10 @@ class SerializationError(RpcError):
     """An argument or return value could not be pickled or unpickled."""
 
 
+class MissingDefinitionError(SerializationError, AttributeError):
+    """A message names a function or class that this process does not define."""
+
+
 class ShutdownError(RpcError):
     """Graceful shutdown could not complete (for example a worker is missing)."""
 

@@ -254,7 +254,14 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
     start = time.monotonic()
     while int(store.add(key, 0)) < world_size:
         if check is not None:
-            check()
+            try:
+                check()
+            except Exception:
+                # A worker that passed the barrier since the count was read may have
+                # stopped already: that is a complete barrier, not a lost worker.
+                if int(store.add(key, 0)) >= world_size:
+                    break
+                raise
         if deadline is not None and time.monotonic() > deadline:
             raise RendezvousError(
                 f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "

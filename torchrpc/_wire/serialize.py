@@ -32,7 +32,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import SerializationError
+from ..errors import MissingDefinitionError, SerializationError
 
 TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
@@ -377,7 +377,13 @@ class _Unpickler(pickle.Unpickler):
                 return getattr(mod, name)
             except AttributeError:
                 pass
-        return super().find_class(module, name)
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError) as exc:
+            raise MissingDefinitionError(
+                f"RPC pickler does not serialize function code. Ensure that UDFs are defined "
+                f"on both caller and callee modules: {module}.{name} is not defined in this "
+                f"process ({exc})") from None
 
 
 def _plain_reduce(t: torch.Tensor) -> Tuple[Any, ...]:

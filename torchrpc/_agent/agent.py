@@ -47,6 +47,7 @@ from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgument
                       WrongTypeError, NotInitializedError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, WorkerLeftError)
 from . import membership, rendezvous
+from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
@@ -362,6 +363,7 @@ class Agent:
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
                                            self._transport.address, timeout)
+                discard_local_secret()  # every rank has joined, so has read it
         except BaseException:
             self._transport.close()
             raise
@@ -1564,6 +1566,7 @@ class Agent:
                 membership.leave(self.store, self.name, self.rank)
             except Exception as exc:  # noqa: BLE001 - the store host may be gone already
                 log.warning("torchrpc: %s could not announce its departure: %s", self.name, exc)
+            discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
         for conn in conns:

@@ -14,7 +14,6 @@ import ipaddress
 import json
 import os
 import re
-import secrets
 import socket
 import struct
 import time
@@ -23,10 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from . import secret
 from .worker import check_worker_name
 from ..errors import RendezvousError
 
-SECRET_ENV = "TORCHRPC_SECRET"
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
 RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
@@ -217,16 +216,16 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
 
 
 def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None) -> bytes:
-    """``TORCHRPC_SECRET`` when set; else rank 0 creates it in the store and the others wait."""
-    env_secret = os.environ.get(SECRET_ENV)
-    if env_secret:
-        return env_secret.encode()
-    if rank == 0:
-        # compare_set: a rank 0 that rejoins a dynamic group keeps the group's secret
-        store.compare_set("secret", "", secrets.token_hex(32))
-    _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0", rank,
-          world_size)
-    return store.get("secret")
+    """The job secret (see :mod:`.secret`: never through the store unless opted in)."""
+    deadline = time.monotonic() + timeout
+
+    def wait(keys: list, what: str) -> None:
+        _poll(store, keys, deadline, what, rank, world_size)
+
+    try:
+        return secret.job_secret(store, rank, host_identity(), wait)
+    except RendezvousError as exc:
+        raise fail(store, f"rank {rank}: {exc}", rank, world_size) from exc
 
 
 def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],

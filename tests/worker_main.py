@@ -2,6 +2,7 @@
 
 import json
 import os
+import resource
 import sys
 
 import torch
@@ -12,6 +13,9 @@ from tests.group import backend_and_options
 
 def main() -> None:
     name, rank, world_size, threads, timeout = sys.argv[1:6]
+    nofile = os.environ.get("TORCHRPC_TEST_NOFILE")  # a descriptor limit to test floods
+    if nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
     torch.set_num_threads(1)
     backend, opts = backend_and_options(int(threads), float(timeout), os.environ)
     rpc.init_rpc(name, backend=backend, rank=int(rank), world_size=int(world_size),

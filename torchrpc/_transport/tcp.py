@@ -21,6 +21,7 @@ exception when the connection broke rather than closed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -37,7 +38,12 @@ from . import handshake, shm, tls
 
 log = logging.getLogger("torchrpc")
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 5.0  # seconds for a whole handshake, however its bytes trickle in
+# Handshakes served at once; a connection beyond this is closed before it is read.
+MAX_HANDSHAKES = 64
+# The accept loop's pause when the process is out of descriptors, doubling up to the last.
+_ACCEPT_BACKOFF = (0.05, 1.0)
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _READ_CHUNK = 256 * 1024
 _IOV_MAX = 512
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -422,9 +428,15 @@ class Connection:
         self._on_close(self, reason)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AuthenticationError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s "
+                                          f"({len(data)} of {n} bytes arrived)")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise AuthenticationError(f"peer closed during the handshake after {len(data)} bytes")
@@ -496,6 +508,7 @@ class Transport:
         self.rank = rank
         self._tls = tls_contexts
         self._rejects = _LogBudget()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._secret = secret
         self._limits = limits
         self._on_connect = on_connect
@@ -566,28 +579,47 @@ class Transport:
         return t
 
     def _accept_loop(self, listener: socket.socket) -> None:
+        backoff = 0.0
         while True:
             try:
                 sock, addr = listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closing or exc.errno not in _OUT_OF_RESOURCES:
+                    if self._closing or exc.errno in (errno.EBADF, errno.EINVAL):
+                        return  # the listener was closed
+                    continue  # the peer gave up before we accepted (ECONNABORTED, ...)
+                # Out of descriptors (a flood, or a busy process): pause and try again;
+                # the kernel keeps new peers in the backlog meanwhile.
+                backoff = min(max(backoff * 2, _ACCEPT_BACKOFF[0]), _ACCEPT_BACKOFF[1])
+                self._rejects.warn("torchrpc: rank %d cannot accept connections: %s; trying "
+                                   "again in %.2f s", self.rank, exc, backoff)
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            if not self._handshakes.acquire(blocking=False):
+                self._rejects.warn("torchrpc: rank %d refused a connection from %s: %d "
+                                   "handshakes are in progress", self.rank, addr, MAX_HANDSHAKES)
+                sock.close()
+                continue
             with self._lock:
                 if self._closing:
+                    self._handshakes.release()
                     sock.close()
                     return
                 self._sockets.add(sock)
             self._spawn(self._serve, f"torchrpc-conn-{self.rank}", sock, addr)
 
     def _serve(self, sock: socket.socket, addr: Any) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             if self._tls is not None:
                 sock = self._secure(sock, server_side=True)
-            hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size))
+            hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size, deadline))
             challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank, self._features)
             sock.sendall(challenge)
-            handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size), hello,
-                                  nonce, self.rank)
+            handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
+                                  hello, nonce, self.rank)
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             _tune(sock)
@@ -597,6 +629,8 @@ class Transport:
             self._forget(sock)
             sock.close()
             return
+        finally:
+            self._handshakes.release()
         conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=False)
         conn.features = hello.features & self._features

@@ -195,3 +195,19 @@ def test_listen_address_is_configurable(monkeypatch):
     monkeypatch.setenv(rendezvous.LISTEN_ENV, "0.0.0.0")
     assert rendezvous.listen_host("env://", None) == "0.0.0.0"
     assert rendezvous.listen_host("env://", "10.1.2.3") == "10.1.2.3"  # the option wins
+
+
+def test_a_peer_cannot_answer_a_call_sent_to_another():
+    # worker0's call to worker1 waits; a peer authenticated as rank 2 forges its reply.
+    fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, "real"))
+    rids = [rid for rid, p in list(api.current_agent()._pending.items()) if p.dst.id == 1]
+    assert rids
+    env, bufs, _ = _wire.encode("forged")
+    s = _authenticate(*_address(0), claim_rank=2, server_rank=0)
+    try:
+        for rid in rids:
+            s.sendall(_wire.pack_header(Kind.RESPONSE, 0, rid, len(env), []) + env)
+        assert fut.wait() == "real"
+    finally:
+        s.close()
+    _still_serving()

@@ -1149,9 +1149,16 @@ class Agent:
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
-        p = self._pending.pop(header.request_id, None)
+        p = self._pending.get(header.request_id)
         if p is None:
             return  # expired or failed already
+        if p.dst.id != conn.peer_rank:
+            # Only the callee answers a call: a reply from anyone else is dropped.
+            log.warning("torchrpc: %s dropped a reply from rank %d to request %d, which was "
+                        "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
+            return
+        if self._pending.pop(header.request_id, None) is not p:
+            return  # failed meanwhile
         ctx = MessageContext(self, p.dst, header.kind)
         recv_hook = None
         if p.states is not None:

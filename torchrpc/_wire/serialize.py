@@ -628,18 +628,15 @@ def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
         for name, item in zip(obj._fields, obj):
             yield f".{name}", item
         return
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        step = "[{}]" if isinstance(obj, (tuple, list)) else "<item {}>"
         for i, item in enumerate(obj):
-            yield f"[{i}]", item
+            yield step.format(i), item
         return
     if isinstance(obj, dict):
         for key, value in obj.items():
             yield f"<key {_describe(key, 40)}>", key
             yield f"[{_describe(key, 40)}]", value
-        return
-    if isinstance(obj, (set, frozenset)):
-        for i, item in enumerate(obj):
-            yield f"<item {i}>", item
         return
     if isinstance(obj, type):
         return

@@ -615,7 +615,8 @@ class Agent:
             meta, send_hook, states = self._outgoing(dst, kind)
         ctx = MessageContext(self, dst, kind, replied=not oneway)
         try:
-            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta)
+            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
+                                           _wire.PAYLOAD_NAMES.get(kind, "payload"))
         except BaseException:
             if states is not None:
                 self._request_failed(dst, states)
@@ -1275,7 +1276,7 @@ class Agent:
             send_hook = _combine([s.send_hook for s in scopes])
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
-                                           send_hook, meta)
+                                           send_hook, meta, "result")
         except SerializationError as exc:
             self._reply_error(dst, rid, exc, what, via)
             return

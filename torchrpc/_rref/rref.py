@@ -428,6 +428,9 @@ class RRefLayer:
                 timeout, what=func)
         except BaseException:
             self.return_deletes(dst.id, deletes)
+            self._users.pop(fork_id, None)
+            self.book.user_abandoned(fork_id)
+            rref._deleted = True
             raise
         ref = weakref.ref(rref)
         rref._creation = fut

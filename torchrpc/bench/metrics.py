@@ -10,7 +10,8 @@ import dataclasses
 
 from .options import BenchOptions
 
-__all__ = ["MetricSpec", "Target", "echo_metric", "metric_specs", "scale_metric", "size_label"]
+__all__ = ["MetricSpec", "Target", "echo_metric", "echo_numpy_metric", "metric_specs",
+           "scale_metric", "size_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ def echo_metric(size_mb: float) -> str:
     return f"echo_{size_label(size_mb)}MB_GBps"
 
 
+def echo_numpy_metric(size_mb: float) -> str:
+    """Name of the numpy echo-throughput metric."""
+    return f"echo_numpy_{size_label(size_mb)}MB_GBps"
+
+
 def scale_metric(workers: int, phase: str) -> str:
     """Name of a scale-mode metric; ``phase`` is init, all_to_all or shutdown."""
     return f"scale_{workers}w_{phase}_s"
@@ -107,6 +113,10 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                        workload, rss_target),
         ]
         return specs
+    if workload == "echo_numpy":
+        return [MetricSpec(echo_numpy_metric(options.echo_numpy_mb),
+                           f"echo {size_label(options.echo_numpy_mb)} MB numpy float32",
+                           "GB/s", "higher", workload)]
     if workload == "train":
         dims = "-".join(str(d) for d in options.train_dims)
         return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "

@@ -51,3 +51,7 @@ class SerializationError(RpcError):
 
 class ShutdownError(RpcError):
     """Graceful shutdown could not complete (for example a worker is missing)."""
+
+
+class ThreadFailedError(RpcError):
+    """A background thread of torchrpc failed and cannot go on; the agent is unusable."""

@@ -37,13 +37,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _wire
+from .. import _threads, _wire
+from .._threads import Guard
 from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
-                      SerializationError, ShutdownError, WorkerLeftError)
+                      SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError)
 from . import membership, rendezvous
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
@@ -317,6 +318,9 @@ class Agent:
         self._lost_seen = 0
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
+        self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
+        # Set when a background thread cannot go on (see fail): every API call raises it.
+        self.failure: Optional[ThreadFailedError] = None
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -331,6 +335,7 @@ class Agent:
         try:
             self._transport = Transport(rank, secret, self._limits, self._on_connect,
                                         self._on_frame, self._on_close, host,
+                                        on_fatal=self.fail,
                                         tls_contexts=self._tls_contexts(),
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
@@ -356,21 +361,47 @@ class Agent:
         for r, info in infos.items():
             self._add_worker(r, info)
         self._state = "running"
-        self._timer = threading.Thread(target=self._timer_loop, name=f"torchrpc-timer-{self.name}",
-                                       daemon=True)
-        self._timer.start()
+        self._timer = self._start_thread("timer", self._timer_loop)
         if self.elastic:
-            self._members_thread = threading.Thread(
-                target=self._follow_members, name=f"torchrpc-members-{self.name}", daemon=True)
-            self._members_thread.start()
+            self._members_thread = self._start_thread("members", self._follow_members)
         if self._hb_interval > 0:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                               name=f"torchrpc-heartbeat-{self.name}")
-            self._heartbeat.start()
+            self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
         log.info("torchrpc: worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
+
+    def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
+        """Start background thread ``role`` running ``loop(guard)``; if it cannot go on,
+        the agent fails."""
+        guard = Guard(f"the {role} thread of {self.name}", self.fail)
+        return _threads.start(f"torchrpc-{role}-{self.name}", guard, loop, guard)
+
+    def fail(self, error: ThreadFailedError) -> None:
+        """A background thread cannot go on: fail every pending call with ``error``, and
+        make every later API call raise it (until ``shutdown``)."""
+        if self.failure is not None or self._state not in ("running", "stopping"):
+            return
+        self.failure = ThreadFailedError(
+            f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
+            f"init_rpc() again")
+        self.failure.__cause__ = error.__cause__
+        log.error("torchrpc: %s", self.failure)
+        for rid in list(self._pending):
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                p.set_exception(self.failure)
+
+    def check_failure(self) -> None:
+        """Raise :attr:`failure` if a background thread could not go on."""
+        if self.failure is not None:
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise a copy of :attr:`failure` (a copy: raising one object again and again
+        would grow its traceback)."""
+        error = ThreadFailedError(str(self.failure))
+        raise error from self.failure.__cause__
 
     def _features(self) -> int:
         return handshake.FEATURE_SHM if getattr(self.options, "enable_shm", False) else 0
@@ -379,7 +410,8 @@ class Agent:
         """Whether the workers on this host, computing with torch's thread count each,
         leave CPUs idle (assuming they all compute with as many threads as this one)."""
         mine = self.hostids.get(self.rank)
-        local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
+        with self._lock:
+            local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
         return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
 
     def _same_host(self, rank: int) -> bool:
@@ -431,26 +463,29 @@ class Agent:
         with self._members_lock:
             self._apply_events(self._log.poll())
 
-    def _follow_members(self) -> None:
+    def _follow_members(self, guard: Guard) -> None:
         """Elastic mode: follow the membership log until the agent stops."""
         failures = 0
         while self._state in ("running", "stopping") and not self._members_stop.wait(0.05):
-            try:
-                self._refresh_members()
-                failures = 0
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone
-                failures += 1
-                if failures == 1:
-                    log.warning("torchrpc: %s cannot read the membership log: %s", self.name, exc)
-                if self._members_stop.wait(min(1.0, 0.1 * failures)):
-                    return
+            with guard:
+                try:
+                    self._refresh_members()
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - the store host may be gone
+                    failures += 1
+                    if failures == 1:
+                        log.warning("torchrpc: %s cannot read the membership log: %s",
+                                    self.name, exc)
+                    if self._members_stop.wait(min(1.0, 0.1 * failures)):
+                        return
 
     @property
     def worker_info(self) -> WorkerInfo:
         return self._workers[self.rank]
 
     def worker_infos(self) -> List[WorkerInfo]:
-        return [self._workers[r] for r in sorted(self._workers)]
+        with self._lock:
+            return [self._workers[r] for r in sorted(self._workers)]
 
     def resolve(self, to: Any) -> WorkerInfo:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
@@ -513,15 +548,19 @@ class Agent:
         self._debug_sources.append(source)
 
     def debug_info(self) -> Dict[str, Any]:
+        with self._lock:
+            num_connections = sum(len(v) for v in self._all_conns.values())
+            num_private = sum(len(v) for v in self._private.values())
         info: Dict[str, Any] = {
             "agent.num_pending_requests": len(self._pending),
             "agent.thread_pool_size": self._pool.num_threads,
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
             "agent.num_queued_tasks": self._pool.num_pending,
-            "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
-            "agent.num_private_connections": sum(len(v) for v in self._private.values()),
+            "agent.num_connections": num_connections,
+            "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
-            "agent.state": self._state,
+            "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.state": self._state if self.failure is None else "failed",
         }
         if self._transport is not None:
             info.update(self._transport.debug_info())
@@ -751,8 +790,10 @@ class Agent:
         """Timer: unclaimed parked requests older than a tick get their reply read."""
         if not self._parked:
             return
-        for rid, parked in list(self._parked.items()):
-            if now - parked.since > _LENT_TICK and self._parked.pop(rid, None) is not None:
+        for rid in list(self._parked):  # the keys: one C-level copy, see docs/design.md
+            parked = self._parked.get(rid)
+            if parked is not None and now - parked.since > _LENT_TICK \
+                    and self._parked.pop(rid, None) is not None:
                 try:
                     self._pool.submit(self._drain, parked.conn, rid)
                 except RuntimeError:
@@ -793,7 +834,11 @@ class Agent:
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
         if not conn.closed and self._state == "running":
-            self._private.setdefault(dst.id, []).append(conn)
+            free = self._private.get(dst.id)
+            if free is None:
+                with self._lock:  # keys change under the lock only (debug_info iterates)
+                    free = self._private.setdefault(dst.id, [])
+            free.append(conn)
 
     def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
@@ -886,6 +931,7 @@ class Agent:
                                    worker=dst.name)
 
     def _check_running(self) -> None:
+        self.check_failure()
         if self._state != "running":
             raise NotInitializedError(
                 f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
@@ -950,7 +996,8 @@ class Agent:
             return
         w = self._workers.get(rank)
         name = w.name if w else f"rank{rank}"
-        self._lost[rank] = str(reason)
+        with self._lock:
+            self._lost[rank] = str(reason)
         log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._fail_pending(rank, ConnectionLostError(
@@ -958,8 +1005,9 @@ class Agent:
             f"died.", worker=name))
 
     def _fail_pending(self, rank: int, error: RpcError) -> None:
-        for rid, p in list(self._pending.items()):
-            if p.dst.id == rank and self._pending.pop(rid, None) is not None:
+        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
+            p = self._pending.get(rid)
+            if p is not None and p.dst.id == rank and self._pending.pop(rid, None) is not None:
                 self._fail(rid, p, error)
 
     # -- frames ------------------------------------------------------------------------------------
@@ -1044,6 +1092,9 @@ class Agent:
         _inline.conn = conn
         try:
             self._serve(src, header, envelope, buffers, handler, via)
+        except Exception as exc:  # noqa: BLE001 - must not reach a reader that lent its role
+            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self.name}",
+                  limit=None).failed(exc)
         finally:
             _inline.conn = None
             kept = self._lent.pop(conn, None) is not None
@@ -1087,7 +1138,8 @@ class Agent:
         """Timer: hand on the reading role of requests that run inline for too long."""
         if not self._lent:
             return
-        overdue = [c for c, since in list(self._lent.items()) if now - since > INLINE_LIMIT]
+        lent = self._lent
+        overdue = [c for c in list(lent) if now - lent.get(c, now) > INLINE_LIMIT]
         for conn in overdue:
             self._lend_out(conn)
 
@@ -1252,64 +1304,80 @@ class Agent:
             if heap[0][1] == rid:
                 self._timer_cv.notify()
 
-    def _timer_loop(self) -> None:
+    def _timer_loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool
         cv = self._timer_cv
-        while True:
-            expired = []
+        while guard.ok and self._state != "stopped":
+            wait = _LENT_TICK  # after a round that failed, the next comes soon
+            with guard:
+                wait = self._timer_round(guard)
             with cv:
                 if self._state == "stopped":
                     return
-                now = time.monotonic()
-                heap = self._heap
-                while heap and heap[0][0] <= now:
-                    expired.append(heapq.heappop(heap)[1])
-                if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
-                    self._heap = heap = [e for e in heap if e[1] in self._pending]
-                    heapq.heapify(heap)
-                self._timer_slow = True  # before looking at _lent: see _serve_inline
-                tick = _TICK
-                if any(not c.private for c in list(self._lent)) \
-                        or any(pending() for pending in self._tick_pending):
-                    self._timer_slow, tick = False, _LENT_TICK
-                wait = min(tick, heap[0][0] - now) if heap else tick
-                due = []
-                later = self._later
-                while later and later[0][0] <= now:
-                    due.append(heapq.heappop(later))
-                if later:
-                    wait = min(wait, later[0][0] - now)
-            for _, _, fn, args in due:
-                try:
-                    self._pool.submit(fn, *args)
-                except RuntimeError:
-                    pass  # the pool is shut down: so is everything a callback would do
-            for rid in expired:
-                p = self._pending.pop(rid, None)
-                if p is not None:
-                    p.set_exception(RpcTimeoutError(
-                        f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
-                        f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
-                        f"for this call)"))
-            self._check_lent(now)
-            self._drain_parked(now)
-            for hook in self._tick_hooks:
-                try:
-                    hook()
-                except Exception:  # noqa: BLE001 - the timer must keep running
-                    log.exception("torchrpc: a tick hook of %s failed", self.name)
-            if now >= self._next_tick:
-                self._next_tick = now + _TICK
-                self._pool.check_progress()
-                if self._transport is not None:
-                    self._transport.housekeeping()
-                    set_spare_cpus(self._spare_cpus())
-            self._check_liveness(now)
-            with cv:
-                if self._state != "stopped":
-                    if not self._timer_slow:  # woken meanwhile by an inline request
-                        wait = min(wait, _LENT_TICK)
-                    cv.wait(max(wait, 0.0))
+                if not self._timer_slow:  # woken meanwhile by an inline request
+                    wait = min(wait, _LENT_TICK)
+                cv.wait(max(wait, 0.0))
+
+    def _timer_round(self, guard: Guard) -> float:
+        """One round of the timer: fail expired requests, run what is due; return how long
+        to sleep. A step that fails for one request or callback spares the others."""
+        cv = self._timer_cv
+        expired = []
+        with cv:
+            now = time.monotonic()
+            heap = self._heap
+            while heap and heap[0][0] <= now:
+                expired.append(heapq.heappop(heap)[1])
+            if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
+                self._heap = heap = [e for e in heap if e[1] in self._pending]
+                heapq.heapify(heap)
+            self._timer_slow = True  # before looking at _lent: see _serve_inline
+            tick = _TICK
+            if any(not c.private for c in list(self._lent)) \
+                    or any(pending() for pending in self._tick_pending):
+                self._timer_slow, tick = False, _LENT_TICK
+            wait = min(tick, heap[0][0] - now) if heap else tick
+            due = []
+            later = self._later
+            while later and later[0][0] <= now:
+                due.append(heapq.heappop(later))
+            if later:
+                wait = min(wait, later[0][0] - now)
+        for _, _, fn, args in due:
+            try:
+                self._pool.submit(fn, *args)
+            except RuntimeError:
+                pass  # the pool is shut down: so is everything a callback would do
+            except Exception as exc:  # noqa: BLE001 - the other callbacks still run
+                guard.failed(exc)
+        for rid in expired:
+            try:
+                self._expire(rid)
+            except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
+                guard.failed(exc)
+        self._check_lent(now)
+        self._drain_parked(now)
+        for hook in self._tick_hooks:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - one layer must not stop the others
+                guard.failed(exc)
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK
+            self._pool.check_progress()
+            if self._transport is not None:
+                self._transport.housekeeping()
+                set_spare_cpus(self._spare_cpus())
+        self._check_liveness(now)
+        return wait
+
+    def _expire(self, rid: int) -> None:
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            p.set_exception(RpcTimeoutError(
+                f"RPC to worker {p.dst.name} (rank {p.dst.id}) calling "
+                f"{describe(p.what)} timed out after {p.timeout:g} s (the limit set "
+                f"for this call)"))
 
     # -- failure detection -------------------------------------------------------------------------
     #
@@ -1327,25 +1395,40 @@ class Agent:
     # this one is found too (check_peers).
 
     def _connections_by_peer(self) -> Dict[int, List[Connection]]:
+        """The open shared connections of each peer that has one (never an empty list: a
+        connection may close meanwhile, but each is tested once)."""
+        out = {}
         with self._lock:
-            return {r: [c for c in lst if not c.closed] for r, lst in self._all_conns.items()
-                    if any(not c.closed for c in lst)}
+            for rank, lst in self._all_conns.items():
+                live = [c for c in lst if not c.closed]
+                if live:
+                    out[rank] = live
+        return out
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, guard: Guard) -> None:
         interval = self._hb_interval
         envelope = _wire.encode(None)[0]
-        while not self._stopped.wait(interval / 2):
-            now = time.monotonic()
-            for rank, conns in self._connections_by_peer().items():
-                if now - max(c.last_send for c in conns) < interval:
-                    continue  # traffic to this peer is proof enough
-                conn = self._conns.get(rank)
-                if conn is None or conn.closed:
-                    conn = conns[0]
-                try:
-                    conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
-                except RpcError:
-                    pass  # closed meanwhile; its reader reports why
+        while guard.ok and not self._stopped.wait(interval / 2):
+            with guard:
+                now = time.monotonic()
+                for rank, conns in self._connections_by_peer().items():
+                    try:
+                        self._beat(rank, conns, now, interval, envelope)
+                    except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
+                        guard.failed(exc)
+
+    def _beat(self, rank: int, conns: List[Connection], now: float, interval: float,
+              envelope: bytes) -> None:
+        """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
+        if now - max(c.last_send for c in conns) < interval:
+            return  # traffic to this peer is proof enough
+        conn = self._conns.get(rank)
+        if conn is None or conn.closed:
+            conn = conns[0]
+        try:
+            conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
+        except RpcError:
+            pass  # closed meanwhile; its reader reports why
 
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
@@ -1372,6 +1455,7 @@ class Agent:
                 f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
                 f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
                 worker=name)
+            self._heartbeat_timeouts += 1
             for conn in conns:
                 conn.close(error)
 
@@ -1398,15 +1482,19 @@ class Agent:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
-        for r in [r for r in list(self._lost) if r not in self._left and r not in self._gone]:
+        with self._lock:
+            lost = [r for r in self._lost if r not in self._left and r not in self._gone]
+        for r in lost:
             w = self._workers.get(r)
             if w is None:
                 continue
             try:
                 self._connection(w, patient=True)  # a live worker reconnects
             except RpcError as exc:
-                self._gone[r] = str(exc)
-        gone = {r: why for r, why in list(self._gone.items()) if r not in self._left}
+                with self._lock:
+                    self._gone[r] = str(exc)
+        with self._lock:
+            gone = {r: why for r, why in self._gone.items() if r not in self._left}
         if gone:
             def name(r: int) -> str:
                 w = self._workers.get(r)
@@ -1423,7 +1511,9 @@ class Agent:
             return
         self._next_share = now + 0.2
         store = self.store
-        for r, why in list(self._gone.items()):
+        with self._lock:
+            gone = list(self._gone.items())
+        for r, why in gone:
             if r not in self._shared_lost and r not in self._left:
                 self._shared_lost.add(r)
                 store.set(f"lost/{r}", f"{self.name} lost it: {why}")
@@ -1432,10 +1522,14 @@ class Agent:
         if seen == self._lost_seen:
             return
         self._lost_seen = seen
-        for r in list(self._workers):
+        with self._lock:
+            ranks = list(self._workers)
+        for r in ranks:
             if r != self.rank and r not in self._lost and r not in self._left \
                     and store.check([f"lost/{r}"]):
-                self._lost[r] = store.get(f"lost/{r}").decode(errors="replace")
+                why = store.get(f"lost/{r}").decode(errors="replace")
+                with self._lock:
+                    self._lost[r] = why
                 self._shared_lost.add(r)
 
     def _probe_absent(self, barrier: str) -> None:
@@ -1445,7 +1539,9 @@ class Agent:
         if now < self._next_probe:
             return
         self._next_probe = now + 1.0
-        for r, w in list(self._workers.items()):
+        with self._lock:
+            workers = list(self._workers.items())
+        for r, w in workers:
             if r == self.rank or r in self._left or r in self._lost:
                 continue
             if self.store.check([f"{barrier}/{r}"]):
@@ -1453,7 +1549,9 @@ class Agent:
             try:
                 self._connection(w)  # once connected, EOF and heartbeats watch it
             except RpcError as exc:
-                self._lost[r] = self._gone[r] = f"unreachable while the group shuts down: {exc}"
+                with self._lock:
+                    self._lost[r] = self._gone[r] = \
+                        f"unreachable while the group shuts down: {exc}"
                 log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 
@@ -1466,21 +1564,15 @@ class Agent:
         if graceful and self.elastic:
             try:
                 for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
-                    for hook in self._shutdown_hooks:
-                        hook(deadline)
-                    self._wait_pending(deadline)
+                    self._finish_work(deadline)
             except (RpcError, RuntimeError) as exc:
                 error = exc
         elif graceful:
             try:
-                for hook in self._shutdown_hooks:
-                    hook(deadline)
-                self._wait_pending(deadline)
+                self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/1"), rank=self.rank)
-                for hook in self._shutdown_hooks:
-                    hook(deadline)
-                self._wait_pending(deadline)
+                self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/2"), rank=self.rank)
                 self._state = "stopping"
@@ -1489,10 +1581,22 @@ class Agent:
             except (RpcError, RuntimeError) as exc:
                 error = exc
         self._stop()
+        if self.failure is not None:
+            self._raise_failure()
         if isinstance(error, ShutdownError):
             raise error
         if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
             raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
+
+    def _finish_work(self, deadline: Optional[float]) -> None:
+        """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
+        Not on a failed agent: the hooks may wait for the very thread that failed (its
+        pending requests have failed already), so it only meets the group."""
+        if self.failure is not None:
+            return
+        for hook in self._shutdown_hooks:
+            hook(deadline)
+        self._wait_pending(deadline)
 
     def _stop(self) -> None:
         self._state = "stopping"
@@ -1528,7 +1632,8 @@ class Agent:
                 p.set_exception(NotInitializedError(
                     f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
                     f"to {describe(p.what)} arrived"))
-        self._private.clear()
+        with self._lock:
+            self._private.clear()
         self._parked.clear()
         if self._transport is not None:
             self._transport.close()

@@ -33,7 +33,7 @@ import torch
 from torch.distributed import TCPStore
 
 from .options import BenchOptions
-from .workloads import PAIR_RUNNERS, Turns, WorkerContext, peak_rss_mb
+from .workloads import PAIR_RUNNERS, Turns, WorkerContext, memory_mb, peak_rss_mb
 
 TIMEOUT_MARKER = "Timeout ("
 """How faulthandler's watchdog starts its report; the launcher looks for it in the log."""
@@ -182,6 +182,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
         if not torch.equal(value, torch.full((2,), 2.0)):
             raise AssertionError(f"all-to-all call returned {value!r}")
     record.data["all_to_all"] = [start, time.time()]
+    record.data["memory_after_all_to_all_MB"] = memory_mb()
     record.phase("all_to_all-barrier")
     _barrier(store, "called", world_size, limit)
 
@@ -189,6 +190,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
     start = time.time()
     rpc.shutdown()
     record.data["shutdown"] = [start, time.time()]
+    record.data["peak_rss_MB"] = peak_rss_mb()
     record.phase("done")
     _exit_barrier(store, world_size)
 
@@ -205,6 +207,7 @@ def main(argv: list[str]) -> int:
         record.phase("import")
         mods = {role: importlib.import_module(name)
                 for role, name in spec["system"]["modules"].items()}
+        record.data["memory_after_import_MB"] = memory_mb()
         if spec["kind"] == "pair":
             run_pair(spec, mods, opts, record)
         else:

@@ -17,7 +17,7 @@ from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.optim import DistributedOptimizer
 
 from . import helpers
-from .group import Group
+from .group import Group, running_group
 
 
 def _fail_times(futs: List, start: float) -> List[float]:
@@ -140,3 +140,16 @@ def test_heartbeat_detects_a_silent_worker():
             group.kill(2)
         codes = _cleanup(group)
     assert codes[1] == 1, codes
+
+
+def test_a_silent_worker_that_runs_on_this_host_is_starved_not_dead():
+    # Dozens of workers on a few cores: a worker's heartbeat thread may not run for
+    # seconds. The kernel says it runs, so its silence does not make it dead.
+    with running_group(2, threads=2, timeout=30.0,
+                       self_options={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}):
+        assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+        time.sleep(0.6)  # worker1 has sent heartbeats: it is watched
+        assert rpc.rpc_sync("worker1", helpers.stop_heartbeats)
+        time.sleep(3.0)  # three heartbeat timeouts of silence
+        assert rpc.get_debug_info()["agent.num_heartbeat_timeouts"] == 0
+        assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3

@@ -39,7 +39,7 @@ import torch
 
 from .. import _threads, _wire
 from .._threads import Guard
-from .._transport import Connection, Releasable, Transport, handshake
+from .._transport import Connection, Releasable, Transport, handshake, shm
 from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
@@ -58,6 +58,7 @@ _TICK = 0.1  # the timer wakes at least this often
 INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
+_STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -264,6 +265,7 @@ class Agent:
         self._by_name: Dict[str, WorkerInfo] = {}
         self._addresses: Dict[int, Tuple[str, int]] = {}
         self.hostids: Dict[int, str] = {}
+        self._procs: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, pid namespace)
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
@@ -311,6 +313,7 @@ class Agent:
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
+        self._pidns = shm.pid_namespace()
         self._beating: set[int] = set()  # ranks that send heartbeats (so may be timed out)
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
@@ -439,6 +442,8 @@ class Agent:
             self._gone.pop(rank, None)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
+            if "pid" in info and "pidns" in info:
+                self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
         for event in events:
@@ -977,6 +982,10 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
+        if self._state != "running":
+            # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
+            # connection would wait for a reply until its timeout.
+            self._goodbye(conn)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
@@ -1393,6 +1402,11 @@ class Agent:
     # by failing to connect again; there, confirmed losses are shared through the store,
     # and workers missing from the barrier are probed, so a worker that died unseen by
     # this one is found too (check_peers).
+    #
+    # A silent peer on this host whose process the kernel shows running (not stopped, not
+    # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
+    # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
+    # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
 
     def _connections_by_peer(self) -> Dict[int, List[Connection]]:
         """The open shared connections of each peer that has one (never an empty list: a
@@ -1430,6 +1444,14 @@ class Agent:
         except RpcError:
             pass  # closed meanwhile; its reader reports why
 
+    def _runs_here(self, rank: int) -> bool:
+        """Whether worker ``rank`` is a process of this host (same pid namespace) that the
+        kernel shows alive and not stopped."""
+        proc = self._procs.get(rank)
+        if proc is None or proc[1] != self._pidns or not proc[1] or not self._same_host(rank):
+            return False
+        return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
+
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
         if timeout <= 0 or self._state != "running" or not self._beating:
@@ -1449,6 +1471,8 @@ class Agent:
                     continue  # bytes are waiting: the peer spoke, our readers are behind
             except (OSError, ValueError):
                 pass
+            if silent <= timeout * _STARVED and self._runs_here(rank):
+                continue  # alive on this host: starved of CPU, not dead (see above)
             w = self._workers.get(rank)
             name = w.name if w else f"rank{rank}"
             error = ConnectionLostError(
@@ -1588,6 +1612,13 @@ class Agent:
         if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
             raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
 
+    @staticmethod
+    def _goodbye(conn: Connection) -> None:
+        try:
+            conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
+        except RpcError:
+            pass
+
     def _finish_work(self, deadline: Optional[float]) -> None:
         """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
         Not on a failed agent: the hooks may wait for the very thread that failed (its
@@ -1612,10 +1643,7 @@ class Agent:
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
         for conn in conns:
-            try:
-                conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
-            except RpcError:
-                pass
+            self._goodbye(conn)
         for hook in self._stop_hooks:
             try:
                 hook()

@@ -962,14 +962,35 @@ class Agent:
             if lost is not None and self._hb_timeout > 0 and not patient:
                 timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
             try:
-                conn = self._transport.connect(dst.id, host, port, timeout,
-                                               local=self._same_host(dst.id))
+                conn = self._open(dst, host, port, timeout)
             except RpcError as exc:
                 raise ConnectionLostError(
                     f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}"
                     + (f" (its connection was lost before: {lost})" if lost else ""),
                     worker=dst.name) from exc
             return self._conns.get(dst.id) or conn
+
+    def _open(self, dst: WorkerInfo, host: str, port: int, timeout: float) -> Connection:
+        """Connect to ``dst`` within ``timeout``. A peer on this host that runs but did not
+        finish the handshake in time (or reset it) is busy, not gone: with dozens of
+        workers connecting to each other at once on a few cores, a handshake can take
+        longer than the transport waits for one. It is tried again until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return self._transport.connect(dst.id, host, port,
+                                               max(deadline - time.monotonic(), 0.5),
+                                               local=self._same_host(dst.id))
+            except RpcError as exc:
+                busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
+                                                  BrokenPipeError)) and self._runs_here(dst.id)
+                if not busy or time.monotonic() + delay >= deadline:
+                    raise
+                log.info("torchrpc: %s: worker %s is busy (%s); connecting again in %.2g s",
+                         self.name, dst.name, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     # -- connections -------------------------------------------------------------------------------
 

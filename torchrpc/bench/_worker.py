@@ -22,6 +22,7 @@ import datetime
 import faulthandler
 import importlib
 import json
+import logging
 import os
 import sys
 import time
@@ -200,6 +201,9 @@ def main(argv: list[str]) -> int:
     with open(argv[0], encoding="utf-8") as spec_file:
         spec = json.load(spec_file)
     faulthandler.dump_traceback_later(spec["time_limit"], exit=True)
+    # The systems' warnings and errors go to this rank's log, where the launcher looks.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s "
+                        "%(name)s %(threadName)s: %(message)s")
     torch.set_num_threads(1)
     record = Record(spec["result_path"], spec["rank"])
     opts = BenchOptions.from_json(spec["options"])

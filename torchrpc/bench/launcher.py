@@ -60,6 +60,8 @@ class SessionOutcome:
     # below which the session is stopped (GiB; None where /proc/meminfo is missing).
     min_available_gib: float | None = None
     memory_floor_gib: float = 0.0
+    # Per rank: tracebacks and ERROR lines in its whole log (exceptions, caught or not).
+    log_errors: list[int] = dataclasses.field(default_factory=list)
 
     def role(self, rank: int) -> str:
         """Human name of ``rank``: caller/callee in pair sessions, workerN otherwise."""
@@ -253,6 +255,17 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _count_errors(path: Path) -> int:
+    """Tracebacks and ERROR log lines in the log at ``path``."""
+    try:
+        with open(path, "rb") as handle:
+            return sum(1 for line in handle
+                       if line.startswith(b"Traceback (most recent call last)")
+                       or b" ERROR " in line)
+    except OSError:
+        return 0
+
+
 def _tail(path: Path, limit: int = 8000) -> str:
     try:
         with open(path, "rb") as handle:
@@ -318,7 +331,8 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
         returncodes=returncodes,
         log_tails=[_tail(session_dir / f"rank{r}.log") for r in range(world_size)],
         kill_reason=kill_reason, elapsed_s=elapsed, min_available_gib=least,
-        memory_floor_gib=options.min_available_gib)
+        memory_floor_gib=options.min_available_gib,
+        log_errors=[_count_errors(session_dir / f"rank{r}.log") for r in range(world_size)])
 
 
 def available_gib() -> float | None:

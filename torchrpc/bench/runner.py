@@ -169,6 +169,7 @@ def _record_scale(result: RunResult, outcome: SessionOutcome, workers: int) -> N
         "private_after_import_MB": sum(imported) / len(imported) if imported else None,
         "threads_per_worker_max": max(threads) if threads else None,
         "min_available_GiB": outcome.min_available_gib,
+        "workers_with_errors_in_log": sum(1 for n in outcome.log_errors if n),
     })
 
 

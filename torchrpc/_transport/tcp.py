@@ -22,6 +22,7 @@ exception when the connection broke rather than closed.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -359,7 +360,9 @@ class Connection:
     def _next_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
         limits = self._limits
         if self._rmv is None:
-            self._rmv = memoryview(bytearray(_READ_CHUNK))
+            # An anonymous mapping, not a bytearray (which zeroes every page): a page costs
+            # memory only once data lands on it, so idle connections cost next to nothing.
+            self._rmv = memoryview(mmap.mmap(-1, _READ_CHUNK))
         mv = self._rmv
         fill = self._fill
         if self._rstart == self._rend:

@@ -471,18 +471,23 @@ class Agent:
     def _follow_members(self, guard: Guard) -> None:
         """Elastic mode: follow the membership log until the agent stops."""
         failures = 0
-        while self._state in ("running", "stopping") and not self._members_stop.wait(0.05):
-            with guard:
+        while guard.ok and self._state in ("running", "stopping") \
+                and not self._members_stop.wait(0.05):
+            with self._members_lock:
                 try:
-                    self._refresh_members()
-                    failures = 0
+                    events = self._log.poll()
                 except Exception as exc:  # noqa: BLE001 - the store host may be gone
+                    events = None
                     failures += 1
                     if failures == 1:
                         log.warning("torchrpc: %s cannot read the membership log: %s",
                                     self.name, exc)
-                    if self._members_stop.wait(min(1.0, 0.1 * failures)):
-                        return
+                if events is not None:
+                    failures = 0
+                    with guard:
+                        self._apply_events(events)
+            if failures and self._members_stop.wait(min(1.0, 0.1 * failures)):
+                return
 
     @property
     def worker_info(self) -> WorkerInfo:

@@ -272,8 +272,8 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
             check()
         if deadline is not None and time.monotonic() > deadline:
             raise RendezvousError(
-                f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
-                f"workers arrived")
+                f"timed out at the shutdown barrier: {arrived} of {world_size} workers "
+                f"arrived")
         time.sleep(delay)
         # Back off to a few polls a second: a worker may wait here for as long as the
         # others keep working (a callee that has nothing else to do, during the whole

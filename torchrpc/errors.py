@@ -117,3 +117,7 @@ def _rebuild_error(cls: Type[BaseException], args: tuple, state: dict) -> BaseEx
     exc.args = args
     exc.__dict__.update(state)
     return exc
+
+
+class ThreadFailedError(RpcError):
+    """A background thread of torchrpc failed and cannot go on; the agent is unusable."""

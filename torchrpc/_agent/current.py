@@ -22,8 +22,9 @@ class _Handle:
 handle = _Handle()
 
 
-def current_agent() -> "Agent":
-    """The running agent, or a RuntimeError that says RPC is not initialized."""
+def current_agent(failed_ok: bool = False) -> "Agent":
+    """The running agent, or a RuntimeError that says RPC is not initialized; unless
+    ``failed_ok``, the error of an agent whose background thread could not go on."""
     agent = handle.agent
     if agent is None:
         if handle.was_shut_down:
@@ -31,4 +32,6 @@ def current_agent() -> "Agent":
                                       "torchrpc.rpc.init_rpc() again to use it")
         raise NotInitializedError("RPC has not been initialized; call "
                                   "torchrpc.rpc.init_rpc() first")
+    if not failed_ok:
+        agent.check_failure()
     return agent

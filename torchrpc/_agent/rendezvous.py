@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from .._transport.shm import pid_namespace
 from . import secret
 from .worker import check_worker_name
 from ..errors import RendezvousError
@@ -125,6 +126,12 @@ def listen_host(init_method: str, configured: Optional[str]) -> str:
             probe.close()
     except OSError as exc:
         raise RendezvousError(f"no route to the rendezvous host {host!r}: {exc}") from exc
+
+
+def process_identity() -> Dict[str, int]:
+    """This worker's pid and pid namespace, so that a peer on the same host can ask the
+    kernel whether it runs (see Agent._runs_here)."""
+    return {"pid": os.getpid(), "pidns": pid_namespace()}
 
 
 def host_identity() -> str:
@@ -232,7 +239,7 @@ def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[st
             timeout: float) -> Dict[int, Dict[str, Any]]:
     """Publish where this worker listens; wait for every rank; return all infos by rank."""
     info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
-            "pid": os.getpid()}
+            **process_identity()}
     store.set(f"worker/{rank}", json.dumps(info))
     keys = [f"worker/{r}" for r in range(world_size)]
     _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join", rank,
@@ -248,10 +255,12 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
     """
     if rank is not None:
         store.set(f"{key}/{rank}", "1")
-    store.add(key, 1)
+    # The count this worker's arrival made: the last to arrive touches the store no more
+    # (rank 0 may close it the moment everyone is in).
+    arrived = int(store.add(key, 1))
     delay = 0.002
     start = time.monotonic()
-    while int(store.add(key, 0)) < world_size:
+    while arrived < world_size:
         if check is not None:
             try:
                 check()
@@ -263,8 +272,8 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
                 raise
         if deadline is not None and time.monotonic() > deadline:
             raise RendezvousError(
-                f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
-                f"workers arrived")
+                f"timed out at the shutdown barrier: {arrived} of {world_size} workers "
+                f"arrived")
         time.sleep(delay)
         # Back off to a few polls a second: a worker may wait here for as long as the
         # others keep working (a callee that has nothing else to do, during the whole
@@ -272,3 +281,4 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
         # with the workers for the CPUs. 20 polls a second for the first second, so a
         # group that arrives together leaves together; then 5.
         delay = min(delay * 2, 0.05 if time.monotonic() - start < 1.0 else 0.2)
+        arrived = int(store.add(key, 0))

@@ -69,6 +69,7 @@ from .. import _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
 from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
+from .._threads import Guard
 from .._wire import Kind
 from ..errors import RpcError, RpcTimeoutError, SerializationError
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, ReleaseRequest
@@ -270,17 +271,19 @@ class DistAutogradEngine(CallHook):
             releases, self._releases = self._releases, {}
             self._flushing = False
         agent = self._agent
+        guard = Guard(f"sending autograd context releases from {agent.name}", limit=None)
         for rank, ids in releases.items():
             # One-way: nothing waits for a release. It is written to the connection before
             # this call returns, so a later shutdown of this worker still delivers it.
-            try:
-                agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
-                              ReleaseRequest(tuple(ids)), 0, oneway=True,
-                              what="distributed autograd context release",
-                              retry=_CONTROL_RETRY)
-            except (RpcError, ValueError) as exc:
-                log.debug("torchrpc: %s could not release autograd contexts %s on rank %d: %s",
-                          agent.name, ids, rank, exc)
+            with guard:  # an unexpected failure for one worker spares the others
+                try:
+                    agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
+                                  ReleaseRequest(tuple(ids)), 0, oneway=True,
+                                  what="distributed autograd context release",
+                                  retry=_CONTROL_RETRY)
+                except (RpcError, ValueError) as exc:
+                    log.debug("torchrpc: %s could not release autograd contexts %s on rank "
+                              "%d: %s", agent.name, ids, rank, exc)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return self.retrieve(context_id).gradients()

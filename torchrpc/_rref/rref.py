@@ -25,10 +25,12 @@ from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
+from .. import _threads
 from .._agent import (Agent, AsyncResult, MessageContext, Parked, WorkerInfo, describe,
                       fresh_error, run_callable)
 from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
+from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
 from ..errors import NotInitializedError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
@@ -371,6 +373,7 @@ class RRefLayer:
         self.book = RRefBook(agent.rank)
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._users: "weakref.WeakValueDictionary[GloballyUniqueId, RRef]" = weakref.WeakValueDictionary()
+        self._users_lock = threading.Lock()  # adding and snapshotting _users (see _stop)
         self._phase = 0
         # Deletions: user RRefs garbage collected here (ForkIds, appended by __del__) and
         # the USER_DELETE pairs they became, by owner rank, not sent yet. A REMOTE_CALL or
@@ -385,8 +388,7 @@ class RRefLayer:
         # _get_type) are seen as user calls are (profiling).
         self.public_rpc_async: Callable[..., torch.futures.Future] = functools.partial(
             _agent_rpc_async, agent)
-        self._sender = threading.Thread(target=self._send_loop, name=f"torchrpc-rref-{agent.name}",
-                                        daemon=True)
+        self._guard = Guard(f"the RRef sender thread of {agent.name}", agent.fail)
         agent.extensions["rref"] = self
         agent.register_handler(Kind.RREF_REMOTE_CALL, self._on_remote_call)
         agent.register_handler(Kind.RREF_FETCH, self._on_fetch)
@@ -398,7 +400,8 @@ class RRefLayer:
         agent.add_stop_hook(self._stop)
         # Deleted RRefs pin their values on the owners until the deletion arrives.
         agent.add_tick_hook(self._tick, pending=lambda: bool(self.deferred or self._ready))
-        self._sender.start()
+        self._sender = _threads.start(f"torchrpc-rref-{agent.name}", self._guard,
+                                      self._send_loop)
 
     def _counts(self) -> Dict[str, int]:
         counts = self.book.counts()
@@ -419,7 +422,8 @@ class RRefLayer:
         fork_id = self.book.new_id()
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
-        self._users[fork_id] = rref
+        with self._users_lock:
+            self._users[fork_id] = rref
         deletes = self.take_deletes(dst.id)
         try:
             # Parked: the reply is read by this RRef's to_here() if it comes soon.
@@ -481,7 +485,8 @@ class RRefLayer:
             return RRef._make(self, rref_id, None, agent.worker_info, entry)
         owner_info = agent.resolve(owner)
         rref = RRef._make(self, rref_id, fork_id, owner_info, None, confirmed=by_owner)
-        self._users[fork_id] = rref
+        with self._users_lock:
+            self._users[fork_id] = rref
         msgs = self.book.user_created(rref_id, fork_id, owner, confirmed=by_owner,
                                       parent=None if by_owner else sender.id)
         self.post(msgs)
@@ -602,20 +607,29 @@ class RRefLayer:
             self._send(Msg(dst, Kind.RREF_USER_DELETE, tuple(pairs)))
 
     def _send_loop(self) -> None:
-        q = self._queue
-        while True:
+        q, guard = self._queue, self._guard
+        while guard.ok:
             item = q.get()
             if item is None:
                 return
-            what, arg = item
-            if what == "deletes":
+            with guard:
+                self._handle(*item)
+
+    def _handle(self, what: str, arg: Any) -> None:
+        """Sender thread: act on one item of the queue."""
+        if what == "deletes":
+            self._send_deletes()
+        elif what == "flush":
+            try:
                 self._send_deletes()
-            elif what == "flush":
-                self._send_deletes()
-                arg.set()
-            else:
-                for msg in arg:
+            finally:
+                arg.set()  # shutdown waits for it, whatever happened
+        else:
+            for msg in arg:
+                try:
                     self._send(msg)
+                except Exception as exc:  # noqa: BLE001 - the other messages still go
+                    self._guard.failed(exc)
 
     def _send(self, msg: Msg) -> None:
         agent = self.agent
@@ -702,7 +716,9 @@ class RRefLayer:
         self._queue.put(None)
         if self._sender is not threading.current_thread():
             self._sender.join(10)
-        for rref in list(self._users.values()):
+        with self._users_lock:
+            users = list(self._users.values())
+        for rref in users:
             rref._deleted = True
         self.book.clear()
 

@@ -51,6 +51,8 @@ _HELP = {
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
+    "min_available_gib": "stop a session (its workers are killed) when the machine's "
+                         "available memory falls below this many GiB; 0: never",
     "time_limit": "hard limit for one two-worker session (spawn to exit), seconds",
 }
 

@@ -55,6 +55,8 @@ class BenchOptions:
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
     scale_threads: int = 2
     scale_time_limit: float = 150.0
+    # A session is stopped when the machine's available memory falls below this (GiB).
+    min_available_gib: float = 3.0
     # hard limit on one pair session (spawn, init, workload, shutdown)
     time_limit: float = 300.0
 
@@ -71,6 +73,9 @@ class BenchOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
                                  f"got {getattr(self, name)}")
+        if self.min_available_gib < 0:
+            raise ValueError(f"--min-available-gib must be >= 0 (0: never stop), "
+                             f"got {self.min_available_gib}")
         for name in ("rpc_timeout", "time_limit", "scale_time_limit", "train_lr"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "

@@ -28,7 +28,7 @@ from torch import nn
 from .metrics import echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
-__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb", "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 
@@ -92,6 +92,28 @@ def percentile(samples: list[float], q: float) -> float:
     low = int(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's memory now, in MiB: ``rss`` (resident), ``private`` (resident and
+    not shared with other processes, e.g. by torch's libraries: what the process adds to
+    the machine) and ``threads`` (a count). Empty where ``/proc`` is missing."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Private_Clean", "Private_Dirty"):
+                    out[key] = int(rest.split()[0]) / 1024.0
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Threads:"):
+                    out["threads"] = float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"rss": out.get("Rss", 0.0),
+            "private": out.get("Private_Clean", 0.0) + out.get("Private_Dirty", 0.0),
+            "threads": out.get("threads", 0.0)}
 
 
 def peak_rss_mb() -> float:

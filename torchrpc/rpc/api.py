@@ -154,7 +154,7 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
         timeout (float): seconds to wait in a graceful shutdown; 0 means no limit.
     """
     with _state.lock:
-        agent = current_agent()
+        agent = current_agent(failed_ok=True)  # a failed agent stops, then raises why
         try:
             agent.shutdown(graceful=graceful, timeout=timeout)
         finally:

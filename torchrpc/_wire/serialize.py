@@ -336,6 +336,11 @@ _REDUCERS: dict = {
 }
 
 
+def register_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
+    """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says."""
+    _REDUCERS[cls] = lambda enc, obj: reducer(obj)
+
+
 class _Pickler(pickle.Pickler):
     """Protocol 5 with out-of-band buffers; tensors reduced by an :class:`_Encoder` (set as
     ``enc`` after construction: a Python ``__init__`` would cost a call per message)."""

@@ -271,6 +271,7 @@ def test_scripted_remote_module_runs_in_torchscript():
     expected = ("3", 2, torch.full((1,), 2.0))
     assert rm.forward(*ARGS) == expected  # unscripted, the methods are Python
     scripted = torch.jit.script(rm)
+    assert scripted.module_rref is rm.module_rref  # left to Python, as torch keeps it
     assert scripted.forward(*ARGS) == expected
     assert scripted.forward_async(*ARGS).wait() == expected
     assert run_forward(scripted, torch.ones(1)) == expected
@@ -278,6 +279,24 @@ def test_scripted_remote_module_runs_in_torchscript():
     # The remote module is a ScriptModule, as in torch.
     assert rpc.rpc_sync("worker1", type_name, args=(rm.get_module_rref().to_here(),)) \
         == "RecursiveScriptModule"
+
+
+class Outer(nn.Module):
+    """A local module around a scriptable RemoteModule."""
+
+    def __init__(self, remote: nn.Module) -> None:
+        super().__init__()
+        self.remote = remote
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.remote.forward(x, 1, "a")[2] + 1
+
+
+def test_scripted_remote_module_inside_a_scripted_module():
+    outer = torch.jit.script(Outer(scriptable(scale=3.0)))
+    assert torch.equal(outer(torch.ones(1)), torch.full((1,), 4.0))
+    with pytest.raises(RuntimeError, match="^Passing a script RemoteModule over RPC"):
+        rpc.rpc_sync("worker2", type_name, args=(outer,))
 
 
 def test_scripted_remote_module_cannot_be_pickled():

@@ -264,7 +264,10 @@ class _RemoteModule(nn.Module):
         >>> rpc.shutdown()
     """
 
-    _remote_target: torch.jit.Future[Any]  # TorchScript's type of the target attribute
+    _remote_target: torch.jit.Future[Any]  # the type of _scriptable.TARGET_ATTRIBUTE in TorchScript
+    # Python-only attributes: torch.jit.script leaves them on the wrapper and does not try
+    # (slowly, and in vain) to compile their classes.
+    __jit_ignored_attributes__ = ["module_rref", "generated_methods"]
 
     def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module],
                  args: Optional[Sequence[Any]] = None, kwargs: Optional[Dict[str, Any]] = None,

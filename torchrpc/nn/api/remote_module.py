@@ -128,10 +128,11 @@ def _move(value: Any, device: torch.device) -> Any:
 def _remote_forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool,
                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     module = module_rref.local_value()
-    if torch.device(device).type != "cuda":
+    where = torch.device(device)
+    if where.type != "cuda":
         return module.forward(*args, **kwargs)
     # CPU inputs go to the module's device; without a device map the result comes back on CPU.
-    result = module.forward(*_move(args, torch.device(device)), **_move(kwargs, torch.device(device)))
+    result = module.forward(*_move(args, where), **_move(kwargs, where))
     return result if is_device_map_set else _move(result, torch.device("cpu"))
 
 
@@ -146,16 +147,21 @@ def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
 # -- the installed methods ----------------------------------------------------------------------
 
 
+def _call_forward(call: Callable[..., Any], module_rref: rpc.RRef, device: str,
+                  is_device_map_set: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """Run the owner's ``module.forward`` with ``call`` (``rpc_sync`` or ``rpc_async``)."""
+    return call(module_rref.owner(), _remote_forward,
+                args=(module_rref, device, is_device_map_set, args, kwargs))
+
+
 def _forward_async(self: "_RemoteModule", *args: Any, **kwargs: Any) -> torch.futures.Future:
-    rref = self.module_rref
-    return rpc.rpc_async(rref.owner(), _remote_forward,
-                         args=(rref, self.device, self.is_device_map_set, args, kwargs))
+    return _call_forward(rpc.rpc_async, self.module_rref, self.device, self.is_device_map_set,
+                         args, kwargs)
 
 
 def _forward(self: "_RemoteModule", *args: Any, **kwargs: Any) -> Any:
-    rref = self.module_rref
-    return rpc.rpc_sync(rref.owner(), _remote_forward,
-                        args=(rref, self.device, self.is_device_map_set, args, kwargs))
+    return _call_forward(rpc.rpc_sync, self.module_rref, self.device, self.is_device_map_set,
+                         args, kwargs)
 
 
 # Installed under these names, as torch's generated methods are.
@@ -193,14 +199,12 @@ def _reduce_target_future(future: _TargetFuture) -> Tuple[Any, ...]:
 
 def _run_async(target: Any, args: Tuple[Any, ...]) -> torch.futures.Future:
     t: _Target = target.wait()
-    return rpc.rpc_async(t.module_rref.owner(), _remote_forward,
-                         args=(t.module_rref, t.device, t.is_device_map_set, args, {}))
+    return _call_forward(rpc.rpc_async, t.module_rref, t.device, t.is_device_map_set, args, {})
 
 
 def _run_sync(target: Any, args: Tuple[Any, ...]) -> Any:
     t: _Target = target.wait()
-    return rpc.rpc_sync(t.module_rref.owner(), _remote_forward,
-                        args=(t.module_rref, t.device, t.is_device_map_set, args, {}))
+    return _call_forward(rpc.rpc_sync, t.module_rref, t.device, t.is_device_map_set, args, {})
 
 
 class _GeneratedMethods(tuple):

@@ -449,6 +449,11 @@ _OBJECT_REDUCE_EX = object.__reduce_ex__
 _OBJECT_REDUCE = object.__reduce__
 
 
+def register_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
+    """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says."""
+    _REDUCERS[cls] = lambda enc, obj: reducer(obj)
+
+
 class _Pickler(pickle.Pickler):
     """Protocol 5 with out-of-band buffers; tensors, and objects with their own reduction,
     reduced by an :class:`_Encoder` (set as ``enc`` after construction: a Python

@@ -71,7 +71,7 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "_parked", "__weakref__")
+                 "_deleted", "_creation", "_parked", "_profiling_future", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         layer = _layer_of(current_agent())
@@ -92,6 +92,7 @@ class RRef(Generic[T]):
         self._deleted = False
         self._creation: Optional[torch.futures.Future] = None
         self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
+        self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
 
     @classmethod
     def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
@@ -180,6 +181,15 @@ class RRef(Generic[T]):
         return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id, ()),
                                          self._layer.agent.default_timeout,
                                          what=f"RRef fetch of {self!r}")
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        r"""A future that completes once the profiler event of the ``rpc.remote`` that made
+        this RRef has been recorded (its owner created the value); only for an RRef made
+        while a profiler was enabled."""
+        if self._profiling_future is None:
+            raise RuntimeError("Profiling future has not been set: this RRef was not made by "
+                               "rpc.remote() under an enabled profiler")
+        return self._profiling_future
 
     # -- proxies ---------------------------------------------------------------------------------
 

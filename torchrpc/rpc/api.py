@@ -173,6 +173,13 @@ def get_debug_info() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
+def enable_gil_profiling(flag: bool) -> None:
+    r"""Set whether this worker's agent measures how long its threads wait for the GIL
+    (``agent.gil_average_wait_time_us`` in its debug info). This incurs a slight
+    overhead cost; disabled by default."""
+    _profiler.enable_gil_profiling(current_agent(), flag)
+
+
 def _get_current_rpc_agent() -> Agent:
     """The agent of this worker (torch's ``RpcAgent`` methods: ``get_worker_info``,
     ``get_worker_infos``, ``get_debug_info``); a RuntimeError before ``init_rpc``."""
@@ -299,7 +306,7 @@ def _invoke(rpc_type: str, to: WorkerLike, func: Callable[..., Any], args: Any, 
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
-        fut = _profiler.profiled(rpc_type, agent, dst, func, lambda: agent.call(
+        fut = _profiler.profiled(rpc_type[len("rpc_"):], agent, dst, func, lambda: agent.call(
             dst, func, args, kwargs, timeout, retry=retry))
     else:
         fut = agent.call(dst, func, args, kwargs, timeout, retry=retry)
@@ -388,8 +395,8 @@ def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, .
     """
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     if _profiler.enabled():
-        return _profiler.profiled("rpc_remote", agent, dst, func,
-                                  lambda: _rref.remote(agent, dst, func, args, kwargs, timeout))
+        return _profiler.profiled_remote(agent, dst, func, lambda target: _rref.remote(
+            agent, dst, target, args, kwargs, timeout))
     return _rref.remote(agent, dst, func, args, kwargs, timeout)
 
 

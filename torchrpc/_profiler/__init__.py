@@ -61,9 +61,9 @@ def span(name: str) -> ContextManager[Any]:
     return record_function(name) if enabled() else contextlib.nullcontext()
 
 
-def profiling_key(mode: str, func_name: str, caller: str, callee: str) -> str:
-    """The event name of an RPC: ``rpc_<mode>#<func_name>(<caller> -> <callee>)``."""
-    return f"rpc_{mode}#{func_name}({caller} -> {callee})"
+def profiling_key(mode: str, func_name: str, src_name: str, dst_name: str) -> str:
+    """The event name of an RPC: ``rpc_<mode>#<func_name>(<src_name> -> <dst_name>)``."""
+    return f"rpc_{mode}#{func_name}({src_name} -> {dst_name})"
 
 
 def function_name(func: Any) -> str:

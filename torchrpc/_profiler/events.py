@@ -107,7 +107,9 @@ class Call:
 
     def receive(self, meta: Any) -> None:
         """The reply (or the failure, with ``meta`` None) is here: keep the callee's events
-        for the parse of the caller's profile."""
+        for the parse of the caller's profile. Only the first call counts."""
+        if self.t_end:
+            return
         self.t_end = now_us()
         if isinstance(meta, tuple) and len(meta) == 2:
             self.span, self.events = float(meta[0]), list(meta[1])

@@ -300,17 +300,18 @@ def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
     return agent, dst, args, kwargs, float(timeout)
 
 
-def _invoke(rpc_type: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
+def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
             timeout: float) -> torch.futures.Future:
-    """The one path of rpc_async and rpc_sync: a future of ``func``'s result on ``to``."""
+    """The one path of rpc_async and rpc_sync (``mode`` "async" or "sync", as in their
+    profiling keys): a future of ``func``'s result on ``to``."""
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
-        fut = _profiler.profiled(rpc_type[len("rpc_"):], agent, dst, func, lambda: agent.call(
+        fut = _profiler.profiled(mode, agent, dst, func, lambda: agent.call(
             dst, func, args, kwargs, timeout, retry=retry))
     else:
         fut = agent.call(dst, func, args, kwargs, timeout, retry=retry)
-    if rpc_type == "rpc_async":
+    if mode == "async":
         futures = getattr(_thread_local_var, "future_list", None)
         if futures is not None:
             futures.append(fut)
@@ -334,7 +335,7 @@ def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any
     Returns:
         A :class:`torch.futures.Future` of the return value of ``func``.
     """
-    return _invoke("rpc_async", to, func, args, kwargs, timeout)
+    return _invoke("async", to, func, args, kwargs, timeout)
 
 
 def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -347,7 +348,7 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     with the remote traceback in the message).
     """
     if _profiler.enabled():
-        return _invoke("rpc_sync", to, func, args, kwargs, timeout).wait()
+        return _invoke("sync", to, func, args, kwargs, timeout).wait()
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
                               retry=functions.retry_policy(func))
@@ -363,7 +364,7 @@ def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[A
     calls, works meanwhile and then collects them (``DistributedOptimizer.step``).
     """
     if _profiler.enabled():
-        return _invoke("rpc_async", to, func, args, kwargs, timeout).wait
+        return _invoke("async", to, func, args, kwargs, timeout).wait
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if retry is not None:

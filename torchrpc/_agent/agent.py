@@ -292,6 +292,8 @@ class Agent:
         self._timer_cv = threading.Condition()
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {Kind.CALL: _handle_call}
         self._hooks: List[CallHook] = []
+        # Hooks asked about every request served, not only those that carry their key.
+        self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
         # Layer name ("rref", "autograd") -> counters of that layer.
@@ -619,6 +621,8 @@ class Agent:
         if layer is None:
             for source in self._debug_sources.values():
                 info.update(source())
+        elif "agent" in self._debug_sources:  # counters upper layers keep for the agent
+            info.update(self._debug_sources["agent"]())
         return info
 
     @property
@@ -1287,14 +1291,18 @@ class Agent:
         scopes: List[CallScope] = []
 
         def recv_hook(meta: Any) -> Optional[Callable]:
-            if not meta:
+            if not meta and not self.serve_all:
                 return None
             for hook in self._hooks:
-                if hook.key in meta:
+                if meta and hook.key in meta:
                     scope = hook.incoming_request(src, kind, meta[hook.key])
-                    if scope is not None:
-                        scope.hook_key = hook.key
-                        scopes.append(scope)
+                elif hook in self.serve_all:
+                    scope = hook.incoming_request(src, kind, None)
+                else:
+                    continue
+                if scope is not None:
+                    scope.hook_key = hook.key
+                    scopes.append(scope)
             return _combine([s.recv_hook for s in scopes])
 
         what: Any = kind  # the function, once known; only error paths describe it

@@ -65,7 +65,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _wire
+from .. import _profiler, _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
 from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
@@ -89,6 +89,12 @@ _ALL_CREDIT = Fraction(1)
 _CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
 _TOMBSTONES = 16384
 _BACKWARD = "distributed autograd backward"
+# Profiler events of a backward pass, named as torch's: the whole pass on the worker that
+# started it, the work of the send functions (gradients that came back, run into the
+# local graph) and of the recv functions (gradients sent back to the senders).
+BACKWARD_EVENT = "torch::distributed::autograd::backward"
+SEND_BACKWARD_EVENT = "SendRpcBackward"
+RECV_BACKWARD_EVENT = "RecvRpcBackward"
 
 
 class _CalleeScope(CallScope):
@@ -356,10 +362,11 @@ class DistAutogradEngine(CallHook):
         timeout = self._agent.default_timeout
         deadline = time.monotonic() + timeout
         try:
-            routed = self._local_pass(ctx, roots, grads)
-            self._forward(context_id, pass_id, routed, _ALL_CREDIT)
-            # Between two workers the pass is usually over here: this thread drove it.
-            finished = state.done or self._wait_pass(state, deadline, timeout)
+            with _profiler.span(BACKWARD_EVENT):
+                routed = self._local_pass(ctx, roots, grads)
+                self._forward(context_id, pass_id, routed, _ALL_CREDIT)
+                # Between two workers the pass is usually over here: this thread drove it.
+                finished = state.done or self._wait_pass(state, deadline, timeout)
         finally:
             self._roots.pop(pass_id, None)
         if not finished:
@@ -410,13 +417,15 @@ class DistAutogradEngine(CallHook):
             req = BackwardRequest(context_id, pass_id, share, tuple(items))
             try:
                 dst = agent.resolve(rank)
-                if i == last:
-                    reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
-                                               agent.default_timeout, what=_BACKWARD,
-                                               retry=_CONTROL_RETRY)
-                else:
-                    fut = agent.request(dst, Kind.AUTOGRAD_BACKWARD, req, agent.default_timeout,
-                                        what=_BACKWARD, retry=_CONTROL_RETRY)
+                with _profiler.span(RECV_BACKWARD_EVENT):
+                    if i == last:
+                        reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
+                                                   agent.default_timeout, what=_BACKWARD,
+                                                   retry=_CONTROL_RETRY)
+                    else:
+                        fut = agent.request(dst, Kind.AUTOGRAD_BACKWARD, req,
+                                            agent.default_timeout, what=_BACKWARD,
+                                            retry=_CONTROL_RETRY)
             except BaseException as exc:  # noqa: BLE001 - returned to the root with the credit
                 self._report(pass_id, share, exc)
                 continue
@@ -447,8 +456,9 @@ class DistAutogradEngine(CallHook):
         """Run this worker's engine from the send records ``grads`` name, then forward."""
         try:
             ctx = self.retrieve(context_id)
-            edges = [ctx.send_edge(key) for key, _ in grads]
-            routed = self._local_pass(ctx, edges, [g for _, g in grads])
+            with _profiler.span(SEND_BACKWARD_EVENT):
+                edges = [ctx.send_edge(key) for key, _ in grads]
+                routed = self._local_pass(ctx, edges, [g for _, g in grads])
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
             self._report(pass_id, credit, exc)
             return None

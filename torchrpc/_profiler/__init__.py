@@ -1,30 +1,54 @@
-"""Profiler integration: RPCs as profiler events, and the callee's operators as remote events.
+"""Profiler integration: RPCs as profiler events, and the callee's work as remote events.
 
-When torch's profiler (``torch.profiler.profile`` or the legacy
-``torch.autograd.profiler.profile``) is enabled on the caller, every RPC becomes a
-``record_function`` event named as torch names it,
-``rpc_async#<qualified function name>(<caller> -> <callee>)`` (``rpc_sync#``,
-``rpc_remote#``), lasting from the send until the reply. The request then carries a
-flag; the callee profiles the handler and returns its operator events in the reply's
-metadata. They are replayed on the caller's thread when the caller waits for the
-result, as events named ``<rpc event>#remote_op: <operator>`` whose ``args`` carry
-``node=<callee>`` and the callee-side CPU time (the replayed events' own duration is
-not the remote one).
+When a torch profiler is enabled on the caller, every RPC becomes a
+``record_function`` event named as torch names it (``torch.distributed.rpc.internal.
+_build_rpc_profiling_key``): ``rpc_async#<function>(<caller> -> <callee>)`` (and
+``rpc_sync#``, ``rpc_remote#``), where ``<function>`` is ``aten::add`` for a builtin
+operator, the qualified name of a TorchScript function and ``__qualname__`` otherwise.
+It lasts from the send until the reply, or for ``remote`` until the owner has created
+the value. The request then carries the profile's options; the callee profiles the
+handler with torch's legacy profiler, recording what the caller records (input shapes,
+memory, ...), and returns its events in the reply's metadata. How they reach the
+caller's profile depends on the profiler:
+
+- torch's legacy profiler (``torch.autograd.profiler_legacy.profile``, the one torch's
+  RPC supports): as torch's own remote events, with ``is_remote``, the callee's rank as
+  ``node_id`` and the callee's durations (see :mod:`.events`);
+- a Kineto profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``),
+  which takes no foreign events: replayed on the thread that waits for the result, as
+  ``record_function`` events of the same names whose ``args`` carry ``node=<callee>``
+  and the callee-side CPU time (their own duration is not the remote one).
+
+Local events of a legacy profile get this worker's rank as ``node_id``, as in torch.
+The callee side, including ``rpc._server_process_global_profile``, is in
+:mod:`.callee`. With no profiler enabled none of this runs: the RPC calls check
+:func:`enabled` once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+import time
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
-from torch.autograd import profiler_legacy
 from torch.autograd.profiler import record_function
+from torch.autograd.profiler_util import FunctionEvent
 
-from .._agent import Agent, CallHook, CallScope, RpcFuture, WorkerInfo, describe
+from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerInfo, describe
+from .._agent import run_callable
+from . import callee, events
+from .callee import CalleeScope, ServerProfile
+from .events import REMOTE_OP, Call, Options
 
-_MAX_EVENTS = 256
-_local = threading.local()
+EXTENSION_KEY = "profiler"
+"""The profiling hook's name in ``Agent.extensions``."""
+
+_local = threading.local()  # .pending: the Call whose request is being sent on this thread
+_hooks: "weakref.WeakSet[ProfilingHook]" = weakref.WeakSet()
+_hooks_lock = threading.Lock()
 
 
 def enabled() -> bool:
@@ -32,123 +56,194 @@ def enabled() -> bool:
     return torch.autograd._profiler_enabled()
 
 
-class RemoteEvents:
-    """The caller's record of one profiled RPC: its event name and the callee's operators."""
-
-    __slots__ = ("name", "worker", "events", "emitted")
-
-    def __init__(self, name: str, worker: str) -> None:
-        self.name = name
-        self.worker = worker
-        self.events: List[Tuple[str, float]] = []
-        self.emitted = False
-
-    def emit(self) -> None:
-        """Replay the callee's operators as events on the current thread (once)."""
-        if self.emitted or not enabled():
-            return
-        self.emitted = True
-        for op, cpu_us in self.events:
-            with record_function(f"{self.name}#remote_op: {op}",
-                                 f"node={self.worker} remote_cpu_time_us={cpu_us:.1f}"):
-                pass
+def span(name: str) -> ContextManager[Any]:
+    """A ``record_function`` event named ``name`` while a profiler runs; nothing otherwise."""
+    return record_function(name) if enabled() else contextlib.nullcontext()
 
 
-class _CalleeScope(CallScope):
-    """Profiles one request on the callee and returns its operator events."""
+def profiling_key(mode: str, func_name: str, src_name: str, dst_name: str) -> str:
+    """The event name of an RPC: ``rpc_<mode>#<func_name>(<src_name> -> <dst_name>)``."""
+    return f"rpc_{mode}#{func_name}({src_name} -> {dst_name})"
 
-    def __init__(self) -> None:
-        self._prof: Optional[profiler_legacy.profile] = None
-        self._events: List[Tuple[str, float]] = []
 
-    def __enter__(self) -> "_CalleeScope":
-        if not enabled():
-            # The legacy (non-kineto) profiler: thread-local and safe on pool threads,
-            # where starting kineto can abort the process.
-            self._prof = profiler_legacy.profile()
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            self._events = [(e.name, float(e.cpu_time_total))
-                            for e in self._prof.function_events][:_MAX_EVENTS]
-            self._prof = None
-
-    def response_meta(self) -> Any:
-        return self._events
+def function_name(func: Any) -> str:
+    """The name torch's RPC profiling gives ``func``: ``aten::add`` for a builtin
+    operator, the qualified name of a TorchScript function, ``__qualname__`` otherwise."""
+    try:
+        builtin = torch.jit._builtins._find_builtin(func)
+    except Exception:  # noqa: BLE001 - unhashable callables and the like
+        builtin = None
+    if builtin:
+        return builtin
+    if isinstance(func, torch.jit.ScriptFunction):
+        return torch._jit_internal._qualified_name(func)
+    qualname = getattr(func, "__qualname__", None)
+    return qualname if isinstance(qualname, str) else describe(func)
 
 
 class ProfilingHook(CallHook):
-    """Flags requests made while the caller is profiling; collects the callee's events."""
+    """Flags the requests of profiled RPCs; profiles requests on the callee (see module docs)."""
 
     key = "prof"
 
+    def __init__(self, agent: Agent) -> None:
+        self._agent = weakref.ref(agent)
+        self.gil_profiling = False
+        self._gil_waits = [0, 0.0]  # samples, total microseconds
+
     def outgoing_request(self, dst: WorkerInfo, kind: int) -> Any:
-        state = getattr(_local, "pending", None)
-        if state is None:
+        if self.gil_profiling:
+            self._sample_gil_wait()
+        call = getattr(_local, "pending", None)
+        if call is None:
             return None
         _local.pending = None
-        return True, None, state
+        return tuple(call.options), None, call
 
     def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
-        return _CalleeScope() if meta else None
+        if self.gil_profiling:
+            self._sample_gil_wait()
+        servers = callee.server_profiles()
+        caller = _options(meta)
+        if caller is None and not servers:
+            return None
+        return CalleeScope(caller, servers)
 
     def incoming_response(self, src: WorkerInfo, state: Any, meta: Any) -> None:
-        if isinstance(state, RemoteEvents) and isinstance(meta, list):
-            state.events = meta
+        if isinstance(state, Call):
+            state.receive(meta)
         return None
+
+    def request_failed(self, dst: WorkerInfo, state: Any) -> None:
+        if isinstance(state, Call):
+            state.receive(None)
+
+    def _sample_gil_wait(self) -> None:
+        """Give the GIL up and time how long taking it back takes (torch's GIL wait time)."""
+        t0 = time.perf_counter()
+        time.sleep(0)
+        waits = self._gil_waits
+        waits[0] += 1
+        waits[1] += (time.perf_counter() - t0) * 1e6
+
+    def debug_info(self) -> Dict[str, Any]:
+        """``agent.gil_average_wait_time_us`` once GIL profiling has sampled a wait."""
+        samples, total = self._gil_waits
+        if not self.gil_profiling or not samples:
+            return {}
+        return {"agent.gil_average_wait_time_us": total / samples}
+
+    def watch_all(self, on: bool) -> None:
+        """Have the agent consult this hook for every request it serves, or stop."""
+        agent = self._agent()
+        if agent is None:
+            return
+        on = on or self.gil_profiling
+        if on and self not in agent.serve_all:
+            agent.serve_all.append(self)
+        elif not on and self in agent.serve_all:
+            agent.serve_all.remove(self)
+
+
+def _options(meta: Any) -> Optional[Options]:
+    """The caller's options a request carries, or None when it carries none."""
+    if isinstance(meta, (tuple, list)) and len(meta) == len(Options._fields):
+        return Options(*(bool(v) for v in meta))
+    return Options() if meta else None
+
+
+def _watch_all_requests() -> None:
+    """Route every served request to the hooks while a server profile is entered."""
+    on = bool(callee.server_profiles())
+    with _hooks_lock:
+        for hook in list(_hooks):
+            hook.watch_all(on)
+
+
+def enable_gil_profiling(agent: Agent, flag: bool) -> None:
+    """Sample, or stop sampling, how long ``agent``'s threads wait for the GIL when they
+    send or serve a request (``agent.gil_average_wait_time_us`` in its debug info)."""
+    hook = agent.extensions.get(EXTENSION_KEY)
+    if hook is None:
+        raise RuntimeError(f"worker {agent.name} has no profiling hook")
+    hook.gil_profiling = bool(flag)
+    hook.watch_all(bool(callee.server_profiles()))
+
+
+def start_server_profile(options: Options) -> ServerProfile:
+    """Profile every request this process serves from now on, on any thread."""
+    profile = callee.start_server_profile(options)
+    _watch_all_requests()
+    return profile
+
+
+def stop_server_profile(profile: ServerProfile) -> List[List[FunctionEvent]]:
+    """Stop ``profile``; the events of each request it collected, one list per request."""
+    requests = callee.stop_server_profile(profile)
+    _watch_all_requests()
+    return requests
 
 
 class _ProfiledFuture(RpcFuture):
-    """The future of a profiled RPC: replays remote events in the thread that waits."""
+    """The future of a profiled RPC: under Kineto, replays the remote events in the thread
+    that waits."""
 
-    _remote: Optional[RemoteEvents] = None
+    _call: Optional[Call] = None
 
     def wait(self) -> Any:
         try:
             return super().wait()
         finally:
-            if self._remote is not None:
-                self._remote.emit()
+            call, self._call = self._call, None
+            if call is not None:
+                _replay(call)
 
 
-def function_name(func: Any) -> str:
-    """The name torch's profiler uses for an RPC target: ``aten::add`` for builtin
-    operators, the qualified Python name otherwise."""
-    try:
-        builtin = torch.jit._builtins._find_builtin(func)
-    except Exception:  # noqa: BLE001 - unhashable callables and the like
-        builtin = None
-    return builtin if builtin else describe(func)
+def _replay(call: Call) -> None:
+    """Record the callee's events of ``call`` as events of this thread (Kineto profiles)."""
+    if not enabled():
+        return
+    for ev in call.events:
+        name, start, end = ev[1], ev[4], ev[5]
+        with record_function(f"{call.name}{REMOTE_OP}{name}",
+                             f"node={call.node_id} remote_cpu_time_us={end - start:.1f}"):
+            pass
 
 
-def profiled(prefix: str, agent: Agent, dst: WorkerInfo, func: Any,
-             send: Callable[[], Any]) -> Any:
-    """Run ``send()`` (which makes the RPC) under an RPC profiler event; see module docs.
-
-    Returns what ``send`` returns; a future is wrapped so its wait replays remote events.
-    """
-    name = f"{prefix}#{function_name(func)}({agent.name} -> {dst.name})"
-    remote = RemoteEvents(name, dst.name)
+def _begin(mode: str, agent: Agent, dst: WorkerInfo, func: Any) -> "tuple[Call, Any]":
+    """The profiled RPC's record and its entered ``record_function``."""
+    name = profiling_key(mode, function_name(func), agent.name, dst.name)
+    legacy = events.is_legacy()
+    call = Call(name, dst.id, legacy, events.current_options() if legacy else Options())
+    t0 = events.now_us()
     rf = record_function(name)
     rf.__enter__()
-    _local.pending = remote
+    call.window = (t0, events.now_us())
+    return call, rf
+
+
+def profiled(mode: str, agent: Agent, dst: WorkerInfo, func: Any,
+             send: Callable[[], torch.futures.Future]) -> torch.futures.Future:
+    """Make an RPC with ``send()`` under its profiler event (see module docs).
+
+    ``mode`` is ``"sync"`` or ``"async"``; returns a future of the result that completes
+    once the event has ended.
+    """
+    call, rf = _begin(mode, agent, dst, func)
+    _local.pending = call
     try:
-        result = send()
+        fut = send()
     except BaseException:
         rf.__exit__(None, None, None)
         raise
     finally:
         _local.pending = None
-    if not isinstance(result, torch.futures.Future):
-        rf.__exit__(None, None, None)
-        return result
-    ended = rf._call_end_callbacks_on_future(result)
+    ended = rf._call_end_callbacks_on_future(fut)
+    rf.__exit__(None, None, None)
     out = _ProfiledFuture()
     out._pool = agent.pool
-    out._remote = remote
+    if not call.legacy:
+        out._call = call
 
     def relay(f: Any) -> None:
         try:
@@ -159,6 +254,64 @@ def profiled(prefix: str, agent: Agent, dst: WorkerInfo, func: Any,
     return out
 
 
+def profiled_remote(agent: Agent, dst: WorkerInfo, func: Any,
+                    send: Callable[[Any], Any]) -> Any:
+    """Make an ``rpc.remote`` of ``func`` with ``send(func)`` under its profiler event.
+
+    Returns the RRef ``send`` returns, whose ``_get_profiling_future()`` completes once
+    the owner has created the value and its events are in.
+    """
+    call, rf = _begin("remote", agent, dst, func)
+    call.done = torch.futures.Future()
+    local = dst.id == agent.rank
+    _local.pending = None if local else call
+    try:
+        # To itself, the value is made on the pool with no request: profile it there.
+        rref = send(_profiled_locally(func, call) if local else func)
+    except BaseException:
+        rf.__exit__(None, None, None)
+        raise
+    finally:
+        _local.pending = None
+    ended = rf._call_end_callbacks_on_future(call.done)
+    rf.__exit__(None, None, None)
+    rref._profiling_future = ended
+    return rref
+
+
+def _profiled_locally(func: Any, call: Call) -> Callable[..., Any]:
+    """``func``, profiled for ``call`` where it runs, as a callee profiles a request."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        scope = CalleeScope(call.options, callee.server_profiles())
+        try:
+            with scope:
+                result = run_callable(func, args, kwargs)
+        except BaseException:
+            call.receive(scope.response_meta())
+            raise
+        if isinstance(result, AsyncResult):
+            result.future.add_done_callback(lambda _: call.receive(scope.response_meta()))
+            return result.future
+        call.receive(scope.response_meta())
+        return result
+
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+        run._wrapped_async_rpc_function = func  # type: ignore[attr-defined]
+    return run
+
+
 def install(agent: Agent) -> None:
     """Add the profiling hook to ``agent`` (called by ``init_rpc``)."""
-    agent.add_call_hook(ProfilingHook())
+    events.install()
+    hook = ProfilingHook(agent)
+    agent.extensions[EXTENSION_KEY] = hook
+    agent.add_call_hook(hook)
+    agent.add_debug_source("agent", hook.debug_info)
+    with _hooks_lock:
+        _hooks.add(hook)
+    hook.watch_all(bool(callee.server_profiles()))
+
+
+__all__ = ["ProfilingHook", "enable_gil_profiling", "enabled", "function_name", "install", "profiled",
+           "profiled_remote", "profiling_key", "span", "start_server_profile",
+           "stop_server_profile"]

@@ -73,7 +73,8 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "_parked", "_type_future", "__weakref__")
+                 "_deleted", "_creation", "_parked", "_type_future", "_profiling_future",
+                 "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         if agent_handle.agent is None:
@@ -98,6 +99,7 @@ class RRef(Generic[T]):
         self._creation: Optional[torch.futures.Future] = None
         self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
         self._type_future: Optional[torch.futures.Future] = None  # of the value's type
+        self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
 
     @classmethod
     def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
@@ -207,6 +209,15 @@ class RRef(Generic[T]):
         return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id, ()),
                                          self._layer.agent.default_timeout,
                                          what=f"RRef fetch of {self!r}")
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        r"""A future that completes once the profiler event of the ``rpc.remote`` that made
+        this RRef has been recorded (its owner created the value); only for an RRef made
+        while a profiler was enabled."""
+        if self._profiling_future is None:
+            raise RuntimeError("Profiling future has not been set: this RRef was not made by "
+                               "rpc.remote() under an enabled profiler")
+        return self._profiling_future
 
     # -- proxies ---------------------------------------------------------------------------------
 

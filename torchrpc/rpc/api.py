@@ -195,6 +195,13 @@ def get_debug_info() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
+def enable_gil_profiling(flag: bool) -> None:
+    r"""Set whether this worker's agent measures how long its threads wait for the GIL
+    (``agent.gil_average_wait_time_us`` in its debug info). This incurs a slight
+    overhead cost; disabled by default."""
+    _profiler.enable_gil_profiling(current_agent(), flag)
+
+
 def _get_current_rpc_agent() -> Agent:
     """The agent of this worker (torch's ``RpcAgent`` methods: ``get_worker_info``,
     ``get_worker_infos``, ``get_debug_info``); a RuntimeError before ``init_rpc``."""
@@ -315,17 +322,18 @@ def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
     return agent, dst, args, kwargs, float(timeout)
 
 
-def _invoke(rpc_type: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
+def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
             timeout: float) -> torch.futures.Future:
-    """The one path of rpc_async and rpc_sync: a future of ``func``'s result on ``to``."""
+    """The one path of rpc_async and rpc_sync (``mode`` "async" or "sync", as in their
+    profiling keys): a future of ``func``'s result on ``to``."""
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
-        fut = _profiler.profiled(rpc_type, agent, dst, func, lambda: agent.call(
+        fut = _profiler.profiled(mode, agent, dst, func, lambda: agent.call(
             dst, func, args, kwargs, timeout, retry=retry))
     else:
         fut = agent.call(dst, func, args, kwargs, timeout, retry=retry)
-    if rpc_type == "rpc_async":
+    if mode == "async":
         futures = getattr(_thread_local_var, "future_list", None)
         if futures is not None:
             futures.append(fut)
@@ -349,7 +357,7 @@ def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any
     Returns:
         A :class:`torch.futures.Future` of the return value of ``func``.
     """
-    return _invoke("rpc_async", to, func, args, kwargs, timeout)
+    return _invoke("async", to, func, args, kwargs, timeout)
 
 
 def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -362,7 +370,7 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     with the remote traceback in the message).
     """
     if _profiler.enabled():
-        return _invoke("rpc_sync", to, func, args, kwargs, timeout).wait()
+        return _invoke("sync", to, func, args, kwargs, timeout).wait()
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
                               retry=functions.retry_policy(func))
@@ -378,7 +386,7 @@ def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[A
     calls, works meanwhile and then collects them (``DistributedOptimizer.step``).
     """
     if _profiler.enabled():
-        return _invoke("rpc_async", to, func, args, kwargs, timeout).wait
+        return _invoke("async", to, func, args, kwargs, timeout).wait
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if retry is not None:
@@ -410,8 +418,8 @@ def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, .
     """
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     if _profiler.enabled():
-        return _profiler.profiled("rpc_remote", agent, dst, func,
-                                  lambda: _rref.remote(agent, dst, func, args, kwargs, timeout))
+        return _profiler.profiled_remote(agent, dst, func, lambda target: _rref.remote(
+            agent, dst, target, args, kwargs, timeout))
     return _rref.remote(agent, dst, func, args, kwargs, timeout)
 
 

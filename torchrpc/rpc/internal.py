@@ -12,6 +12,7 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
+from .. import _profiler
 from .._wire import serialize as _wire
 
 
@@ -33,7 +34,8 @@ RemoteException = collections.namedtuple("RemoteException", ["msg", "exception_t
 def _build_rpc_profiling_key(exec_type: RPCExecMode, func_name: str, current_worker_name: str,
                              dst_worker_name: str) -> str:
     """The profiler event name of an RPC: ``rpc_<mode>#<func>(<caller> -> <callee>)``."""
-    return f"rpc_{exec_type.value}#{func_name}({current_worker_name} -> {dst_worker_name})"
+    return _profiler.profiling_key(exec_type.value, func_name, current_worker_name,
+                                   dst_worker_name)
 
 
 class _InternalRPCPickler:

@@ -401,7 +401,7 @@ class DistAutogradEngine(CallHook):
             try:
                 routed = self._local_pass(ctx, roots, grads)
             except Exception as exc:
-                raise as_runtime_error(_on_node(exc, self._rank)) from None
+                raise _runtime_error(_on_node(exc, self._rank)) from None
             self._forward(context_id, pass_id, routed, _ALL_CREDIT)
             # Between two workers the pass is usually over here: this thread drove it.
             finished = state.done or self._wait_pass(state, deadline, timeout)
@@ -426,7 +426,7 @@ class DistAutogradEngine(CallHook):
                 f"{timeout:g} s (the RPC timeout) with {state.missing()} of its work not "
                 f"reported back; a worker may have died or be stuck")
         if state.error is not None:
-            raise as_runtime_error(state.error)
+            raise _runtime_error(state.error)
 
     def _enter_part(self, context_id: int) -> None:
         with self._lock:
@@ -618,6 +618,17 @@ def _on_node(exc: Exception, rank: int) -> Exception:
         wrapped = RuntimeError(message)
     wrapped.__cause__ = exc.__cause__
     return wrapped.with_traceback(exc.__traceback__)
+
+
+def _runtime_error(exc: BaseException) -> BaseException:
+    """``exc`` as a RuntimeError (torch's type for errors of the backward pass), keeping its
+    own type where the two combine; a plain RuntimeError with its message otherwise."""
+    combined = as_runtime_error(exc)
+    if isinstance(combined, RuntimeError) or not isinstance(exc, Exception):
+        return combined
+    plain = RuntimeError(str(exc))
+    plain.__cause__ = exc.__cause__
+    return plain.with_traceback(exc.__traceback__)
 
 
 def _unused_sends(ctx: DistAutogradContext, state: _PassState) -> List[int]:

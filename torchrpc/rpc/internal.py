@@ -13,6 +13,8 @@ from typing import Any, Callable, List, Tuple
 import torch
 
 from .. import _profiler
+from .._agent import MessageContext
+from .._wire import PassThrough, current_context
 from .._wire import serialize as _wire
 
 
@@ -57,6 +59,15 @@ class _InternalRPCPickler:
 
 
 _internal_rpc_pickler = _InternalRPCPickler()
+
+
+def _pickling_for_rpc() -> bool:
+    """Whether the pickling running on this thread is of an RPC message."""
+    return isinstance(current_context(), MessageContext)
+
+
+# Raised by pickling code to make the RPC's encoding raise the wrapped error itself.
+_PassThrough = PassThrough
 
 
 def serialize(obj: Any) -> Tuple[bytes, List[torch.Tensor]]:

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from ... import rpc
-from ..._agent import MessageContext
-from ..._wire import PassThrough, current_context
 from ...errors import NotInitializedError
 from . import _scriptable
 
@@ -380,7 +378,7 @@ class _RemoteModule(nn.Module):
                            "only be unpickled when using RPC")
 
     def __reduce_ex__(self, protocol: int) -> Tuple[Any, ...]:
-        if not isinstance(current_context(), MessageContext):
+        if not rpc.internal._pickling_for_rpc():
             raise RuntimeError(
                 "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
                 "pickled when using RPC: pass it as an argument or return value of rpc_sync, "
@@ -474,7 +472,7 @@ def _holds_remote_module(module: torch.jit.RecursiveScriptModule) -> bool:
 def _reduce_script_module(module: torch.jit.RecursiveScriptModule) -> Tuple[Any, ...]:
     """Script modules travel as ``torch.jit.save`` bytes; a scripted RemoteModule can't."""
     if _holds_remote_module(module):
-        raise PassThrough(RuntimeError(
+        raise rpc.internal._PassThrough(RuntimeError(
             "Passing a script RemoteModule over RPC is not supported. Send its module_rref "
             "instead (get_module_rref() before scripting) and build the RemoteModule on the "
             "receiver with RemoteModule.init_from_module_rref(remote_device, module_rref, "

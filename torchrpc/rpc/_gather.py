@@ -14,8 +14,6 @@ import collections
 import threading
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-import torch
-
 from .._agent import Agent
 from .._agent.current import current_agent
 from ..errors import RpcError, RpcTimeoutError
@@ -66,7 +64,10 @@ class _Gatherings:
                 g.complete.set()
 
     def finish(self, seq: SequenceId, result: Dict[str, Any]) -> None:
-        g = self.get(seq)
+        with self.lock:
+            g = self.open.get(seq)
+        if g is None:
+            return  # this follower gave up (timed out) already: nothing waits for it
         g.result = result
         g.complete.set()
 
@@ -121,8 +122,8 @@ def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,
                     f"The first {len(gathering.objects)} workers to arrive were "
                     f"{sorted(gathering.objects)}; still missing: {missing}")
             objects = dict(gathering.objects)
-            futures = [agent_rpc_async(agent, follower, _broadcast_to_followers,
-                                       (seq, objects), timeout)
+            futures = [agent.call(agent.resolve(follower), _broadcast_to_followers,
+                                  (seq, objects), {}, timeout)
                        for follower in names[1:]]
             errors = []
             for follower, fut in zip(names[1:], futures):
@@ -134,7 +135,8 @@ def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,
                 raise RpcError(f"followers {', '.join(errors)} did not receive the result of "
                                f"_all_gather")
             return objects
-        agent_rpc_sync(agent, leader, _gather_to_leader, (seq, agent.name, obj), timeout)
+        agent.call(agent.resolve(leader), _gather_to_leader, (seq, agent.name, obj), {},
+                   timeout).wait()
         if not gathering.complete.wait(wait):
             raise RpcTimeoutError(f"RPC _all_gather timed out in _all_gather after "
                                   f"{timeout:.2f} seconds waiting for the leader {leader}")
@@ -143,12 +145,3 @@ def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,
     finally:
         book.close(seq)
 
-
-def agent_rpc_async(agent: Agent, to: str, func: Any, args: Tuple[Any, ...],
-                    timeout: float) -> torch.futures.Future:
-    return agent.call(agent.resolve(to), func, args, {}, timeout)
-
-
-def agent_rpc_sync(agent: Agent, to: str, func: Any, args: Tuple[Any, ...],
-                   timeout: float) -> Any:
-    return agent_rpc_async(agent, to, func, args, timeout).wait()

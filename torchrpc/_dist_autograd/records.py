@@ -295,8 +295,10 @@ _run_engine = _pick_engine_call()
 
 # While torch's engine runs a local pass, the ``.grad`` of the leaves it accumulates into
 # holds a context's gradients; one pass at a time per process (torch's distributed engine
-# also runs all CPU work of its passes on one thread). Reentrant: a backward function may
-# start a nested pass on its own thread.
+# also runs all CPU work of its passes on one thread). Everything else that borrows
+# ``.grad`` for a context (the distributed optimizer's step) holds it too, or the two would
+# see each other's gradients. Reentrant: a backward function may start a nested pass on
+# its own thread.
 _GRAD_SLOTS = threading.RLock()
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -24,9 +23,9 @@ from torchrpc.rpc.api import _start_call
 class _LocalOptimizer:
     """The optimizer of one owner, over its own parameters; lives on that owner."""
 
-    # One lock for all local optimizers of this worker: two optimizers may share
-    # parameters, and ``.grad`` is borrowed during a step.
-    step_lock = threading.Lock()
+    # ``.grad`` is borrowed during a step, under the lock local backward passes also
+    # hold while they borrow it (two optimizers may share parameters, too).
+    step_lock = dist_autograd._grad_lock
 
     def __init__(self, optimizer_class: Any, params: List[torch.Tensor], args: Sequence[Any],
                  kwargs: Dict[str, Any]) -> None:

@@ -1008,9 +1008,10 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
-        if self._state != "running":
+        if self._state in ("stopping", "stopped"):
             # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
-            # connection would wait for a reply until its timeout.
+            # connection would wait for a reply until its timeout. (Not while starting:
+            # peers that are done with init_rpc connect before this worker is.)
             self._goodbye(conn)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:

@@ -65,7 +65,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _profiler, _wire
+from .. import _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
 from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
@@ -94,6 +94,13 @@ _BACKWARD = "distributed autograd backward"
 BACKWARD_EVENT = "torch::distributed::autograd::backward"
 SEND_BACKWARD_EVENT = "SendRpcBackward"
 RECV_BACKWARD_EVENT = "RecvRpcBackward"
+
+
+def _span(name: str) -> Any:
+    """A profiler event named ``name`` while a profiler runs on this thread; else nothing."""
+    if torch.autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class _CalleeScope(CallScope):
@@ -359,7 +366,7 @@ class DistAutogradEngine(CallHook):
         timeout = self._agent.default_timeout
         deadline = time.monotonic() + timeout
         try:
-            with _profiler.span(BACKWARD_EVENT):
+            with _span(BACKWARD_EVENT):
                 routed = self._local_pass(ctx, roots, grads)
                 self._forward(context_id, pass_id, routed, _ALL_CREDIT)
                 # Between two workers the pass is usually over here: this thread drove it.
@@ -414,7 +421,7 @@ class DistAutogradEngine(CallHook):
             req = BackwardRequest(context_id, pass_id, share, tuple(items))
             try:
                 dst = agent.resolve(rank)
-                with _profiler.span(RECV_BACKWARD_EVENT):
+                with _span(RECV_BACKWARD_EVENT):
                     if i == last:
                         reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
                                                    agent.default_timeout, what=_BACKWARD,
@@ -453,7 +460,7 @@ class DistAutogradEngine(CallHook):
         """Run this worker's engine from the send records ``grads`` name, then forward."""
         try:
             ctx = self.retrieve(context_id)
-            with _profiler.span(SEND_BACKWARD_EVENT):
+            with _span(SEND_BACKWARD_EVENT):
                 edges = [ctx.send_edge(key) for key, _ in grads]
                 routed = self._local_pass(ctx, edges, [g for _, g in grads])
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit

@@ -258,3 +258,25 @@ def run_in_threads(fn: Callable[..., Any], args: Sequence[Tuple[Any, ...]],
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
     return errors
+
+
+def return_nested_unpicklable() -> Any:
+    return {"ok": [1, 2], "bad": [0, threading.Lock()]}
+
+
+def share_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two received tensors are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def array_layout(a: Any) -> Tuple[Any, ...]:
+    """What a received numpy array looks like here: type, dtype, shape, strides, flags."""
+    return (type(a).__name__, str(a.dtype), a.shape, a.strides, a.flags.writeable,
+            a.flags.f_contiguous, a.tobytes())
+
+
+def stop_heartbeats() -> bool:
+    """Make this worker silent while it keeps running (its heartbeat thread sends nothing)."""
+    from torchrpc._agent.current import current_agent
+    current_agent()._beat = lambda *args: None
+    return True

@@ -154,3 +154,129 @@ def soak_drive(peers: List[str], threads: int, seconds: float, mix: Dict[str, fl
 
 def pid() -> int:
     return os.getpid()
+
+
+# -- connection churn (tests/test_churn.py) --------------------------------------------------
+
+_churn: Dict[str, Any] = {}
+_FAULT_KINDS = ("CALL", "RESPONSE", "RREF_REMOTE_CALL", "RREF_FETCH", "RREF_USER_DELETE",
+                "RREF_FORK_REQUEST")
+
+
+def start_churn(start_at: float, seconds: float, seed: int) -> bool:
+    """From ``start_at`` (wall clock) for ``seconds``: call every peer from three threads
+    while a fourth closes connections of this worker at random and, on a fault-injecting
+    agent, a fifth keeps injecting send failures and delays. Returns at once; the counts
+    come from :func:`churn_result`. Asked again for the same ``start_at`` (a retry), it
+    starts nothing more."""
+    if _churn.get("start_at") == start_at:
+        return True
+    thread = threading.Thread(target=_churn_drive, args=(start_at, seconds, seed),
+                              name="test-churn", daemon=True)
+    _churn.clear()
+    _churn.update(thread=thread, start_at=start_at)
+    thread.start()
+    return True
+
+
+def churn_result(timeout: float) -> Dict[str, Any]:
+    _churn["thread"].join(timeout)
+    return _churn.get("result", {"unexpected": ["the churn did not finish"]})
+
+
+def _churn_drive(start_at: float, seconds: float, seed: int) -> None:
+    from torchrpc._agent.current import current_agent
+    from torchrpc._testing.faulty import FaultyAgent
+    from torchrpc.errors import ConnectionLostError, RpcTimeoutError
+
+    from . import helpers
+
+    agent = current_agent()
+    me = rpc.get_worker_info()
+    peers = [w.name for w in rpc.get_worker_infos() if w.name != me.name]
+    time.sleep(max(0.0, start_at - time.time()))
+    stop = time.monotonic() + seconds
+    counts: Dict[str, int] = {}
+    unexpected: List[str] = []
+    lock = threading.Lock()
+
+    def note(key: str) -> None:
+        with lock:
+            counts[key] = counts.get(key, 0) + 1
+
+    def one_call(rng: random.Random, i: int) -> None:
+        peer = rng.choice(peers)
+        pick = rng.random()
+        if pick < 0.35:
+            assert rpc.rpc_sync(peer, helpers.add, args=(i, 1), timeout=10) == i + 1
+        elif pick < 0.6:
+            futs = [rpc.rpc_async(rng.choice(peers), helpers.add, args=(i, k), timeout=10)
+                    for k in range(3)]
+            assert [f.wait() for f in futs] == [i, i + 1, i + 2]
+        elif pick < 0.75:
+            x = torch.full((rng.choice((4, 1 << 18)),), float(i))
+            assert torch.equal(rpc.rpc_sync(peer, helpers.echo, args=(x,), timeout=10), x)
+        elif pick < 0.9:
+            rref = rpc.remote(peer, helpers.add, args=(i, 2), timeout=10)
+            assert rref.to_here(timeout=10) == i + 2
+        else:  # the timer fails this one
+            try:
+                rpc.rpc_sync(peer, helpers.sleep_then, args=(0.3, i), timeout=0.05)
+            except RpcTimeoutError:
+                note("timed_out_on_purpose")
+                return
+            raise AssertionError("a call with a 0.05 s timeout to a 0.3 s function returned")
+
+    def caller(t: int) -> None:
+        rng = random.Random(seed * 100 + t)
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            try:
+                one_call(rng, i)
+                note("ok")
+            except (ConnectionLostError, RpcTimeoutError) as exc:  # churn and injected faults
+                note(type(exc).__name__)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                with lock:
+                    unexpected.append(f"{me.name}: {type(exc).__name__}: {exc}"[:400])
+
+    def churner() -> None:
+        rng = random.Random(seed * 100 + 50)
+        while time.monotonic() < stop:
+            time.sleep(rng.uniform(0.03, 0.12))
+            conns = agent._transport.connections()
+            if not conns:
+                continue
+            conn = rng.choice(conns)
+            how = rng.random()
+            if how < 0.4:
+                conn.close()  # this side closes it
+            elif how < 0.7:
+                conn.close(ConnectionLostError("closed by the churn test"))
+            else:
+                try:
+                    conn.sock.shutdown(2)  # broken under both readers: each side sees EOF
+                except OSError:
+                    pass
+            note("closed")
+
+    def injector() -> None:
+        rng = random.Random(seed * 100 + 60)
+        while time.monotonic() < stop:
+            agent.inject(fail=[rng.choice(_FAULT_KINDS)], num_fail_sends=rng.randint(1, 3),
+                         delay={"CALL": rng.choice((0.0, 0.02, 0.2))})
+            time.sleep(rng.uniform(0.1, 0.4))
+        agent.inject()
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(3)]
+    threads.append(threading.Thread(target=churner))
+    if isinstance(agent, FaultyAgent):
+        threads.append(threading.Thread(target=injector))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _churn["result"] = {"worker": me.name, "counts": counts, "unexpected": unexpected,
+                        "heartbeat_timeouts":
+                            rpc.get_debug_info()["agent.num_heartbeat_timeouts"]}

@@ -146,3 +146,21 @@ def test_bad_arguments_are_refused() -> None:
     proc = run_bench("--train-steps", "4", "--train-turns", "5", timeout=60)
     assert proc.returncode == 2
     assert "--train-turns" in proc.stderr
+
+
+def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
+    proc = run_bench("--scale", "--scale-sizes", "3", "--systems", "torchrpc", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads(proc.stdout)["metrics"]
+    for what in ("rss", "beyond_import", "private"):
+        assert metrics[f"scale_3w_{what}_MB"]["values"]["torchrpc"] > 0, what
+    assert metrics["scale_3w_rss_MB"]["values"]["torchrpc"] > \
+        metrics["scale_3w_beyond_import_MB"]["values"]["torchrpc"]
+    # A floor above what the machine has: the first size is stopped, the next skipped.
+    proc = run_bench("--scale", "--scale-sizes", "2,3", "--systems", "torchrpc", "--json",
+                     "--min-available-gib", "100000", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errors = json.loads(proc.stdout)["metrics"]
+    assert "available memory fell below 100000 GiB with 2 workers" in \
+        errors["scale_2w_init_s"]["errors"]["torchrpc"]
+    assert "skipped: memory ran out at 2 workers" in errors["scale_3w_rss_MB"]["errors"]["torchrpc"]

@@ -13,11 +13,12 @@ import torch
 
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
+from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.optim import DistributedOptimizer
 
 from . import helpers
-from .group import Group
+from .group import Group, running_group
 
 
 def _fail_times(futs: List, start: float) -> List[float]:
@@ -140,3 +141,35 @@ def test_heartbeat_detects_a_silent_worker():
             group.kill(2)
         codes = _cleanup(group)
     assert codes[1] == 1, codes
+
+
+def test_a_silent_worker_that_runs_on_this_host_is_starved_not_dead():
+    # Dozens of workers on a few cores: a worker's heartbeat thread may not run for
+    # seconds. The kernel says it runs, so its silence does not make it dead.
+    with running_group(2, threads=2, timeout=30.0,
+                       self_options={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}):
+        assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+        time.sleep(0.6)  # worker1 has sent heartbeats: it is watched
+        assert rpc.rpc_sync("worker1", helpers.stop_heartbeats)
+        time.sleep(3.0)  # three heartbeat timeouts of silence
+        assert rpc.get_debug_info()["agent.num_heartbeat_timeouts"] == 0
+        assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+
+
+def test_a_busy_peer_on_this_host_is_connected_to_again(monkeypatch):
+    # Dozens of workers connecting at once: a handshake may time out although the peer
+    # runs. Connecting tries again (here after two timed-out handshakes).
+    with running_group(2, threads=2, timeout=30.0):
+        agent = current_agent()
+        real = agent._transport.connect
+        failures = []
+
+        def connect(*args, **kwargs):
+            if len(failures) < 2:
+                failures.append(1)
+                raise ConnectionLostError("handshake failed: timed out") from TimeoutError()
+            return real(*args, **kwargs)
+        monkeypatch.setattr(agent._transport, "connect", connect)
+        assert rpc.rpc_async("worker1", helpers.whoami).wait() == "worker1"
+        assert len(failures) == 2
+        monkeypatch.undo()

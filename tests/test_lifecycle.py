@@ -86,7 +86,7 @@ def test_duplicate_name_fails_clearly_on_the_workers_involved():
                   env_per_rank=lambda r: {"SCENARIO_RANK": str(r)})
     assert all(code == 0 for code, _ in outs), outs
     errors = [out for _, out in outs if "ERR" in out]
-    assert errors and all("duplicate worker name 'same'" in e for e in errors), outs
+    assert errors and all("RPC worker name same is not unique" in e for e in errors), outs
 
 
 def test_duplicate_rank_fails_clearly_not_hangs():

@@ -183,8 +183,11 @@ def test_bad_arguments():
         rpc.rpc_sync("nope", helpers.add, args=(1, 2))
     with pytest.raises(ValueError, match="17"):
         rpc.rpc_async(17, helpers.add, args=(1, 2))
-    with pytest.raises(ValueError, match="unknown worker name 'ghost'"):
+    with pytest.raises(ValueError, match="name:ghost could not find destination") as info:
         rpc.get_worker_info("ghost")
+    assert isinstance(info.value, RuntimeError)  # torch's type too
+    with pytest.raises(ValueError, match="Cannot get WorkerInfo"):
+        rpc.rpc_sync(1.5, helpers.add, args=(1, 2))
     with pytest.raises(TypeError, match="callable"):
         rpc.rpc_sync("worker1", 42)
     with pytest.raises(TypeError, match="args must be a tuple"):

@@ -306,7 +306,8 @@ def test_remote_module():
     for bad in ("worker1/cpu/0", "/cpu", "worker1/notadevice", ""):
         with pytest.raises(ValueError, match="worker"):
             RemoteModule(bad, torch.nn.ReLU)
+    bad_args = RemoteModule("worker1", torch.nn.Linear, args=("x",))  # created asynchronously
     with pytest.raises(TypeError):
-        RemoteModule("worker1", torch.nn.Linear, args=("x",))
-    del rm, rm2, params, weight, bias
+        bad_args(x)
+    del rm, rm2, bad_args, params, weight, bias
     wait_clean()

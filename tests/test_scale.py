@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -65,11 +66,11 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_workers_on_two_hosts_talk_over_tcp_without_shared_memory(two_hosts):
+def _run_on_two_hosts(extra_env):
     port = str(free_port())
     procs = []
     for rank, ns in enumerate(NS):
-        env = worker_env(int(port), 2, {"MASTER_ADDR": ADDRS[0]})
+        env = worker_env(int(port), 2, {"MASTER_ADDR": ADDRS[0], **extra_env})
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scenarios", "multihost",
              str(rank), "2", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -82,8 +83,20 @@ def test_workers_on_two_hosts_talk_over_tcp_without_shared_memory(two_hosts):
             p.kill()
             out = p.communicate()[0] + "\nTIMEOUT"
         outs.append((p.returncode, out))
+    return outs
+
+
+def test_workers_on_two_hosts_talk_over_tcp_without_shared_memory(two_hosts):
+    # Several hosts: the launcher gives every worker the secret (docs/security.md).
+    outs = _run_on_two_hosts({"TORCHRPC_SECRET": secrets.token_hex(16)})
     assert_ok(outs)
     assert f"OK multihost {ADDRS[0]}" in outs[0][1] and f"OK multihost {ADDRS[1]}" in outs[1][1]
+
+
+def test_second_host_without_a_secret_fails_at_once_naming_the_ways(two_hosts):
+    outs = _run_on_two_hosts({})
+    assert all("TIMEOUT" not in out for _, out in outs), outs
+    assert outs[1][0] != 0 and "TORCHRPC_SECRET_FILE" in outs[1][1], outs
 
 
 def test_listen_address_not_on_this_machine_fails_naming_it():

@@ -20,6 +20,7 @@ from torchrpc.rpc import api
 
 from . import helpers, robust_helpers as rh
 from .group import running_group
+from .handshake_helpers import authenticate, recv_exact
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,16 +50,6 @@ def _secret() -> bytes:
     return api.current_agent()._transport._secret
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
-
-
 def _closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
     """Drain until the peer closes; True if it did within ``timeout``."""
     s.settimeout(timeout)
@@ -79,14 +70,7 @@ def _hostile_frame(path: str) -> bytes:
 
 
 def _authenticate(host: str, port: int, claim_rank: int, server_rank: int) -> socket.socket:
-    s = socket.create_connection((host, port), timeout=5)
-    hello, nonce = handshake.make_hello(claim_rank, 0)
-    s.sendall(hello)
-    proof, _, _ = handshake.answer_challenge(
-        _secret(), _recv_exact(s, handshake.CHALLENGE.size), claim_rank, nonce, server_rank)
-    s.sendall(proof)
-    assert _recv_exact(s, 1) == handshake.ACCEPT
-    return s
+    return authenticate(host, port, _secret(), claim_rank, server_rank)
 
 
 def _still_serving() -> None:
@@ -120,7 +104,7 @@ def test_hostile_pickle_without_the_secret_is_never_unpickled(tmp_path, caplog):
             hello, nonce = handshake.make_hello(0, 0)
             s.sendall(hello)
             server_rank, _, server_nonce, _ = handshake.CHALLENGE.unpack(
-                _recv_exact(s, handshake.CHALLENGE.size))
+                recv_exact(s, handshake.CHALLENGE.size))
             wrong = handshake._mac(b"not the secret", b"cli", server_nonce, nonce, 0, server_rank)
             s.sendall(wrong + frame)
             assert _closed_by_peer(s)
@@ -211,3 +195,19 @@ def test_listen_address_is_configurable(monkeypatch):
     monkeypatch.setenv(rendezvous.LISTEN_ENV, "0.0.0.0")
     assert rendezvous.listen_host("env://", None) == "0.0.0.0"
     assert rendezvous.listen_host("env://", "10.1.2.3") == "10.1.2.3"  # the option wins
+
+
+def test_a_peer_cannot_answer_a_call_sent_to_another():
+    # worker0's call to worker1 waits; a peer authenticated as rank 2 forges its reply.
+    fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, "real"))
+    rids = [rid for rid, p in list(api.current_agent()._pending.items()) if p.dst.id == 1]
+    assert rids
+    env, bufs, _ = _wire.encode("forged")
+    s = _authenticate(*_address(0), claim_rank=2, server_rank=0)
+    try:
+        for rid in rids:
+            s.sendall(_wire.pack_header(Kind.RESPONSE, 0, rid, len(env), []) + env)
+        assert fut.wait() == "real"
+    finally:
+        s.close()
+    _still_serving()

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,21 @@ def test_large_buffers_use_shared_memory_only_when_enabled(group):
         assert all(c.shm_tx is None and c.shm_rx is None for c in conns)
     small, where = rpc.rpc_sync("worker1", th.echo_where, args=(torch.randn(SMALL // 4),))
     assert "torchrpc" not in where  # below the threshold: through the socket
+
+
+def test_large_numpy_arrays_take_the_tensors_path(group):
+    """Out of band, through shared memory where it is on, and received without a copy."""
+    for a in (np.arange(LARGE // 8, dtype=np.float64),
+              np.asfortranarray(np.arange(LARGE // 4, dtype=np.int32).reshape(256, -1))):
+        a.flags.writeable = a.flags.f_contiguous  # one read-only, one writable
+        back, where = rpc.rpc_sync("worker1", th.echo_where, args=(a,))
+        assert back.tobytes() == a.tobytes() and back.strides == a.strides
+        assert back.flags.writeable == a.flags.writeable
+        if group.shm:
+            assert where.startswith("/dev/shm/torchrpc-"), where
+            assert th.mapping_of(back).startswith("/dev/shm/torchrpc-")
+        else:
+            assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
 
 
 def test_segments_are_reused_but_never_while_in_use(group):

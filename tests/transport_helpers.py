@@ -22,9 +22,10 @@ _held: Dict[str, Any] = {}
 _lock = threading.Lock()
 
 
-def mapping_of(t: torch.Tensor) -> str:
-    """The file behind the memory of ``t`` in /proc/self/maps ('' for anonymous memory)."""
-    addr = t.data_ptr()
+def mapping_of(t: Any) -> str:
+    """The file behind the memory of ``t``, a tensor or a numpy array, in /proc/self/maps
+    ('' for anonymous memory)."""
+    addr = t.data_ptr() if isinstance(t, torch.Tensor) else t.__array_interface__["data"][0]
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
@@ -34,7 +35,7 @@ def mapping_of(t: torch.Tensor) -> str:
     return ""
 
 
-def echo_where(x: torch.Tensor) -> tuple:
+def echo_where(x: Any) -> tuple:
     """``x`` back, and where it lived on this worker."""
     return x, mapping_of(x)
 

@@ -2,21 +2,32 @@
 
 import json
 import os
+import resource
 import sys
 
 import torch
 
 import torchrpc.rpc as rpc
 from tests.group import backend_and_options
+from tests.thread_watch import WATCH_ENV, ThreadWatch
 
 
 def main() -> None:
     name, rank, world_size, threads, timeout = sys.argv[1:6]
+    nofile = os.environ.get("TORCHRPC_TEST_NOFILE")  # a descriptor limit to test floods
+    if nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
     torch.set_num_threads(1)
+    watch_dir = os.environ.get(WATCH_ENV)
+    watch = ThreadWatch().install() if watch_dir else None
     backend, opts = backend_and_options(int(threads), float(timeout), os.environ)
     rpc.init_rpc(name, backend=backend, rank=int(rank), world_size=int(world_size),
                  rpc_backend_options=opts)
     rpc.shutdown()
+    if watch is not None:
+        from torchrpc._agent.current import handle
+        with open(os.path.join(watch_dir, f"{name}.json"), "w") as f:
+            json.dump({**watch.report(), "debug": handle.last_debug_info}, f)
     report = os.environ.get("TORCHRPC_TEST_REPORT")
     if report:
         from torchrpc._agent.current import handle

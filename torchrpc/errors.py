@@ -1,12 +1,17 @@
 """The exception hierarchy of torchrpc.
 
 Every error torchrpc raises is a :class:`RpcError` (a ``RuntimeError``, as in
-``torch.distributed.rpc``), except argument errors, which are ``ValueError`` or
-``TypeError`` as Python code expects. Remote failures keep the callee's name and
-its traceback; timeouts name the callee, the function and the limit.
+``torch.distributed.rpc``). Where torch raises ``RuntimeError`` for a bad argument,
+ours is also a ``ValueError`` or ``TypeError`` (:class:`InvalidArgumentError`,
+:class:`WrongTypeError`), so both ported code and plain Python code catch it. Where
+torch raises ``TypeError``, so does torchrpc. Remote failures keep the callee's name
+and its traceback; timeouts name the callee, the function and the limit.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Dict, Type
 
 
 class RpcError(RuntimeError):
@@ -49,5 +54,70 @@ class SerializationError(RpcError):
     """An argument or return value could not be pickled or unpickled."""
 
 
+class MissingDefinitionError(SerializationError, AttributeError):
+    """A message names a function or class that this process does not define."""
+
+
 class ShutdownError(RpcError):
     """Graceful shutdown could not complete (for example a worker is missing)."""
+
+
+class InvalidArgumentError(RpcError, ValueError):
+    """A bad argument value where torch raises ``RuntimeError``."""
+
+
+class WrongTypeError(RpcError, TypeError):
+    """An argument of the wrong type where torch raises ``RuntimeError``."""
+
+
+class DestinationTypeError(RpcError, ValueError, TypeError):
+    """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
+
+
+_runtime_twins: Dict[type, type] = {}
+_twins_lock = threading.Lock()
+
+
+def as_runtime_error(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of both its own type and ``RuntimeError``, for errors torch
+    reports as ``RuntimeError`` (raised in ``then()`` callbacks, for example); ``exc``
+    itself when it already is one or its type cannot be combined."""
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    cls = type(exc)
+    with _twins_lock:
+        twin = _runtime_twins.get(cls)
+        if twin is None:
+            try:
+                twin = type(cls.__name__, (cls, RuntimeError),
+                            {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                             "__reduce__": _reduce_as_original})
+            except TypeError:  # layouts that cannot be combined (e.g. OSError)
+                twin = cls
+            _runtime_twins[cls] = twin
+    if twin is cls:
+        return exc
+    try:
+        clone: BaseException = twin.__new__(twin, *exc.args)
+        clone.args = exc.args
+        clone.__dict__.update(getattr(exc, "__dict__", {}))
+    except Exception:  # noqa: BLE001 - a type that can't be rebuilt this way stays as it is
+        return exc
+    return clone
+
+
+def _reduce_as_original(self: BaseException):
+    """A combined error pickles as its original type, which the receiver can import."""
+    original = type(self).__mro__[1]
+    return _rebuild_error, (original, self.args, dict(self.__dict__))
+
+
+def _rebuild_error(cls: Type[BaseException], args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class ThreadFailedError(RpcError):
+    """A background thread of torchrpc failed and cannot go on; the agent is unusable."""

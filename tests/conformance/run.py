@@ -52,7 +52,8 @@ def _select(suites, args) -> List[Tuple[str, str]]:
         pairs = [(suite, test) for suite in names
                  for test in loader.getTestCaseNames(S.test_class(suite))]
     if args.k:
-        pairs = [p for p in pairs if args.k in f"{p[0]}.{p[1]}"]
+        alternatives = args.k.split(",")
+        pairs = [p for p in pairs if any(k in f"{p[0]}.{p[1]}" for k in alternatives)]
     return pairs
 
 
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     mode.add_argument("--all", action="store_true",
                       help="the generic, TensorPipe-specific and faulty-agent suites")
     mode.add_argument("--suites", help="comma-separated suite names")
-    parser.add_argument("-k", help="run only tests whose Suite.test_name contains this")
+    parser.add_argument("-k", help="run only tests whose Suite.test_name contains this (or one of these, "
+                        "comma-separated)")
     parser.add_argument("--target", choices=("torchrpc", "torch"), default="torchrpc",
                         help="run on torchrpc (default) or on torch itself (the mirror)")
     parser.add_argument("--report", help="write the output of failed tests to this file")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import contextlib
 import heapq
 import itertools
 import logging
@@ -37,14 +38,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _wire
-from .._transport import Connection, Releasable, Transport, handshake
+from .. import _threads, _wire
+from .._threads import Guard
+from .._transport import Connection, Releasable, Transport, handshake, shm
 from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
-                      SerializationError, ShutdownError, WorkerLeftError)
+from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
+                      NotInitializedError, RpcError, RpcTimeoutError, SerializationError,
+                      ShutdownError, ThreadFailedError, WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
+from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
@@ -57,6 +61,7 @@ _TICK = 0.1  # the timer wakes at least this often
 INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
+_STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -67,7 +72,7 @@ class MessageContext:
     both ways, and a frozen dataclass takes several times as long to build.
     """
 
-    __slots__ = ("agent", "peer", "kind", "replied", "on_settled")
+    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates")
 
     def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
                  replied: bool = False) -> None:
@@ -78,6 +83,15 @@ class MessageContext:
         self.replied = replied
         # While encoding such a request: what to run once it is answered or has failed.
         self.on_settled: Optional[List[Callable[[], None]]] = None
+        # While decoding a request: futures that must complete before it runs.
+        self.gates: Optional[List[torch.futures.Future]] = None
+
+    def add_gate(self, gate: torch.futures.Future) -> None:
+        """Make the request being decoded run only once ``gate`` has completed (or the
+        request's handling has waited the agent's RPC timeout for it)."""
+        if self.gates is None:
+            self.gates = []
+        self.gates.append(gate)
 
     def when_settled(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request being encoded is answered or has failed
@@ -263,6 +277,7 @@ class Agent:
         self._by_name: Dict[str, WorkerInfo] = {}
         self._addresses: Dict[int, Tuple[str, int]] = {}
         self.hostids: Dict[int, str] = {}
+        self._procs: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, pid namespace)
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
@@ -313,6 +328,7 @@ class Agent:
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
+        self._pidns = shm.pid_namespace()
         self._beating: set[int] = set()  # ranks that send heartbeats (so may be timed out)
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
@@ -320,6 +336,9 @@ class Agent:
         self._lost_seen = 0
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
+        self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
+        # Set when a background thread cannot go on (see fail): every API call raises it.
+        self.failure: Optional[ThreadFailedError] = None
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -334,6 +353,7 @@ class Agent:
         try:
             self._transport = Transport(rank, secret, self._limits, self._on_connect,
                                         self._on_frame, self._on_close, host,
+                                        on_fatal=self.fail,
                                         tls_contexts=self._tls_contexts(),
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
@@ -353,27 +373,54 @@ class Agent:
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
                                            self._transport.address, timeout)
+                discard_local_secret()  # every rank has joined, so has read it
         except BaseException:
             self._transport.close()
             raise
         for r, info in infos.items():
             self._add_worker(r, info)
         self._state = "running"
-        self._timer = threading.Thread(target=self._timer_loop, name=f"torchrpc-timer-{self.name}",
-                                       daemon=True)
-        self._timer.start()
+        self._timer = self._start_thread("timer", self._timer_loop)
         if self.elastic:
-            self._members_thread = threading.Thread(
-                target=self._follow_members, name=f"torchrpc-members-{self.name}", daemon=True)
-            self._members_thread.start()
+            self._members_thread = self._start_thread("members", self._follow_members)
         if self._hb_interval > 0:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                               name=f"torchrpc-heartbeat-{self.name}")
-            self._heartbeat.start()
+            self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
         log.info("torchrpc: worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
+
+    def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
+        """Start background thread ``role`` running ``loop(guard)``; if it cannot go on,
+        the agent fails."""
+        guard = Guard(f"the {role} thread of {self.name}", self.fail)
+        return _threads.start(f"torchrpc-{role}-{self.name}", guard, loop, guard)
+
+    def fail(self, error: ThreadFailedError) -> None:
+        """A background thread cannot go on: fail every pending call with ``error``, and
+        make every later API call raise it (until ``shutdown``)."""
+        if self.failure is not None or self._state not in ("running", "stopping"):
+            return
+        self.failure = ThreadFailedError(
+            f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
+            f"init_rpc() again")
+        self.failure.__cause__ = error.__cause__
+        log.error("torchrpc: %s", self.failure)
+        for rid in list(self._pending):
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                p.set_exception(self.failure)
+
+    def check_failure(self) -> None:
+        """Raise :attr:`failure` if a background thread could not go on."""
+        if self.failure is not None:
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise a copy of :attr:`failure` (a copy: raising one object again and again
+        would grow its traceback)."""
+        error = ThreadFailedError(str(self.failure))
+        raise error from self.failure.__cause__
 
     def _features(self) -> int:
         return handshake.FEATURE_SHM if getattr(self.options, "enable_shm", False) else 0
@@ -382,7 +429,8 @@ class Agent:
         """Whether the workers on this host, computing with torch's thread count each,
         leave CPUs idle (assuming they all compute with as many threads as this one)."""
         mine = self.hostids.get(self.rank)
-        local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
+        with self._lock:
+            local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
         return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
 
     def _same_host(self, rank: int) -> bool:
@@ -410,6 +458,8 @@ class Agent:
             self._gone.pop(rank, None)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
+            if "pid" in info and "pidns" in info:
+                self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
         for event in events:
@@ -434,26 +484,34 @@ class Agent:
         with self._members_lock:
             self._apply_events(self._log.poll())
 
-    def _follow_members(self) -> None:
+    def _follow_members(self, guard: Guard) -> None:
         """Elastic mode: follow the membership log until the agent stops."""
         failures = 0
-        while self._state in ("running", "stopping") and not self._members_stop.wait(0.05):
-            try:
-                self._refresh_members()
-                failures = 0
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone
-                failures += 1
-                if failures == 1:
-                    log.warning("torchrpc: %s cannot read the membership log: %s", self.name, exc)
-                if self._members_stop.wait(min(1.0, 0.1 * failures)):
-                    return
+        while guard.ok and self._state in ("running", "stopping") \
+                and not self._members_stop.wait(0.05):
+            with self._members_lock:
+                try:
+                    events = self._log.poll()
+                except Exception as exc:  # noqa: BLE001 - the store host may be gone
+                    events = None
+                    failures += 1
+                    if failures == 1:
+                        log.warning("torchrpc: %s cannot read the membership log: %s",
+                                    self.name, exc)
+                if events is not None:
+                    failures = 0
+                    with guard:
+                        self._apply_events(events)
+            if failures and self._members_stop.wait(min(1.0, 0.1 * failures)):
+                return
 
     @property
     def worker_info(self) -> WorkerInfo:
         return self._workers[self.rank]
 
     def worker_infos(self) -> List[WorkerInfo]:
-        return [self._workers[r] for r in sorted(self._workers)]
+        with self._lock:
+            return [self._workers[r] for r in sorted(self._workers)]
 
     def resolve(self, to: Any) -> WorkerInfo:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
@@ -463,7 +521,8 @@ class Agent:
                 raise WorkerLeftError(f"worker {to.name} (rank {to.id}) has shut down and left "
                                       f"the group", worker=to.name)
             if w is None or w.name != to.name:
-                raise ValueError(f"unknown worker {to!r}: it is not a member of this group")
+                raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
+                                           f"destination: {to!r} is not a member of this group")
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
@@ -471,17 +530,19 @@ class Agent:
                 raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
                                       f"and left the group", worker=to)
             if w is None:
-                raise ValueError(f"unknown worker name {to!r}; known workers: "
-                                 f"{sorted(self._by_name)[:16]}")
+                raise InvalidArgumentError(f"name:{to} could not find destination; known "
+                                           f"workers: {sorted(self._by_name)[:16]}")
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
             if w is None:
                 if to in self._left:
                     raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
-                raise ValueError(f"unknown worker rank {to}; known ranks: {sorted(self._workers)[:16]}")
+                raise InvalidArgumentError(f"rank:{to} could not find destination; known ranks: "
+                                           f"{sorted(self._workers)[:16]}")
             return w
-        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+        raise DestinationTypeError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a "
+                                   f"worker name, rank or WorkerInfo, got {type(to).__name__}")
 
     # -- plug-in points ----------------------------------------------------------------------------
 
@@ -540,16 +601,20 @@ class Agent:
         if layer is not None and layer != "agent":
             source = self._debug_sources.get(layer)
             return source() if source is not None else {}
+        with self._lock:
+            num_connections = sum(len(v) for v in self._all_conns.values())
+            num_private = sum(len(v) for v in self._private.values())
         info: Dict[str, Any] = {
             "agent.num_pending_requests": len(self._pending),
             "agent.thread_pool_size": int(self.options.num_worker_threads),
             "agent.num_threads_started": self._pool.num_threads,
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
             "agent.num_queued_tasks": self._pool.num_pending,
-            "agent.num_connections": sum(len(v) for v in self._all_conns.values()),
-            "agent.num_private_connections": sum(len(v) for v in self._private.values()),
+            "agent.num_connections": num_connections,
+            "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
-            "agent.state": self._state,
+            "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.state": self._state if self.failure is None else "failed",
         }
         if self._transport is not None:
             info.update(self._transport.debug_info())
@@ -603,7 +668,8 @@ class Agent:
             meta, send_hook, states = self._outgoing(dst, kind)
         ctx = MessageContext(self, dst, kind, replied=not oneway)
         try:
-            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta)
+            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
+                                           _wire.PAYLOAD_NAMES.get(kind, "payload"))
         except BaseException:
             if states is not None:
                 self._request_failed(dst, states)
@@ -782,8 +848,10 @@ class Agent:
         """Timer: unclaimed parked requests older than a tick get their reply read."""
         if not self._parked:
             return
-        for rid, parked in list(self._parked.items()):
-            if now - parked.since > _LENT_TICK and self._parked.pop(rid, None) is not None:
+        for rid in list(self._parked):  # the keys: one C-level copy, see docs/design.md
+            parked = self._parked.get(rid)
+            if parked is not None and now - parked.since > _LENT_TICK \
+                    and self._parked.pop(rid, None) is not None:
                 try:
                     self._pool.submit(self._drain, parked.conn, rid)
                 except RuntimeError:
@@ -824,7 +892,11 @@ class Agent:
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
         if not conn.closed and self._state == "running":
-            self._private.setdefault(dst.id, []).append(conn)
+            free = self._private.get(dst.id)
+            if free is None:
+                with self._lock:  # keys change under the lock only (debug_info iterates)
+                    free = self._private.setdefault(dst.id, [])
+            free.append(conn)
 
     def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
@@ -917,6 +989,7 @@ class Agent:
                                    worker=dst.name)
 
     def _check_running(self) -> None:
+        self.check_failure()
         if self._state != "running":
             raise NotInitializedError(
                 f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
@@ -942,14 +1015,35 @@ class Agent:
             if lost is not None and self._hb_timeout > 0 and not patient:
                 timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
             try:
-                conn = self._transport.connect(dst.id, host, port, timeout,
-                                               local=self._same_host(dst.id))
+                conn = self._open(dst, host, port, timeout)
             except RpcError as exc:
                 raise ConnectionLostError(
                     f"cannot reach worker {dst.name} (rank {dst.id}) at {host}:{port}: {exc}"
                     + (f" (its connection was lost before: {lost})" if lost else ""),
                     worker=dst.name) from exc
             return self._conns.get(dst.id) or conn
+
+    def _open(self, dst: WorkerInfo, host: str, port: int, timeout: float) -> Connection:
+        """Connect to ``dst`` within ``timeout``. A peer on this host that runs but did not
+        finish the handshake in time (or reset it) is busy, not gone: with dozens of
+        workers connecting to each other at once on a few cores, a handshake can take
+        longer than the transport waits for one. It is tried again until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return self._transport.connect(dst.id, host, port,
+                                               max(deadline - time.monotonic(), 0.5),
+                                               local=self._same_host(dst.id))
+            except RpcError as exc:
+                busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
+                                                  BrokenPipeError)) and self._runs_here(dst.id)
+                if not busy or time.monotonic() + delay >= deadline:
+                    raise
+                log.info("torchrpc: %s: worker %s is busy (%s); connecting again in %.2g s",
+                         self.name, dst.name, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     # -- connections -------------------------------------------------------------------------------
 
@@ -962,6 +1056,11 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
+        if self._state in ("stopping", "stopped"):
+            # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
+            # connection would wait for a reply until its timeout. (Not while starting: a
+            # peer that finished rendezvous first may connect before this agent runs.)
+            self._goodbye(conn)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
@@ -981,7 +1080,8 @@ class Agent:
             return
         w = self._workers.get(rank)
         name = w.name if w else f"rank{rank}"
-        self._lost[rank] = str(reason)
+        with self._lock:
+            self._lost[rank] = str(reason)
         log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._fail_pending(rank, ConnectionLostError(
@@ -989,8 +1089,9 @@ class Agent:
             f"died.", worker=name))
 
     def _fail_pending(self, rank: int, error: RpcError) -> None:
-        for rid, p in list(self._pending.items()):
-            if p.dst.id == rank and self._pending.pop(rid, None) is not None:
+        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
+            p = self._pending.get(rid)
+            if p is not None and p.dst.id == rank and self._pending.pop(rid, None) is not None:
                 self._fail(rid, p, error)
 
     # -- frames ------------------------------------------------------------------------------------
@@ -1075,6 +1176,9 @@ class Agent:
         _inline.conn = conn
         try:
             self._serve(src, header, envelope, buffers, handler, via)
+        except Exception as exc:  # noqa: BLE001 - must not reach a reader that lent its role
+            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self.name}",
+                  limit=None).failed(exc)
         finally:
             _inline.conn = None
             kept = self._lent.pop(conn, None) is not None
@@ -1118,7 +1222,8 @@ class Agent:
         """Timer: hand on the reading role of requests that run inline for too long."""
         if not self._lent:
             return
-        overdue = [c for c, since in list(self._lent.items()) if now - since > INLINE_LIMIT]
+        lent = self._lent
+        overdue = [c for c in list(lent) if now - lent.get(c, now) > INLINE_LIMIT]
         for conn in overdue:
             self._lend_out(conn)
 
@@ -1137,9 +1242,16 @@ class Agent:
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
-        p = self._pending.pop(header.request_id, None)
+        p = self._pending.get(header.request_id)
         if p is None:
             return  # expired or failed already
+        if p.dst.id != conn.peer_rank:
+            # Only the callee answers a call: a reply from anyone else is dropped.
+            log.warning("torchrpc: %s dropped a reply from rank %d to request %d, which was "
+                        "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
+            return
+        if self._pending.pop(header.request_id, None) is not p:
+            return  # failed meanwhile
         ctx = MessageContext(self, p.dst, header.kind)
         recv_hook = None
         if p.states is not None:
@@ -1196,10 +1308,11 @@ class Agent:
 
         what: Any = kind  # the function, once known; only error paths describe it
         try:
-            _, payload = _wire.decode(envelope, buffers,
-                                      MessageContext(self, src, kind, replied=not oneway),
-                                      recv_hook)
+            ctx = MessageContext(self, src, kind, replied=not oneway)
+            _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
             buffers.clear()  # the tensors in payload hold what they need
+            if ctx.gates is not None:
+                self._pass_gates(ctx.gates)
             if kind == Kind.CALL:
                 what = payload[0]
             if handler is None:
@@ -1236,6 +1349,18 @@ class Agent:
         result = payload = None
         self._reply(src, rid, owned, scopes, what, owned=True, via=via)
 
+    def _pass_gates(self, gates: List[torch.futures.Future]) -> None:
+        """Wait (as a blocked pool thread) until every gate of a request has completed."""
+        passed = threading.Semaphore(0)
+        for gate in gates:
+            gate.add_done_callback(lambda _: passed.release())
+        pool = current_pool()
+        deadline = time.monotonic() + (self.default_timeout or 60.0)
+        with pool.blocking() if pool is not None else contextlib.nullcontext():
+            for _ in gates:
+                if not passed.acquire(timeout=max(deadline - time.monotonic(), 0)):
+                    break
+
     def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any,
                owned: bool = False, via: Optional[Connection] = None) -> None:
         """Send ``value`` back; with ``owned``, ``value`` is a one-item list to take it from."""
@@ -1247,7 +1372,7 @@ class Agent:
             send_hook = _combine([s.send_hook for s in scopes])
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
-                                           send_hook, meta)
+                                           send_hook, meta, "result")
         except SerializationError as exc:
             self._reply_error(dst, rid, exc, what, via)
             return
@@ -1260,6 +1385,9 @@ class Agent:
                      via: Optional[Connection] = None) -> None:
         info = RemoteErrorInfo(type(exc), str(exc), "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        # The callee's side of the story, as torch's agent logs it; the caller gets the error.
+        log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
+                    type(exc).__name__, exc, describe(what), dst.name)
         try:
             info.original = _wire.encode(exc)[0]
         except SerializationError:
@@ -1287,66 +1415,81 @@ class Agent:
             if heap[0][1] == rid:
                 self._timer_cv.notify()
 
-    def _timer_loop(self) -> None:
+    def _timer_loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool
         cv = self._timer_cv
-        while True:
-            expired = []
+        while guard.ok and self._state != "stopped":
+            wait = _LENT_TICK  # after a round that failed, the next comes soon
+            with guard:
+                wait = self._timer_round(guard)
             with cv:
                 if self._state == "stopped":
                     return
-                now = time.monotonic()
-                heap = self._heap
-                while heap and heap[0][0] <= now:
-                    expired.append(heapq.heappop(heap)[1])
-                if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
-                    self._heap = heap = [e for e in heap if e[1] in self._pending]
-                    heapq.heapify(heap)
-                self._timer_slow = True  # before looking at _lent: see _serve_inline
-                tick = _TICK
-                if any(not c.private for c in list(self._lent)) \
-                        or any(pending() for pending in self._tick_pending):
-                    self._timer_slow, tick = False, _LENT_TICK
-                wait = min(tick, heap[0][0] - now) if heap else tick
-                due = []
-                later = self._later
-                while later and later[0][0] <= now:
-                    due.append(heapq.heappop(later))
-                if later:
-                    wait = min(wait, later[0][0] - now)
-            for _, _, fn, args in due:
-                try:
-                    self._pool.submit(fn, *args)
-                except RuntimeError:
-                    pass  # the pool is shut down: so is everything a callback would do
-            for rid in expired:
-                p = self._pending.pop(rid, None)
-                if p is not None:
-                    p.set_exception(RpcTimeoutError(
-                        f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and "
-                        f"will now be marked with an error: the call to worker {p.dst.name} "
-                        f"(rank {p.dst.id}) of {describe(p.what)} timed out after "
-                        f"{p.timeout:g} s; pass a larger timeout= or raise the options' "
-                        f"rpc_timeout"))
-            self._check_lent(now)
-            self._drain_parked(now)
-            for hook in self._tick_hooks:
-                try:
-                    hook()
-                except Exception:  # noqa: BLE001 - the timer must keep running
-                    log.exception("torchrpc: a tick hook of %s failed", self.name)
-            if now >= self._next_tick:
-                self._next_tick = now + _TICK
-                self._pool.check_progress()
-                if self._transport is not None:
-                    self._transport.housekeeping()
-                    set_spare_cpus(self._spare_cpus())
-            self._check_liveness(now)
-            with cv:
-                if self._state != "stopped":
-                    if not self._timer_slow:  # woken meanwhile by an inline request
-                        wait = min(wait, _LENT_TICK)
-                    cv.wait(max(wait, 0.0))
+                if not self._timer_slow:  # woken meanwhile by an inline request
+                    wait = min(wait, _LENT_TICK)
+                cv.wait(max(wait, 0.0))
+
+    def _timer_round(self, guard: Guard) -> float:
+        """One round of the timer: fail expired requests, run what is due; return how long
+        to sleep. A step that fails for one request or callback spares the others."""
+        cv = self._timer_cv
+        expired = []
+        with cv:
+            now = time.monotonic()
+            heap = self._heap
+            while heap and heap[0][0] <= now:
+                expired.append(heapq.heappop(heap)[1])
+            if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
+                self._heap = heap = [e for e in heap if e[1] in self._pending]
+                heapq.heapify(heap)
+            self._timer_slow = True  # before looking at _lent: see _serve_inline
+            tick = _TICK
+            if any(not c.private for c in list(self._lent)) \
+                    or any(pending() for pending in self._tick_pending):
+                self._timer_slow, tick = False, _LENT_TICK
+            wait = min(tick, heap[0][0] - now) if heap else tick
+            due = []
+            later = self._later
+            while later and later[0][0] <= now:
+                due.append(heapq.heappop(later))
+            if later:
+                wait = min(wait, later[0][0] - now)
+        for _, _, fn, args in due:
+            try:
+                self._pool.submit(fn, *args)
+            except RuntimeError:
+                pass  # the pool is shut down: so is everything a callback would do
+            except Exception as exc:  # noqa: BLE001 - the other callbacks still run
+                guard.failed(exc)
+        for rid in expired:
+            try:
+                self._expire(rid)
+            except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
+                guard.failed(exc)
+        self._check_lent(now)
+        self._drain_parked(now)
+        for hook in self._tick_hooks:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - one layer must not stop the others
+                guard.failed(exc)
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK
+            self._pool.check_progress()
+            if self._transport is not None:
+                self._transport.housekeeping()
+                set_spare_cpus(self._spare_cpus())
+        self._check_liveness(now)
+        return wait
+
+    def _expire(self, rid: int) -> None:
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            p.set_exception(RpcTimeoutError(
+                f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
+                f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
+                f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
+                f"or raise the options' rpc_timeout"))
 
     # -- failure detection -------------------------------------------------------------------------
     #
@@ -1362,27 +1505,55 @@ class Agent:
     # by failing to connect again; there, confirmed losses are shared through the store,
     # and workers missing from the barrier are probed, so a worker that died unseen by
     # this one is found too (check_peers).
+    #
+    # A silent peer on this host whose process the kernel shows running (not stopped, not
+    # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
+    # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
+    # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
 
     def _connections_by_peer(self) -> Dict[int, List[Connection]]:
+        """The open shared connections of each peer that has one (never an empty list: a
+        connection may close meanwhile, but each is tested once)."""
+        out = {}
         with self._lock:
-            return {r: [c for c in lst if not c.closed] for r, lst in self._all_conns.items()
-                    if any(not c.closed for c in lst)}
+            for rank, lst in self._all_conns.items():
+                live = [c for c in lst if not c.closed]
+                if live:
+                    out[rank] = live
+        return out
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, guard: Guard) -> None:
         interval = self._hb_interval
         envelope = _wire.encode(None)[0]
-        while not self._stopped.wait(interval / 2):
-            now = time.monotonic()
-            for rank, conns in self._connections_by_peer().items():
-                if now - max(c.last_send for c in conns) < interval:
-                    continue  # traffic to this peer is proof enough
-                conn = self._conns.get(rank)
-                if conn is None or conn.closed:
-                    conn = conns[0]
-                try:
-                    conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
-                except RpcError:
-                    pass  # closed meanwhile; its reader reports why
+        while guard.ok and not self._stopped.wait(interval / 2):
+            with guard:
+                now = time.monotonic()
+                for rank, conns in self._connections_by_peer().items():
+                    try:
+                        self._beat(rank, conns, now, interval, envelope)
+                    except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
+                        guard.failed(exc)
+
+    def _beat(self, rank: int, conns: List[Connection], now: float, interval: float,
+              envelope: bytes) -> None:
+        """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
+        if now - max(c.last_send for c in conns) < interval:
+            return  # traffic to this peer is proof enough
+        conn = self._conns.get(rank)
+        if conn is None or conn.closed:
+            conn = conns[0]
+        try:
+            conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
+        except RpcError:
+            pass  # closed meanwhile; its reader reports why
+
+    def _runs_here(self, rank: int) -> bool:
+        """Whether worker ``rank`` is a process of this host (same pid namespace) that the
+        kernel shows alive and not stopped."""
+        proc = self._procs.get(rank)
+        if proc is None or proc[1] != self._pidns or not proc[1] or not self._same_host(rank):
+            return False
+        return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
 
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
@@ -1403,12 +1574,15 @@ class Agent:
                     continue  # bytes are waiting: the peer spoke, our readers are behind
             except (OSError, ValueError):
                 pass
+            if silent <= timeout * _STARVED and self._runs_here(rank):
+                continue  # alive on this host: starved of CPU, not dead (see above)
             w = self._workers.get(rank)
             name = w.name if w else f"rank{rank}"
             error = ConnectionLostError(
                 f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
                 f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
                 worker=name)
+            self._heartbeat_timeouts += 1
             for conn in conns:
                 conn.close(error)
 
@@ -1435,15 +1609,19 @@ class Agent:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
-        for r in [r for r in list(self._lost) if r not in self._left and r not in self._gone]:
+        with self._lock:
+            lost = [r for r in self._lost if r not in self._left and r not in self._gone]
+        for r in lost:
             w = self._workers.get(r)
             if w is None:
                 continue
             try:
                 self._connection(w, patient=True)  # a live worker reconnects
             except RpcError as exc:
-                self._gone[r] = str(exc)
-        gone = {r: why for r, why in list(self._gone.items()) if r not in self._left}
+                with self._lock:
+                    self._gone[r] = str(exc)
+        with self._lock:
+            gone = {r: why for r, why in self._gone.items() if r not in self._left}
         if gone:
             def name(r: int) -> str:
                 w = self._workers.get(r)
@@ -1460,7 +1638,9 @@ class Agent:
             return
         self._next_share = now + 0.2
         store = self.store
-        for r, why in list(self._gone.items()):
+        with self._lock:
+            gone = list(self._gone.items())
+        for r, why in gone:
             if r not in self._shared_lost and r not in self._left:
                 self._shared_lost.add(r)
                 store.set(f"lost/{r}", f"{self.name} lost it: {why}")
@@ -1469,10 +1649,14 @@ class Agent:
         if seen == self._lost_seen:
             return
         self._lost_seen = seen
-        for r in list(self._workers):
+        with self._lock:
+            ranks = list(self._workers)
+        for r in ranks:
             if r != self.rank and r not in self._lost and r not in self._left \
                     and store.check([f"lost/{r}"]):
-                self._lost[r] = store.get(f"lost/{r}").decode(errors="replace")
+                why = store.get(f"lost/{r}").decode(errors="replace")
+                with self._lock:
+                    self._lost[r] = why
                 self._shared_lost.add(r)
 
     def _probe_absent(self, barrier: str) -> None:
@@ -1482,7 +1666,9 @@ class Agent:
         if now < self._next_probe:
             return
         self._next_probe = now + 1.0
-        for r, w in list(self._workers.items()):
+        with self._lock:
+            workers = list(self._workers.items())
+        for r, w in workers:
             if r == self.rank or r in self._left or r in self._lost:
                 continue
             if self.store.check([f"{barrier}/{r}"]):
@@ -1490,7 +1676,9 @@ class Agent:
             try:
                 self._connection(w)  # once connected, EOF and heartbeats watch it
             except RpcError as exc:
-                self._lost[r] = self._gone[r] = f"unreachable while the group shuts down: {exc}"
+                with self._lock:
+                    self._lost[r] = self._gone[r] = \
+                        f"unreachable while the group shuts down: {exc}"
                 log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 
@@ -1503,21 +1691,15 @@ class Agent:
         if graceful and self.elastic:
             try:
                 for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
-                    for hook in self._shutdown_hooks:
-                        hook(deadline)
-                    self._wait_pending(deadline)
+                    self._finish_work(deadline)
             except (RpcError, RuntimeError) as exc:
                 error = exc
         elif graceful:
             try:
-                for hook in self._shutdown_hooks:
-                    hook(deadline)
-                self._wait_pending(deadline)
+                self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/1"), rank=self.rank)
-                for hook in self._shutdown_hooks:
-                    hook(deadline)
-                self._wait_pending(deadline)
+                self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/2"), rank=self.rank)
                 self._state = "stopping"
@@ -1526,10 +1708,29 @@ class Agent:
             except (RpcError, RuntimeError) as exc:
                 error = exc
         self._stop()
+        if self.failure is not None:
+            self._raise_failure()
         if isinstance(error, ShutdownError):
             raise error
         if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
             raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
+
+    @staticmethod
+    def _goodbye(conn: Connection) -> None:
+        try:
+            conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
+        except RpcError:
+            pass
+
+    def _finish_work(self, deadline: Optional[float]) -> None:
+        """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
+        Not on a failed agent: the hooks may wait for the very thread that failed (its
+        pending requests have failed already), so it only meets the group."""
+        if self.failure is not None:
+            return
+        for hook in self._shutdown_hooks:
+            hook(deadline)
+        self._wait_pending(deadline)
 
     def _stop(self) -> None:
         self._state = "stopping"
@@ -1542,13 +1743,11 @@ class Agent:
                 membership.leave(self.store, self.name, self.rank)
             except Exception as exc:  # noqa: BLE001 - the store host may be gone already
                 log.warning("torchrpc: %s could not announce its departure: %s", self.name, exc)
+            discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
         for conn in conns:
-            try:
-                conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
-            except RpcError:
-                pass
+            self._goodbye(conn)
         for hook in self._stop_hooks:
             try:
                 hook()
@@ -1565,7 +1764,8 @@ class Agent:
                 p.set_exception(NotInitializedError(
                     f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
                     f"to {describe(p.what)} arrived"))
-        self._private.clear()
+        with self._lock:
+            self._private.clear()
         self._parked.clear()
         if self._transport is not None:
             self._transport.close()
@@ -1601,8 +1801,10 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
         if not isinstance(fut, torch._C.Future):
-            raise TypeError(f"@async_execution function {describe(func)} must return a "
-                            f"torch.futures.Future, but it returned {type(fut).__name__}")
+            raise WrongTypeError(
+                f"Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(fut).__name__} from "
+                f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
     return func(*args, **(kwargs or {}))
 
@@ -1626,7 +1828,9 @@ def rebuild_error(info: Any) -> BaseException:
             except Exception:  # noqa: BLE001
                 exc = None
         if not isinstance(exc, BaseException):
-            exc = RpcError(f"{exc_type.__name__}: {text}")
+            exc = RpcError(f"Couldn't unpickle the exception {exc_type.__name__} raised on "
+                           f"worker {info.worker}. Original exception on remote side was "
+                           f"{exc_type.__name__}: {text}")
         elif hasattr(exc, "add_note"):
             exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
     exc.remote_traceback = info.remote_traceback

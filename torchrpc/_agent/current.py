@@ -22,13 +22,16 @@ class _Handle:
 handle = _Handle()
 
 
-def current_agent() -> "Agent":
-    """The running agent, or a RuntimeError that says RPC is not initialized."""
+def current_agent(failed_ok: bool = False) -> "Agent":
+    """The running agent, or a RuntimeError that says RPC is not initialized; unless
+    ``failed_ok``, the error of an agent whose background thread could not go on."""
     agent = handle.agent
     if agent is None:
         if handle.was_shut_down:
-            raise NotInitializedError("RPC has been shut down on this worker; call "
+            raise NotInitializedError("RPC has not been initialized: it was shut down on this worker; call "
                                       "torchrpc.rpc.init_rpc() again to use it")
         raise NotInitializedError("RPC has not been initialized; call "
                                   "torchrpc.rpc.init_rpc() first")
+    if not failed_ok:
+        agent.check_failure()
     return agent

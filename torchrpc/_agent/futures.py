@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from ..errors import as_runtime_error
 from .pool import WorkerPool, current_pool
 
 log = logging.getLogger("torchrpc")
@@ -73,6 +74,9 @@ class RpcFuture(torch.futures.Future):
         super().add_done_callback(run)
 
     def then(self, callback: Callable[["RpcFuture"], S]) -> "RpcFuture":
+        if not callable(callback):
+            raise TypeError(f"then(): incompatible function arguments. The callback must be "
+                            f"a callable taking this future, got {callback!r}")
         child = RpcFuture()
         child._pool = self._pool
 
@@ -80,7 +84,8 @@ class RpcFuture(torch.futures.Future):
             try:
                 value = callback(fut)
             except BaseException as exc:  # noqa: BLE001 - delivered through the child future
-                child.set_exception(exc.with_traceback(None))
+                # torch reports a callback's error as a RuntimeError; ours is both.
+                child.set_exception(as_runtime_error(exc.with_traceback(None)))
             else:
                 child.set_result(value)
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import host_identity, job_secret
+from .rendezvous import host_identity, job_secret, process_identity
 
 
 def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
@@ -69,7 +69,7 @@ def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
 
 def announce(store: Any, name: str, rank: int, address: Tuple[str, int]) -> None:
     _append(store, {"op": "join", "rank": rank, "name": name, "host": address[0],
-                    "port": address[1], "hostid": host_identity()})
+                    "port": address[1], "hostid": host_identity(), **process_identity()})
 
 
 def leave(store: Any, name: str, rank: int) -> None:

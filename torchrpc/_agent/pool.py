@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Any, Callable, Iterator, Optional
 
+from .._threads import Guard
+
 log = logging.getLogger("torchrpc")
 
 IDLE_EXIT = 5.0
@@ -115,10 +117,17 @@ class WorkerPool:
                 self._spawn_locked()
 
     def _spawn_locked(self) -> None:
-        t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
-                             daemon=True)
+        name = f"{self._name}-{len(self._threads)}"
+        # Tasks cannot kill a thread (see _run); the guard reports whatever else would.
+        t = threading.Thread(target=Guard(f"worker thread {name}").call, args=(self._run,),
+                             name=name, daemon=True)
         self._threads.add(t)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError as exc:  # out of threads: the ones there take the work
+            self._threads.discard(t)
+            log.error("torchrpc: pool %s cannot start another thread (%s); its %d threads "
+                      "go on", self._name, exc, len(self._threads))
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ import ipaddress
 import json
 import os
 import re
-import secrets
 import socket
 import struct
 import time
@@ -23,11 +22,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from .._transport.shm import pid_namespace
+from . import secret
+from .worker import check_worker_name
 from ..errors import RendezvousError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
-MAX_NAME = 128
-SECRET_ENV = "TORCHRPC_SECRET"
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
 RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
@@ -49,13 +48,7 @@ def rendezvous_timeout(rpc_timeout: float) -> float:
 
 def validate_name(name: Any) -> str:
     """Check a worker name as torch documents it; return it."""
-    if not isinstance(name, str):
-        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= MAX_NAME or not NAME_RE.match(name):
-        raise ValueError(
-            f"invalid worker name {name!r}: use only letters, digits, '_', ':' and '-', "
-            f"and fewer than {MAX_NAME} characters")
-    return name
+    return check_worker_name(name)
 
 
 def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: float
@@ -133,6 +126,12 @@ def listen_host(init_method: str, configured: Optional[str]) -> str:
             probe.close()
     except OSError as exc:
         raise RendezvousError(f"no route to the rendezvous host {host!r}: {exc}") from exc
+
+
+def process_identity() -> Dict[str, int]:
+    """This worker's pid and pid namespace, so that a peer on the same host can ask the
+    kernel whether it runs (see Agent._runs_here)."""
+    return {"pid": os.getpid(), "pidns": pid_namespace()}
 
 
 def host_identity() -> str:
@@ -217,29 +216,30 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
                    rank, world_size)
     owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
     if owner != str(rank):
-        raise fail(store, f"duplicate worker name {name!r}: ranks {owner} and {rank} both use it; "
-                          f"give every worker its own name", rank, world_size)
+        raise fail(store, f"RPC worker name {name} is not unique. Workers {owner} and {rank} "
+                          f"share the same name; give every worker its own name",
+                   rank, world_size)
     return job_secret(store, rank, timeout, world_size)
 
 
 def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None) -> bytes:
-    """``TORCHRPC_SECRET`` when set; else rank 0 creates it in the store and the others wait."""
-    env_secret = os.environ.get(SECRET_ENV)
-    if env_secret:
-        return env_secret.encode()
-    if rank == 0:
-        # compare_set: a rank 0 that rejoins a dynamic group keeps the group's secret
-        store.compare_set("secret", "", secrets.token_hex(32))
-    _poll(store, ["secret"], time.monotonic() + timeout, "the job secret from rank 0", rank,
-          world_size)
-    return store.get("secret")
+    """The job secret (see :mod:`.secret`: never through the store unless opted in)."""
+    deadline = time.monotonic() + timeout
+
+    def wait(keys: list, what: str) -> None:
+        _poll(store, keys, deadline, what, rank, world_size)
+
+    try:
+        return secret.job_secret(store, rank, host_identity(), wait)
+    except RendezvousError as exc:
+        raise fail(store, f"rank {rank}: {exc}", rank, world_size) from exc
 
 
 def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],
             timeout: float) -> Dict[int, Dict[str, Any]]:
     """Publish where this worker listens; wait for every rank; return all infos by rank."""
     info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
-            "pid": os.getpid()}
+            **process_identity()}
     store.set(f"worker/{rank}", json.dumps(info))
     keys = [f"worker/{r}" for r in range(world_size)]
     _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join", rank,
@@ -255,16 +255,25 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
     """
     if rank is not None:
         store.set(f"{key}/{rank}", "1")
-    store.add(key, 1)
+    # The count this worker's arrival made: the last to arrive touches the store no more
+    # (rank 0 may close it the moment everyone is in).
+    arrived = int(store.add(key, 1))
     delay = 0.002
     start = time.monotonic()
-    while int(store.add(key, 0)) < world_size:
+    while arrived < world_size:
         if check is not None:
-            check()
+            try:
+                check()
+            except Exception:
+                # A worker that passed the barrier since the count was read may have
+                # stopped already: that is a complete barrier, not a lost worker.
+                if int(store.add(key, 0)) >= world_size:
+                    break
+                raise
         if deadline is not None and time.monotonic() > deadline:
             raise RendezvousError(
-                f"timed out at the shutdown barrier: {int(store.add(key, 0))} of {world_size} "
-                f"workers arrived")
+                f"timed out at the shutdown barrier: {arrived} of {world_size} workers "
+                f"arrived")
         time.sleep(delay)
         # Back off to a few polls a second: a worker may wait here for as long as the
         # others keep working (a callee that has nothing else to do, during the whole
@@ -272,3 +281,4 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
         # with the workers for the CPUs. 20 polls a second for the first second, so a
         # group that arrives together leaves together; then 5.
         delay = min(delay * 2, 0.05 if time.monotonic() - start < 1.0 else 0.2)
+        arrived = int(store.add(key, 0))

@@ -8,6 +8,7 @@ import torch
 
 from .._agent.current import current_agent
 from .engine import DistAutogradEngine, engine_of
+from .records import DistAutogradContext
 
 
 def _engine() -> DistAutogradEngine:
@@ -115,6 +116,61 @@ def get_gradients(context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
 def is_available() -> bool:
     """Distributed autograd is always available in torchrpc."""
     return True
+
+
+def _current_context() -> DistAutogradContext:
+    r"""The distributed autograd context current on the calling thread.
+
+    Inside ``with dist_autograd.context()``, and on a worker while it runs an RPC
+    made in a context, this is that context; a RuntimeError is raised when the
+    thread has none.
+    """
+    return _engine().current_or_raise()
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    r"""The context with id ``context_id`` on this worker.
+
+    Raises a RuntimeError ("Could not find autograd context with id: ...") when this
+    worker has no such context (never had it, or it was released).
+    """
+    return _engine().retrieve(context_id)
+
+
+def _is_valid_context(context_id: int) -> bool:
+    r"""Whether this worker currently holds the context with id ``context_id``."""
+    return _engine().is_valid(context_id)
+
+
+def _new_context() -> DistAutogradContext:
+    r"""Creates a new context and makes it current on the calling thread.
+
+    Unlike :class:`context` nothing releases it automatically; call
+    :func:`_release_context` when done. Raises a RuntimeError when the thread
+    already has a context.
+    """
+    return _engine().new_context()
+
+
+def _release_context(context_id: int) -> None:
+    r"""Releases the context ``context_id`` on this worker and on every worker that
+    messages of the context went to; the calling thread's current context is cleared
+    if it is this one. Raises a RuntimeError when this worker has no such context.
+    """
+    _engine().release_context(context_id)
+
+
+def _get_max_id() -> int:
+    r"""The largest context id this worker can create: its rank in the high 16 bits,
+    all ones in the low 48."""
+    return _engine().max_id()
+
+
+def _get_debug_info() -> Dict[str, str]:
+    r"""Debug information of distributed autograd on this worker, as torch reports it:
+    ``num_current_backward_passes`` (contexts with a backward pass in progress here) and
+    ``num_autograd_contexts`` (contexts held here), as strings."""
+    return _engine().torch_debug_info()
 
 
 def backward_rref(value: Any, context_id: int = -1, retain_graph: bool = False) -> None:

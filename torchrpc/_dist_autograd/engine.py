@@ -69,11 +69,12 @@ from .. import _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
 from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
+from .._threads import Guard
 from .._wire import Kind
-from ..errors import RpcError, RpcTimeoutError, SerializationError
+from ..errors import RpcError, RpcTimeoutError, SerializationError, as_runtime_error
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, ReleaseRequest
-from .records import (DistAutogradContext, MessageKey, RecvRecorder, SendRecorder, local_pass,
-                      make_context_id)
+from .records import (CONTEXT_ID_BITS, NODE_PREFIX, DistAutogradContext, MessageKey,
+                      RecvRecorder, SendRecorder, local_pass, make_context_id)
 
 log = logging.getLogger("torchrpc")
 
@@ -88,19 +89,8 @@ _ALL_CREDIT = Fraction(1)
 _CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
 _TOMBSTONES = 16384
 _BACKWARD = "distributed autograd backward"
-# Profiler events of a backward pass, named as torch's: the whole pass on the worker that
-# started it, the work of the send functions (gradients that came back, run into the
-# local graph) and of the recv functions (gradients sent back to the senders).
-BACKWARD_EVENT = "torch::distributed::autograd::backward"
-SEND_BACKWARD_EVENT = "SendRpcBackward"
-RECV_BACKWARD_EVENT = "RecvRpcBackward"
-
-
-def _span(name: str) -> Any:
-    """A profiler event named ``name`` while a profiler runs on this thread; else nothing."""
-    if torch.autograd._profiler_enabled():
-        return torch.autograd.profiler.record_function(name)
-    return contextlib.nullcontext()
+_profiling = torch.autograd._profiler_enabled
+_record_function = torch.autograd.profiler.record_function
 
 
 class _CalleeScope(CallScope):
@@ -146,11 +136,12 @@ class _PassState:
     wait, so the event to wait on is only made when some credit is still out then.
     """
 
-    __slots__ = ("done", "error", "_event", "_returned", "_lock")
+    __slots__ = ("done", "error", "sends", "_event", "_returned", "_lock")
 
     def __init__(self) -> None:
         self.done = False
         self.error: Optional[BaseException] = None
+        self.sends: set = set()  # message ids of the root's send records that got gradients
         self._event: Optional[threading.Event] = None
         self._returned = Fraction(0)
         self._lock = threading.Lock()
@@ -203,6 +194,8 @@ class DistAutogradEngine(CallHook):
         self._flushing = False
         self._release_messages = 0
         self._piggybacked = 0
+        # context id -> number of parts of backward passes in progress here
+        self._active: Dict[int, int] = {}
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -217,7 +210,8 @@ class DistAutogradEngine(CallHook):
             raise RuntimeError(
                 f"Already have an autograd context id for this thread ({current.id}); "
                 f"dist_autograd.context() blocks cannot be nested in one thread")
-        ctx = DistAutogradContext(make_context_id(self._rank, next(self._next_context)))
+        ctx = DistAutogradContext(make_context_id(self._rank, next(self._next_context)),
+                                  self._rank)
         with self._lock:
             self._contexts[ctx.id] = ctx
         self._local.ctx = ctx
@@ -243,6 +237,32 @@ class DistAutogradEngine(CallHook):
                 f"inside the block")
         return ctx
 
+    def current_or_raise(self) -> DistAutogradContext:
+        """The context current on the calling thread; torch's RuntimeError when none."""
+        ctx = self.current()
+        if ctx is None:
+            raise RuntimeError(
+                "Current thread doesn't have a valid autograd context. Please wrap your "
+                "code using: `with torch.distributed.autograd.context() as context_id` "
+                "to generate a valid context")
+        return ctx
+
+    def is_valid(self, context_id: int) -> bool:
+        """Whether this worker holds context ``context_id``."""
+        return context_id in self._contexts
+
+    def max_id(self) -> int:
+        """The largest context id this worker can create."""
+        return make_context_id(self._rank, (1 << CONTEXT_ID_BITS) - 1)
+
+    def release_context(self, context_id: int) -> None:
+        """Release ``context_id`` here and on every worker it went to; it must exist here."""
+        self.retrieve(context_id)
+        current = self.current()
+        if current is not None and current.id == context_id:
+            self._local.ctx = None
+        self.release(context_id, None)
+
     def _join(self, context_id: int) -> Optional[DistAutogradContext]:
         ctx = self._contexts.get(context_id)
         if ctx is not None:
@@ -250,7 +270,7 @@ class DistAutogradEngine(CallHook):
         with self._lock:
             ctx = self._contexts.get(context_id)
             if ctx is None and context_id not in self._released:
-                ctx = self._contexts[context_id] = DistAutogradContext(context_id)
+                ctx = self._contexts[context_id] = DistAutogradContext(context_id, self._rank)
         return ctx
 
     def release(self, context_id: int, notified_by: Optional[int]) -> None:
@@ -283,20 +303,27 @@ class DistAutogradEngine(CallHook):
             releases, self._releases = self._releases, {}
             self._flushing = False
         agent = self._agent
+        guard = Guard(f"sending autograd context releases from {agent.name}", limit=None)
         for rank, ids in releases.items():
             # One-way: nothing waits for a release. It is written to the connection before
             # this call returns, so a later shutdown of this worker still delivers it.
-            try:
-                agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
-                              ReleaseRequest(tuple(ids)), 0, oneway=True,
-                              what="distributed autograd context release",
-                              retry=_CONTROL_RETRY)
-            except (RpcError, ValueError) as exc:
-                log.debug("torchrpc: %s could not release autograd contexts %s on rank %d: %s",
-                          agent.name, ids, rank, exc)
+            with guard:  # an unexpected failure for one worker spares the others
+                try:
+                    agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
+                                  ReleaseRequest(tuple(ids)), 0, oneway=True,
+                                  what="distributed autograd context release",
+                                  retry=_CONTROL_RETRY)
+                except (RpcError, ValueError) as exc:
+                    log.debug("torchrpc: %s could not release autograd contexts %s on rank "
+                              "%d: %s", agent.name, ids, rank, exc)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return self.retrieve(context_id).gradients()
+
+    def torch_debug_info(self) -> Dict[str, str]:
+        """What torch's ``dist_autograd._get_debug_info()`` reports, with its keys."""
+        return {"num_current_backward_passes": str(len(self._active)),
+                "num_autograd_contexts": str(len(self._contexts))}
 
     def debug_info(self) -> Dict[str, Any]:
         return {"num_autograd_contexts": len(self._contexts),
@@ -355,31 +382,64 @@ class DistAutogradEngine(CallHook):
     def backward(self, context_id: int, roots: Sequence[torch.Tensor],
                  retain_graph: bool = False) -> None:
         """Run the distributed backward pass from ``roots``; block until it is done everywhere."""
+        _check_arguments(context_id, roots, retain_graph)
         ctx = self.retrieve(context_id)
         roots = _check_roots(roots)
-        if not isinstance(retain_graph, bool):
-            raise TypeError(f"retain_graph must be a bool, got {type(retain_graph).__name__}")
+        if _profiling():
+            with _record_function(NODE_PREFIX + "backward"):
+                self._backward(ctx, roots)
+        else:
+            self._backward(ctx, roots)
+
+    def _backward(self, ctx: DistAutogradContext, roots: List[torch.Tensor]) -> None:
+        context_id = ctx.id
         grads = [torch.ones_like(r, memory_format=torch.contiguous_format) for r in roots]
         pass_id = (self._rank, next(self._next_pass))
         state = _PassState()
         self._roots[pass_id] = state
         timeout = self._agent.default_timeout
         deadline = time.monotonic() + timeout
+        self._enter_part(context_id)
         try:
-            with _span(BACKWARD_EVENT):
+            try:
                 routed = self._local_pass(ctx, roots, grads)
-                self._forward(context_id, pass_id, routed, _ALL_CREDIT)
-                # Between two workers the pass is usually over here: this thread drove it.
-                finished = state.done or self._wait_pass(state, deadline, timeout)
+            except Exception as exc:
+                raise _runtime_error(_on_node(exc, self._rank)) from None
+            self._forward(context_id, pass_id, routed, _ALL_CREDIT)
+            # Between two workers the pass is usually over here: this thread drove it.
+            finished = state.done or self._wait_pass(state, deadline, timeout)
+            unused = _unused_sends(ctx, state) if finished and state.error is None else None
+            if unused:
+                # FAST mode waits for every send function of the context, as torch's does:
+                # one whose result never entered the roots holds the pass until the timeout.
+                finished = self._wait_pass(_PassState(), deadline, timeout)
         finally:
             self._roots.pop(pass_id, None)
+            self._exit_part(context_id)
+        if unused:
+            raise RpcTimeoutError(
+                f"distributed backward pass of autograd context {context_id} timed out after "
+                f"{timeout:g} s (the RPC timeout) waiting for gradients of {len(unused)} "
+                f"send function(s) of this worker: in FAST mode every RPC made in the "
+                f"context with tensors that require grad must take part in the backward "
+                f"pass, and the result of one of them did not reach the roots")
         if not finished:
             raise RpcTimeoutError(
                 f"distributed backward pass of autograd context {context_id} timed out after "
                 f"{timeout:g} s (the RPC timeout) with {state.missing()} of its work not "
                 f"reported back; a worker may have died or be stuck")
         if state.error is not None:
-            raise state.error
+            raise _runtime_error(state.error)
+
+    def _enter_part(self, context_id: int) -> None:
+        with self._lock:
+            self._active[context_id] = self._active.get(context_id, 0) + 1
+
+    def _exit_part(self, context_id: int) -> None:
+        with self._lock:
+            n = self._active.pop(context_id, 1) - 1
+            if n:
+                self._active[context_id] = n
 
     @staticmethod
     def _wait_pass(state: _PassState, deadline: float, timeout: float) -> bool:
@@ -421,15 +481,14 @@ class DistAutogradEngine(CallHook):
             req = BackwardRequest(context_id, pass_id, share, tuple(items))
             try:
                 dst = agent.resolve(rank)
-                with _span(RECV_BACKWARD_EVENT):
-                    if i == last:
-                        reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
-                                                   agent.default_timeout, what=_BACKWARD,
-                                                   retry=_CONTROL_RETRY)
-                    else:
-                        fut = agent.request(dst, Kind.AUTOGRAD_BACKWARD, req,
-                                            agent.default_timeout, what=_BACKWARD,
-                                            retry=_CONTROL_RETRY)
+                if i == last:
+                    reply = agent.request_sync(dst, Kind.AUTOGRAD_BACKWARD, req,
+                                               agent.default_timeout, what=_BACKWARD,
+                                               retry=_CONTROL_RETRY)
+                else:
+                    fut = agent.request(dst, Kind.AUTOGRAD_BACKWARD, req,
+                                        agent.default_timeout, what=_BACKWARD,
+                                        retry=_CONTROL_RETRY)
             except BaseException as exc:  # noqa: BLE001 - returned to the root with the credit
                 self._report(pass_id, share, exc)
                 continue
@@ -458,14 +517,27 @@ class DistAutogradEngine(CallHook):
                   grads: Sequence[Tuple[MessageKey, torch.Tensor]],
                   reply_to: Optional[int]) -> Optional[BackwardReply]:
         """Run this worker's engine from the send records ``grads`` name, then forward."""
+        if pass_id[0] == self._rank:
+            state = self._roots.get(pass_id)
+            if state is not None:
+                state.sends.update(key[0] for key, _ in grads)
+        self._enter_part(context_id)
         try:
             ctx = self.retrieve(context_id)
-            with _span(SEND_BACKWARD_EVENT):
-                edges = [ctx.send_edge(key) for key, _ in grads]
-                routed = self._local_pass(ctx, edges, [g for _, g in grads])
+            edges = [ctx.send_edge(key) for key, _ in grads]
+            try:
+                if _profiling():
+                    with _record_function(NODE_PREFIX + "SendRpcBackward"):
+                        routed = self._local_pass(ctx, edges, [g for _, g in grads])
+                else:
+                    routed = self._local_pass(ctx, edges, [g for _, g in grads])
+            except Exception as exc:
+                raise _on_node(exc, self._rank) from None
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
             self._report(pass_id, credit, exc)
             return None
+        finally:
+            self._exit_part(context_id)
         return self._forward(context_id, pass_id, routed, credit, reply_to)
 
     def _report(self, pass_id: PassId, credit: Fraction, error: Optional[BaseException]) -> None:
@@ -536,6 +608,55 @@ def _parse_meta(meta: Any) -> Tuple[int, int, Tuple[int, ...]]:
                 and all(type(i) is int for i in meta[2]):
             return meta
     raise RpcError(f"malformed distributed autograd metadata in a request: {meta!r}")
+
+
+def _on_node(exc: Exception, rank: int) -> Exception:
+    """``exc`` as torch's distributed engine reports it: "Error on Node <rank>: <message>",
+    of the same type where the type can be rebuilt from a message."""
+    message = f"Error on Node {rank}: {exc}"
+    try:
+        wrapped = type(exc)(message)
+        if str(wrapped) != message:
+            raise TypeError("constructor changed the message")
+    except Exception:  # noqa: BLE001 - types with other constructors: torch's RuntimeError
+        wrapped = RuntimeError(message)
+    wrapped.__cause__ = exc.__cause__
+    return wrapped.with_traceback(exc.__traceback__)
+
+
+def _runtime_error(exc: BaseException) -> BaseException:
+    """``exc`` as a RuntimeError (torch's type for errors of the backward pass), keeping its
+    own type where the two combine; a plain RuntimeError with its message otherwise."""
+    combined = as_runtime_error(exc)
+    if isinstance(combined, RuntimeError) or not isinstance(exc, Exception):
+        return combined
+    plain = RuntimeError(str(exc))
+    plain.__cause__ = exc.__cause__
+    return plain.with_traceback(exc.__traceback__)
+
+
+def _unused_sends(ctx: DistAutogradContext, state: _PassState) -> List[int]:
+    """The message ids of the root's send records that got no gradient in this pass."""
+    sends = ctx._sends
+    if not sends:
+        return []
+    done = state.sends
+    return sorted({key[0] for key in list(sends)} - done)
+
+
+_SIGNATURE = ("backward(): incompatible function arguments. The following argument types are "
+              "supported:\n    1. (context_id: int, roots: list[torch.Tensor], retain_graph: "
+              "bool = False) -> None\n\nInvoked with: ")
+
+
+def _check_arguments(context_id: Any, roots: Any, retain_graph: Any) -> None:
+    """torch's TypeError (its binding's wording) for arguments of the wrong types."""
+    ok = type(context_id) is int and type(retain_graph) is bool and (
+        isinstance(roots, torch.Tensor) or (isinstance(roots, (list, tuple)) and all(
+            isinstance(r, torch.Tensor) for r in roots)))
+    if not ok:
+        raise TypeError(f"{_SIGNATURE}{context_id!r}, {roots!r}"
+                        + ("" if retain_graph is False else f", {retain_graph!r}"))
 
 
 def _check_roots(roots: Any) -> List[torch.Tensor]:

@@ -12,10 +12,11 @@ sides:
   design note). The message id is chosen by the sender; the index is the
   tensor's position among the recorded tensors of that message.
 - a *recv* record on the receiver: the received leaf, the sender's rank and the
-  same key. The value handed to user code is the output of an identity node
-  applied to that leaf (``aten::_unsafe_view``, or :class:`RecvRpc`; see
-  ``_pick_recv_apply``), so it is a non-leaf like any result of an operator and
-  its gradient flows into the leaf (the ``recv`` function of the design note).
+  same key. The values handed to user code are the outputs of one
+  :class:`RecvRpc` node per received message (torch's ``RecvRpcBackward``),
+  applied to that message's leaves, so they are non-leaves like any result of an
+  operator and their gradients flow into the leaves (the ``recv`` function of
+  the design note).
 
 Both sides count tensors the same way because the wire rebuilds, in pickling
 order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``).
@@ -23,7 +24,13 @@ order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``)
 The backward pass (FAST mode) uses these records: gradients that reach a recv
 leaf go back to the sender, which looks up its send record by key and runs
 torch's autograd engine from that edge. Gradients that reach any other leaf are
-accumulated here, in :attr:`DistAutogradContext.gradients`, never in ``.grad``.
+accumulated in the context, never left in ``.grad``: while torch's engine runs,
+each such leaf's ``.grad`` holds the context's gradient, so gradient accumulators
+and their hooks (DDP's reducer) work on the context (see ``local_pass``).
+
+For introspection the context reports what torch's records would be: one
+``SendRpcBackward`` per sent message whose ``next_functions`` are the edges of its
+tensors, and the ``RecvRpcBackward`` node of each received message.
 
 Nothing here does I/O; :mod:`torchrpc._dist_autograd.engine` moves the messages.
 """
@@ -31,7 +38,7 @@ Nothing here does I/O; :mod:`torchrpc._dist_autograd.engine` moves the messages.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -58,61 +65,93 @@ def context_creator(context_id: int) -> int:
     return context_id >> CONTEXT_ID_BITS
 
 
-class RecvRpc(torch.autograd.Function):
-    """The receiving end of a send/recv pair: identity forward, gradient flows to the leaf.
-
-    Its output shares memory with the received leaf but is not a view of it, so
-    user code may modify it in place, as it may with torch's ``RecvRpcBackward``.
-    """
-
-    @staticmethod
-    def forward(ctx: object, leaf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return leaf.detach()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
+NODE_PREFIX = "torch::distributed::autograd::"
+"""The namespace of torch's distributed autograd nodes; ours carry the same names."""
 
 
-def _pick_recv_apply() -> Callable[[torch.Tensor], torch.Tensor]:
-    """The cheapest way to apply the receiving end to a leaf.
-
-    ``aten::_unsafe_view`` to the leaf's own shape does exactly what :class:`RecvRpc`
-    does (an output on the leaf's memory that autograd does not treat as a view, with an
-    identity gradient) in C++ alone, about a third cheaper per tensor than a Python
-    Function. :class:`RecvRpc` stays the fallback for a torch without it.
-    """
-    try:
-        op = torch.ops.aten._unsafe_view.default
-        leaf = torch.zeros(2, 3, requires_grad=True)
-        out = op(leaf, leaf.shape)
-        out.mul_(1.0)  # in place is allowed: not a view
-        (grad,) = torch.autograd.grad(out.sum(), leaf)
-        if out._is_view() or out.is_leaf or not torch.equal(grad, torch.ones(2, 3)):
-            raise RuntimeError("unexpected _unsafe_view semantics")
-        raw = getattr(op, "_op", op)  # the C++ overload itself, without the Python frame
-        return lambda t: raw(t, t.shape)
-    except Exception:  # noqa: BLE001 - any difference: the Python Function
-        return RecvRpc.apply
+def message_id(rank: int, counter: int) -> int:
+    """An autograd message id as torch makes them: the sender's rank in the high bits."""
+    return (rank << CONTEXT_ID_BITS) | counter
 
 
-_recv_apply = _pick_recv_apply()
+def _recv_forward(ctx: Any, outputs: List[torch.Tensor], *leaves: torch.Tensor
+                  ) -> Tuple[torch.Tensor, ...]:
+    ctx.set_materialize_grads(False)  # an unused output sends no gradient back
+    return tuple(outputs)
+
+
+def _recv_backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    return (None,) + grads
+
+
+# The receiving end of the tensors of one message: identity from the received leaves
+# to tensors made beforehand (detached aliases of the leaves, so user code may modify
+# them in place). Its node is named as torch's, "torch::distributed::autograd::
+# RecvRpcBackward", since programs and tests compare grad_fn names.
+RecvRpc = type(NODE_PREFIX + "RecvRpc", (torch.autograd.Function,), {
+    "__module__": __name__, "__qualname__": "RecvRpc",
+    "__doc__": "The receiving end of one message: identity, gradients flow to its leaves.",
+    "forward": staticmethod(_recv_forward), "backward": staticmethod(_recv_backward)})
+
+
+class SendRpcBackward:
+    """What torch records for one sent message: a node whose ``next_functions`` are the
+    gradient edges of the message's tensors that require grad, in message order."""
+
+    __slots__ = ("next_functions",)
+
+    def __init__(self, edges: Sequence[GradientEdge]) -> None:
+        self.next_functions = tuple((e.node, e.output_nr) for e in edges)
+
+    def name(self) -> str:
+        return NODE_PREFIX + "SendRpcBackward"
+
+    def __repr__(self) -> str:
+        return f"<{self.name()} with {len(self.next_functions)} next functions>"
 
 
 class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
-    __slots__ = ("id", "_lock", "_sends", "_recvs", "_grads", "_known")
+    __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known")
 
-    def __init__(self, context_id: int) -> None:
+    def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
+        self.rank = rank  # of the worker holding this copy
         self._lock = threading.Lock()
         self._sends: Dict[MessageKey, GradientEdge] = {}
         # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
         # leaf, so the id cannot be reused while the record exists.
         self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey]] = {}
+        # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
+        self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
+
+    # -- introspection, as torch's DistAutogradContext ---------------------------------------------
+
+    def _context_id(self) -> int:
+        """The id of this context."""
+        return self.id
+
+    def _send_functions(self) -> Dict[int, SendRpcBackward]:
+        """The send function of each message sent in this context that carried tensors
+        requiring grad, by autograd message id, in the order they were sent."""
+        by_msg: Dict[int, List[GradientEdge]] = {}
+        for (msg, _), edge in list(self._sends.items()):
+            by_msg.setdefault(msg, []).append(edge)
+        return {message_id(self.rank, msg): SendRpcBackward(edges)
+                for msg, edges in by_msg.items()}
+
+    def _recv_functions(self) -> Dict[int, Any]:
+        """The ``RecvRpcBackward`` node of each message received in this context that
+        carried tensors requiring grad, by autograd message id, in arrival order."""
+        return dict(self._recv_fns)
+
+    def _known_worker_ids(self) -> Set[int]:
+        """The ranks of the workers that messages of this context were sent to."""
+        with self._lock:
+            return set(self._known)
 
     def __repr__(self) -> str:
         return (f"DistAutogradContext(id={self.id}, sends={len(self._sends)}, "
@@ -137,14 +176,6 @@ class DistAutogradContext:
         self._sends[key] = (GradientEdge(node, tensor.output_nr) if node is not None
                             else get_gradient_edge(tensor))
 
-    def record_recv(self, leaf: torch.Tensor, src: int, key: MessageKey) -> torch.Tensor:
-        """Record a received leaf; return the tensor user code gets in its place."""
-        self._recvs[id(leaf)] = (leaf, src, key)
-        if torch.is_grad_enabled():
-            return _recv_apply(leaf)
-        with torch.enable_grad():
-            return _recv_apply(leaf)
-
     def send_edge(self, key: MessageKey) -> GradientEdge:
         """The gradient edge recorded when the tensor of ``key`` was sent."""
         edge = self._sends.get(key)
@@ -156,12 +187,6 @@ class DistAutogradContext:
         return edge
 
     # -- gradients -------------------------------------------------------------------------------
-
-    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        with self._lock:
-            old = self._grads.setdefault(tensor, grad)
-            if old is not grad:
-                self._grads[tensor] = old + grad
 
     def gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
         """A new dict from each leaf tensor to its gradient accumulated in this context."""
@@ -201,61 +226,82 @@ class SendRecorder:
 
 
 class RecvRecorder:
-    """The receive hook of one incoming message: records each received leaf."""
+    """The receive hook of one incoming message: records each received leaf.
 
-    __slots__ = ("_ctx", "_src", "_msg", "_next")
+    All the message's tensors that require grad share one :class:`RecvRpc` node, as
+    in torch. The wire hands them over one at a time, so each new one re-applies the
+    node to all the leaves so far; the earlier outputs keep their identity and move to
+    the new node (messages carry few such tensors).
+    """
+
+    __slots__ = ("_ctx", "_src", "_msg", "_leaves", "_outs")
 
     def __init__(self, ctx: DistAutogradContext, src: int, msg: int) -> None:
         self._ctx = ctx
         self._src = src
         self._msg = msg
-        self._next = 0
+        self._leaves: List[torch.Tensor] = []
+        self._outs: List[torch.Tensor] = []
 
     def __call__(self, leaf: torch.Tensor) -> torch.Tensor:
-        index = self._next
-        self._next += 1
-        return self._ctx.record_recv(leaf, self._src, (self._msg, index))
+        ctx, leaves, outs = self._ctx, self._leaves, self._outs
+        ctx._recvs[id(leaf)] = (leaf, self._src, (self._msg, len(leaves)))
+        out = leaf.detach()
+        leaves.append(leaf)
+        outs.append(out)
+        if torch.is_grad_enabled():
+            RecvRpc.apply(outs, *leaves)
+        else:
+            with torch.enable_grad():
+                RecvRpc.apply(outs, *leaves)
+        ctx._recv_fns[message_id(self._src, self._msg)] = out.grad_fn
+        return out
 
 
 _ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
 
 
 def _engine_call(outputs: Sequence[Any], grads: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
-    # torch's C++ engine, as torch.autograd.grad calls it (keep_graph, no create_graph,
-    # allow_unreachable, no accumulation). Calling it directly skips grad()'s Python
-    # checks, which cost ~50 us per pass and import sympy (~1.5 s) on first use; the
-    # engine still validates the gradients' shapes.
-    return _ENGINE.run_backward(tuple(outputs), tuple(grads), True, False, tuple(inputs),
-                                True, False)
+                 inputs: Sequence[torch.Tensor]) -> None:
+    # torch's C++ engine, as torch.autograd.backward(inputs=...) calls it (keep_graph, no
+    # create_graph, allow_unreachable, accumulate into .grad). Calling it directly skips
+    # backward()'s Python checks, which cost tens of us per pass and import sympy (~1.5 s)
+    # on first use; the engine still validates the gradients' shapes.
+    _ENGINE.run_backward(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, True)
 
 
-def _grad_call(outputs: Sequence[Any], grads: Sequence[torch.Tensor],
-               inputs: Sequence[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
-    return torch.autograd.grad(outputs, inputs=inputs, grad_outputs=grads,  # type: ignore[arg-type]
-                               retain_graph=True, allow_unused=True)
+def _backward_call(outputs: Sequence[Any], grads: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor]) -> None:
+    torch.autograd.backward(list(outputs), grad_tensors=list(grads),  # type: ignore[arg-type]
+                            retain_graph=True, inputs=list(inputs))
 
 
-def _pick_engine_call() -> Callable[..., Tuple[Optional[torch.Tensor], ...]]:
-    """The direct engine call if this torch has the expected signature, else ``grad``."""
+def _pick_engine_call() -> Callable[..., None]:
+    """The direct engine call if this torch has the expected signature, else ``backward``."""
     if _ENGINE is None:
-        return _grad_call
+        return _backward_call
     leaf = torch.zeros(2, requires_grad=True)
     try:
-        out = _engine_call([get_gradient_edge(leaf * 3)], [torch.ones(2)], [leaf])
-        if len(out) == 1 and torch.equal(out[0], torch.full((2,), 3.0)):
+        _engine_call([get_gradient_edge(leaf * 3)], [torch.ones(2)], [leaf])
+        if leaf.grad is not None and torch.equal(leaf.grad, torch.full((2,), 3.0)):
             return _engine_call
     except Exception:  # noqa: BLE001 - any mismatch: use the public API
         pass
-    return _grad_call
+    return _backward_call
 
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
 _run_engine = _pick_engine_call()
 
+# While torch's engine runs a local pass, the ``.grad`` of the leaves it accumulates into
+# holds a context's gradients; one pass at a time per process (torch's distributed engine
+# also runs all CPU work of its passes on one thread). Reentrant: a backward function may
+# start a nested pass on its own thread.
+_GRAD_SLOTS = threading.RLock()
 
-def reachable_leaves(nodes: List[object]) -> List[torch.Tensor]:
-    """The leaf tensors whose gradient accumulators are reachable from ``nodes``."""
+
+def reachable_leaves(nodes: List[object]) -> List[Tuple[torch.Tensor, Any]]:
+    """The leaf tensors, with their gradient accumulators, reachable from ``nodes``."""
     seen = set()
     stack = [n for n in nodes if n is not None]
     leaves = []
@@ -265,7 +311,7 @@ def reachable_leaves(nodes: List[object]) -> List[torch.Tensor]:
             continue
         seen.add(node)
         if type(node) is _ACCUMULATE_GRAD:
-            leaves.append(node.variable)  # type: ignore[attr-defined]
+            leaves.append((node.variable, node))  # type: ignore[attr-defined]
             continue
         for nxt, _ in node.next_functions:  # type: ignore[attr-defined]
             if nxt is not None and nxt not in seen:
@@ -273,29 +319,87 @@ def reachable_leaves(nodes: List[object]) -> List[torch.Tensor]:
     return leaves
 
 
+class _SharedGradGuard:
+    """A pre-hook on gradient accumulators for one pass: a gradient tensor that reaches
+    several leaves is stored as a copy in each, as torch's distributed engine does (it
+    holds every captured gradient until the pass ends); the local engine would let the
+    last leaf take the tensor itself."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: Set[int] = set()
+
+    def __call__(self, grads: Tuple[Optional[torch.Tensor], ...]
+                 ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+        g = grads[0]
+        if g is None:
+            return None
+        key = id(g)  # no reference: holding one would make every accumulator copy
+        if key in self.seen:
+            return (g.clone(),)
+        self.seen.add(key)
+        return None
+
+
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]
                ) -> Dict[int, List[Tuple[MessageKey, torch.Tensor]]]:
     """Run torch's autograd engine from ``outputs`` (tensors or gradient edges) on this worker.
 
-    Gradients of ordinary leaves are accumulated in ``ctx``; gradients of received
-    leaves are returned, grouped by the rank of their sender, as ``(key, grad)``
-    pairs to send back. The graph is always retained: in FAST mode another part of
-    this backward pass may still reach the same nodes through a later send record.
+    The engine accumulates as in a normal backward pass, so accumulators run their
+    hooks (DDP's reducer marks gradients ready and queues its end-of-pass callback,
+    which runs before the engine returns). During the run the ``.grad`` of each
+    ordinary leaf is its gradient in ``ctx`` (None at first), and afterwards the
+    result goes to ``ctx`` and ``.grad`` gets back its own value: what torch's
+    distributed engine achieves by handing accumulators and hooks the context's
+    gradient. Leaves with a gradient in ``ctx`` that this run does not reach take
+    part too, since end-of-pass hooks may write them (DDP's reducer writes every
+    parameter of a bucket). Gradients of received leaves are returned, grouped by the
+    rank of their sender, as ``(key, grad)`` pairs to send back. The graph is always
+    retained: in FAST mode another part of this backward pass may still reach the
+    same nodes through a later send record.
     """
     nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn  # type: ignore[attr-defined]
              for o in outputs]
-    leaves = reachable_leaves(nodes)
-    if not leaves:
+    reached = reachable_leaves(nodes)
+    if not reached:
         return {}
-    leaf_grads = _run_engine(outputs, grads, leaves)
-    routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
     recvs = ctx._recvs
-    for leaf, grad in zip(leaves, leaf_grads):
-        if grad is None:
-            continue
-        record = recvs.get(id(leaf))
-        if record is None:
-            ctx.accumulate(leaf, grad)
+    ctx_grads = ctx._grads
+    own: List[torch.Tensor] = []
+    received: List[torch.Tensor] = []
+    guard = _SharedGradGuard()
+    handles = []
+    for leaf, node in reached:
+        if id(leaf) in recvs:
+            received.append(leaf)
         else:
-            routed.setdefault(record[1], []).append((record[2], grad))
+            own.append(leaf)
+            handles.append(node.register_prehook(guard))
+    slots = own
+    if ctx_grads:
+        ids = {id(t) for t in own}
+        slots = own + [t for t in list(ctx_grads) if id(t) not in ids]
+    with _GRAD_SLOTS:
+        saved = []
+        try:
+            for t in slots:
+                saved.append(t.grad)
+                t.grad = ctx_grads.get(t)
+            _run_engine(outputs, grads, [leaf for leaf, _ in reached])
+        finally:
+            for t, old in zip(slots, saved):
+                g = t.grad
+                if g is not None:
+                    ctx_grads[t] = g
+                t.grad = old
+            routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
+            for t in received:
+                g = t.grad
+                if g is not None:
+                    t.grad = None
+                    _, src, key = recvs[id(t)]
+                    routed.setdefault(src, []).append((key, g))
+            for h in handles:
+                h.remove()
     return routed

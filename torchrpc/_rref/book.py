@@ -181,6 +181,11 @@ class RRefBook:
                 msgs.append(Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),)))
             return msgs
 
+    def user_abandoned(self, fork_id: GloballyUniqueId) -> None:
+        """A user copy whose creating request was never sent: the owner never knew it."""
+        with self._lock:
+            self.users.pop(fork_id, None)
+
     def user_deleted(self, fork_id: GloballyUniqueId) -> List[Msg]:
         """A user copy was garbage collected (G1): tell the owner once it is confirmed."""
         with self._lock:

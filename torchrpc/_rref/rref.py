@@ -25,12 +25,14 @@ from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
+from .. import _threads
 from .._agent import (Agent, AsyncResult, MessageContext, Parked, WorkerInfo, describe,
                       fresh_error, run_callable)
-from .._agent.current import current_agent
+from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
+from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import RpcError
+from ..errors import NotInitializedError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
@@ -71,9 +73,13 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "_parked", "_profiling_future", "__weakref__")
+                 "_deleted", "_creation", "_parked", "_type_future", "_profiling_future",
+                 "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
+        if agent_handle.agent is None:
+            raise NotInitializedError("Current RPC agent is not set! Did you initialize the "
+                                      "RPC framework (e.g. by calling `rpc.init_rpc`)?")
         layer = _layer_of(current_agent())
         entry = OwnerEntry(layer.book.new_id())
         entry.set_value(value)
@@ -92,6 +98,7 @@ class RRef(Generic[T]):
         self._deleted = False
         self._creation: Optional[torch.futures.Future] = None
         self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
+        self._type_future: Optional[torch.futures.Future] = None  # of the value's type
         self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
 
     @classmethod
@@ -133,9 +140,30 @@ class RRef(Generic[T]):
         r"""The local value, if this is an owner ``RRef``; raises on a user ``RRef``."""
         if self._entry is None:
             raise RuntimeError(
-                f"RRef.local_value() can only be called on the owner {self._owner!r}, but "
-                f"this is a user RRef on {self._layer.agent.worker_info!r}; use to_here()")
+                f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), "
+                f"can't call localValue() on user {self._layer.agent.worker_info!r}. Call it "
+                f"on owner {self._owner!r}, or use to_here() to copy the value here")
         return self._entry.future.wait()
+
+    def _get_type(self, timeout: float = _UNSET, blocking: bool = True) -> Any:
+        r"""The type of the value; with ``blocking=False``, a future of it.
+
+        A user RRef asks the owner once and remembers the answer.
+
+        Args:
+            timeout (float, optional): seconds to wait for the owner's answer.
+            blocking (bool, optional): wait for the type (default) or return a future.
+        """
+        fut = self._type_future
+        if fut is None:
+            if self._entry is not None:
+                fut = _typeof_on_owner(self)
+            else:
+                layer = self._layer
+                fut = layer.public_rpc_async(self._owner, _rref_typeof_on_owner, args=(self,),
+                                             timeout=_timeout(layer, timeout))
+            self._type_future = fut
+        return fut.wait() if blocking else fut
 
     def to_here(self, timeout: float = _UNSET) -> T:
         r"""Blocking call that copies the value of the RRef from the owner to here.
@@ -230,9 +258,9 @@ class RRef(Generic[T]):
     def __reduce__(self) -> Tuple[Any, ...]:
         ctx = current_context()
         if not isinstance(ctx, MessageContext):
-            raise RuntimeError("an RRef can only be pickled as an argument or return value of "
-                               "an RPC (rpc_sync, rpc_async, remote); pickling it elsewhere is "
-                               "not supported")
+            raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
+                               "pickled when using RPC: pass it as an argument or return "
+                               "value of rpc_sync, rpc_async or remote")
         if self._error is not None:
             raise PassThrough(fresh_error(self._error))  # a fork raises the creation error itself
         return ctx.agent.extensions["rref"].fork(self, ctx)
@@ -247,8 +275,34 @@ class RRef(Generic[T]):
 
     def __repr__(self) -> str:
         if self._entry is not None:
-            return f"OwnerRRef(RRefId = {self._rref_id})"
-        return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+
+def _agent_rpc_async(agent: Agent, to: WorkerInfo, func: Any, args: Tuple[Any, ...],
+                     timeout: float) -> torch.futures.Future:
+    return agent.call(to, func, args, {}, timeout)
+
+
+def _gid(gid: Optional[GloballyUniqueId]) -> str:
+    """An RRef or fork id as torch prints it."""
+    if gid is None:
+        return "None"
+    return f"GloballyUniqueId(created_on={gid[0]}, local_id={gid[1]})"
+
+
+def _typeof_on_owner(rref: RRef) -> torch.futures.Future:
+    """On the owner: a future of the type of the value (once it exists)."""
+    assert rref._entry is not None
+    return rref._entry.future.then(lambda f: type(f.value()))
+
+
+def _rref_typeof_on_owner(rref: RRef) -> torch.futures.Future:
+    """Run on the owner for :meth:`RRef._get_type`; replies when the value exists."""
+    return _typeof_on_owner(rref)
+
+
+_rref_typeof_on_owner._wrapped_async_rpc_function = _rref_typeof_on_owner  # type: ignore[attr-defined]
 
 
 def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
@@ -256,8 +310,12 @@ def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: i
     ctx = current_context()
     if not isinstance(ctx, MessageContext):
         raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
-    return ctx.agent.extensions["rref"].adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer,
-                                                   ctx.replied)
+    layer = ctx.agent.extensions["rref"]
+    rref = layer.adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer, ctx.replied)
+    if not rref.confirmed_by_owner():
+        # As in torch, a function given a forked RRef runs once the owner knows of it.
+        ctx.add_gate(layer.confirmation(fork_id))
+    return rref
 
 
 class _Proxy:
@@ -278,6 +336,11 @@ class _Proxy:
         def method(*args: Any, **kwargs: Any) -> Any:
             payload = (rref, name, args, kwargs)
             if mode == "remote":
+                # As in torch, a method the value's type lacks fails here, not at to_here().
+                cls = rref._get_type(timeout)
+                if not hasattr(cls, name):
+                    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r} "
+                                         f"(the value of {rref!r} on {rref._owner.name})")
                 return layer.remote(rref._owner, _invoke_method, payload, {}, timeout)
             fut = layer.agent.call(rref._owner, _invoke_method, payload, {}, timeout)
             return fut.wait() if mode == "sync" else fut
@@ -321,6 +384,7 @@ class RRefLayer:
         self.book = RRefBook(agent.rank)
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._users: "weakref.WeakValueDictionary[GloballyUniqueId, RRef]" = weakref.WeakValueDictionary()
+        self._users_lock = threading.Lock()  # adding and snapshotting _users (see _stop)
         self._phase = 0
         # Deletions: user RRefs garbage collected here (ForkIds, appended by __del__) and
         # the USER_DELETE pairs they became, by owner rank, not sent yet. A REMOTE_CALL or
@@ -329,8 +393,13 @@ class RRefLayer:
         self._ready: Dict[int, List[Tuple[GloballyUniqueId, GloballyUniqueId]]] = {}
         self._del_lock = threading.Lock()
         self.delete_messages = 0  # USER_DELETE messages received (not counting carried ones)
-        self._sender = threading.Thread(target=self._send_loop, name=f"torchrpc-rref-{agent.name}",
-                                        daemon=True)
+        # Futures of user forks a request waits on until the owner confirms them.
+        self._confirmations: Dict[GloballyUniqueId, torch.futures.Future] = {}
+        # The public rpc_async, set by the RPC layer, so calls RRefs make themselves (for
+        # _get_type) are seen as user calls are (profiling).
+        self.public_rpc_async: Callable[..., torch.futures.Future] = functools.partial(
+            _agent_rpc_async, agent)
+        self._guard = Guard(f"the RRef sender thread of {agent.name}", agent.fail)
         agent.extensions["rref"] = self
         agent.register_handler(Kind.RREF_REMOTE_CALL, self._on_remote_call)
         agent.register_handler(Kind.RREF_FETCH, self._on_fetch)
@@ -342,7 +411,8 @@ class RRefLayer:
         agent.add_stop_hook(self._stop)
         # Deleted RRefs pin their values on the owners until the deletion arrives.
         agent.add_tick_hook(self._tick, pending=lambda: bool(self.deferred or self._ready))
-        self._sender.start()
+        self._sender = _threads.start(f"torchrpc-rref-{agent.name}", self._guard,
+                                      self._send_loop)
 
     def _counts(self) -> Dict[str, int]:
         counts = self.book.counts()
@@ -363,7 +433,8 @@ class RRefLayer:
         fork_id = self.book.new_id()
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
-        self._users[fork_id] = rref
+        with self._users_lock:
+            self._users[fork_id] = rref
         deletes = self.take_deletes(dst.id)
         try:
             # Parked: the reply is read by this RRef's to_here() if it comes soon.
@@ -372,6 +443,9 @@ class RRefLayer:
                 timeout, what=func)
         except BaseException:
             self.return_deletes(dst.id, deletes)
+            self._users.pop(fork_id, None)
+            self.book.user_abandoned(fork_id)
+            rref._deleted = True
             raise
         ref = weakref.ref(rref)
         rref._creation = fut
@@ -422,7 +496,8 @@ class RRefLayer:
             return RRef._make(self, rref_id, None, agent.worker_info, entry)
         owner_info = agent.resolve(owner)
         rref = RRef._make(self, rref_id, fork_id, owner_info, None, confirmed=by_owner)
-        self._users[fork_id] = rref
+        with self._users_lock:
+            self._users[fork_id] = rref
         msgs = self.book.user_created(rref_id, fork_id, owner, confirmed=by_owner,
                                       parent=None if by_owner else sender.id)
         self.post(msgs)
@@ -543,20 +618,29 @@ class RRefLayer:
             self._send(Msg(dst, Kind.RREF_USER_DELETE, tuple(pairs)))
 
     def _send_loop(self) -> None:
-        q = self._queue
-        while True:
+        q, guard = self._queue, self._guard
+        while guard.ok:
             item = q.get()
             if item is None:
                 return
-            what, arg = item
-            if what == "deletes":
+            with guard:
+                self._handle(*item)
+
+    def _handle(self, what: str, arg: Any) -> None:
+        """Sender thread: act on one item of the queue."""
+        if what == "deletes":
+            self._send_deletes()
+        elif what == "flush":
+            try:
                 self._send_deletes()
-            elif what == "flush":
-                self._send_deletes()
-                arg.set()
-            else:
-                for msg in arg:
+            finally:
+                arg.set()  # shutdown waits for it, whatever happened
+        else:
+            for msg in arg:
+                try:
                     self._send(msg)
+                except Exception as exc:  # noqa: BLE001 - the other messages still go
+                    self._guard.failed(exc)
 
     def _send(self, msg: Msg) -> None:
         agent = self.agent
@@ -584,6 +668,18 @@ class RRefLayer:
         if rref is not None:
             rref._confirmed = True
         self.post(self.book.user_confirmed(fork_id))
+        gate = self._confirmations.pop(fork_id, None)
+        if gate is not None:
+            gate.set_result(None)
+
+    def confirmation(self, fork_id: GloballyUniqueId) -> torch.futures.Future:
+        """A future that completes when the owner has confirmed the user fork ``fork_id``
+        (or could not be reached)."""
+        gate = self._confirmations.setdefault(fork_id, torch.futures.Future())
+        rref = self._users.get(fork_id)
+        if (rref is None or rref._confirmed) and self._confirmations.pop(fork_id, None):
+            gate.set_result(None)
+        return gate
 
     def _flush(self, deadline: Optional[float]) -> None:
         done = threading.Event()
@@ -631,7 +727,9 @@ class RRefLayer:
         self._queue.put(None)
         if self._sender is not threading.current_thread():
             self._sender.join(10)
-        for rref in list(self._users.values()):
+        with self._users_lock:
+            users = list(self._users.values())
+        for rref in users:
             rref._deleted = True
         self.book.clear()
 

@@ -65,7 +65,9 @@ _NAME = re.compile(r"torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+")
 _PWRITE_MAX = 1 << 30
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 if unknown): pids mean the same
+    process only within one."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -86,7 +88,7 @@ class _Names:
             pid = os.getpid()
             if pid != self._pid:  # a forked child must not reuse its parent's names
                 self._pid = pid
-                self._prefix = f"{PREFIX}{_pid_namespace()}-{pid}-{secrets.token_hex(4)}-"
+                self._prefix = f"{PREFIX}{pid_namespace()}-{pid}-{secrets.token_hex(4)}-"
             self._n += 1
             return f"{self._prefix}{self._n}"
 
@@ -114,6 +116,16 @@ def _unlink(path: str) -> None:
         log.debug("torchrpc: cannot unlink %s: %s", path, exc)
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of process ``pid`` in ``/proc`` (``R``, ``S``, ``T``, ``Z``, ...),
+    or None if there is no such process or it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -121,16 +133,12 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # a zombie is dead
-    except (OSError, IndexError):
-        return True
+    return process_state(pid) != "Z"  # a zombie is dead; unreadable: assume alive
 
 
 def sweep_dead(directory: str = SHM_DIR) -> int:
     """Unlink the segments of dead torchrpc processes of this pid namespace; return how many."""
-    ns = str(_pid_namespace())
+    ns = str(pid_namespace())
     me = os.getpid()
     removed = 0
     try:

@@ -21,7 +21,9 @@ exception when the connection broke rather than closed.
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -32,12 +34,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _wire
+from .._threads import Fatal, Guard
 from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
 from . import handshake, shm, tls
 
 log = logging.getLogger("torchrpc")
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 5.0  # seconds for a whole handshake, however its bytes trickle in
+# Handshakes served at once; a connection beyond this is closed before it is read.
+MAX_HANDSHAKES = 64
+# The accept loop's pause when the process is out of descriptors, doubling up to the last.
+_ACCEPT_BACKOFF = (0.05, 1.0)
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _READ_CHUNK = 256 * 1024
 _IOV_MAX = 512
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -76,6 +84,10 @@ def set_spare_cpus(spare: bool) -> None:
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
 _SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pays again
 
+# What a frame callback raises to close its connection; anything else it raises is a bug
+# that costs only the frame (logged, and the reader reads on).
+_CLOSING = (OSError, ProtocolError, ConnectionLostError)
+
 FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
                          Optional[Callable[[], None]]]
 CloseCallback = Callable[["Connection", Optional[BaseException]], None]
@@ -105,7 +117,6 @@ class Connection:
         self._writing = False
         self._closed = False
         self._close_reason: Optional[BaseException] = None
-        self.thread: Optional[threading.Thread] = None
         # Same-host shared memory (see shm.py), set up by the transport after the handshake.
         self.shm_tx: Optional[shm.ShmSender] = None
         self.shm_rx: Optional[shm.ShmReceiver] = None
@@ -212,10 +223,6 @@ class Connection:
     # and runs the callable instead. The agent uses this to run a request on the thread
     # that read it, instead of waking a pool thread for it (leader/follower).
 
-    def start(self, name: str) -> None:
-        self.thread = threading.Thread(target=self.read_loop, name=name, daemon=True)
-        self.thread.start()
-
     def read_loop(self) -> None:
         """Read frames until the connection ends or the reading role is handed on; in that
         case, run what the frame callback returned."""
@@ -229,10 +236,12 @@ class Connection:
         error: Optional[BaseException] = None
         try:
             return self._read_frames()
-        except (OSError, ProtocolError, ConnectionLostError) as exc:
+        except _CLOSING as exc:
             error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
-        except Exception as exc:  # a bug in a callback must not kill the thread silently
-            log.exception("torchrpc: reader for rank %s failed", self.peer_rank)
+        except Exception as exc:  # noqa: BLE001 - reading itself failed: where the next
+            # frame starts is unknown, so the connection closes
+            log.exception("torchrpc: the reader of the connection to rank %s failed; the "
+                          "connection closes", self.peer_rank)
             error = exc
         self.close(error)
         return None
@@ -326,9 +335,17 @@ class Connection:
 
     def _read_frames(self) -> Optional[Callable[[], None]]:
         next_frame = self._next_frame
+        on_frame = self._on_frame
         while True:
             header, envelope, buffers = next_frame()
-            work = self._on_frame(self, header, envelope, buffers)
+            try:
+                work = on_frame(self, header, envelope, buffers)
+            except _CLOSING:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the frame was read whole: read on
+                Guard(f"the reader of the connection to rank {self.peer_rank}",
+                      limit=None).failed(exc)
+                work = None
             if work is not None:
                 return work  # another thread reads on: touch nothing here any more
             # Hold nothing of this frame while waiting for the next: its memory (or its
@@ -349,7 +366,9 @@ class Connection:
     def _next_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
         limits = self._limits
         if self._rmv is None:
-            self._rmv = memoryview(bytearray(_READ_CHUNK))
+            # An anonymous mapping, not a bytearray (which zeroes every page): a page costs
+            # memory only once data lands on it, so idle connections cost next to nothing.
+            self._rmv = memoryview(mmap.mmap(-1, _READ_CHUNK))
         mv = self._rmv
         fill = self._fill
         if self._rstart == self._rend:
@@ -422,9 +441,15 @@ class Connection:
         self._on_close(self, reason)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AuthenticationError(f"the handshake took longer than {HANDSHAKE_TIMEOUT:g} s "
+                                          f"({len(data)} of {n} bytes arrived)")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise AuthenticationError(f"peer closed during the handshake after {len(data)} bytes")
@@ -492,10 +517,12 @@ class Transport:
                  on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
                  tls_contexts: Optional[tls.TlsContexts] = None, shm_threshold: int = 0,
                  same_host: Optional[Callable[[int], bool]] = None,
-                 local_socket: bool = False) -> None:
+                 local_socket: bool = False, on_fatal: Optional[Fatal] = None) -> None:
         self.rank = rank
+        self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
         self._rejects = _LogBudget()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._secret = secret
         self._limits = limits
         self._on_connect = on_connect
@@ -535,10 +562,10 @@ class Transport:
         self._local: Optional[socket.socket] = None
         if local_socket and hasattr(socket, "AF_UNIX"):
             self._local = self._listen_local(local_name(*self.address))
-        self._accept_thread = self._spawn(self._accept_loop, f"torchrpc-accept-{rank}",
-                                          self._listener)
+        self._accept_thread = self._spawn_loop(self._accept_loop, f"torchrpc-accept-{rank}",
+                                               self._listener)
         if self._local is not None:
-            self._spawn(self._accept_loop, f"torchrpc-accept-local-{rank}", self._local)
+            self._spawn_loop(self._accept_loop, f"torchrpc-accept-local-{rank}", self._local)
 
     @staticmethod
     def _listen_local(name: str) -> Optional[socket.socket]:
@@ -552,42 +579,93 @@ class Transport:
             return None
         return sock
 
-    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any,
+               guard: Optional[Guard] = None) -> threading.Thread:
+        """Start thread ``name`` running ``target(*args)`` under ``guard`` (by default
+        one that logs whatever escapes); :meth:`close` joins it."""
+        guard = guard or Guard(f"thread {name}")
+
         def run() -> None:
             try:
-                target(*args)
+                guard.call(target, *args)
             finally:
                 with self._lock:
                     self._threads.discard(threading.current_thread())
         t = threading.Thread(target=run, name=name, daemon=True)
         with self._lock:
             self._threads.add(t)
-        t.start()
+        try:
+            t.start()
+        except BaseException:
+            with self._lock:
+                self._threads.discard(t)
+            raise
         return t
 
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closing:
-                    sock.close()
+    def _spawn_loop(self, loop: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        """Start thread ``name`` running ``loop(guard, *args)``; if it cannot go on, the
+        owner hears of it (``on_fatal``)."""
+        guard = Guard(f"the thread {name}", self._on_fatal)
+        return self._spawn(loop, name, guard, *args, guard=guard)
+
+    def _accept_loop(self, guard: Guard, listener: socket.socket) -> None:
+        backoff = [0.0]
+        while guard.ok:
+            with guard:
+                if not self._accept_one(listener, backoff):
                     return
-                self._sockets.add(sock)
+
+    def _accept_one(self, listener: socket.socket, backoff: List[float]) -> bool:
+        """Accept one connection and start its handshake; False once the listener closed.
+
+        ``backoff`` holds the current pause after running out of descriptors."""
+        try:
+            sock, addr = listener.accept()
+        except OSError as exc:
+            with self._lock:
+                if self._closing or listener.fileno() < 0:
+                    return False
+            if exc.errno not in _OUT_OF_RESOURCES:
+                raise  # unexpected: the guard logs it and the loop goes on
+            # Out of descriptors (a flood, or a busy process): pause and try again; the
+            # kernel keeps new peers in the backlog meanwhile.
+            backoff[0] = min(max(backoff[0] * 2, _ACCEPT_BACKOFF[0]), _ACCEPT_BACKOFF[1])
+            self._rejects.warn("torchrpc: rank %d cannot accept connections: %s; trying "
+                               "again in %.2f s", self.rank, exc, backoff[0])
+            time.sleep(backoff[0])
+            return True
+        backoff[0] = 0.0
+        if not self._handshakes.acquire(blocking=False):
+            self._rejects.warn("torchrpc: rank %d refused a connection from %s: %d "
+                               "handshakes are in progress", self.rank, addr, MAX_HANDSHAKES)
+            sock.close()
+            return True
+        with self._lock:
+            if self._closing:
+                self._handshakes.release()
+                sock.close()
+                return False
+            self._sockets.add(sock)
+        try:
             self._spawn(self._serve, f"torchrpc-conn-{self.rank}", sock, addr)
+        except BaseException:
+            self._handshakes.release()
+            self._forget(sock)
+            sock.close()
+            raise
+        return True
 
     def _serve(self, sock: socket.socket, addr: Any) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             if self._tls is not None:
                 sock = self._secure(sock, server_side=True)
-            hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size))
+            hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size, deadline))
             challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank, self._features)
             sock.sendall(challenge)
-            handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size), hello,
-                                  nonce, self.rank)
+            handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
+                                  hello, nonce, self.rank)
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             _tune(sock)
@@ -597,6 +675,12 @@ class Transport:
             self._forget(sock)
             sock.close()
             return
+        except BaseException:  # unexpected: the thread's guard logs it; drop the socket
+            self._forget(sock)
+            sock.close()
+            raise
+        finally:
+            self._handshakes.release()
         conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=False)
         conn.features = hello.features & self._features
@@ -651,7 +735,13 @@ class Transport:
         self._register(conn)
         self._on_connect(conn)
         if not conn.private:
-            self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
+            try:
+                self._spawn(conn.read_loop, f"torchrpc-conn-{self.rank}-{peer_rank}")
+            except Exception as exc:  # no thread to read it: the connection is useless
+                error = ConnectionLostError(f"cannot start a reader for the connection to "
+                                            f"{host}:{port}: {exc}")
+                conn.close(error)
+                raise error from exc
         return conn
 
     @staticmethod
@@ -683,17 +773,21 @@ class Transport:
 
     def connections(self) -> List[Connection]:
         """Every open connection, shared and private (for counters and tests)."""
-        return [c for c in list(self._every_conn) if not c.closed]
+        with self._lock:  # a WeakSet iterates in Python: adding to it meanwhile would raise
+            conns = list(self._every_conn)
+        return [c for c in conns if not c.closed]
 
     def _register(self, conn: Connection) -> None:
         """Count ``conn`` among the transport's connections and set up its shared memory."""
-        self._every_conn.add(conn)
+        with self._lock:
+            self._every_conn.add(conn)
         if not conn.features & handshake.FEATURE_SHM:
             return
         conn.shm_rx = shm.ShmReceiver(stats=self._shm_stats)
         if self._shm_threshold > 0 and self._same_host is not None:
             conn.shm_decider = self._decide_shm_tx
-        self._shm_conns.add(conn)
+        with self._lock:
+            self._shm_conns.add(conn)
 
     def _decide_shm_tx(self, conn: Connection) -> None:
         with conn._lock:
@@ -712,7 +806,9 @@ class Transport:
     def housekeeping(self) -> None:
         """Let shared-memory segments that nobody used for a while go (call now and then)."""
         now = time.monotonic()
-        for conn in list(self._shm_conns):
+        with self._lock:
+            conns = list(self._shm_conns)
+        for conn in conns:
             if conn.shm_tx is not None:
                 conn.shm_tx.housekeeping(now)
             if conn.shm_rx is not None:
@@ -723,13 +819,18 @@ class Transport:
             self._sockets.discard(sock)
 
     def _closed_cb(self, conn: Connection, reason: Optional[BaseException]) -> None:
+        # Whatever fails here, the owner must still hear that the connection closed.
+        guard = Guard(f"closing the connection of rank {self.rank} to rank {conn.peer_rank}",
+                      limit=None)
         self._forget(conn.sock)
         if reason is not None and conn.shm_rx is not None:
-            shm.sweep_dead()  # the peer may have died holding segments not yet mapped
+            with guard:
+                shm.sweep_dead()  # the peer may have died holding segments not yet mapped
         if isinstance(reason, ProtocolError):
             self._rejects.warn("torchrpc: rank %d closed its connection with rank %d: %s",
                                self.rank, conn.peer_rank, reason)
-        self._on_close(conn, reason)
+        with guard:
+            self._on_close(conn, reason)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop listening, close every socket and join every thread the transport started."""

@@ -3,12 +3,14 @@
 from .frame import (FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_REF_SIZE, Frame, FrameDecoder,
                     Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
                     parse_shm_ref)
-from .kinds import KNOWN_KINDS, Kind
-from .serialize import PassThrough, current_context, decode, encode, memoryview_of, new_buffer, tensor_bytes
+from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
+from .serialize import (OUT_OF_BAND_MIN, PassThrough, current_context, decode, encode,
+                        memoryview_of, new_buffer, tensor_bytes)
 
 __all__ = [
     "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT", "SHM_REF_SIZE", "Frame", "FrameDecoder",
     "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
-    "KNOWN_KINDS", "Kind", "current_context", "decode", "encode", "memoryview_of", "new_buffer",
-    "PassThrough", "pack_header", "parse_header", "parse_lengths", "tensor_bytes",
+    "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "current_context", "decode", "encode",
+    "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
+    "parse_header", "parse_lengths", "tensor_bytes",
 ]

@@ -36,3 +36,10 @@ class Kind(enum.IntEnum):
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)
+
+# How error messages name the items of a request's payload tuple, by kind (a payload
+# that cannot be pickled is reported as, e.g., ``args[1]['obs']``).
+PAYLOAD_NAMES = {
+    Kind.CALL: ("func", "args", "kwargs"),
+    Kind.RREF_REMOTE_CALL: ("func", "args", "kwargs", "rref_id", "fork_id", "deletes"),
+}

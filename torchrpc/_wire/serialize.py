@@ -5,13 +5,23 @@ strided CPU tensor it meets is reduced to a reference to a *storage slot* plus
 its metadata (dtype, shape, stride, offset). A slot stands for the byte range of
 one storage that the message needs; it is pickled once and becomes one
 out-of-band buffer, so two views of one storage arrive as two views of one
-storage. Only the covered range is sent; a view that covers much less than its
-span (a strided slice) is sent compacted instead. :func:`decode` receives the
+storage. Only the covered range is sent, and a view arrives with its strides,
+unless it covers much less than its span (a sparse strided slice of a large
+tensor): that one is sent compacted. :func:`decode` receives the
 buffers as uint8 tensors that the transport already filled (``recv_into``, or
 mapped from shared memory), and rebuilds each tensor on that memory without a
 copy. A tensor's dtype travels as a small fixed id, and every reduction made here
 refers to one global, :func:`_rebuild`, with a tag: pickling a global costs an
 import-system lookup per message, which is most of what a small call spends here.
+
+Other objects' large buffers. Anything else whose reduction hands pickle a
+:class:`pickle.PickleBuffer` (numpy arrays, objects written for protocol 5) keeps
+its small buffers in the envelope, exactly as pickle would, and sends buffers of
+:data:`OUT_OF_BAND_MIN` bytes or more out of band like a tensor's storage: the
+encoder reduces such objects itself, replaces each large buffer among the
+reduction's arguments by a reference to a received buffer, and the decoder hands
+the object a memoryview over that received memory (read-only if the original was),
+which is what pickle gives an object whose buffers it loads out of band.
 
 Nothing here does I/O. Callers may pass hooks to see every tensor that requires
 grad on the way out and on the way in (distributed autograd uses them), and a
@@ -21,24 +31,28 @@ grad on the way out and on the way in (distributed autograd uses them), and a
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import importlib
 import io
 import pickle
 import sys
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import SerializationError
+from ..errors import MissingDefinitionError, SerializationError
 
 TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
 _local = threading.local()
-# A strided view whose span is larger than this many times its own bytes is compacted.
 _SPAN_SLACK = 2
+_SPAN_EXTRA = 64 * 1024
 _ALIGN = 16
+# A buffer of a non-tensor object this large or larger travels out of band; a smaller one
+# stays in the envelope, where pickle puts it.
+OUT_OF_BAND_MIN = 256 * 1024
 
 
 class PassThrough(Exception):
@@ -74,31 +88,40 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class _Slot:
     """One storage range that becomes one out-of-band buffer.
 
-    Pickling it appends a memoryview of the range to ``views``, in the order the
-    pickle refers to its buffers. The PickleBuffer handed to pickle wraps a ctypes
-    array, not that memoryview: a memoryview that a PickleBuffer exports from must
-    never be left to the cycle collector (CPython clears it despite the export, and
-    may then crash), and an exception's traceback can put both in a cycle.
+    The encoder pickles it (:meth:`_Encoder.reduce_slot`) by appending a memoryview of
+    the range to its ``views``, in the order the pickle refers to its buffers. The
+    PickleBuffer handed to pickle wraps a ctypes array, not that memoryview: a
+    memoryview that a PickleBuffer exports from must never be left to the cycle
+    collector (CPython clears it despite the export, and may then crash), and an
+    exception's traceback can put both in a cycle.
     """
 
-    __slots__ = ("tensor", "base", "lo", "hi", "views")
+    __slots__ = ("tensor", "base", "lo", "hi")
 
-    def __init__(self, tensor: torch.Tensor, base: int, lo: int, hi: int,
-                 views: List[memoryview]) -> None:
+    def __init__(self, tensor: torch.Tensor, base: int, lo: int, hi: int) -> None:
         self.tensor = tensor  # keeps the memory alive until sent
         self.base = base  # address of the storage's first byte
         self.lo = lo
         self.hi = hi
-        self.views = views
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        raw = (ctypes.c_ubyte * (self.hi - self.lo)).from_address(self.base + self.lo)
-        self.views.append(memoryview(raw).cast("B"))
-        return _rebuild, (_SLOT, pickle.PickleBuffer(raw))
 
 
-def _out_of_band(buf: pickle.PickleBuffer) -> None:
-    return None  # falsy: every buffer travels out of band
+class _Bytes:
+    """A large buffer of a non-tensor object, sent out of band.
+
+    ``view`` is the buffer's bytes as a memoryview exported by the object itself (so it
+    keeps the object alive until sent). It stands in for the PickleBuffer among the
+    object's reduction arguments.
+    """
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+
+# What the PickleBuffers that mark a _Bytes' place export (pickle never reads their
+# content: the data is the view); never resized.
+_PLACE = bytearray()
 
 
 def _rebuild(tag: int, *args: Any) -> Any:
@@ -124,6 +147,27 @@ def _rebuild_slot(buf: Any) -> torch.Tensor:
         return buf
     # In-band fallback (plain pickle.loads of an envelope, used by tools and tests).
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+
+
+def _rebuild_bytes(buf: Any, readonly: bool) -> memoryview:
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(f"malformed out-of-band buffer: {buf.dtype} tensor of shape "
+                             f"{tuple(buf.shape)}")
+        view = _owning_view(buf)
+    else:  # in-band fallback, as in _rebuild_slot
+        view = memoryview(bytearray(buf))
+    return view.toreadonly() if readonly else view
+
+
+def _owning_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a uint8 tensor that keeps the tensor alive."""
+    n = t.numel()
+    if n == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    raw.owner = t  # the memoryview holds raw, raw holds the tensor
+    return memoryview(raw).cast("B")
 
 
 def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tuple[int, ...],
@@ -206,8 +250,8 @@ _ITEMSIZE = {d: d.itemsize for d in _DTYPE_IDS}
 
 
 # _rebuild tags: never renumber one.
-_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION = 0, 1, 2, 3
-_REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function)
+_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES = 0, 1, 2, 3, 4
+_REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes)
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
@@ -250,6 +294,15 @@ class _Encoder:
         self.send_hook = send_hook
         self.retry_ranges = retry_ranges
         self.conflict = False
+        # The PickleBuffer that the next buffer_callback must send out of band.
+        self.marked: Optional[pickle.PickleBuffer] = None
+
+    def in_band(self, buf: pickle.PickleBuffer) -> bool:
+        """pickle's buffer_callback: out of band only the buffers queued in ``views``."""
+        if buf is self.marked:
+            self.marked = None
+            return False
+        return True
 
     def reduce_tensor(self, t: torch.Tensor) -> Tuple[Any, ...]:
         # The hot path of every message with a tensor: each attribute read below is a
@@ -270,6 +323,12 @@ class _Encoder:
                 return _plain_reduce(t)
             data = t.detach().cpu()
         if (dtype.is_complex and data.is_conj()) or data.is_neg():
+            if not requires_grad:
+                # Keep the lazy bit, as pickle does: send the memory as it lies, and set
+                # the bit again on arrival.
+                if data.is_conj():
+                    return torch.conj, (data.conj(),)
+                return torch._neg_view, (torch._neg_view(data),)
             data = data.detach().resolve_conj().resolve_neg()
         numel = data.numel()
         if numel == 0:
@@ -284,8 +343,12 @@ class _Encoder:
         if data.is_contiguous():
             hi = lo + numel * itemsize
         else:
+            # A view keeps its strides: the span of storage it covers travels. Only a view
+            # whose span would add more than _SPAN_EXTRA bytes beyond twice its elements'
+            # (a sparse strided slice of a big tensor) is sent compacted, and arrives
+            # contiguous.
             span = 1 + sum((n - 1) * s for n, s in zip(data.shape, data.stride()) if s > 0)
-            if span > _SPAN_SLACK * numel:
+            if span > _SPAN_SLACK * numel and (span - numel) * itemsize > _SPAN_EXTRA:
                 data = data.detach().contiguous()
                 lo, span = 0, numel
             hi = lo + span * itemsize
@@ -301,17 +364,60 @@ class _Encoder:
                 lo2, hi2 = self.retry_ranges.get(key, (slot.lo, slot.hi))
                 self.retry_ranges[key] = (min(lo2, lo), max(hi2, hi))
             lo_a, hi_a = self.retry_ranges.get(key, (lo, hi))
-            slot = _Slot(data, key, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a), self.views)
+            slot = _Slot(data, key, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a))
             self.slots[key] = slot
             self.keepalive.append(data)
         return _rebuild, (_TENSOR, slot, lo - slot.lo, dtype_ref, tuple(data.shape),
                           data.stride(), requires_grad)
+
+    def reduce_slot(self, slot: _Slot) -> Tuple[Any, ...]:
+        raw = (ctypes.c_ubyte * (slot.hi - slot.lo)).from_address(slot.base + slot.lo)
+        self.views.append(memoryview(raw).cast("B"))
+        buf = self.marked = pickle.PickleBuffer(raw)
+        return _rebuild, (_SLOT, buf)
+
+    def reduce_bytes(self, data: _Bytes) -> Tuple[Any, ...]:
+        self.views.append(data.view)
+        buf = self.marked = pickle.PickleBuffer(_PLACE)
+        return _rebuild, (_BYTES, buf, data.view.readonly)
 
     def reduce_parameter(self, p: torch.nn.Parameter) -> Tuple[Any, ...]:
         return _rebuild_parameter, (p.data, p.requires_grad)
 
     def reduce_script_function(self, fn: Any) -> Tuple[Any, ...]:
         return _load_script_function, (fn.qualified_name,)
+
+    def reduce_custom(self, obj: Any) -> Any:
+        """Reduce an object of a class with its own reduction as pickle would, with its
+        large buffers taken out of band (pickle saves a PickleBuffer before asking us).
+
+        Where pickle would not call the object's ``__reduce_ex__`` (a class, a type in
+        copyreg's dispatch table), leave it to pickle.
+        """
+        if isinstance(obj, type) or type(obj) in copyreg.dispatch_table:
+            return NotImplemented
+        rv = obj.__reduce_ex__(5)
+        if type(rv) is not tuple or len(rv) < 2 or type(rv[1]) is not tuple:
+            return rv
+        for arg in rv[1]:
+            if type(arg) is _PICKLE_BUFFER:
+                break
+        else:
+            return rv
+        args = tuple(self.reduce_buffer(a) if type(a) is _PICKLE_BUFFER else a for a in rv[1])
+        return (rv[0], args) + rv[2:]
+
+    def reduce_buffer(self, buf: pickle.PickleBuffer) -> Any:
+        """What to pickle in place of ``buf``: itself (in band) or a :class:`_Bytes`."""
+        try:
+            view = buf.raw()
+        except BufferError:
+            return buf  # not contiguous: pickle raises its own error
+        # A view exported by a memoryview is left in band: a memoryview something exports
+        # from must never be left to the cycle collector (see _Slot).
+        if view.nbytes < OUT_OF_BAND_MIN or type(view.obj) is memoryview:
+            return buf
+        return _Bytes(view)
 
 
 def _reduce_sparse(t: torch.Tensor, layout: torch.layout) -> Tuple[Any, ...]:
@@ -333,12 +439,25 @@ _REDUCERS: dict = {
     torch.Tensor: _Encoder.reduce_tensor,
     torch.nn.Parameter: _Encoder.reduce_parameter,
     torch.jit.ScriptFunction: _Encoder.reduce_script_function,
+    _Slot: _Encoder.reduce_slot,
+    _Bytes: _Encoder.reduce_bytes,
 }
 
 
+_PICKLE_BUFFER = pickle.PickleBuffer
+_OBJECT_REDUCE_EX = object.__reduce_ex__
+_OBJECT_REDUCE = object.__reduce__
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
+    """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says."""
+    _REDUCERS[cls] = lambda enc, obj: reducer(obj)
+
+
 class _Pickler(pickle.Pickler):
-    """Protocol 5 with out-of-band buffers; tensors reduced by an :class:`_Encoder` (set as
-    ``enc`` after construction: a Python ``__init__`` would cost a call per message)."""
+    """Protocol 5 with out-of-band buffers; tensors, and objects with their own reduction,
+    reduced by an :class:`_Encoder` (set as ``enc`` after construction: a Python
+    ``__init__`` would cost a call per message)."""
 
     enc: _Encoder
 
@@ -351,7 +470,13 @@ class _Pickler(pickle.Pickler):
                 and getattr(_TORCH_FUNCTIONS, obj.__name__, None) is obj:
             # torch.add and friends: one global (memoized) instead of two per message.
             return _rebuild, (_TORCH_FUNCTION, obj.__name__)
-        return NotImplemented
+        if isinstance(obj, torch._C.Future):
+            raise PassThrough(RuntimeError(
+                "Can not pickle torch.futures.Future: a future is local to its process; "
+                "wait for it and send its value instead"))
+        if cls.__reduce_ex__ is _OBJECT_REDUCE_EX and cls.__reduce__ is _OBJECT_REDUCE:
+            return NotImplemented  # pickle's default reduction hands it no buffers
+        return self.enc.reduce_custom(obj)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -368,7 +493,13 @@ class _Unpickler(pickle.Unpickler):
                 return getattr(mod, name)
             except AttributeError:
                 pass
-        return super().find_class(module, name)
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError) as exc:
+            raise MissingDefinitionError(
+                f"RPC pickler does not serialize function code. Ensure that UDFs are defined "
+                f"on both caller and callee modules: {module}.{name} is not defined in this "
+                f"process ({exc})") from None
 
 
 def _plain_reduce(t: torch.Tensor) -> Tuple[Any, ...]:
@@ -376,7 +507,8 @@ def _plain_reduce(t: torch.Tensor) -> Tuple[Any, ...]:
 
 
 def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None,
-           meta: Any = None) -> Tuple[bytes, List[memoryview], List[torch.Tensor]]:
+           meta: Any = None, names: Union[str, Sequence[str]] = "value"
+           ) -> Tuple[bytes, List[memoryview], List[torch.Tensor]]:
     """Pickle ``meta`` then ``obj``; return the envelope, the out-of-band buffers and the
     tensors to keep alive until the buffers are sent.
 
@@ -385,7 +517,9 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     order, each tensor that requires grad and whose receiver will call its receive hook
     (its return value is ignored). Both are pickled by one pickler, one after the
     other, so the envelope is two pickles sharing one memo. Raises
-    :class:`~torchrpc.errors.SerializationError` when something can't be pickled.
+    :class:`~torchrpc.errors.SerializationError` when something can't be pickled,
+    naming the path to the part that can't (see :func:`locate`); ``names`` is how
+    that path names ``obj``, or, a sequence, the items of the tuple ``obj``.
     """
     retry: dict = {}
     local = _local
@@ -395,7 +529,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
         for _ in range(2):
             enc = _Encoder(send_hook, retry)
             out = io.BytesIO()
-            pickler = _Pickler(out, 5, buffer_callback=_out_of_band)
+            pickler = _Pickler(out, 5, buffer_callback=enc.in_band)
             pickler.enc = enc
             if meta is None:
                 out.write(_NONE_META)
@@ -412,7 +546,9 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
             except PassThrough as wrapper:
                 raise wrapper.take() from None
             except Exception as exc:
-                raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
+                local.context = None  # the search must not fork RRefs again
+                raise SerializationError(f"cannot pickle {locate(obj, exc, names)}: "
+                                         f"{exc}") from exc
             if not enc.conflict:
                 break
             retry = enc.retry_ranges
@@ -450,9 +586,106 @@ def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], con
         local.context = prev_context
 
 
-def _describe(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 200 else text[:197] + "..."
+def locate(obj: Any, error: BaseException, names: Union[str, Sequence[str]] = "value") -> str:
+    """The path to the innermost part of ``obj`` whose pickling fails with ``error``,
+    e.g. ``args[1]['obs'][3] (<unlocked _thread.lock object ...>)``.
+
+    Only for error messages: it pickles parts of ``obj`` again, one at a time, and
+    follows the part that fails with the same error (so a part failing only because it
+    is pickled alone, an RRef outside a message, is not taken for the culprit). The
+    caller runs it with no context, so nothing with side effects is pickled twice.
+    """
+    if isinstance(names, str):
+        path, part = names, obj
+    else:
+        path, part = "payload", obj
+        if type(obj) is tuple:
+            for i, item in enumerate(obj):
+                if _fails_like(item, error):
+                    path, part = (names[i] if i < len(names) else f"payload[{i}]"), item
+                    break
+    seen = {id(obj)}
+    for _ in range(_LOCATE_DEPTH):
+        for step, child in _parts(part):
+            if id(child) not in seen and _fails_like(child, error):
+                seen.add(id(child))
+                path, part = path + step, child
+                break
+        else:
+            break
+    return f"{path} ({_describe(part)})"
+
+
+_LOCATE_DEPTH = 100
+
+
+def _fails_like(obj: Any, error: BaseException) -> bool:
+    """Whether pickling ``obj`` alone raises an error of the type and text of ``error``."""
+    enc = _Encoder(None, {})
+    pickler = _Pickler(_Discard(), 5, buffer_callback=_never_in_band)
+    pickler.enc = enc
+    try:
+        pickler.dump(obj)
+    except Exception as exc:  # noqa: BLE001 - compared, not handled
+        return type(exc) is type(error) and str(exc) == str(error)
+    return False
+
+
+class _Discard:
+    """A file that forgets what is written to it."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def _never_in_band(buf: pickle.PickleBuffer) -> bool:
+    return False
+
+
+def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
+    """The parts pickle would pickle for ``obj``, each with the step that names it."""
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        for name, item in zip(obj._fields, obj):
+            yield f".{name}", item
+        return
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        step = "[{}]" if isinstance(obj, (tuple, list)) else "<item {}>"
+        for i, item in enumerate(obj):
+            yield step.format(i), item
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"<key {_describe(key, 40)}>", key
+            yield f"[{_describe(key, 40)}]", value
+        return
+    if isinstance(obj, type):
+        return
+    try:
+        rv = obj.__reduce_ex__(5)
+    except Exception:  # noqa: BLE001 - the object itself is what fails
+        return
+    if type(rv) is not tuple:
+        return
+    for i, arg in enumerate(rv[1] if len(rv) > 1 and type(rv[1]) is tuple else ()):
+        yield f"<argument {i}>", arg
+    state = rv[2] if len(rv) > 2 else None
+    slots = None
+    if type(state) is tuple and len(state) == 2 and isinstance(state[1], dict):
+        state, slots = state
+    for attrs in (state, slots):
+        if isinstance(attrs, dict):
+            for name, value in attrs.items():
+                yield f".{name}", value
+    if state is not None and not isinstance(state, dict):
+        yield "<state>", state
+
+
+def _describe(obj: Any, limit: int = 200) -> str:
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - an error message must not fail
+        text = f"<{type(obj).__qualname__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def new_buffer(nbytes: int) -> Tuple[torch.Tensor, memoryview]:

@@ -22,6 +22,7 @@ import datetime
 import faulthandler
 import importlib
 import json
+import logging
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ import torch
 from torch.distributed import TCPStore
 
 from .options import BenchOptions
-from .workloads import PAIR_RUNNERS, Turns, WorkerContext, peak_rss_mb
+from .workloads import PAIR_RUNNERS, Turns, WorkerContext, memory_mb, peak_rss_mb
 
 TIMEOUT_MARKER = "Timeout ("
 """How faulthandler's watchdog starts its report; the launcher looks for it in the log."""
@@ -182,6 +183,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
         if not torch.equal(value, torch.full((2,), 2.0)):
             raise AssertionError(f"all-to-all call returned {value!r}")
     record.data["all_to_all"] = [start, time.time()]
+    record.data["memory_after_all_to_all_MB"] = memory_mb()
     record.phase("all_to_all-barrier")
     _barrier(store, "called", world_size, limit)
 
@@ -189,6 +191,7 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
     start = time.time()
     rpc.shutdown()
     record.data["shutdown"] = [start, time.time()]
+    record.data["peak_rss_MB"] = peak_rss_mb()
     record.phase("done")
     _exit_barrier(store, world_size)
 
@@ -198,6 +201,9 @@ def main(argv: list[str]) -> int:
     with open(argv[0], encoding="utf-8") as spec_file:
         spec = json.load(spec_file)
     faulthandler.dump_traceback_later(spec["time_limit"], exit=True)
+    # The systems' warnings and errors go to this rank's log, where the launcher looks.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s "
+                        "%(name)s %(threadName)s: %(message)s")
     torch.set_num_threads(1)
     record = Record(spec["result_path"], spec["rank"])
     opts = BenchOptions.from_json(spec["options"])
@@ -205,6 +211,7 @@ def main(argv: list[str]) -> int:
         record.phase("import")
         mods = {role: importlib.import_module(name)
                 for role, name in spec["system"]["modules"].items()}
+        record.data["memory_after_import_MB"] = memory_mb()
         if spec["kind"] == "pair":
             run_pair(spec, mods, opts, record)
         else:

@@ -38,6 +38,7 @@ _HELP = {
     "echo_sizes_mb": "comma-separated float32 tensor sizes in MiB",
     "echo_iters": "timed echoes per size; the median is reported",
     "echo_warmup": "untimed echoes per size first",
+    "echo_numpy_mb": "size in MiB of the float32 numpy array of the echo_numpy workload",
     "train_dims": "comma-separated MLP layer sizes; the first half of the layers runs on the "
                   "caller, the rest on the callee",
     "train_batch": "training batch size",
@@ -50,6 +51,8 @@ _HELP = {
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
+    "min_available_gib": "stop a session (its workers are killed) when the machine's "
+                         "available memory falls below this many GiB; 0: never",
     "time_limit": "hard limit for one two-worker session (spawn to exit), seconds",
 }
 
@@ -80,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "with the ratios.",
         epilog="Workloads: latency (small rpc_sync p50/p99), throughput (concurrent "
                "rpc_async), remote (remote()+to_here()), echo (1/64/256 MB tensors and "
-               "peak RSS), train (MLP split over two workers), scale (init, all-to-all "
-               "and shutdown of 4..32 workers; only when asked for).")
+               "peak RSS), echo_numpy (a 64 MB numpy array), train (MLP split over two "
+               "workers), scale (init, all-to-all and shutdown of 4..32 workers; only when "
+               "asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
                         help=f"comma-separated systems to run, in order; ratios are "
                              f"taken against '{BASELINE}' if it runs, else the first "

@@ -54,8 +54,14 @@ class SessionOutcome:
     records: list[dict[str, Any] | None]
     returncodes: list[int]
     log_tails: list[str]
-    kill_reason: str | None  # None, "deadline", "peer failed" or "caller done"
+    kill_reason: str | None  # None, "deadline", "peer failed", "caller done" or "memory"
     elapsed_s: float
+    # The least memory the machine had available during the session, and the floor
+    # below which the session is stopped (GiB; None where /proc/meminfo is missing).
+    min_available_gib: float | None = None
+    memory_floor_gib: float = 0.0
+    # Per rank: tracebacks and ERROR lines in its whole log (exceptions, caught or not).
+    log_errors: list[int] = dataclasses.field(default_factory=list)
 
     def role(self, rank: int) -> str:
         """Human name of ``rank``: caller/callee in pair sessions, workerN otherwise."""
@@ -104,6 +110,9 @@ class SessionOutcome:
         """One line saying why the session failed as a whole, or None if it is complete."""
         if self.complete():
             return None
+        if self.kill_reason == "memory":
+            return (f"stopped: the machine's available memory fell below "
+                    f"{self.memory_floor_gib:g} GiB with {self.world_size} workers running")
         for rank, record in enumerate(self.records):
             if record and "error" in record:
                 return (f"{self.role(rank)} failed in {record.get('error_phase')}: "
@@ -246,6 +255,17 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _count_errors(path: Path) -> int:
+    """Tracebacks and ERROR log lines in the log at ``path``."""
+    try:
+        with open(path, "rb") as handle:
+            return sum(1 for line in handle
+                       if line.startswith(b"Traceback (most recent call last)")
+                       or b" ERROR " in line)
+    except OSError:
+        return 0
+
+
 def _tail(path: Path, limit: int = 8000) -> str:
     try:
         with open(path, "rb") as handle:
@@ -296,7 +316,8 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
                     [sys.executable, "-m", "torchrpc.bench._worker", str(spec_path)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))
-        kill_reason = _supervise(procs, kind, time_limit + _KILL_MARGIN_S, start)
+        kill_reason, least = _supervise(procs, kind, time_limit + _KILL_MARGIN_S, start,
+                                        options.min_available_gib)
     finally:
         for proc in procs:
             _kill_group(proc)
@@ -309,23 +330,44 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
         records=[_read_json(session_dir / f"rank{r}.result.json") for r in range(world_size)],
         returncodes=returncodes,
         log_tails=[_tail(session_dir / f"rank{r}.log") for r in range(world_size)],
-        kill_reason=kill_reason, elapsed_s=elapsed)
+        kill_reason=kill_reason, elapsed_s=elapsed, min_available_gib=least,
+        memory_floor_gib=options.min_available_gib,
+        log_errors=[_count_errors(session_dir / f"rank{r}.log") for r in range(world_size)])
+
+
+def available_gib() -> float | None:
+    """The machine's available memory (``MemAvailable``), GiB; None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _supervise(procs: list[subprocess.Popen], kind: str, hard_limit: float,
-               start: float) -> str | None:
-    """Wait for the workers to exit.
+               start: float, floor_gib: float) -> tuple[str | None, float | None]:
+    """Wait for the workers to exit; also return the least available memory seen.
 
-    Returns None if they all did, else why the rest must be killed: ``"deadline"`` (the
-    hard limit passed), ``"peer failed"`` (one failed and the others had their grace) or
-    ``"caller done"`` (a pair session's caller exited and the callee had its grace).
+    The reason is None if they all exited, else why the rest must be killed:
+    ``"deadline"`` (the hard limit passed), ``"peer failed"`` (one failed and the others
+    had their grace), ``"caller done"`` (a pair session's caller exited and the callee had
+    its grace) or ``"memory"`` (the machine's available memory fell below ``floor_gib``).
     """
     deadline = start + hard_limit
     reason = "deadline"
+    least: float | None = None
     while True:
         statuses = [_exit_status(p) for p in procs]
         if all(s is not None for s in statuses):
-            return None
+            return None, least
+        available = available_gib()
+        if available is not None:
+            least = available if least is None else min(least, available)
+            if available < floor_gib:
+                return "memory", least
         now = time.monotonic()
         failed = any(s not in (None, 0) for s in statuses)
         if failed and now + _FAIL_GRACE_S < deadline:
@@ -334,7 +376,7 @@ def _supervise(procs: list[subprocess.Popen], kind: str, hard_limit: float,
                 now + _DONE_GRACE_S < deadline):
             deadline, reason = now + _DONE_GRACE_S, "caller done"
         if now >= deadline:
-            return reason
+            return reason, least
         time.sleep(_POLL_S)
 
 

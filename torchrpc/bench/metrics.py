@@ -10,7 +10,8 @@ import dataclasses
 
 from .options import BenchOptions
 
-__all__ = ["MetricSpec", "Target", "echo_metric", "metric_specs", "scale_metric", "size_label"]
+__all__ = ["MetricSpec", "Target", "echo_metric", "echo_numpy_metric", "metric_specs",
+           "scale_memory_metric", "scale_metric", "size_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ def echo_metric(size_mb: float) -> str:
     return f"echo_{size_label(size_mb)}MB_GBps"
 
 
+def echo_numpy_metric(size_mb: float) -> str:
+    """Name of the numpy echo-throughput metric."""
+    return f"echo_numpy_{size_label(size_mb)}MB_GBps"
+
+
 def scale_metric(workers: int, phase: str) -> str:
     """Name of a scale-mode metric; ``phase`` is init, all_to_all or shutdown."""
     return f"scale_{workers}w_{phase}_s"
@@ -70,6 +76,17 @@ _ECHO_TARGETS = {1.0: Target("ratio", ">=", 1.5, "issue 4"),
 
 SCALE_PHASES = (("init", "init_rpc"), ("all_to_all", "all-to-all"),
                 ("shutdown", "graceful shutdown"))
+
+SCALE_MEMORY = (("rss", "peak RSS per worker (largest)"),
+                ("beyond_import", "peak RSS beyond importing torch (mean)"),
+                ("private", "private memory per worker after all-to-all (mean)"))
+"""Memory metrics of a scale step. Private memory is what a worker adds to the machine:
+its resident pages that no other process shares (torch's libraries are shared)."""
+
+
+def scale_memory_metric(workers: int, what: str) -> str:
+    """Name of a scale-mode memory metric; ``what`` is rss, beyond_import or private."""
+    return f"scale_{workers}w_{what}_MB"
 
 
 def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
@@ -107,13 +124,21 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                        workload, rss_target),
         ]
         return specs
+    if workload == "echo_numpy":
+        return [MetricSpec(echo_numpy_metric(options.echo_numpy_mb),
+                           f"echo {size_label(options.echo_numpy_mb)} MB numpy float32",
+                           "GB/s", "higher", workload)]
     if workload == "train":
         dims = "-".join(str(d) for d in options.train_dims)
         return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "
                            f"{options.train_batch}", "ms", "lower", workload,
                            Target("ratio", "<=", 0.8, "issue 5"))]
     if workload == "scale":
-        return [MetricSpec(scale_metric(n, phase), f"{n} workers: {label}", "s", "lower",
-                           workload)
-                for n in options.scale_sizes for phase, label in SCALE_PHASES]
+        specs = []
+        for n in options.scale_sizes:
+            specs += [MetricSpec(scale_metric(n, phase), f"{n} workers: {label}", "s", "lower",
+                                 workload) for phase, label in SCALE_PHASES]
+            specs += [MetricSpec(scale_memory_metric(n, what), f"{n} workers: {label}", "MiB",
+                                 "lower", workload) for what, label in SCALE_MEMORY]
+        return specs
     raise ValueError(f"unknown workload {workload!r}")

@@ -7,7 +7,7 @@ from typing import Any
 
 __all__ = ["ALL_WORKLOADS", "PAIR_WORKLOADS", "QUICK_OVERRIDES", "BenchOptions"]
 
-PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "train")
+PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "echo_numpy", "train")
 """Workloads that run on a caller (rank 0) and a callee (rank 1)."""
 
 ALL_WORKLOADS = (*PAIR_WORKLOADS, "scale")
@@ -38,6 +38,8 @@ class BenchOptions:
     echo_sizes_mb: tuple[float, ...] = (1.0, 64.0, 256.0)
     echo_iters: int = 5
     echo_warmup: int = 1
+    # 4b. echo of a numpy array (echo_iters and echo_warmup apply)
+    echo_numpy_mb: float = 64.0
     # 6. distributed training step. The warmup covers the first steps after the
     # optimizers are made (torch.optim's first optimizer imports ~800 modules, and
     # steps run slower for a while after that); the median is of the steady state.
@@ -53,6 +55,8 @@ class BenchOptions:
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
     scale_threads: int = 2
     scale_time_limit: float = 150.0
+    # A session is stopped when the machine's available memory falls below this (GiB).
+    min_available_gib: float = 3.0
     # hard limit on one pair session (spawn, init, workload, shutdown)
     time_limit: float = 300.0
 
@@ -69,12 +73,17 @@ class BenchOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
                                  f"got {getattr(self, name)}")
+        if self.min_available_gib < 0:
+            raise ValueError(f"--min-available-gib must be >= 0 (0: never stop), "
+                             f"got {self.min_available_gib}")
         for name in ("rpc_timeout", "time_limit", "scale_time_limit", "train_lr"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
         if self.small_call not in ("add", "python"):
             raise ValueError(f"--small-call must be 'add' or 'python', got {self.small_call!r}")
+        if self.echo_numpy_mb <= 0:
+            raise ValueError(f"--echo-numpy-mb must be positive, got {self.echo_numpy_mb}")
         if not self.echo_sizes_mb or any(s <= 0 for s in self.echo_sizes_mb):
             raise ValueError(f"--echo-sizes-mb needs positive sizes, got {self.echo_sizes_mb}")
         if len(set(self.echo_sizes_mb)) != len(self.echo_sizes_mb):
@@ -114,6 +123,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "echo_sizes_mb": (1.0, 4.0),
     "echo_iters": 3,
     "echo_warmup": 1,
+    "echo_numpy_mb": 4.0,
     "train_dims": (32, 64, 64, 10),
     "train_batch": 16,
     "train_steps": 6,

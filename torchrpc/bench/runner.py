@@ -30,7 +30,8 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from .launcher import SessionOutcome, run_session
-from .metrics import SCALE_PHASES, MetricSpec, metric_specs, scale_metric
+from .metrics import (SCALE_MEMORY, SCALE_PHASES, MetricSpec, metric_specs,
+                      scale_memory_metric, scale_metric)
 from .options import BenchOptions
 from .report import Cell
 from .systems import SystemSpec
@@ -127,17 +128,48 @@ def _span(records: list[dict[str, Any] | None], phase: str) -> float | None:
     return max(end for _, end in spans) - min(begin for begin, _ in spans)
 
 
+def _each(records: list[dict[str, Any] | None], value: Callable[[dict[str, Any]], float]
+          ) -> list[float] | None:
+    """``value(record)`` of every rank, or None if any rank did not report it."""
+    try:
+        return [value(record) for record in records if record is not None] \
+            if all(records) else None
+    except (KeyError, TypeError):
+        return None
+
+
+def _scale_memory(records: list[dict[str, Any] | None]) -> dict[str, float | None]:
+    """The memory metrics of a scale step (see ``SCALE_MEMORY``), None where unreported."""
+    peak = _each(records, lambda r: r["peak_rss_MB"])
+    beyond = _each(records, lambda r: r["peak_rss_MB"] - r["memory_after_import_MB"]["rss"])
+    private = _each(records, lambda r: r["memory_after_all_to_all_MB"]["private"])
+    return {"rss": max(peak) if peak else None,
+            "beyond_import": sum(beyond) / len(beyond) if beyond else None,
+            "private": sum(private) / len(private) if private else None}
+
+
 def _record_scale(result: RunResult, outcome: SessionOutcome, workers: int) -> None:
-    """Store a scale step's three timings, or why each is missing."""
+    """Store a scale step's timings and memory, or why each is missing."""
     error = outcome.failure()
     for phase, _ in SCALE_PHASES:
         span = _span(outcome.records, phase)
         result.add(outcome.system, scale_metric(workers, phase),
                    Cell.of(span) if span is not None
                    else Cell(error=error or "no timing reported"))
+    memory = _scale_memory(outcome.records)
+    for what, _ in SCALE_MEMORY:
+        result.add(outcome.system, scale_memory_metric(workers, what),
+                   Cell.of(memory[what]) if memory[what] is not None
+                   else Cell(error=error or "no memory reported"))
+    imported = _each(outcome.records, lambda r: r["memory_after_import_MB"]["private"])
+    threads = _each(outcome.records, lambda r: r["memory_after_all_to_all_MB"]["threads"])
     result.add_details(outcome.system, f"scale_{workers}w", {
         "elapsed_s": outcome.elapsed_s,
         "finished": sum(1 for r in outcome.records if r and r.get("phase") == "done"),
+        "private_after_import_MB": sum(imported) / len(imported) if imported else None,
+        "threads_per_worker_max": max(threads) if threads else None,
+        "min_available_GiB": outcome.min_available_gib,
+        "workers_with_errors_in_log": sum(1 for n in outcome.log_errors if n),
     })
 
 
@@ -300,12 +332,14 @@ def _run_scale(result: RunResult, system: SystemSpec, options: BenchOptions, wor
         _record_scale(result, outcome, workers)
         error = outcome.failure()
         _log_outcome(log, system.name, f"scale {workers} workers", outcome, error)
-        if outcome.is_import_failure():
+        if outcome.is_import_failure() or outcome.kill_reason == "memory":
+            why = (error or "import failed") if outcome.is_import_failure() else \
+                f"skipped: memory ran out at {workers} workers"
             for later in options.scale_sizes[index + 1:]:
-                for phase, _ in SCALE_PHASES:
-                    result.add(system.name, scale_metric(later, phase),
-                               Cell(error=error or "import failed"))
-            return error
+                for name in ([scale_metric(later, p) for p, _ in SCALE_PHASES]
+                             + [scale_memory_metric(later, m) for m, _ in SCALE_MEMORY]):
+                    result.add(system.name, name, Cell(error=why))
+            return error if outcome.is_import_failure() else None
     return None
 
 

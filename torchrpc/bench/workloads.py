@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .metrics import echo_metric
+from .metrics import echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
-__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb", "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 
@@ -92,6 +92,28 @@ def percentile(samples: list[float], q: float) -> float:
     low = int(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's memory now, in MiB: ``rss`` (resident), ``private`` (resident and
+    not shared with other processes, e.g. by torch's libraries: what the process adds to
+    the machine) and ``threads`` (a count). Empty where ``/proc`` is missing."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Private_Clean", "Private_Dirty"):
+                    out[key] = int(rest.split()[0]) / 1024.0
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Threads:"):
+                    out["threads"] = float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"rss": out.get("Rss", 0.0),
+            "private": out.get("Private_Clean", 0.0) + out.get("Private_Dirty", 0.0),
+            "threads": out.get("threads", 0.0)}
 
 
 def peak_rss_mb() -> float:
@@ -255,29 +277,51 @@ def run_echo(ctx: WorkerContext) -> Result:
                                    ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)}
     for size_mb in opts.echo_sizes_mb:
         numel = max(1, int(size_mb * 2**20) // 4)
-        nbytes = numel * 4
         x = torch.rand(numel)
-        back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-        if not (isinstance(back, torch.Tensor) and back.dtype == x.dtype and torch.equal(back, x)):
-            raise AssertionError(f"echo of {size_mb:g} MB came back different")
-        del back
-        for _ in range(opts.echo_warmup):
-            del_me = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-            del del_me
-        times = []
-        for _ in range(opts.echo_iters):
-            start = time.perf_counter()
-            back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-            times.append(time.perf_counter() - start)
-            del back
+        metrics[echo_metric(size_mb)], details[echo_metric(size_mb)] = _echo_rate(
+            ctx, x, numel * 4, lambda back, x=x: isinstance(back, torch.Tensor)
+            and back.dtype == x.dtype and torch.equal(back, x), f"{size_mb:g} MB")
         del x
-        rates = [2 * nbytes / t / 1e9 for t in times]
-        metrics[echo_metric(size_mb)] = 2 * nbytes / percentile(times, 50) / 1e9
-        details[echo_metric(size_mb)] = {"bytes": nbytes, "best_GBps": max(rates),
-                                         "all_GBps": rates}
     metrics["peak_rss_caller_MB"] = peak_rss_mb()
     metrics["peak_rss_callee_MB"] = ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)
     return metrics, details
+
+
+def run_echo_numpy(ctx: WorkerContext) -> Result:
+    """Echo a float32 numpy array: median GB/s (2 x size / time)."""
+    # numpy is optional for torchrpc: only this workload needs it.
+    import numpy as np
+
+    size_mb = ctx.options.echo_numpy_mb
+    x = np.random.default_rng(0).random(max(1, int(size_mb * 2**20) // 4), dtype=np.float32)
+    name = echo_numpy_metric(size_mb)
+    rate, details = _echo_rate(
+        ctx, x, x.nbytes, lambda back: isinstance(back, np.ndarray) and back.dtype == x.dtype
+        and np.array_equal(back, x), f"numpy {size_mb:g} MB")
+    return {name: rate}, {name: details}
+
+
+def _echo_rate(ctx: WorkerContext, x: Any, nbytes: int, same: Callable[[Any], bool],
+               label: str) -> tuple[float, dict[str, Any]]:
+    """Echo ``x`` (checked once with ``same``), warm up, then time ``echo_iters`` echoes:
+    the median GB/s (2 x ``nbytes`` / time) and the details."""
+    opts = ctx.options
+    back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+    if not same(back):
+        raise AssertionError(f"echo of {label} came back different")
+    del back
+    for _ in range(opts.echo_warmup):
+        del_me = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+        del del_me
+    times = []
+    for _ in range(opts.echo_iters):
+        start = time.perf_counter()
+        back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
+        times.append(time.perf_counter() - start)
+        del back
+    rates = [2 * nbytes / t / 1e9 for t in times]
+    return 2 * nbytes / percentile(times, 50) / 1e9, {"bytes": nbytes, "best_GBps": max(rates),
+                                                      "all_GBps": rates}
 
 
 def run_train(ctx: WorkerContext) -> Result:
@@ -345,6 +389,7 @@ PAIR_RUNNERS: dict[str, Callable[[WorkerContext], Result]] = {
     "throughput": run_throughput,
     "remote": run_remote,
     "echo": run_echo,
+    "echo_numpy": run_echo_numpy,
     "train": run_train,
 }
 """Caller-side entry point of each two-worker workload."""

@@ -14,10 +14,9 @@ Framework" tutorial. Four processes:
 Each trainer's model looks up bags of embeddings on the ps
 (``remote_module.forward``) and feeds them to a local ``nn.Linear`` wrapped in
 ``DistributedDataParallel``. Every step runs in a distributed autograd context;
-``dist_autograd.backward`` runs the RPC backward pass. torchrpc's distributed
-backward does not fire DDP's reducer hooks (they hang off torch's own grad
-accumulators), so each step all-reduces the dense gradients of the context over
-the gloo group explicitly; then a ``DistributedOptimizer`` over the ps's embedding parameters
+``dist_autograd.backward`` runs the RPC backward pass, during which DDP's reducer
+averages the dense gradients over the gloo group into the context, as in torch;
+then a ``DistributedOptimizer`` over the ps's embedding parameters
 (``remote_parameters()``) and the local dense parameters (local ``RRef``\\ s)
 applies the update. Each trainer prints its loss per epoch; the master checks
 that the two DDP replicas ended identical and counts the embedding rows that
@@ -97,16 +96,6 @@ def make_batches(seed: int, count: int) -> list[Batch]:
     return batches
 
 
-def average_dense_gradients(dense: nn.Module, context_id: int) -> None:
-    """All-reduce (average) the DDP part's gradients of this context over the trainers."""
-    grads = dist_autograd.get_gradients(context_id)
-    world = dist.get_world_size()
-    for p in dense.parameters():
-        if p in grads:
-            dist.all_reduce(grads[p])
-            grads[p].div_(world)
-
-
 def run_trainer(remote_emb_module: RemoteModule, rank: int, epochs: int,
                 batches_per_epoch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """RPC target on a trainer: train, print the loss per epoch; return losses and fc weights."""
@@ -124,9 +113,6 @@ def run_trainer(remote_emb_module: RemoteModule, rank: int, epochs: int,
             with dist_autograd.context() as context_id:
                 loss = F.cross_entropy(model(indices, offsets), targets)
                 dist_autograd.backward(context_id, [loss])
-                # torchrpc's distributed backward does not run DDP's reducer hooks, so the
-                # dense gradients (kept in the context) are averaged over the replicas here.
-                average_dense_gradients(model.fc.module, context_id)
                 opt.step(context_id)
             total += loss.item()
         losses.append(total / len(batches))

@@ -26,14 +26,19 @@ from ..errors import RpcError
 from . import _gather, backend_registry, constants, functions
 from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
+from .options import RpcBackendOptions
 
 log = logging.getLogger("torchrpc")
 
 WorkerLike = Union[str, int, WorkerInfo]
 
 # Upper layers (RRefs, distributed autograd) install themselves on each new agent.
+def _install_public_calls(agent: Agent) -> None:
+    agent.extensions["rref"].public_rpc_async = rpc_async
+
+
 _agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install,
-                                                    _profiler.install]
+                                                    _profiler.install, _install_public_calls]
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -65,10 +70,16 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
             and ``MASTER_PORT``).
     """
     validate_name(name)
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}; "
+                        f"use for example torchrpc.rpc.BackendType.TENSORPIPE")
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options,
+                                                          RpcBackendOptions):
+        raise TypeError(f"Argument rpc_backend_options must be an instance of "
+                        f"RpcBackendOptions, got {type(rpc_backend_options).__name__}")
     if backend is None:
-        backend = BackendType.TENSORPIPE
-    if not isinstance(backend, BackendType):
-        raise TypeError(f"backend must be a BackendType, got {backend!r}")
+        backend = (BackendType.TENSORPIPE if rpc_backend_options is None
+                   else _infer_backend(rpc_backend_options))
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     if rank < 0:
@@ -98,6 +109,17 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
             store, rank, world_size = open_store(rpc_backend_options.init_method, rank,
                                                  world_size, rendezvous_timeout(timeout))
         _init_rpc_backend(backend, store, name, rank, world_size, rpc_backend_options)
+
+
+def _infer_backend(options: Any) -> BackendType:
+    """The first backend whose default options are of a type ``options`` is an instance of."""
+    for candidate in BackendType:
+        defaults = backend_registry.construct_rpc_backend_options(candidate)
+        if isinstance(options, type(defaults)):
+            return candidate
+    raise TypeError(f"Could not infer backend for options {options}: pass backend= "
+                    f"explicitly, or options of a registered backend "
+                    f"({', '.join(BackendType.__members__)})")
 
 
 def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
@@ -132,7 +154,7 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
         timeout (float): seconds to wait in a graceful shutdown; 0 means no limit.
     """
     with _state.lock:
-        agent = current_agent()
+        agent = current_agent(failed_ok=True)  # a failed agent stops, then raises why
         try:
             agent.shutdown(graceful=graceful, timeout=timeout)
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -50,6 +50,10 @@ class _InternalRPCPickler:
     def deserialize(self, binary_data: bytes, tensor_table: List[torch.Tensor]) -> Any:
         """Rebuild the object :meth:`serialize` returned ``binary_data`` and ``tensor_table`` for."""
         return _wire.decode(binary_data, list(tensor_table))[1]
+
+    def _register_reducer(self, obj_class: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
+        """Pickle exact instances of ``obj_class`` in RPC messages as ``reducer(obj)`` says."""
+        _wire.register_reducer(obj_class, reducer)
 
 
 _internal_rpc_pickler = _InternalRPCPickler()

@@ -1,0 +1,30 @@
+"""Talking to a worker's listener by hand, as a hostile or a legitimate peer would."""
+
+from __future__ import annotations
+
+import socket
+
+from torchrpc._transport import handshake
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def authenticate(host: str, port: int, secret: bytes, claim_rank: int, server_rank: int,
+                 timeout: float = 5.0) -> socket.socket:
+    """Pass the handshake with ``secret``; the open, authenticated socket."""
+    s = socket.create_connection((host, port), timeout=timeout)
+    hello, nonce = handshake.make_hello(claim_rank, 0)
+    s.sendall(hello)
+    proof, _, _ = handshake.answer_challenge(
+        secret, recv_exact(s, handshake.CHALLENGE.size), claim_rank, nonce, server_rank)
+    s.sendall(proof)
+    assert recv_exact(s, 1) == handshake.ACCEPT
+    return s

@@ -1,0 +1,51 @@
+"""The conformance runner's redirection: torch's test code sees torchrpc, torch's library
+code keeps torch. Checked in a fresh interpreter, since the proxies are process-wide."""
+
+import subprocess
+import sys
+import textwrap
+
+from tests.group import ROOT
+
+_PROBE = textwrap.dedent("""
+    from tests.conformance import redirect
+    redirect.install("{target}")
+    import torch.distributed.rpc as proxy
+
+    def caller(module_name, expr):
+        code = compile(expr, module_name, "eval")
+        return eval(code, {{"__name__": module_name, "torch": __import__("torch"),
+                           "proxy": proxy}})
+
+    test_mod = "torch.testing._internal.distributed.rpc.rpc_test"
+    jit_mod = "torch.testing._internal.distributed.rpc.jit.rpc_test"
+    lib_mod = "torch.nn.parallel.distributed"
+    print(caller(test_mod, "proxy.init_rpc.__module__"))
+    print(caller(lib_mod, "proxy.init_rpc.__module__"))
+    print(caller(jit_mod, "proxy.init_rpc.__module__"))
+    print(caller(test_mod, "torch.distributed.autograd.backward.__module__"))
+    print(caller(test_mod, "proxy.api._all_gather.__module__"))
+    print(caller(lib_mod, "proxy.api._all_gather.__module__"))
+""")
+
+
+def _probe(target):
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(target=target)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_test_code_sees_torchrpc_and_library_code_sees_torch():
+    test, lib, jit, autograd, gather, lib_gather = _probe("torchrpc")
+    assert test.startswith("torchrpc.rpc")
+    assert lib.startswith("torch.distributed.rpc")
+    assert jit.startswith("torch.distributed.rpc")  # TorchScript suites keep torch's types
+    assert autograd.startswith("torchrpc")
+    assert gather.startswith("torchrpc.rpc")
+    assert lib_gather.startswith("torch.distributed.rpc")
+
+
+def test_mirror_gives_torch_to_everyone():
+    modules = _probe("torch")
+    assert len(modules) == 6 and all(m.startswith("torch.") for m in modules), modules

@@ -1,0 +1,114 @@
+"""Background threads that survive what they did not expect.
+
+Theory of operation. Each loop of a torchrpc background thread (the agent's timer and
+heartbeat, the transport's accept loops and connection readers, the RRef sender, the
+membership follower, the autograd releases, the shared-memory sweep) runs its rounds under
+a :class:`Guard`. An exception that a round did not expect is logged at ERROR, with its
+traceback, under the ``torchrpc`` logger, and the loop goes on with its next round: one bad
+round must not cost a worker its timer or its heartbeats. A loop whose rounds fail
+``limit`` times in a row cannot go on: the guard reports an :class:`ThreadFailedError`
+naming the loop and the cause to ``on_fatal`` (the agent then fails every pending call and
+the next API call with it) and the loop ends. :func:`start` runs a thread's whole target
+under its guard too, so whatever escapes a loop is reported the same way: no thread ever
+vanishes silently.
+
+This module sits below every layer (like ``errors``): it knows nothing but ``logging``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from .errors import ThreadFailedError
+
+log = logging.getLogger("torchrpc")
+
+IN_A_ROW = 10  # rounds that fail one after the other before a loop gives up
+_PAUSE = 0.01  # after the n-th failure in a row a round waits n times this, not to spin
+
+Fatal = Callable[[ThreadFailedError], None]
+
+
+class Guard:
+    """Runs the rounds of one background loop; see the module docs.
+
+    ``with guard:`` runs one round: an ``Exception`` is logged and swallowed. A round may
+    also report failures of its own steps with :meth:`failed` and go on. Failures count
+    until a round passes without any; ``limit`` None: the loop never gives up.
+    """
+
+    __slots__ = ("what", "on_fatal", "limit", "_row", "_entered", "_gave_up")
+
+    def __init__(self, what: str, on_fatal: Optional[Fatal] = None,
+                 limit: Optional[int] = IN_A_ROW) -> None:
+        self.what = what
+        self.on_fatal = on_fatal
+        self.limit = limit
+        self._row = 0
+        self._entered = 0
+        self._gave_up = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether the loop may go on (it has not given up)."""
+        return not self._gave_up
+
+    def __enter__(self) -> "Guard":
+        self._entered = self._row
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            if self._row == self._entered:
+                self._row = 0  # a clean round
+            return False
+        if not issubclass(exc_type, Exception):
+            return False  # SystemExit and the like end the thread: start() reports it
+        if self.failed(exc) and self.limit is not None:
+            time.sleep(_PAUSE * self._row)
+        return True
+
+    def failed(self, exc: BaseException) -> bool:
+        """A round raised ``exc``: log it; False once the loop has to give up."""
+        self._row += 1
+        if self.limit is None:
+            log.error("torchrpc: %s raised an unexpected exception; it goes on", self.what,
+                      exc_info=exc)
+            return True
+        log.error("torchrpc: %s raised an unexpected exception (%d in a row; it gives up "
+                  "at %d); it goes on", self.what, self._row, self.limit, exc_info=exc)
+        if self._row < self.limit:
+            return True
+        self.fatal(exc)
+        return False
+
+    def fatal(self, exc: BaseException) -> None:
+        """The loop cannot go on because of ``exc``: log and report it, once."""
+        if self._gave_up:
+            return
+        self._gave_up = True
+        error = ThreadFailedError(f"{self.what} cannot go on: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        log.error("torchrpc: %s", error, exc_info=exc)
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(error)
+            except Exception:  # noqa: BLE001 - reporting must not raise in its turn
+                log.exception("torchrpc: reporting that %s failed raised", self.what)
+
+    def call(self, target: Callable[..., Any], *args: Any) -> None:
+        """Run a thread's whole ``target(*args)``: whatever escapes it is fatal."""
+        try:
+            target(*args)
+        except BaseException as exc:  # noqa: BLE001 - a thread must not vanish silently
+            self.fatal(exc)
+
+
+def start(name: str, guard: Guard, target: Callable[..., Any], *args: Any) -> threading.Thread:
+    """Start daemon thread ``name`` running ``target(*args)`` under ``guard``."""
+    thread = threading.Thread(target=guard.call, args=(target, *args), name=name, daemon=True)
+    thread.start()
+    return thread

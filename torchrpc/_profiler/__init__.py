@@ -27,11 +27,10 @@ The callee side, including ``rpc._server_process_global_profile``, is in
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.autograd.profiler import record_function
@@ -54,11 +53,6 @@ _hooks_lock = threading.Lock()
 def enabled() -> bool:
     """Whether a torch profiler is recording on this thread."""
     return torch.autograd._profiler_enabled()
-
-
-def span(name: str) -> ContextManager[Any]:
-    """A ``record_function`` event named ``name`` while a profiler runs; nothing otherwise."""
-    return record_function(name) if enabled() else contextlib.nullcontext()
 
 
 def profiling_key(mode: str, func_name: str, src_name: str, dst_name: str) -> str:
@@ -312,6 +306,6 @@ def install(agent: Agent) -> None:
     hook.watch_all(bool(callee.server_profiles()))
 
 
-__all__ = ["ProfilingHook", "enable_gil_profiling", "enabled", "function_name", "install", "profiled",
-           "profiled_remote", "profiling_key", "span", "start_server_profile",
+__all__ = ["ProfilingHook", "enable_gil_profiling", "enabled", "function_name", "install",
+           "profiled", "profiled_remote", "profiling_key", "start_server_profile",
            "stop_server_profile"]

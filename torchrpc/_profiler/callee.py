@@ -4,9 +4,9 @@ A request is profiled when its caller was profiling (the request carries the cal
 :class:`~torchrpc._profiler.events.Options`) or while a server profile
 (``rpc._server_process_global_profile``) is entered on this worker. One legacy profile
 of the handler's thread covers both: the caller gets the events in the reply's
-metadata, and each server profile that was entered when the request arrived gets a
-parse of its own (torch's trees link the events they are given, so two profiles must
-not share event objects).
+metadata, and each server profile that was entered when the request arrived gets
+copies of its own, moved to that profile's clock (torch's trees link the events they
+are given, so two profiles must not share event objects).
 
 The profile starts right before the handler runs and stops when it returns; the
 events are parsed when the reply is sent, so that the remote events of RPCs the

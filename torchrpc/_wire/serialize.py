@@ -337,8 +337,16 @@ _REDUCERS: dict = {
 
 
 def register_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
-    """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says."""
-    _REDUCERS[cls] = lambda enc, obj: reducer(obj)
+    """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says; an
+    error ``reducer`` raises is raised by :func:`encode` as it is."""
+    def reduce(enc: _Encoder, obj: Any) -> Tuple[Any, ...]:
+        try:
+            return reducer(obj)
+        except PassThrough:
+            raise
+        except Exception as exc:
+            raise PassThrough(exc) from None
+    _REDUCERS[cls] = reduce
 
 
 class _Pickler(pickle.Pickler):

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from ... import rpc
-from ..._agent import MessageContext
-from ..._wire import PassThrough, current_context
 from ...errors import NotInitializedError
 from . import _scriptable
 
@@ -379,23 +377,32 @@ class _RemoteModule(nn.Module):
         raise RuntimeError("Cannot unpickle RemoteModule in python pickler. RemoteModule can "
                            "only be unpickled when using RPC")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every subclass travels over RPC as itself.
+        rpc.internal._internal_rpc_pickler._register_reducer(cls, _reduce_remote_module)
+
     def __reduce_ex__(self, protocol: int) -> Tuple[Any, ...]:
-        if not isinstance(current_context(), MessageContext):
-            raise RuntimeError(
-                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
-                "pickled when using RPC: pass it as an argument or return value of rpc_sync, "
-                "rpc_async or remote; to save the module itself, fetch its state on the owner "
-                "through get_module_rref()")
-        for name in self.__dict__:
-            if name not in _NOT_PICKLED and name not in _REMOTE_MODULE_PICKLED_ATTRIBUTES:
-                warnings.warn(f"The new attribute ``{name}`` of RemoteModule is ignored during "
-                              f"RPC pickling: only {', '.join(_REMOTE_MODULE_PICKLED_ATTRIBUTES)} "
-                              f"are sent", stacklevel=2)
-        return _rebuild_remote_module, (type(self), tuple(
-            self.__dict__[name] for name in _REMOTE_MODULE_PICKLED_ATTRIBUTES))
+        # Only Python's pickler gets here: the RPC pickler reduces RemoteModules itself.
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+            "when using RPC: pass it as an argument or return value of rpc_sync, rpc_async or "
+            "remote; to save the module itself, fetch its state on the owner through "
+            "get_module_rref()")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(on={self.on}, device={self.device})"
+
+
+def _reduce_remote_module(remote_module: _RemoteModule) -> Tuple[Any, ...]:
+    """A RemoteModule in an RPC message: only the pickled attributes travel."""
+    for name in remote_module.__dict__:
+        if name not in _NOT_PICKLED and name not in _REMOTE_MODULE_PICKLED_ATTRIBUTES:
+            warnings.warn(f"The new attribute ``{name}`` of RemoteModule is ignored during "
+                          f"RPC pickling: only {', '.join(_REMOTE_MODULE_PICKLED_ATTRIBUTES)} "
+                          f"are sent")
+    return _rebuild_remote_module, (type(remote_module), tuple(
+        remote_module.__dict__[name] for name in _REMOTE_MODULE_PICKLED_ATTRIBUTES))
 
 
 def _rebuild_remote_module(cls: type, values: Tuple[Any, ...]) -> _RemoteModule:
@@ -474,11 +481,11 @@ def _holds_remote_module(module: torch.jit.RecursiveScriptModule) -> bool:
 def _reduce_script_module(module: torch.jit.RecursiveScriptModule) -> Tuple[Any, ...]:
     """Script modules travel as ``torch.jit.save`` bytes; a scripted RemoteModule can't."""
     if _holds_remote_module(module):
-        raise PassThrough(RuntimeError(
+        raise RuntimeError(
             "Passing a script RemoteModule over RPC is not supported. Send its module_rref "
             "instead (get_module_rref() before scripting) and build the RemoteModule on the "
             "receiver with RemoteModule.init_from_module_rref(remote_device, module_rref, "
-            "_module_interface_cls)"))
+            "_module_interface_cls)")
     buffer = io.BytesIO()
     torch.jit.save(module, buffer)
     return _load_script_module, (buffer.getvalue(),)
@@ -491,3 +498,4 @@ def _load_script_module(data: bytes) -> torch.jit.ScriptModule:
 rpc.internal._internal_rpc_pickler._register_reducer(torch.jit.RecursiveScriptModule,
                                                      _reduce_script_module)
 rpc.internal._internal_rpc_pickler._register_reducer(_TargetFuture, _reduce_target_future)
+rpc.internal._internal_rpc_pickler._register_reducer(_RemoteModule, _reduce_remote_module)

@@ -84,7 +84,7 @@ class RRefBook:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(0)  # torch numbers the ids of each worker from 0
         self._lock = threading.Lock()
         self.owners: Dict[GloballyUniqueId, OwnerEntry] = {}
         self.pending_children: Dict[GloballyUniqueId, Any] = {}

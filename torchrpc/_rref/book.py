@@ -222,6 +222,10 @@ class RRefBook:
         with self._lock:
             return list(self.users)
 
+    def user_states(self) -> List[Tuple[GloballyUniqueId, "_UserState"]]:
+        with self._lock:
+            return list(self.users.items())
+
     def clear(self) -> None:
         with self._lock:
             self.owners.clear()

@@ -103,9 +103,10 @@ def test_hostile_pickle_without_the_secret_is_never_unpickled(tmp_path, caplog):
         with socket.create_connection((host, port), timeout=5) as s:
             hello, nonce = handshake.make_hello(0, 0)
             s.sendall(hello)
-            server_rank, _, server_nonce, _ = handshake.CHALLENGE.unpack(
+            server_rank, server_features, server_nonce, _ = handshake.CHALLENGE.unpack(
                 recv_exact(s, handshake.CHALLENGE.size))
-            wrong = handshake._mac(b"not the secret", b"cli", server_nonce, nonce, 0, server_rank)
+            wrong = handshake._mac(b"not the secret", b"cli", server_nonce, nonce, 0, server_rank,
+                                   0, server_features, b"")
             s.sendall(wrong + frame)
             assert _closed_by_peer(s)
         # 4. A replayed HELLO/PROOF pair can't pass either: the server's nonce is fresh.

@@ -6,7 +6,9 @@ from __future__ import annotations
 import queue
 import shutil
 import socket
+import ssl
 import subprocess
+import threading
 from pathlib import Path
 from typing import Dict, List
 
@@ -17,7 +19,7 @@ import torchrpc.rpc as rpc
 from torchrpc import _wire
 from torchrpc._transport import Transport, handshake, tls
 from torchrpc._wire import Kind
-from torchrpc.errors import RpcError
+from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
 
 from . import helpers
@@ -37,10 +39,10 @@ def _make_ca(d: Path, name: str) -> None:
              cwd=d)
 
 
-def _make_cert(d: Path, name: str, ca: str) -> None:
+def _make_cert(d: Path, name: str, ca: str, san: str = "IP:127.0.0.1") -> None:
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    (d / f"{name}.ext").write_text(f"subjectAltName={san}\nbasicConstraints=CA:FALSE\n")
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
              "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
              cwd=d)
@@ -53,12 +55,17 @@ def pki(tmp_path_factory) -> Dict[str, str]:
     _make_cert(d, "worker", "ca")
     _make_ca(d, "rogue_ca")
     _make_cert(d, "rogue", "rogue_ca")
-    return {k: str(d / f"{k}.pem") for k in ("ca", "worker", "rogue_ca", "rogue")} | \
-        {f"{k}.key": str(d / f"{k}.key") for k in ("worker", "rogue")}
+    _make_cert(d, "elsewhere", "ca", "IP:10.9.9.9")  # the job's CA, another host's address
+    _make_cert(d, "job_a", "ca", "URI:torchrpc://job-a")  # a job identity, no address
+    _make_cert(d, "job_b", "ca", "URI:torchrpc://job-b")
+    _make_cert(d, "other", "ca")  # the job's CA and this address: another holder
+    certs = ("worker", "rogue", "elsewhere", "job_a", "job_b", "other")
+    return {k: str(d / f"{k}.pem") for k in ("ca", "rogue_ca") + certs} | \
+        {f"{k}.key": str(d / f"{k}.key") for k in certs}
 
 
-def _contexts(pki, cert="worker", ca="ca", require=True) -> tls.TlsContexts:
-    return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require)
+def _contexts(pki, cert="worker", ca="ca", require=True, identity=None) -> tls.TlsContexts:
+    return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require, identity)
 
 
 class _Peer:
@@ -172,6 +179,93 @@ def test_bad_certificate_options_name_the_option(pki, tmp_path):
         tls.make_contexts(pki["worker"], pki["worker.key"], str(tmp_path / "no-ca.pem"), True)
     with pytest.raises(TypeError, match="tls_certfile"):
         rpc.TensorPipeRpcBackendOptions(tls_certfile=3)
+    with pytest.raises(ValueError, match="tls_cafile is required"):  # no system trust store
+        tls.make_contexts(pki["worker"], pki["worker.key"], None, True)
+    with pytest.raises(ValueError, match="tls_identity"):
+        rpc.TensorPipeRpcBackendOptions(tls_identity="")
+
+
+def test_a_certificate_must_name_the_peer_address(pki):
+    # Both certificates chain to the job's CA, but name another host's address.
+    for server_cert, client_cert, who in (("elsewhere", "worker", "server"),
+                                          ("worker", "elsewhere", "client")):
+        server = _Peer(0, _contexts(pki, cert=server_cert))
+        client = _Peer(1, _contexts(pki, cert=client_cert))
+        try:
+            with pytest.raises(RpcError):
+                client.connect(server)
+        finally:
+            client.close()
+            server.close()
+    with pytest.raises(AuthenticationError, match="does not name its address 127.0.0.1"):
+        tls.check_identity({"subjectAltName": (("IP Address", "10.9.9.9"),)}, None, "127.0.0.1")
+    tls.check_identity({"subjectAltName": (("DNS", "localhost"),)}, None, "127.0.0.1")
+
+
+def test_a_job_identity_replaces_the_address_check(pki, caplog):
+    server = _Peer(0, _contexts(pki, cert="job_a", identity="torchrpc://job-a"))
+    client = _Peer(1, _contexts(pki, cert="job_a", identity="torchrpc://job-a"))
+    other_job = _Peer(2, _contexts(pki, cert="job_b", identity="torchrpc://job-a"))
+    try:
+        assert isinstance(client.connect(server).sock, tls.TlsSocket)
+        with pytest.raises(RpcError):
+            other_job.connect(server)  # the server finds its certificate of another job
+        assert "does not carry the job identity 'torchrpc://job-a'" in caplog.text
+        # A worker configured for another job refuses this one's server itself.
+        other_job.close()
+        other_job = _Peer(3, _contexts(pki, cert="job_b", identity="torchrpc://job-b"))
+        with pytest.raises(AuthenticationError, match="job identity 'torchrpc://job-b'"):
+            other_job.connect(server)
+    finally:
+        client.close()
+        other_job.close()
+        server.close()
+
+
+def _relay_once(pki, target) -> "tuple[socket.socket, threading.Thread]":
+    """A party in the middle holding another certificate of the job's CA: it ends the
+    client's TLS session, opens one to ``target`` and passes the handshake through."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(pki["other"], pki["other.key"])
+    server_ctx.load_verify_locations(pki["ca"])
+    server_ctx.verify_mode = ssl.CERT_OPTIONAL
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname = False
+    client_ctx.load_verify_locations(pki["ca"])
+    client_ctx.load_cert_chain(pki["other"], pki["other.key"])
+
+    def run() -> None:
+        raw, _ = listener.accept()
+        with server_ctx.wrap_socket(raw, server_side=True) as a, \
+                client_ctx.wrap_socket(socket.create_connection(target)) as b:
+            for src, dst, n in ((a, b, handshake.HELLO.size), (b, a, handshake.CHALLENGE.size),
+                                (a, b, handshake.PROOF.size), (b, a, 1)):
+                data = b""
+                while len(data) < n:
+                    chunk = src.recv(n - len(data))
+                    if not chunk:
+                        return
+                    data += chunk
+                dst.sendall(data)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_the_hmac_handshake_is_bound_to_the_tls_session(pki):
+    server, client = _Peer(0, _contexts(pki)), _Peer(1, _contexts(pki))
+    listener, relay = _relay_once(pki, server.t.address)
+    try:
+        with pytest.raises(AuthenticationError, match="tampered"):
+            client.t.connect(0, *listener.getsockname(), timeout=5)
+        relay.join(10)
+        assert isinstance(client.connect(server).sock, tls.TlsSocket)  # directly: fine
+    finally:
+        listener.close()
+        client.close()
+        server.close()
 
 
 def test_a_group_runs_over_tls(pki):

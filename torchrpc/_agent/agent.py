@@ -443,7 +443,7 @@ class Agent:
         if not getattr(opts, "tls_certfile", None):
             return None
         return make_contexts(opts.tls_certfile, opts.tls_keyfile, opts.tls_cafile,
-                             opts.tls_require_client_cert)
+                             opts.tls_require_client_cert, getattr(opts, "tls_identity", None))
 
     # -- registry ----------------------------------------------------------------------------------
 

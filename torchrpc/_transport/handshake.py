@@ -3,14 +3,20 @@
 Theory of operation. A connection proves it belongs to the job before one byte of
 it is unpickled. Both sides hold the per-job secret; neither ever sends it.
 
-    client -> server   HELLO      magic b"TRPH", version, client rank, features, nonce_c
-    server -> client   CHALLENGE  server rank, features, nonce_s,
-                                  HMAC(secret, "srv" | nonce_c | nonce_s | ranks)
-    client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | ranks)
+    client -> server   HELLO      magic b"TRPH", version, client rank, features_c, nonce_c
+    server -> client   CHALLENGE  server rank, features_s, nonce_s,
+                                  HMAC(secret, "srv" | nonce_c | nonce_s | bound)
+    client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | bound)
     server -> client   ACCEPT     one byte, 1
 
+    bound = ranks | version | features_c | features_s | binding
+
 The client checks the server's MAC (so it never talks to an impostor) and the
-server checks the client's (so it never unpickles an outsider's bytes). Each
+server checks the client's (so it never unpickles an outsider's bytes). Both MACs
+cover the version and both feature sets, so a party on the path cannot change what
+the two sides agree on. Under TLS, ``binding`` is the SHA-256 of the server's
+certificate as each side sees it (RFC 5929's tls-server-end-point): a man in the
+middle with any other certificate makes the two sides compute different MACs. Each
 message has a fixed size, so a garbage peer can make the server read at most
 ``HELLO.size`` bytes before it is dropped. Every state has one transition; any
 deviation is an :class:`~torchrpc.errors.AuthenticationError`.
@@ -50,8 +56,10 @@ class Hello:
 
 
 def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, client_rank: int,
-         server_rank: int) -> bytes:
-    msg = label + first + second + struct.pack("<ii", client_rank, server_rank)
+         server_rank: int, client_features: int, server_features: int, binding: bytes) -> bytes:
+    msg = b"".join((label, first, second,
+                    struct.pack("<iiBQQ", client_rank, server_rank, VERSION, client_features,
+                                server_features), binding))
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -73,36 +81,44 @@ def parse_hello(data: bytes) -> Hello:
     return Hello(rank, features, nonce)
 
 
-def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int
-                   ) -> tuple[bytes, bytes]:
+def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int,
+                   binding: bytes = b"") -> tuple[bytes, bytes]:
     """Server: return (CHALLENGE bytes, server nonce to remember)."""
     nonce = os.urandom(NONCE)
-    mac = _mac(secret, b"srv", hello.nonce, nonce, hello.rank, server_rank)
+    mac = _mac(secret, b"srv", hello.nonce, nonce, hello.rank, server_rank, hello.features,
+               features, binding)
     return CHALLENGE.pack(server_rank, features, nonce, mac), nonce
 
 
 def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce: bytes,
-                     expected_server_rank: int | None) -> tuple[bytes, int, int]:
-    """Client: check the server's MAC; return (PROOF bytes, server rank, server features)."""
+                     expected_server_rank: int | None, client_features: int = 0,
+                     binding: bytes = b"") -> tuple[bytes, int, int]:
+    """Client: check the server's MAC; return (PROOF bytes, server rank, server features).
+    ``client_features`` are the features the HELLO offered."""
     if len(data) != CHALLENGE.size:
         raise AuthenticationError(f"short handshake reply: {len(data)} of {CHALLENGE.size} bytes")
     server_rank, features, nonce, mac = CHALLENGE.unpack(data)
     if expected_server_rank is not None and server_rank != expected_server_rank:
         raise AuthenticationError(
             f"connected to rank {server_rank}, expected rank {expected_server_rank}")
-    want = _mac(secret, b"srv", client_nonce, nonce, client_rank, server_rank)
+    want = _mac(secret, b"srv", client_nonce, nonce, client_rank, server_rank, client_features,
+                features, binding)
     if not hmac.compare_digest(mac, want):
-        raise AuthenticationError("the server failed authentication: wrong job secret")
-    proof = _mac(secret, b"cli", nonce, client_nonce, client_rank, server_rank)
+        raise AuthenticationError("the server failed authentication: wrong job secret, or "
+                                  "the handshake or TLS session was tampered with")
+    proof = _mac(secret, b"cli", nonce, client_nonce, client_rank, server_rank, client_features,
+                 features, binding)
     return PROOF.pack(proof), server_rank, features
 
 
 def check_proof(secret: bytes, data: bytes, hello: Hello, server_nonce: bytes,
-                server_rank: int) -> None:
-    """Server: check the client's PROOF."""
+                server_rank: int, server_features: int = 0, binding: bytes = b"") -> None:
+    """Server: check the client's PROOF (``server_features`` as the CHALLENGE sent them)."""
     if len(data) != PROOF.size:
         raise AuthenticationError(f"short handshake proof: {len(data)} of {PROOF.size} bytes")
-    want = _mac(secret, b"cli", server_nonce, hello.nonce, hello.rank, server_rank)
+    want = _mac(secret, b"cli", server_nonce, hello.nonce, hello.rank, server_rank,
+                hello.features, server_features, binding)
     if not hmac.compare_digest(data, want):
         raise AuthenticationError(
-            f"peer claiming rank {hello.rank} failed authentication: wrong job secret")
+            f"peer claiming rank {hello.rank} failed authentication: wrong job secret, or "
+            f"the handshake or TLS session was tampered with")

@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -659,13 +660,17 @@ class Transport:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
+            binding = b""
             if self._tls is not None:
-                sock = self._secure(sock, server_side=True)
+                # A client on the Unix socket is on this host, which its certificate must name.
+                sock, binding = self._secure(sock, True, addr[0] if isinstance(addr, tuple)
+                                             else self.address[0])
             hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size, deadline))
-            challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank, self._features)
+            challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank,
+                                                        self._features, binding)
             sock.sendall(challenge)
             handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
-                                  hello, nonce, self.rank)
+                                  hello, nonce, self.rank, self._features, binding)
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             _tune(sock)
@@ -710,13 +715,15 @@ class Transport:
                 raise ConnectionLostError("the transport is shut down")
             self._sockets.add(sock)
         try:
+            binding = b""
             if self._tls is not None:
-                sock = self._secure(sock, server_side=False)
+                sock, binding = self._secure(sock, False, host)
             offer = self._features if private else self._features & ~handshake.FEATURE_PRIVATE
             hello, nonce = handshake.make_hello(self.rank, offer)
             sock.sendall(hello)
             proof, server_rank, features = handshake.answer_challenge(
-                self._secret, _recv_exact(sock, handshake.CHALLENGE.size), self.rank, nonce, peer_rank)
+                self._secret, _recv_exact(sock, handshake.CHALLENGE.size), self.rank, nonce,
+                peer_rank, offer, binding)
             sock.sendall(proof)
             if _recv_exact(sock, 1) != handshake.ACCEPT:
                 raise AuthenticationError("the peer refused the handshake")
@@ -756,15 +763,20 @@ class Transport:
             return None
         return sock
 
-    def _secure(self, sock: socket.socket, server_side: bool) -> tls.TlsSocket:
-        """Run the TLS handshake on ``sock``; return the TLS socket that replaces it."""
+    def _secure(self, sock: socket.socket, server_side: bool, address: str
+                ) -> Tuple[tls.TlsSocket, bytes]:
+        """Run the TLS handshake on ``sock`` and check the identity of the peer at
+        ``address``; return the TLS socket that replaces it and the session's binding."""
+        assert self._tls is not None
         ctx = self._tls.server if server_side else self._tls.client
         wrapped = tls.TlsSocket(sock, ctx, server_side)
-        wrapped.do_handshake()
         with self._lock:
             self._sockets.discard(sock)
             self._sockets.add(wrapped)
-        return wrapped
+        wrapped.do_handshake()
+        if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
+            tls.check_identity(wrapped.peer_certificate(), self._tls.identity, address)
+        return wrapped, wrapped.binding(self._tls.certificate, server_side)
 
     @property
     def secure(self) -> bool:

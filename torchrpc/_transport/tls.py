@@ -16,18 +16,27 @@ job secret still runs inside TLS: TLS protects the bytes, the secret proves
 membership in the job.
 
 Certificates: every worker listens, so every worker has a certificate
-(``certfile``/``keyfile``). Peers are verified against ``cafile`` (or the
-system's trust store). Host names are not checked, since workers address each
-other by IP address; any certificate signed by the job's CA is accepted.
+(``certfile``/``keyfile``). Peers are verified against ``cafile``, the job's own
+CA, which is required (the system's trust store would admit any certificate a
+public CA ever signed). Then each side checks the peer's identity
+(:func:`check_identity`): the certificate must carry the job's identity when one
+is configured, else name the address the peer is reached at or connects from.
+Finally the HMAC handshake is bound to the session through the server
+certificate's hash (:meth:`TlsSocket.binding`), so a party holding some other
+certificate of the CA cannot relay it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import ipaddress
 import socket
 import ssl
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+from ..errors import AuthenticationError
 
 _CIPHER_CHUNK = 256 * 1024  # ciphertext read from the socket at once
 _PLAIN_CHUNK = 1024 * 1024  # plaintext encrypted at once by a writer
@@ -39,11 +48,19 @@ class TlsContexts:
 
     server: ssl.SSLContext
     client: ssl.SSLContext
+    certificate: bytes = b""  # this worker's certificate (DER), for the binding
+    identity: Optional[str] = None  # what every peer's certificate must name, if set
 
 
 def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
-                  require_client_cert: bool) -> TlsContexts:
+                  require_client_cert: bool, identity: Optional[str] = None) -> TlsContexts:
     """Build both contexts from the option values; ValueError naming a bad option."""
+    if not cafile:
+        raise ValueError("tls_cafile is required when TLS is on (tls_certfile is set): peers "
+                         "are verified against the job's own CA, never the system's trust "
+                         "store; pass the PEM file of the CA that signed the workers' "
+                         "certificates")
+
     def load(ctx: ssl.SSLContext) -> None:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.options |= ssl.OP_NO_RENEGOTIATION
@@ -53,10 +70,7 @@ def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
             raise ValueError(f"tls_certfile={certfile!r} / tls_keyfile={keyfile!r}: cannot "
                              f"load the certificate and key: {exc}") from exc
         try:
-            if cafile:
-                ctx.load_verify_locations(cafile)
-            else:
-                ctx.load_default_certs()
+            ctx.load_verify_locations(cafile)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"tls_cafile={cafile!r}: cannot load the CA certificates: "
                              f"{exc}") from exc
@@ -67,9 +81,84 @@ def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
     server.num_tickets = 0  # no session tickets: nothing for the reader to answer later
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     load(client)
-    client.check_hostname = False
+    client.check_hostname = False  # check_identity does it, for IP addresses too
     client.verify_mode = ssl.CERT_REQUIRED
-    return TlsContexts(server, client)
+    return TlsContexts(server, client, _first_certificate(certfile), identity)
+
+
+def _first_certificate(certfile: str) -> bytes:
+    """The DER bytes of the first certificate in a PEM file."""
+    with open(certfile) as f:
+        pem = f.read()
+    end = "-----END CERTIFICATE-----"
+    start = pem.find("-----BEGIN CERTIFICATE-----")
+    if start < 0 or pem.find(end, start) < 0:
+        raise ValueError(f"tls_certfile={certfile!r}: no PEM certificate in the file")
+    return ssl.PEM_cert_to_DER_cert(pem[start:pem.find(end, start) + len(end)] + "\n")
+
+
+def _names(cert: Dict[str, Any]) -> "tuple[list, list]":
+    """(host names and URIs, IP addresses) a decoded certificate carries."""
+    names, ips = [], []
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind in ("DNS", "URI"):
+            names.append(value)
+        elif kind == "IP Address":
+            ips.append(value.strip())
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                names.append(value)
+    return names, ips
+
+
+def check_identity(cert: Optional[Dict[str, Any]], identity: Optional[str],
+                   address: Optional[str]) -> None:
+    """Raise :class:`AuthenticationError` unless the peer's verified certificate ``cert``
+    names ``identity`` (when set) or else the IP ``address`` the peer is at."""
+    if not cert:
+        raise AuthenticationError("the peer presented no certificate; TLS peers must "
+                                  "present one signed by the job's CA")
+    names, ips = _names(cert)
+    if identity is not None:
+        if identity in names:
+            return
+        raise AuthenticationError(f"the peer's certificate does not carry the job identity "
+                                  f"{identity!r} (it names {names + ips}); issue the workers' "
+                                  f"certificates with it as a DNS or URI subject alternative "
+                                  f"name, or set tls_identity to what they carry")
+    if address is None:
+        return
+    try:
+        want = ipaddress.ip_address(address)
+    except ValueError:
+        want = None
+    if want is not None and any(_same_ip(ip, want) for ip in ips):
+        return
+    for name in names:
+        if name == address or (want is not None and _resolves_to(name, want)):
+            return
+    raise AuthenticationError(f"the peer's certificate does not name its address {address} "
+                              f"(it names {names + ips}); add it as a subject alternative name "
+                              f"of the certificate, or give every worker's certificate one job "
+                              f"identity and set tls_identity")
+
+
+def _same_ip(text: str, want: "ipaddress._BaseAddress") -> bool:
+    try:
+        return ipaddress.ip_address(text) == want
+    except ValueError:
+        return False
+
+
+def _resolves_to(name: str, want: "ipaddress._BaseAddress") -> bool:
+    if "/" in name or "*" in name:
+        return False  # a URI or a wildcard is no host to look up
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):
+        return False
+    return any(_same_ip(info[4][0], want) for info in infos)
 
 
 class TlsSocket:
@@ -83,6 +172,15 @@ class TlsSocket:
         self._lock = threading.Lock()       # guards the SSLObject and both BIOs
         self._send_lock = threading.Lock()  # keeps ciphertext records in order on the socket
         self._cipher = memoryview(bytearray(_CIPHER_CHUNK))  # the reader's receive buffer
+
+    def binding(self, own_certificate: bytes, server_side: bool) -> bytes:
+        """The SHA-256 of the server's certificate, as this side of the session sees it."""
+        server = own_certificate if server_side else self.ssl_object.getpeercert(True) or b""
+        return hashlib.sha256(server).digest()
+
+    def peer_certificate(self) -> Optional[Dict[str, Any]]:
+        """The peer's verified certificate, decoded (None if it sent none)."""
+        return self.ssl_object.getpeercert() or None
 
     def do_handshake(self) -> None:
         """Run the TLS handshake (one thread, before the connection is shared)."""

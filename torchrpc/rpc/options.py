@@ -136,10 +136,15 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         tls_certfile (str, optional): PEM certificate of this worker; setting it turns TLS on
             for every link. Every worker of the job needs one.
         tls_keyfile (str, optional): PEM private key, when not inside ``tls_certfile``.
-        tls_cafile (str, optional): PEM CA certificates that peers' certificates must chain
-            to; default: the system's trust store.
+        tls_cafile (str, optional): PEM certificates of the job's CA, which peers'
+            certificates must chain to; required with ``tls_certfile`` (the system's trust
+            store is never used).
         tls_require_client_cert (bool): mutual TLS: a connecting peer must present a
             certificate that chains to ``tls_cafile`` too (default True).
+        tls_identity (str, optional): a name every peer's certificate must carry (a DNS or
+            URI subject alternative name, or the common name), for example the job's name.
+            Without it, a peer's certificate must name the IP address it is reached at or
+            connects from (an IP address or a host name resolving to it).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -157,7 +162,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
                  tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
                  tls_cafile: Optional[str] = None,
-                 tls_require_client_cert: bool = True) -> None:
+                 tls_require_client_cert: bool = True,
+                 tls_identity: Optional[str] = None) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -179,6 +185,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
         self.tls_require_client_cert = tls_require_client_cert
+        if tls_identity is not None and (not isinstance(tls_identity, str) or not tls_identity):
+            raise ValueError(f"tls_identity must be a non-empty str or None, got "
+                             f"{tls_identity!r}")
+        self.tls_identity = tls_identity
 
     @property
     def num_worker_threads(self) -> int:

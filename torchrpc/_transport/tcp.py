@@ -27,6 +27,7 @@ import mmap
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 import weakref
@@ -492,6 +493,16 @@ def _tune(sock: socket.socket) -> None:
         pass  # a Unix socket (perhaps under TLS): no Nagle to turn off
 
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> Tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _UCRED.size))
+    return pid, uid
+
+
 def local_name(host: str, port: int) -> str:
     """The abstract Unix socket name of the worker listening on ``host:port``.
 
@@ -575,7 +586,14 @@ class Transport:
             sock.bind(name)
             sock.listen(128)
         except OSError as exc:
-            log.info("torchrpc: no local socket (%s); same-host peers use TCP", exc)
+            if exc.errno == errno.EADDRINUSE:
+                # Nobody else may hold the name of this worker's TCP address: someone took it
+                # first. Peers that dial it find another owner and refuse it (_connect_local).
+                log.error("torchrpc: the local socket name of this worker (%r) is taken by "
+                          "another process, perhaps of another user squatting it; same-host "
+                          "peers refuse it and use TCP", name)
+            else:
+                log.info("torchrpc: no local socket (%s); same-host peers use TCP", exc)
             sock.close()
             return None
         return sock
@@ -660,6 +678,11 @@ class Transport:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
+            if sock.family == socket.AF_UNIX:
+                pid, uid = peer_credentials(sock)
+                if uid != os.getuid():  # workers of one job on one host run as one user
+                    raise AuthenticationError(f"a process of another user (pid {pid}, uid "
+                                              f"{uid}) connected to the local socket")
             binding = b""
             if self._tls is not None:
                 # A client on the Unix socket is on this host, which its certificate must name.
@@ -759,6 +782,13 @@ class Transport:
             sock.connect(local_name(host, port))
         except OSError as exc:
             log.debug("torchrpc: no local socket for %s:%d (%s); using TCP", host, port, exc)
+            sock.close()
+            return None
+        pid, uid = peer_credentials(sock)
+        if uid != os.getuid():
+            log.error("torchrpc: the local socket of the worker at %s:%d is held by process "
+                      "%d of uid %d, not by this user: refused (a squatter); using TCP",
+                      host, port, pid, uid)
             sock.close()
             return None
         return sock

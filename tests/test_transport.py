@@ -10,6 +10,7 @@ decides whether shared memory is used. The leak and peak-RSS tests are in
 from __future__ import annotations
 
 import os
+import socket
 import queue
 import threading
 import time
@@ -233,6 +234,13 @@ def test_shared_memory_needs_both_sides_and_the_same_host(a_shm, b_shm, same_hos
         b.close()
 
 
+def _authentic(conn, head: bytes, envelope: bytes) -> bytes:
+    """A frame's header and envelope as the peer's own code would send them (with its MAC
+    when the connection has them): bad content from a peer that holds the secret."""
+    tag = conn.mac_tx.tag(head, envelope) if conn.mac_tx is not None else b""
+    return head + envelope + tag
+
+
 def test_bad_shared_memory_references_close_only_that_connection():
     a, b = _Peer(0), _Peer(1)
     c = _Peer(2, shm_on=False)
@@ -243,7 +251,7 @@ def test_bad_shared_memory_references_close_only_that_connection():
             conn = a.connect(b)
             head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
             ref = bad_name.encode().ljust(_wire.SHM_REF_SIZE, b"\0")
-            conn.sock.sendall(head + b"e" + ref)
+            conn.sock.sendall(_authentic(conn, head, b"e") + ref)
             deadline = time.monotonic() + 10
             while not conn.closed and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -257,7 +265,7 @@ def test_bad_shared_memory_references_close_only_that_connection():
         conn = a.connect(c)
         assert conn.shm_rx is None and conn.shm_tx is None
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 3, 1, [LARGE | _wire.SHM_BIT])
-        conn.sock.sendall(head + b"e" + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
+        conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
         deadline = time.monotonic() + 10
         while not (conn.closed and c.closed) and time.monotonic() < deadline:
             time.sleep(0.01)  # both ends: c records its reason a moment after a sees EOF
@@ -365,4 +373,99 @@ def test_private_readers_poll_longer_while_cpus_are_spare(monkeypatch):
     finally:
         tcp.set_spare_cpus(False)
         conn.close()
+        b.close()
+
+
+class _OnPath:
+    """A party on the path between a client and a server (a TCP relay): after the
+    handshake it applies ``alter`` to the client's bytes before passing them on."""
+
+    def __init__(self, server_address, alter) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self._server = server_address
+        self._alter = alter
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _pump(self, src, dst, first: int = 0, alter=None) -> None:
+        passed = b""
+        while len(passed) < first:  # the handshake messages go through untouched
+            chunk = src.recv(first - len(passed))
+            if not chunk:
+                return
+            passed += chunk
+            dst.sendall(chunk)
+        while True:
+            try:
+                chunk = src.recv(1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            try:
+                dst.sendall(alter(chunk) if alter else chunk)
+            except OSError:
+                return
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self._server)
+        back = threading.Thread(target=self._pump, args=(server, client), daemon=True)
+        back.start()
+        self._pump(client, server, handshake.HELLO.size + handshake.PROOF.size, self._alter)
+        server.close()
+        client.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _flip_envelope_byte(chunk: bytes) -> bytes:
+    i = _wire.HEADER_SIZE + 8  # the first frame's envelope (one buffer length first)
+    return chunk[:i] + bytes([chunk[i] ^ 1]) + chunk[i + 1:] if len(chunk) > i else chunk
+
+
+def _replay_first_frame(chunk: bytes) -> bytes:
+    return chunk + chunk  # the frame (one write here) arrives twice
+
+
+def _inject_a_frame(chunk: bytes) -> bytes:
+    # A well-formed frame made by someone without the connection's keys goes first.
+    return _wire.pack_header(Kind.CALL, 0, 9, 1, []) + b"x" + chunk
+
+
+@pytest.mark.parametrize("alter", [_flip_envelope_byte, _replay_first_frame, _inject_a_frame])
+def test_frames_altered_on_the_path_are_refused(alter):
+    a, b = _Peer(0, shm_on=False, same_host=False), _Peer(1, shm_on=False, same_host=False)
+    relay = _OnPath(b.t.address, alter)
+    try:
+        conn = a.t.connect(1, *relay.address, timeout=5)
+        assert conn.mac_tx is not None  # plain TCP: every frame carries a MAC
+        conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(torch.ones(4))], None)
+        deadline = time.monotonic() + 10
+        while not b.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(isinstance(why, ProtocolError) and "failed authentication" in str(why)
+                   for why in b.closed), b.closed
+        if alter is not _replay_first_frame:  # a replay's first copy is genuine
+            assert a.frames.empty()  # the server ran nothing of it
+    finally:
+        relay.close()
+        a.close()
+        b.close()
+
+
+def test_frames_pass_a_faithful_relay():
+    a, b = _Peer(0, shm_on=False, same_host=False), _Peer(1, shm_on=False, same_host=False)
+    relay = _OnPath(b.t.address, None)
+    try:
+        conn = a.t.connect(1, *relay.address, timeout=5)
+        for i in range(20):
+            assert torch.equal(_call(conn, a, torch.full((i + 1,), i, dtype=torch.uint8)),
+                               torch.full((i + 1,), i, dtype=torch.uint8))
+        assert not b.closed
+    finally:
+        relay.close()
+        a.close()
         b.close()

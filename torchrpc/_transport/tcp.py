@@ -22,6 +22,7 @@ exception when the connection broke rather than closed.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import mmap
 import os
@@ -144,6 +145,9 @@ class Connection:
         # When bytes last came in and last went out (monotonic); the agent's heartbeat
         # sends on idle connections and closes silent ones.
         self.last_recv = self.last_send = time.monotonic()
+        # The frames' MACs of each direction, on plain TCP (handshake.FEATURE_FRAME_MAC).
+        self.mac_tx: Optional[handshake.FrameMac] = None
+        self.mac_rx: Optional[handshake.FrameMac] = None
 
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
@@ -171,7 +175,7 @@ class Connection:
                     keepalive.clear()
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
-        parts.extend(b for b in buffers if len(b))
+        data = [b for b in buffers if len(b)]
         with self._lock:
             if self._closed:
                 if staged:
@@ -179,6 +183,9 @@ class Connection:
                 raise ConnectionLostError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
+            if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
+                parts.append(self.mac_tx.tag(head, envelope))
+            parts.extend(data)
             self._outbox.append((parts, keepalive))
             if self._writing:
                 return
@@ -377,7 +384,8 @@ class Connection:
             self._rstart = self._rend = 0
         fill(_wire.HEADER_SIZE)
         start = self._rstart
-        header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
+        head = bytes(mv[start:start + _wire.HEADER_SIZE])
+        header = _wire.parse_header(head, limits)
         self._rstart = start = start + _wire.HEADER_SIZE
         lengths: Sequence[int] = ()
         if header.nbuffers:
@@ -385,12 +393,13 @@ class Connection:
             if table <= len(mv):
                 fill(table)
                 start = self._rstart
-                lengths = _wire.parse_lengths(mv[start:start + table], header, limits)
+                raw = bytes(mv[start:start + table])
                 self._rstart = start + table
             else:
                 raw = bytearray(table)
                 self._take_into(memoryview(raw))
-                lengths = _wire.parse_lengths(raw, header, limits)
+            lengths = _wire.parse_lengths(raw, header, limits)
+            head += raw
         n = header.envelope_len
         if n <= len(mv):
             fill(n)
@@ -399,6 +408,16 @@ class Connection:
             self._rstart = start + n
         else:
             envelope = self._take_bytes(n)
+        if self.mac_rx is not None:
+            size = handshake.FRAME_MAC_SIZE
+            fill(size)
+            start = self._rstart
+            tag = bytes(mv[start:start + size])
+            self._rstart = start + size
+            if not hmac.compare_digest(tag, self.mac_rx.tag(head, envelope)):
+                raise ProtocolError(f"a frame from rank {self.peer_rank} failed authentication "
+                                    f"(altered, replayed, reordered or injected on the way); "
+                                    f"the connection is closed")
         buffers = []
         for size in lengths:
             if size & _wire.SHM_BIT:
@@ -493,6 +512,13 @@ def _tune(sock: socket.socket) -> None:
         pass  # a Unix socket (perhaps under TLS): no Nagle to turn off
 
 
+def _needs_frame_macs(conn: Connection) -> bool:
+    """Whether frames on ``conn`` carry MACs: on plain TCP when both sides offered them (TLS
+    protects its records itself; a Unix socket's peer is a process of this user)."""
+    return bool(conn.features & handshake.FEATURE_FRAME_MAC) and \
+        type(conn.sock) is socket.socket and conn.sock.family != socket.AF_UNIX
+
+
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -545,7 +571,7 @@ class Transport:
                              f"to keep buffers off shared memory, set enable_shm=False")
         if features & handshake.FEATURE_SHM and not shm.available():
             features &= ~handshake.FEATURE_SHM
-        self._features = features | handshake.FEATURE_PRIVATE
+        self._features = features | handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         self._shm_threshold = shm_threshold
         self._same_host = same_host
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
@@ -713,6 +739,10 @@ class Transport:
                           outbound=False)
         conn.features = hello.features & self._features
         conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
+        if _needs_frame_macs(conn):
+            c2s, s2c = handshake.frame_keys(self._secret, hello.nonce, nonce, hello.rank,
+                                            self.rank)
+            conn.mac_tx, conn.mac_rx = handshake.FrameMac(s2c), handshake.FrameMac(c2s)
         self._register(conn)
         self._on_connect(conn)
         conn.read_loop()
@@ -744,9 +774,9 @@ class Transport:
             offer = self._features if private else self._features & ~handshake.FEATURE_PRIVATE
             hello, nonce = handshake.make_hello(self.rank, offer)
             sock.sendall(hello)
+            challenge = _recv_exact(sock, handshake.CHALLENGE.size)
             proof, server_rank, features = handshake.answer_challenge(
-                self._secret, _recv_exact(sock, handshake.CHALLENGE.size), self.rank, nonce,
-                peer_rank, offer, binding)
+                self._secret, challenge, self.rank, nonce, peer_rank, offer, binding)
             sock.sendall(proof)
             if _recv_exact(sock, 1) != handshake.ACCEPT:
                 raise AuthenticationError("the peer refused the handshake")
@@ -762,6 +792,11 @@ class Transport:
                           outbound=True)
         conn.features = features & offer
         conn.set_private(bool(conn.features & handshake.FEATURE_PRIVATE))
+        if _needs_frame_macs(conn):
+            c2s, s2c = handshake.frame_keys(self._secret, nonce,
+                                            handshake.CHALLENGE.unpack(challenge)[2], self.rank,
+                                            server_rank)
+            conn.mac_tx, conn.mac_rx = handshake.FrameMac(c2s), handshake.FrameMac(s2c)
         self._register(conn)
         self._on_connect(conn)
         if not conn.private:

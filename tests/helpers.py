@@ -280,3 +280,21 @@ def stop_heartbeats() -> bool:
     from torchrpc._agent.current import current_agent
     current_agent()._beat = lambda *args: None
     return True
+
+
+def open_private_connections(to: str, n: int) -> int:
+    """Make ``n`` blocking calls to ``to`` at once, so that ``n`` private connections are
+    opened; return how many this worker holds to ``to`` afterwards (idle, in its free list)."""
+    from torchrpc._agent.current import current_agent
+    barrier = threading.Barrier(n)
+
+    def call() -> None:
+        barrier.wait(10)
+        assert rpc.rpc_sync(to, sleep_then, args=(0.5, 1)) == 1
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    agent = current_agent()
+    return len(agent._private.get(agent.resolve(to).id, []))

@@ -329,7 +329,11 @@ class Agent:
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
-        self._beating: set[int] = set()  # ranks that send heartbeats (so may be timed out)
+        self._beating: set[int] = set()  # ranks that sent a heartbeat (so may be timed out)
+        # rank -> the heartbeat interval it announced at rendezvous (0: it sends none)
+        self._beats_every: Dict[int, float] = {}
+        # rank -> its open private connections, both ways (they take part in liveness)
+        self._private_conns: Dict[int, List[Connection]] = {}
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
@@ -366,13 +370,15 @@ class Agent:
         except RpcError as exc:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
+            # Peers watch this worker for silence only if they know it sends heartbeats.
+            facts = {"heartbeat_interval": self._hb_interval}
             if self.elastic:
-                membership.announce(store, self.name, rank, self._transport.address)
+                membership.announce(store, self.name, rank, self._transport.address, facts)
                 self._log = membership.EventLog(store)
                 infos = membership.EventLog.members(self._log.poll())
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
-                                           self._transport.address, timeout)
+                                           self._transport.address, timeout, facts)
                 discard_local_secret()  # every rank has joined, so has read it
         except BaseException:
             self._transport.close()
@@ -460,6 +466,7 @@ class Agent:
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
+            self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
         for event in events:
@@ -1049,7 +1056,10 @@ class Agent:
 
     def _on_connect(self, conn: Connection) -> None:
         if conn.private:
-            return  # used by one call at a time, never for heartbeats or other traffic
+            # Used by one call at a time; registered only for liveness (see _watched).
+            with self._lock:
+                self._private_conns.setdefault(conn.peer_rank, []).append(conn)
+            return
         with self._lock:
             self._all_conns.setdefault(conn.peer_rank, []).append(conn)
             current = self._conns.get(conn.peer_rank)
@@ -1064,7 +1074,14 @@ class Agent:
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
-            return  # its caller learns it from read_frame; the shared connection watches the peer
+            # Its caller learns it from read_frame; the shared connection watches the peer.
+            with self._lock:
+                for table in (self._private_conns, self._private):
+                    try:
+                        table.get(conn.peer_rank, []).remove(conn)
+                    except ValueError:
+                        pass  # never there, or checked out meanwhile
+            return
         rank = conn.peer_rank
         with self._lock:
             conns = self._all_conns.get(rank, [])
@@ -1084,9 +1101,18 @@ class Agent:
             self._lost[rank] = str(reason)
         log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
+        self._close_idle_private(rank, reason)
         self._fail_pending(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
+
+    def _close_idle_private(self, rank: int, reason: BaseException) -> None:
+        """Close the idle private connections to ``rank``, lost: nobody reads them, and
+        the next call to a restarted worker must not go out on one to its predecessor."""
+        with self._lock:
+            idle = list(self._private.get(rank, ()))
+        for conn in idle:
+            conn.close(reason)
 
     def _fail_pending(self, rank: int, error: RpcError) -> None:
         for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
@@ -1499,27 +1525,40 @@ class Agent:
     # HEARTBEAT frame when it has sent that peer nothing for heartbeat_interval, and the
     # timer closes every connection of a peer from which nothing at all came in for
     # heartbeat_timeout, which fails the calls pending on it. Liveness is per peer, not
-    # per connection: any frame on any of its connections counts. Only peers that have
-    # sent a heartbeat are timed out, so one configured without heartbeats is never
-    # mistaken for a dead one. A loss is a suspicion until graceful shutdown confirms it
+    # per connection: any frame on any of its connections counts, private ones included
+    # (a callee's reply, a caller's request), and a lost peer's private connections
+    # close with its shared ones, which ends their readers on the callee's side and
+    # wakes a caller blocked on one. A peer is watched once this worker knows that it
+    # sends heartbeats: it announced a heartbeat interval at rendezvous, or a heartbeat
+    # came from it. Knowing it from rendezvous matters: a peer kept busy sending replies
+    # never needs to send a heartbeat, and it was not watched when only one that came
+    # counted (a stopped busy peer then hung its callers forever). A peer configured
+    # without heartbeats is never timed out, so it is not mistaken for a dead one while
+    # it runs a long call. A loss is a suspicion until graceful shutdown confirms it
     # by failing to connect again; there, confirmed losses are shared through the store,
     # and workers missing from the barrier are probed, so a worker that died unseen by
     # this one is found too (check_peers).
+    #
+    # Heartbeats go where the far end reads: on a shared connection, or (when none is
+    # open) on a private one this worker opened as the caller, whose callee has a
+    # reader; never on one a caller opened to this worker, which its caller reads only
+    # while it waits for a reply.
     #
     # A silent peer on this host whose process the kernel shows running (not stopped, not
     # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
     # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
     # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
 
-    def _connections_by_peer(self) -> Dict[int, List[Connection]]:
-        """The open shared connections of each peer that has one (never an empty list: a
-        connection may close meanwhile, but each is tested once)."""
+    def _connections_by_peer(self) -> Dict[int, Tuple[List[Connection], List[Connection]]]:
+        """The open shared and private connections of each peer that has one (never two
+        empty lists: a connection may close meanwhile, but each is tested once)."""
         out = {}
         with self._lock:
-            for rank, lst in self._all_conns.items():
-                live = [c for c in lst if not c.closed]
-                if live:
-                    out[rank] = live
+            for rank in set(self._all_conns) | set(self._private_conns):
+                shared = [c for c in self._all_conns.get(rank, ()) if not c.closed]
+                private = [c for c in self._private_conns.get(rank, ()) if not c.closed]
+                if shared or private:
+                    out[rank] = (shared, private)
         return out
 
     def _heartbeat_loop(self, guard: Guard) -> None:
@@ -1528,20 +1567,24 @@ class Agent:
         while guard.ok and not self._stopped.wait(interval / 2):
             with guard:
                 now = time.monotonic()
-                for rank, conns in self._connections_by_peer().items():
+                for rank, (shared, private) in self._connections_by_peer().items():
                     try:
-                        self._beat(rank, conns, now, interval, envelope)
+                        self._beat(rank, shared, private, now, interval, envelope)
                     except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
                         guard.failed(exc)
 
-    def _beat(self, rank: int, conns: List[Connection], now: float, interval: float,
-              envelope: bytes) -> None:
+    def _beat(self, rank: int, shared: List[Connection], private: List[Connection], now: float,
+              interval: float, envelope: bytes) -> None:
         """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
+        conns = shared + private
         if now - max(c.last_send for c in conns) < interval:
             return  # traffic to this peer is proof enough
         conn = self._conns.get(rank)
         if conn is None or conn.closed:
-            conn = conns[0]
+            # Only where the far end reads (see the theory of operation above).
+            conn = next(iter(shared or [c for c in private if c.outbound]), None)
+            if conn is None:
+                return
         try:
             conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
         except RpcError:
@@ -1555,36 +1598,62 @@ class Agent:
             return False
         return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
 
+    def _silence_limit(self, rank: int, timeout: float) -> Optional[float]:
+        """How long peer ``rank`` may stay silent before it is lost; None if it is not
+        watched (it sends no heartbeats). Three of its own heartbeat intervals at least,
+        should it beat more slowly than this worker's heartbeat_timeout expects."""
+        every = self._beats_every.get(rank, 0.0)
+        if every <= 0 and rank not in self._beating:
+            return None
+        return max(timeout, 3 * every)
+
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
-        if timeout <= 0 or self._state != "running" or not self._beating:
+        if timeout <= 0 or self._state != "running":
             return
         stalled = now - self._last_liveness > timeout / 2
         self._last_liveness = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        for rank, conns in self._connections_by_peer().items():
-            if rank not in self._beating or rank in self._left:
+        for rank, (shared, private) in self._connections_by_peer().items():
+            if rank in self._left:
                 continue
+            limit = self._silence_limit(rank, timeout)
+            if limit is None:
+                continue
+            conns = shared + private
             silent = now - max(c.last_recv for c in conns)
-            if silent <= timeout:
+            if silent <= limit:
                 continue
+            # Connections with a reader of their own (a caller's private connection is
+            # read only while a call waits on it, so bytes may lie there unread).
+            read = shared + [c for c in private if not c.outbound]
             try:
-                if select.select([c.sock for c in conns], [], [], 0)[0]:
+                if read and select.select([c.sock for c in read], [], [], 0)[0]:
                     continue  # bytes are waiting: the peer spoke, our readers are behind
             except (OSError, ValueError):
                 pass
-            if silent <= timeout * _STARVED and self._runs_here(rank):
+            if silent <= limit * _STARVED and self._runs_here(rank):
                 continue  # alive on this host: starved of CPU, not dead (see above)
-            w = self._workers.get(rank)
-            name = w.name if w else f"rank{rank}"
-            error = ConnectionLostError(
-                f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
-                f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
-                worker=name)
-            self._heartbeat_timeouts += 1
-            for conn in conns:
-                conn.close(error)
+            self._lose_silent(rank, conns, silent, limit)
+
+    def _lose_silent(self, rank: int, conns: List[Connection], silent: float,
+                     limit: float) -> None:
+        """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
+        fail every call pending on it."""
+        w = self._workers.get(rank)
+        name = w.name if w else f"rank{rank}"
+        error = ConnectionLostError(
+            f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
+            f"(heartbeat_timeout is {limit:g} s): it is dead, hung or unreachable",
+            worker=name)
+        self._heartbeat_timeouts += 1
+        with self._lock:
+            self._lost[rank] = str(error)
+        for conn in conns:
+            conn.close(error)
+        self._close_idle_private(rank, error)
+        self._fail_pending(rank, error)  # also those no connection carried (a failed send)
 
     # -- shutdown ----------------------------------------------------------------------------------
 

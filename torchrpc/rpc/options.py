@@ -129,10 +129,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             bytes go through shared memory (default 256 KiB: below it the socket is as
             fast in a tight loop and faster between computations; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
-            seconds (default 0.5; 0 sends none).
-        heartbeat_timeout (float): a connection that brings nothing in for this long is
-            closed as dead, failing the calls pending on that worker (default 1.5 s; 0 never
-            closes one). Must exceed ``heartbeat_interval``.
+            seconds (default 0.5; 0 sends none, and peers then never time this worker out).
+        heartbeat_timeout (float): a peer that sends heartbeats and brings nothing in on
+            any connection for this long is lost: all its connections close and the calls
+            pending on it fail (default 5 s; 0 never times one out). Must exceed
+            ``heartbeat_interval``.
         tls_certfile (str, optional): PEM certificate of this worker; setting it turns TLS on
             for every link. Every worker of the job needs one.
         tls_keyfile (str, optional): PEM private key, when not inside ``tls_certfile``.

@@ -298,3 +298,55 @@ def open_private_connections(to: str, n: int) -> int:
         t.join(30)
     agent = current_agent()
     return len(agent._private.get(agent.resolve(to).id, []))
+
+
+_kept: List[Any] = []
+
+
+def keep(x: Any) -> int:
+    """Hold ``x`` (an RRef, say) in this worker until it dies; how many are held."""
+    _kept.append(x)
+    return len(_kept)
+
+
+def keep_remote(to: str, value: Any) -> Any:
+    """Make an RRef owned by ``to`` and hold it here; its value."""
+    rref = rpc.remote(to, echo, args=(value,))
+    keep(rref)
+    return rref.to_here()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while (a slow part of a backward pass)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(3.0)
+        return grad
+
+
+def slow_identity(x: torch.Tensor) -> torch.Tensor:
+    return _SlowBackward.apply(x)
+
+
+def fan_through(x: torch.Tensor, slow: str, fast: str) -> torch.Tensor:
+    """Run on an intermediate worker: send ``x`` on to two workers, one slow in backward."""
+    a = rpc.rpc_sync(slow, slow_identity, args=(x,))
+    b = rpc.rpc_sync(fast, torch.mul, args=(x, 2))
+    return a + b
+
+
+def autograd_contexts() -> int:
+    return rpc.get_debug_info()["num_autograd_contexts"]
+
+
+stopped_serving = threading.Event()  # see tests.worker_main's TORCHRPC_TEST_SERVE
+
+
+def stop_serving() -> bool:
+    stopped_serving.set()
+    return True

@@ -296,6 +296,13 @@ class Agent:
         self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
+        # Told of every worker found lost (see _suspect); ranks whose loss is being confirmed.
+        self._loss_hooks: List[Callable[[WorkerInfo, RpcError], None]] = []
+        self._confirming: set[int] = set()
+        self._silent: Dict[int, BaseException] = {}  # lost for silence: no need to confirm
+        # Ranks declared lost (silent, or unreachable after a loss): never retried, and
+        # told to the loss hooks once, until a connection with them is made again.
+        self._declared: set[int] = set()
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
@@ -570,6 +577,12 @@ class Agent:
     def add_stop_hook(self, hook: Callable[[], None]) -> None:
         """``hook()`` runs in every shutdown, graceful or not, before connections close."""
         self._stop_hooks.append(hook)
+
+    def add_loss_hook(self, hook: Callable[[WorkerInfo, RpcError], None]) -> None:
+        """``hook(worker, error)`` runs on a pool thread once ``worker`` is lost: its
+        connections broke (or it went silent) and connecting again failed. Upper layers
+        drop what they keep for it; ``error`` names it."""
+        self._loss_hooks.append(hook)
 
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
@@ -946,7 +959,8 @@ class Agent:
     def _fail(self, rid: int, p: _Pending, error: BaseException) -> None:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
         r = p.resend
-        if r is not None and retryable(error) and self._state == "running":
+        if r is not None and retryable(error) and self._state == "running" \
+                and p.dst.id not in self._declared:
             if r.attempt < r.policy.max_attempts:
                 delay = r.policy.backoff(r.attempt)
                 if r.deadline is None or time.monotonic() + delay < r.deadline:
@@ -1066,6 +1080,8 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
+            self._silent.pop(conn.peer_rank, None)
+            self._declared.discard(conn.peer_rank)
         if self._state in ("stopping", "stopped"):
             # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
             # connection would wait for a reply until its timeout. (Not while starting: a
@@ -1105,6 +1121,56 @@ class Agent:
         self._fail_pending(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
+        self._suspect(rank, reason)
+
+    def _suspect(self, rank: int, reason: BaseException) -> None:
+        """Peer ``rank`` lost its last connection without a GOODBYE: on the pool, try to
+        connect again, and if that fails tell the loss hooks (a cut link to a live
+        worker heals, and its RRefs and contexts must survive that). A peer lost for
+        silence (_lose_silent) is lost without trying: heartbeat_timeout of silence is
+        the evidence, and a stopped process would hold the handshake up as long again."""
+        with self._lock:
+            if rank in self._confirming or rank in self._declared or rank in self._left \
+                    or self._state != "running":
+                return
+            self._confirming.add(rank)
+        try:
+            self._pool.submit(self._confirm_loss, rank, reason)
+        except RuntimeError:  # shutting down: nothing to clean up for
+            with self._lock:
+                self._confirming.discard(rank)
+
+    def _confirm_loss(self, rank: int, reason: BaseException) -> None:
+        try:
+            w = self._workers.get(rank)
+            if w is None or rank in self._left or self._state != "running":
+                return
+            with self._lock:
+                silent = self._silent.pop(rank, None)
+            if silent is not None:
+                error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
+                                            worker=w.name)
+            else:
+                try:
+                    self._connection(w)
+                except RpcError as exc:
+                    cause = exc
+                else:
+                    return  # it answered: alive, the link healed
+                error = ConnectionLostError(
+                    f"worker {w.name} (rank {rank}) was lost: {reason}; connecting to it "
+                    f"again failed: {cause}", worker=w.name)
+            with self._lock:
+                self._declared.add(rank)
+            log.warning("torchrpc: %s: %s", self.name, error)
+            for hook in self._loss_hooks:
+                try:
+                    hook(w, error)
+                except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
+                    log.exception("torchrpc: a loss hook of %s failed for %s", self.name, w.name)
+        finally:
+            with self._lock:
+                self._confirming.discard(rank)
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -1650,6 +1716,10 @@ class Agent:
         self._heartbeat_timeouts += 1
         with self._lock:
             self._lost[rank] = str(error)
+            self._silent[rank] = error
+        self._suspect(rank, error)  # the loss hooks hear of it (first: see _declared)
+        with self._lock:
+            self._declared.add(rank)  # its calls fail now, with no retry
         for conn in conns:
             conn.close(error)
         self._close_idle_private(rank, error)

@@ -350,3 +350,45 @@ stopped_serving = threading.Event()  # see tests.worker_main's TORCHRPC_TEST_SER
 def stop_serving() -> bool:
     stopped_serving.set()
     return True
+
+
+_weight = torch.full((4,), 3.0, requires_grad=True)
+
+
+class _CountedSlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while and counts its runs (``bump("backward")``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        from tests.robust_helpers import bump
+        bump("backward")
+        time.sleep(2.0)
+        return grad
+
+
+def scale_slowly(x: torch.Tensor) -> torch.Tensor:
+    """``x`` times a weight that lives here; the backward pass through it is slow."""
+    return _CountedSlowBackward.apply(x * _weight)
+
+
+def weight_gradient(context_id: int) -> torch.Tensor:
+    import torchrpc.autograd as dist_autograd
+    return dist_autograd.get_gradients(context_id)[_weight]
+
+
+def stream_to(to: str, nbytes: int, seconds: float) -> bool:
+    """Start echoing ``nbytes`` tensors off ``to`` in a thread for ``seconds``; return at once."""
+    def run() -> None:
+        stop = time.monotonic() + seconds
+        x = torch.ones(nbytes, dtype=torch.uint8)
+        while time.monotonic() < stop:
+            try:
+                rpc.rpc_sync(to, echo, args=(x,), timeout=10)
+            except Exception:  # noqa: BLE001 - the test kills the peer on purpose
+                return
+    threading.Thread(target=run, daemon=True).start()
+    return True

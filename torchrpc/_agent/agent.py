@@ -23,6 +23,7 @@ request pending on that worker with an error naming it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import contextlib
@@ -62,6 +63,10 @@ INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
+# Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
+# long after their reply went out, and at most this many at once (see _Once).
+_ONCE_KEEP = 60.0
+_ONCE_MAX = 8192
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -204,15 +209,28 @@ class Parked:
         self.since = time.monotonic()
 
 
+class _Once:
+    """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
+    reply, for _ONCE_KEEP seconds after."""
+
+    __slots__ = ("done_at", "reply")
+
+    def __init__(self) -> None:
+        self.done_at: Optional[float] = None
+        self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
+
+
 class _Resend:
     """What a request with a retry policy needs to be sent again: the same frame."""
 
-    __slots__ = ("policy", "attempt", "deadline", "kind", "flags", "env", "bufs", "keep")
+    __slots__ = ("policy", "attempt", "scheduled", "deadline", "kind", "flags", "env", "bufs",
+                 "keep")
 
     def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
                  env: bytes, bufs: Any, keep: Any) -> None:
         self.policy = policy
         self.attempt = 1
+        self.scheduled = False  # the next attempt is due (a second failure must not add one)
         self.deadline = deadline
         self.kind = kind
         self.flags = flags
@@ -348,6 +366,10 @@ class Agent:
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
         self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
+        # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
+        self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
+        self._once_lock = threading.Lock()
+        self._duplicates = 0  # requests that arrived again and were not run again
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
 
@@ -369,6 +391,7 @@ class Agent:
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
                                         same_host=self._same_host,
+                                        same_pids=self._same_pids,
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)))
         except ValueError as exc:
@@ -451,6 +474,11 @@ class Agent:
         mine = self.hostids.get(self.rank)
         return mine is not None and self.hostids.get(rank) == mine
 
+    def _same_pids(self, rank: int) -> bool:
+        """Whether worker ``rank`` is in this process's pid namespace."""
+        proc = self._procs.get(rank)
+        return proc is not None and bool(self._pidns) and proc[1] == self._pidns
+
     def _tls_contexts(self) -> Optional[TlsContexts]:
         opts = self.options
         if not getattr(opts, "tls_certfile", None):
@@ -469,11 +497,16 @@ class Agent:
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
             self._gone.pop(rank, None)
+            self._declared.discard(rank)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
             self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
+        if self._once:  # request ids of an earlier worker under this rank mean nothing now
+            with self._once_lock:
+                for key in [k for k in self._once if k[0] == rank]:
+                    del self._once[key]
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
         for event in events:
@@ -634,6 +667,8 @@ class Agent:
             "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
             "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.num_duplicate_requests": self._duplicates,
+            "agent.num_remembered_requests": len(self._once),
             "agent.state": self._state if self.failure is None else "failed",
         }
         if self._transport is not None:
@@ -706,6 +741,8 @@ class Agent:
         p.private = private
         deadline = time.monotonic() + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
+            if kind != Kind.CALL:  # internal: the callee runs it once; @idempotent may rerun
+                flags |= _wire.FLAG_ONCE
             p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
             self._pending[rid] = p
@@ -961,10 +998,14 @@ class Agent:
         r = p.resend
         if r is not None and retryable(error) and self._state == "running" \
                 and p.dst.id not in self._declared:
+            if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
+                self._pending[rid] = p
+                return
             if r.attempt < r.policy.max_attempts:
                 delay = r.policy.backoff(r.attempt)
                 if r.deadline is None or time.monotonic() + delay < r.deadline:
                     r.attempt += 1
+                    r.scheduled = True
                     self._pending[rid] = p
                     log.info("torchrpc: %s retries %s to %s in %.3g s (attempt %d of %d): %s",
                              self.name, describe(p.what) if p.what else Kind(r.kind).name,
@@ -981,6 +1022,7 @@ class Agent:
         if p is None or p.resend is None:
             return  # timed out or answered meanwhile
         r = p.resend
+        r.scheduled = False
         self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
@@ -1241,6 +1283,8 @@ class Agent:
             return self._reading_to_pool(conn)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
+        if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
+            return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state == "running":
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
@@ -1256,6 +1300,64 @@ class Agent:
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return self._reading_to_pool(conn)
+
+    # At most once. A request with a retry policy is sent again when its connection fails
+    # before the reply, and it may have arrived all the same: the caller cannot tell. So
+    # such requests of the internal kinds (a backward pass part that must not add its
+    # gradients twice, an autograd report that must not return its credit twice) carry
+    # FLAG_ONCE, and the callee remembers them by (caller, request id): a copy that
+    # arrives while the first runs is dropped (the first one's reply goes to the caller's
+    # current connection), one that arrives later gets the first one's reply again.
+
+    def _first_time(self, src: WorkerInfo, rid: int, via: Optional[Connection]) -> bool:
+        """Whether request ``rid`` of ``src`` arrives for the first time; if not, send its
+        reply again if there is one."""
+        key = (src.id, rid)
+        now = time.monotonic()
+        with self._once_lock:
+            once = self._once.get(key)
+            if once is None:
+                self._once[key] = _Once()
+                self._trim_once(now)
+                return True
+            self._duplicates += 1
+            reply = once.reply
+        log.info("torchrpc: %s got request %d of %s again; it runs once%s", self.name, rid,
+                 src.name, " (its reply goes again)" if reply is not None else "")
+        if reply is not None:
+            kind, env, bufs, keep = reply
+            self._send_reply(src, kind, rid, env, bufs, keep, via)
+        return False
+
+    def _trim_once(self, now: float) -> None:
+        """Under _once_lock: forget the oldest remembered requests, those replied long ago
+        and any beyond _ONCE_MAX."""
+        table = self._once
+        while table:
+            key, once = next(iter(table.items()))
+            stale = once.done_at is not None and now - once.done_at > _ONCE_KEEP
+            if not stale and len(table) <= _ONCE_MAX:
+                return
+            del table[key]
+
+    def _remember_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any,
+                        keep: Any) -> Any:
+        """If request ``rid`` of ``dst`` may arrive again, keep its reply for it; return
+        the keepalive to send with (a plain list: the kept reply must keep its memory)."""
+        once = self._once.get((dst.id, rid)) if self._once else None
+        if once is None:
+            return keep
+        keep = list(keep) if keep is not None else None
+        with self._once_lock:
+            once.reply = (kind, env, bufs, keep)
+            once.done_at = time.monotonic()
+        return keep
+
+    def _once_done(self, src: WorkerInfo, rid: int) -> None:
+        """A one-way request that may arrive again has run: forget it in _ONCE_KEEP."""
+        once = self._once.get((src.id, rid))
+        if once is not None:
+            once.done_at = time.monotonic()
 
     def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
                       envelope: bytes, buffers: List[torch.Tensor], handler: Any,
@@ -1421,8 +1523,12 @@ class Agent:
                 self._reply_error(src, rid, exc, what, via)
             else:
                 log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
+                if header.flags & _wire.FLAG_ONCE:
+                    self._once_done(src, rid)
             return
         if oneway:
+            if header.flags & _wire.FLAG_ONCE:
+                self._once_done(src, rid)
             return
         if isinstance(result, AsyncResult):
             def done(fut: torch.futures.Future) -> None:
@@ -1493,9 +1599,14 @@ class Agent:
 
     def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
                     via: Optional[Connection] = None) -> None:
+        keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
+            if via is not None and (dst.id, rid) in self._once:
+                # The caller sends it again on another connection: answer there.
+                self._send_reply(dst, kind, rid, env, bufs, keep)
+                return
             self.send_failed(kind, rid, dst, exc)
 
     # -- deadlines ---------------------------------------------------------------------------------

@@ -517,7 +517,8 @@ class Transport:
                  on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
                  tls_contexts: Optional[tls.TlsContexts] = None, shm_threshold: int = 0,
                  same_host: Optional[Callable[[int], bool]] = None,
-                 local_socket: bool = False, on_fatal: Optional[Fatal] = None) -> None:
+                 local_socket: bool = False, on_fatal: Optional[Fatal] = None,
+                 same_pids: Optional[Callable[[int], bool]] = None) -> None:
         self.rank = rank
         self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
@@ -536,6 +537,8 @@ class Transport:
         self._features = features | handshake.FEATURE_PRIVATE
         self._shm_threshold = shm_threshold
         self._same_host = same_host
+        # Whether a peer sees this process's pids (so can open its memfds; see shm.py).
+        self._same_pids = same_pids
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
@@ -795,7 +798,9 @@ class Transport:
                 return
             conn.shm_decider = None
             if self._same_host(conn.peer_rank) and not conn.closed:
-                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
+                memfd = self._same_pids is None or self._same_pids(conn.peer_rank)
+                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats,
+                                            memfd=memfd)
 
     def debug_info(self) -> Dict[str, Any]:
         """Shared-memory counters (``transport.shm_*``)."""

@@ -351,6 +351,9 @@ class Agent:
         # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
         self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
+        # bounds (see the README's options table; 0: none)
+        self._max_pending = int(getattr(options, "max_pending_requests", 0))
+        self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
@@ -359,6 +362,7 @@ class Agent:
         self._beats_every: Dict[int, float] = {}
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
+        self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
@@ -392,6 +396,10 @@ class Agent:
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
                                         same_host=self._same_host,
                                         same_pids=self._same_pids,
+                                        send_timeout=float(getattr(self.options,
+                                                                   "send_timeout", 0.0)),
+                                        max_outbox=int(getattr(self.options,
+                                                               "max_outbox_bytes", 0)),
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)))
         except ValueError as exc:
@@ -669,6 +677,9 @@ class Agent:
             "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
             "agent.num_duplicate_requests": self._duplicates,
             "agent.num_remembered_requests": len(self._once),
+            "agent.max_outbox_bytes_queued": max(
+                (c.outbox_bytes for c in self._transport.connections()), default=0)
+            if self._transport is not None else 0,
             "agent.state": self._state if self.failure is None else "failed",
         }
         if self._transport is not None:
@@ -718,6 +729,11 @@ class Agent:
                      oneway: bool = False, retry: Optional[RetryPolicy] = None,
                      private: Optional[Connection] = None) -> Tuple[Any, ...]:
         """Encode a request and enter it in the pending table (unless one-way)."""
+        if self._max_pending and len(self._pending) >= self._max_pending and not oneway:
+            raise RpcError(
+                f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
+                f"for replies (max_pending_requests is {self._max_pending}); wait for some "
+                f"of them before sending {describe(what)} to {dst.name}, or raise the option")
         meta = send_hook = states = None
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
@@ -939,12 +955,21 @@ class Agent:
             if not conn.closed:
                 return conn
         self._connection(dst)  # checks the worker; the shared connection carries heartbeats
+        with self._lock:  # a slot is taken before connecting: callers race here
+            opened = self._private_opening.get(dst.id, 0) + sum(
+                1 for c in self._private_conns.get(dst.id, ()) if c.outbound and not c.closed)
+            if opened >= self._max_private:
+                return None  # max_private_connections: this call goes over the shared one
+            self._private_opening[dst.id] = self._private_opening.get(dst.id, 0) + 1
         host, port = self._addresses[dst.id]
         try:
             conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
                                            local=self._same_host(dst.id), private=True)
         except RpcError:
             return None  # the shared connection reports what is wrong
+        finally:
+            with self._lock:  # registered in _private_conns by now (_on_connect)
+                self._private_opening[dst.id] -= 1
         return conn if conn.private else None
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:

@@ -1137,7 +1137,7 @@ class Agent:
 
     def _on_connect(self, conn: Connection) -> None:
         if conn.private:
-            # Used by one call at a time; registered only for liveness (see _watched).
+            # Used by one call at a time; registered for liveness (_connections_by_peer).
             with self._lock:
                 self._private_conns.setdefault(conn.peer_rank, []).append(conn)
             return

@@ -930,5 +930,9 @@ class Transport:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for t in threads:
             t.join(timeout)
+        with self._lock:
+            conns = list(self._every_conn)
+        for conn in conns:  # those without a reader (a caller's idle private ones) too:
+            conn.close()    # their sockets and shared-memory segments would leak
         if self._features & handshake.FEATURE_SHM:
             shm.sweep_dead()

@@ -280,3 +280,115 @@ def stop_heartbeats() -> bool:
     from torchrpc._agent.current import current_agent
     current_agent()._beat = lambda *args: None
     return True
+
+
+def open_private_connections(to: str, n: int) -> int:
+    """Make ``n`` blocking calls to ``to`` at once, so that ``n`` private connections are
+    opened; return how many this worker holds to ``to`` afterwards (idle, in its free list)."""
+    from torchrpc._agent.current import current_agent
+    barrier = threading.Barrier(n)
+
+    def call() -> None:
+        barrier.wait(10)
+        assert rpc.rpc_sync(to, sleep_then, args=(0.5, 1)) == 1
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    agent = current_agent()
+    return len(agent._private.get(agent.resolve(to).id, []))
+
+
+_kept: List[Any] = []
+
+
+def keep(x: Any) -> int:
+    """Hold ``x`` (an RRef, say) in this worker until it dies; how many are held."""
+    _kept.append(x)
+    return len(_kept)
+
+
+def keep_remote(to: str, value: Any) -> Any:
+    """Make an RRef owned by ``to`` and hold it here; its value."""
+    rref = rpc.remote(to, echo, args=(value,))
+    keep(rref)
+    return rref.to_here()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while (a slow part of a backward pass)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(3.0)
+        return grad
+
+
+def slow_identity(x: torch.Tensor) -> torch.Tensor:
+    return _SlowBackward.apply(x)
+
+
+def fan_through(x: torch.Tensor, slow: str, fast: str) -> torch.Tensor:
+    """Run on an intermediate worker: send ``x`` on to two workers, one slow in backward."""
+    a = rpc.rpc_sync(slow, slow_identity, args=(x,))
+    b = rpc.rpc_sync(fast, torch.mul, args=(x, 2))
+    return a + b
+
+
+def autograd_contexts() -> int:
+    return rpc.get_debug_info()["num_autograd_contexts"]
+
+
+stopped_serving = threading.Event()  # see tests.worker_main's TORCHRPC_TEST_SERVE
+
+
+def stop_serving() -> bool:
+    stopped_serving.set()
+    return True
+
+
+_weight = torch.full((4,), 3.0, requires_grad=True)
+
+
+class _CountedSlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while and counts its runs (``bump("backward")``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        from tests.robust_helpers import bump
+        bump("backward")
+        time.sleep(2.0)
+        return grad
+
+
+def scale_slowly(x: torch.Tensor) -> torch.Tensor:
+    """``x`` times a weight that lives here; the backward pass through it is slow."""
+    return _CountedSlowBackward.apply(x * _weight)
+
+
+def weight_gradient(context_id: int) -> torch.Tensor:
+    import torchrpc.autograd as dist_autograd
+    return dist_autograd.get_gradients(context_id)[_weight]
+
+
+def stream_to(to: str, nbytes: int, seconds: float) -> bool:
+    """Start echoing ``nbytes`` tensors off ``to`` in a thread for ``seconds``; return at once."""
+    def run() -> None:
+        stop = time.monotonic() + seconds
+        x = torch.ones(nbytes, dtype=torch.uint8)
+        while time.monotonic() < stop:
+            try:
+                rpc.rpc_sync(to, echo, args=(x,), timeout=10)
+            except Exception:  # noqa: BLE001 - the test kills the peer on purpose
+                return
+    threading.Thread(target=run, daemon=True).start()
+    return True

@@ -280,3 +280,97 @@ def _churn_drive(start_at: float, seconds: float, seed: int) -> None:
     _churn["result"] = {"worker": me.name, "counts": counts, "unexpected": unexpected,
                         "heartbeat_timeouts":
                             rpc.get_debug_info()["agent.num_heartbeat_timeouts"]}
+
+
+# -- soak with a worker killed and replaced (tests/test_soak_churn.py) -------------------------
+
+def census() -> Dict[str, Any]:
+    """This worker's threads (apart from its pool's, which it keeps up to the pool size),
+    its pool threads, and its open descriptors."""
+    import gc
+    gc.collect()
+    pool = f"torchrpc-{rpc.get_worker_info().name}-"
+    names = [t.name for t in threading.enumerate()]
+    others = sorted(n for n in names if not (n.startswith(pool) and n[len(pool):].isdigit()))
+    from torchrpc._agent.current import current_agent
+    peers = sorted(c.peer_rank for c in current_agent()._transport.connections())
+    return {"threads": len(others), "pool": len(names) - len(others), "names": others,
+            "fds": len(os.listdir("/proc/self/fd")), "peers": peers}
+
+
+def _mixed_call(rng: random.Random, tag: int, peer: str) -> bool:
+    """One call of a random kind to ``peer``; whether its reply matches the request."""
+    import torchrpc.autograd as dist_autograd
+    kind = rng.random()
+    if kind < 0.6:
+        nbytes = SIZES["1MB"] if rng.random() < 0.1 else 0
+        got_tag, value = rpc.rpc_sync(peer, echo_tagged, args=(tag, make_payload(tag, nbytes)))
+        return got_tag == tag and check_payload(tag, nbytes, value)
+    if kind < 0.8:
+        ref = rpc.remote(peer, echo_tagged, args=(tag, ("tiny", tag)))
+        return ref.to_here() == (tag, ("tiny", tag))
+    with dist_autograd.context() as ctx:
+        x = torch.full((4,), float(tag % 1000), requires_grad=True)
+        y = rpc.rpc_sync(peer, torch.mul, args=(x, 3.0))
+        dist_autograd.backward(ctx, [y.sum()])
+        grad = dist_autograd.get_gradients(ctx)[x]
+        return torch.equal(y, x.detach() * 3.0) and torch.equal(grad, torch.full((4,), 3.0))
+
+
+def soak_churn_drive(survivors: List[str], threads: int, seconds: float, seed: int,
+                     victim_prefix: str) -> Dict[str, Any]:
+    """From ``threads`` threads for ``seconds``: mixed calls (echoes, remote() and
+    to_here(), backward passes) to the ``survivors`` and now and then to the current
+    victims (members whose name starts with ``victim_prefix``). Calls among survivors
+    must all succeed with matching replies; calls to victims may fail only because the
+    victim is gone. Returns counts and what went wrong."""
+    from torchrpc.errors import ConnectionLostError
+    me = rpc.get_worker_info()
+    stop = time.monotonic() + seconds
+    out: Dict[str, Any] = {"calls": 0, "victim_calls": 0, "victim_failures": 0, "bad": 0,
+                           "errors": []}
+    lock = threading.Lock()
+
+    def run(t: int) -> None:
+        rng = random.Random(seed * 1000 + t)
+        seq = calls = victim_calls = victim_failures = bad = 0
+        errors: List[str] = []
+        while time.monotonic() < stop and len(errors) < 5:
+            seq += 1
+            tag = (me.id << 40) | (t << 32) | seq
+            victims = [w.name for w in rpc.get_worker_infos()
+                       if w.name.startswith(victim_prefix)]
+            if victims and rng.random() < 0.1:
+                victim_calls += 1
+                try:
+                    got_tag, _ = rpc.rpc_sync(rng.choice(victims), echo_tagged,
+                                              args=(tag, ("tiny", tag)), timeout=20)
+                    bad += got_tag != tag
+                except (ConnectionLostError, ValueError):
+                    victim_failures += 1  # killed, or left the table meanwhile
+                except Exception as exc:  # noqa: BLE001 - reported to the test
+                    errors.append(f"{me.name}->victim: {type(exc).__name__}: {exc}"[:400])
+                continue
+            peer = rng.choice(survivors)
+            try:
+                ok = _mixed_call(rng, tag, peer)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(f"{me.name}->{peer}: {type(exc).__name__}: {exc}"[:400])
+                continue
+            calls += 1
+            bad += not ok
+        with lock:
+            out["calls"] += calls
+            out["victim_calls"] += victim_calls
+            out["victim_failures"] += victim_failures
+            out["bad"] += bad
+            out["errors"].extend(errors)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(seconds + 120)
+    out["hung"] = sum(w.is_alive() for w in workers)
+    out["worker"] = me.name
+    return out

@@ -184,6 +184,19 @@ def duplicate(rank: int) -> None:
     print("OK joined", flush=True)
 
 
+def soak_member(rank: int) -> None:
+    """Join a running dynamic group and serve until the stop file exists (or a SIGKILL)."""
+    import time
+    name, stopfile = os.environ["SCENARIO_NAME"], os.environ["SCENARIO_STOPFILE"]
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=60)
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=opts)
+    print("JOINED", flush=True)
+    while not os.path.exists(stopfile):
+        time.sleep(0.05)
+    rpc.shutdown(graceful=False)
+    print(f"OK soak member {name}", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     globals()[sys.argv[1]](int(sys.argv[2]))

@@ -161,7 +161,7 @@ def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
     with agent._lock:
         agent._all_conns[7] = [Closing()]
     try:
-        assert all(agent._connections_by_peer().values())
+        assert all(shared or private for shared, private in agent._connections_by_peer().values())
     finally:
         with agent._lock:
             del agent._all_conns[7]

@@ -9,6 +9,7 @@ decides whether shared memory is used. The leak and peak-RSS tests are in
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import queue
@@ -98,8 +99,8 @@ def test_large_buffers_use_shared_memory_only_when_enabled(group):
     assert torch.equal(back, x)
     conns = [c for c in api.current_agent()._transport.connections() if c.peer_rank == 1]
     if group.shm:
-        assert where.startswith("/dev/shm/torchrpc-") and where.endswith("(deleted)"), where
-        assert th.mapping_of(back).startswith("/dev/shm/torchrpc-")
+        assert th.is_segment(where), where
+        assert th.is_segment(th.mapping_of(back))
         assert any(c.shm_tx is not None and c.shm_tx.num_segments >= 1 for c in conns)
     else:
         assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
@@ -117,8 +118,8 @@ def test_large_numpy_arrays_take_the_tensors_path(group):
         assert back.tobytes() == a.tobytes() and back.strides == a.strides
         assert back.flags.writeable == a.flags.writeable
         if group.shm:
-            assert where.startswith("/dev/shm/torchrpc-"), where
-            assert th.mapping_of(back).startswith("/dev/shm/torchrpc-")
+            assert th.is_segment(where), where
+            assert th.is_segment(th.mapping_of(back))
         else:
             assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
 
@@ -228,7 +229,7 @@ def test_shared_memory_needs_both_sides_and_the_same_host(a_shm, b_shm, same_hos
         back = _call(conn, a, data)
         assert torch.equal(back, data)
         assert (conn.shm_tx is not None) == used
-        assert ("/dev/shm/torchrpc-" in th.mapping_of(back)) == used
+        assert th.is_segment(th.mapping_of(back)) == used
     finally:
         a.close()
         b.close()
@@ -467,5 +468,51 @@ def test_frames_pass_a_faithful_relay():
         assert not b.closed
     finally:
         relay.close()
+
+
+def test_segments_are_sealed_memfds_that_no_one_can_truncate():
+    # A segment is no file in /dev/shm (it cannot outlive its processes), and its size is
+    # sealed: a sender that truncated a mapped segment would crash the receiver (SIGBUS).
+    a, b = _Peer(0), _Peer(1)
+    try:
+        conn = a.connect(b)
+        before = torchrpc_segments([os.getpid()])
+        back = _call(conn, a, torch.full((LARGE,), 7, dtype=torch.uint8))
+        assert th.is_segment(th.mapping_of(back))
+        assert torchrpc_segments([os.getpid()]) == before == []
+        segments = list(conn.shm_tx._segments)
+        assert segments and all(seg.path is None for seg in segments)
+        for seg in segments:
+            seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+            with pytest.raises(PermissionError):
+                os.ftruncate(seg.fd, shm.HEADER)
+        assert int(back[-1]) == 7  # the receiver's mapping is whole
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_segment_that_could_shrink_is_refused_not_mapped():
+    a, b = _Peer(0), _Peer(1)
+    name = shm._names.next()
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # not sealed
+    try:
+        os.ftruncate(fd, shm.HEADER + LARGE)
+        conn = a.connect(b)
+        head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
+        conn.sock.sendall(head + b"e" + _wire.pack_shm_ref(f"{name}.{fd}"))
+        deadline = time.monotonic() + 10
+        while not any("not sealed" in str(why) for why in b.closed) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(isinstance(why, ProtocolError) and "not sealed" in str(why)
+                   for why in b.closed), b.closed
+        os.ftruncate(fd, 0)  # had it been mapped, reading it now would be SIGBUS
+        good = a.connect(b)
+        assert torch.equal(_call(good, a, torch.ones(LARGE, dtype=torch.uint8)),
+                           torch.ones(LARGE, dtype=torch.uint8))
+    finally:
+        os.close(fd)
         a.close()
         b.close()

@@ -24,10 +24,23 @@ from .group import ROOT, Group, free_port, worker_env
 from .test_transport import LARGE, THRESHOLD, torchrpc_segments
 
 
+def _memfds(pid: int) -> int:
+    """Shared-memory segments (memfds) process ``pid`` has open."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:torchrpc-")
+        except OSError:
+            pass  # closed meanwhile
+    return n
+
+
 def test_no_segment_files_left_after_sigkill():
-    """Segments of killed workers, and segments sent to killed workers, are removed."""
+    """Segments of killed workers, and segments sent to killed workers, are removed: they
+    are memfds, never files, and a sender lets go of those of a connection that died."""
     group = Group(4, threads=4, timeout=30.0, options={"shm_threshold": THRESHOLD})
     pids = [os.getpid()] + [p.pid for p in group.procs.values()]
+    before = _memfds(os.getpid())
     try:
         group.init_self()
         for r in (1, 2, 3):
@@ -39,18 +52,22 @@ def test_no_segment_files_left_after_sigkill():
         fut = rpc.rpc_async("worker1", th.hold, args=("x", torch.ones(LARGE)), timeout=0)
         rpc.rpc_sync("worker2", th.fire, args=("worker1", LARGE))
         deadline = time.monotonic() + 10
-        while len(torchrpc_segments(pids)) < 2 and time.monotonic() < deadline:
+        while not (_memfds(os.getpid()) and _memfds(group.procs[2].pid)) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(torchrpc_segments(pids)) >= 2
+        assert _memfds(os.getpid()) > before and _memfds(group.procs[2].pid) >= 1
+        assert not torchrpc_segments(pids)
         # Both die: worker2 (the creator of one) and worker1 (the would-be receiver).
         group.kill(2)
         group.kill(1)
         with pytest.raises(Exception):
             fut.wait()
         assert rpc.rpc_sync("worker3", helpers.whoami) == "worker3"  # the rest go on
+        assert _memfds(os.getpid()) == before  # this sender let go of what it sent worker1
     finally:
         group.abandon(30)
     assert not torchrpc_segments(pids)
+    assert _memfds(os.getpid()) == before  # and a stopped agent holds none
 
 
 @pytest.mark.parametrize("shm_on", [True, False], ids=["shm", "socket"])

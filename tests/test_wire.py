@@ -282,6 +282,14 @@ def test_hostile_headers_fail_on_the_header_alone(data, match):
         _wire.parse_header(data, _wire.Limits())
 
 
+def test_every_known_flag_is_accepted_and_kept():
+    flags = _wire.FLAG_ONEWAY | _wire.FLAG_ONCE
+    h = _wire.parse_header(header(flags=flags), _wire.Limits())
+    assert h.flags == flags and h.oneway
+    with pytest.raises(ProtocolError, match="flags"):
+        _wire.parse_header(header(flags=_wire.FLAG_ONCE << 1), _wire.Limits())
+
+
 def test_truncated_headers_and_tables():
     with pytest.raises(ProtocolError, match="truncated frame header"):
         _wire.parse_header(header()[:10], _wire.Limits())

@@ -35,6 +35,12 @@ def mapping_of(t: Any) -> str:
     return ""
 
 
+def is_segment(mapping: str) -> bool:
+    """Whether a mapping (see :func:`mapping_of`) is a torchrpc shared-memory segment:
+    a sealed memfd (never a file in /dev/shm, see torchrpc/_transport/shm.py)."""
+    return mapping.startswith("/memfd:torchrpc-") and mapping.endswith("(deleted)")
+
+
 def echo_where(x: Any) -> tuple:
     """``x`` back, and where it lived on this worker."""
     return x, mapping_of(x)

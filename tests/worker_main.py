@@ -11,6 +11,9 @@ import torchrpc.rpc as rpc
 from tests.group import backend_and_options
 from tests.thread_watch import WATCH_ENV, ThreadWatch
 
+# Set: serve until helpers.stop_serving is called, then stop without meeting the group.
+SERVE_ENV = "TORCHRPC_TEST_SERVE"
+
 
 def main() -> None:
     name, rank, world_size, threads, timeout = sys.argv[1:6]
@@ -23,6 +26,12 @@ def main() -> None:
     backend, opts = backend_and_options(int(threads), float(timeout), os.environ)
     rpc.init_rpc(name, backend=backend, rank=int(rank), world_size=int(world_size),
                  rpc_backend_options=opts)
+    if os.environ.get(SERVE_ENV):
+        # Serve whatever happens to the others, until the test says stop.
+        from tests.helpers import stopped_serving
+        stopped_serving.wait()
+        rpc.shutdown(graceful=False)
+        return
     rpc.shutdown()
     if watch is not None:
         from torchrpc._agent.current import handle

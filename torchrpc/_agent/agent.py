@@ -23,6 +23,7 @@ request pending on that worker with an error naming it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import contextlib
@@ -62,6 +63,10 @@ INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
+# Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
+# long after their reply went out, and at most this many at once (see _Once).
+_ONCE_KEEP = 60.0
+_ONCE_MAX = 8192
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -204,15 +209,28 @@ class Parked:
         self.since = time.monotonic()
 
 
+class _Once:
+    """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
+    reply, for _ONCE_KEEP seconds after."""
+
+    __slots__ = ("done_at", "reply")
+
+    def __init__(self) -> None:
+        self.done_at: Optional[float] = None
+        self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
+
+
 class _Resend:
     """What a request with a retry policy needs to be sent again: the same frame."""
 
-    __slots__ = ("policy", "attempt", "deadline", "kind", "flags", "env", "bufs", "keep")
+    __slots__ = ("policy", "attempt", "scheduled", "deadline", "kind", "flags", "env", "bufs",
+                 "keep")
 
     def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
                  env: bytes, bufs: Any, keep: Any) -> None:
         self.policy = policy
         self.attempt = 1
+        self.scheduled = False  # the next attempt is due (a second failure must not add one)
         self.deadline = deadline
         self.kind = kind
         self.flags = flags
@@ -296,6 +314,13 @@ class Agent:
         self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
+        # Told of every worker found lost (see _suspect); ranks whose loss is being confirmed.
+        self._loss_hooks: List[Callable[[WorkerInfo, RpcError], None]] = []
+        self._confirming: set[int] = set()
+        self._silent: Dict[int, BaseException] = {}  # lost for silence: no need to confirm
+        # Ranks declared lost (silent, or unreachable after a loss): never retried, and
+        # told to the loss hooks once, until a connection with them is made again.
+        self._declared: set[int] = set()
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
@@ -326,10 +351,18 @@ class Agent:
         # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
         self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
+        # bounds (see the README's options table; 0: none)
+        self._max_pending = int(getattr(options, "max_pending_requests", 0))
+        self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
-        self._beating: set[int] = set()  # ranks that send heartbeats (so may be timed out)
+        self._beating: set[int] = set()  # ranks that sent a heartbeat (so may be timed out)
+        # rank -> the heartbeat interval it announced at rendezvous (0: it sends none)
+        self._beats_every: Dict[int, float] = {}
+        # rank -> its open private connections, both ways (they take part in liveness)
+        self._private_conns: Dict[int, List[Connection]] = {}
+        self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
         self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
@@ -337,6 +370,10 @@ class Agent:
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
         self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
+        # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
+        self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
+        self._once_lock = threading.Lock()
+        self._duplicates = 0  # requests that arrived again and were not run again
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
 
@@ -358,6 +395,11 @@ class Agent:
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
                                         same_host=self._same_host,
+                                        same_pids=self._same_pids,
+                                        send_timeout=float(getattr(self.options,
+                                                                   "send_timeout", 0.0)),
+                                        max_outbox=int(getattr(self.options,
+                                                               "max_outbox_bytes", 0)),
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)))
         except ValueError as exc:
@@ -366,13 +408,15 @@ class Agent:
         except RpcError as exc:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
+            # Peers watch this worker for silence only if they know it sends heartbeats.
+            facts = {"heartbeat_interval": self._hb_interval}
             if self.elastic:
-                membership.announce(store, self.name, rank, self._transport.address)
+                membership.announce(store, self.name, rank, self._transport.address, facts)
                 self._log = membership.EventLog(store)
                 infos = membership.EventLog.members(self._log.poll())
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
-                                           self._transport.address, timeout)
+                                           self._transport.address, timeout, facts)
                 discard_local_secret()  # every rank has joined, so has read it
         except BaseException:
             self._transport.close()
@@ -438,6 +482,11 @@ class Agent:
         mine = self.hostids.get(self.rank)
         return mine is not None and self.hostids.get(rank) == mine
 
+    def _same_pids(self, rank: int) -> bool:
+        """Whether worker ``rank`` is in this process's pid namespace."""
+        proc = self._procs.get(rank)
+        return proc is not None and bool(self._pidns) and proc[1] == self._pidns
+
     def _tls_contexts(self) -> Optional[TlsContexts]:
         opts = self.options
         if not getattr(opts, "tls_certfile", None):
@@ -456,10 +505,16 @@ class Agent:
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
             self._gone.pop(rank, None)
+            self._declared.discard(rank)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
+            self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
+        if self._once:  # request ids of an earlier worker under this rank mean nothing now
+            with self._once_lock:
+                for key in [k for k in self._once if k[0] == rank]:
+                    del self._once[key]
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
         for event in events:
@@ -569,6 +624,12 @@ class Agent:
         """``hook()`` runs in every shutdown, graceful or not, before connections close."""
         self._stop_hooks.append(hook)
 
+    def add_loss_hook(self, hook: Callable[[WorkerInfo, RpcError], None]) -> None:
+        """``hook(worker, error)`` runs on a pool thread once ``worker`` is lost: its
+        connections broke (or it went silent) and connecting again failed. Upper layers
+        drop what they keep for it; ``error`` names it."""
+        self._loss_hooks.append(hook)
+
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
         """``hook()`` runs on the timer thread at every tick; it must be quick and not
@@ -619,6 +680,11 @@ class Agent:
             "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
             "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.num_duplicate_requests": self._duplicates,
+            "agent.num_remembered_requests": len(self._once),
+            "agent.max_outbox_bytes_queued": max(
+                (c.outbox_bytes for c in self._transport.connections()), default=0)
+            if self._transport is not None else 0,
             "agent.state": self._state if self.failure is None else "failed",
         }
         if self._transport is not None:
@@ -668,6 +734,11 @@ class Agent:
                      oneway: bool = False, retry: Optional[RetryPolicy] = None,
                      private: Optional[Connection] = None) -> Tuple[Any, ...]:
         """Encode a request and enter it in the pending table (unless one-way)."""
+        if self._max_pending and len(self._pending) >= self._max_pending and not oneway:
+            raise RpcError(
+                f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
+                f"for replies (max_pending_requests is {self._max_pending}); wait for some "
+                f"of them before sending {describe(what)} to {dst.name}, or raise the option")
         meta = send_hook = states = None
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
@@ -691,6 +762,8 @@ class Agent:
         p.private = private
         deadline = time.monotonic() + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
+            if kind != Kind.CALL:  # internal: the callee runs it once; @idempotent may rerun
+                flags |= _wire.FLAG_ONCE
             p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
             self._pending[rid] = p
@@ -887,12 +960,21 @@ class Agent:
             if not conn.closed:
                 return conn
         self._connection(dst)  # checks the worker; the shared connection carries heartbeats
+        with self._lock:  # a slot is taken before connecting: callers race here
+            opened = self._private_opening.get(dst.id, 0) + sum(
+                1 for c in self._private_conns.get(dst.id, ()) if c.outbound and not c.closed)
+            if opened >= self._max_private:
+                return None  # max_private_connections: this call goes over the shared one
+            self._private_opening[dst.id] = self._private_opening.get(dst.id, 0) + 1
         host, port = self._addresses[dst.id]
         try:
             conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
                                            local=self._same_host(dst.id), private=True)
         except RpcError:
             return None  # the shared connection reports what is wrong
+        finally:
+            with self._lock:  # registered in _private_conns by now (_on_connect)
+                self._private_opening[dst.id] -= 1
         return conn if conn.private else None
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
@@ -944,11 +1026,16 @@ class Agent:
     def _fail(self, rid: int, p: _Pending, error: BaseException) -> None:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
         r = p.resend
-        if r is not None and retryable(error) and self._state == "running":
+        if r is not None and retryable(error) and self._state == "running" \
+                and p.dst.id not in self._declared:
+            if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
+                self._pending[rid] = p
+                return
             if r.attempt < r.policy.max_attempts:
                 delay = r.policy.backoff(r.attempt)
                 if r.deadline is None or time.monotonic() + delay < r.deadline:
                     r.attempt += 1
+                    r.scheduled = True
                     self._pending[rid] = p
                     log.info("torchrpc: %s retries %s to %s in %.3g s (attempt %d of %d): %s",
                              self.name, describe(p.what) if p.what else Kind(r.kind).name,
@@ -965,6 +1052,7 @@ class Agent:
         if p is None or p.resend is None:
             return  # timed out or answered meanwhile
         r = p.resend
+        r.scheduled = False
         self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
@@ -1054,13 +1142,18 @@ class Agent:
 
     def _on_connect(self, conn: Connection) -> None:
         if conn.private:
-            return  # used by one call at a time, never for heartbeats or other traffic
+            # Used by one call at a time; registered for liveness (_connections_by_peer).
+            with self._lock:
+                self._private_conns.setdefault(conn.peer_rank, []).append(conn)
+            return
         with self._lock:
             self._all_conns.setdefault(conn.peer_rank, []).append(conn)
             current = self._conns.get(conn.peer_rank)
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
+            self._silent.pop(conn.peer_rank, None)
+            self._declared.discard(conn.peer_rank)
         if self._state in ("stopping", "stopped"):
             # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
             # connection would wait for a reply until its timeout. (Not while starting: a
@@ -1069,7 +1162,14 @@ class Agent:
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
-            return  # its caller learns it from read_frame; the shared connection watches the peer
+            # Its caller learns it from read_frame; the shared connection watches the peer.
+            with self._lock:
+                for table in (self._private_conns, self._private):
+                    try:
+                        table.get(conn.peer_rank, []).remove(conn)
+                    except ValueError:
+                        pass  # never there, or checked out meanwhile
+            return
         rank = conn.peer_rank
         with self._lock:
             conns = self._all_conns.get(rank, [])
@@ -1089,9 +1189,68 @@ class Agent:
             self._lost[rank] = str(reason)
         log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
+        self._close_idle_private(rank, reason)
         self._fail_pending(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
+        self._suspect(rank, reason)
+
+    def _suspect(self, rank: int, reason: BaseException) -> None:
+        """Peer ``rank`` lost its last connection without a GOODBYE: on the pool, try to
+        connect again, and if that fails tell the loss hooks (a cut link to a live
+        worker heals, and its RRefs and contexts must survive that). A peer lost for
+        silence (_lose_silent) is lost without trying: heartbeat_timeout of silence is
+        the evidence, and a stopped process would hold the handshake up as long again."""
+        with self._lock:
+            if rank in self._confirming or rank in self._declared or rank in self._left \
+                    or self._state != "running":
+                return
+            self._confirming.add(rank)
+        try:
+            self._pool.submit(self._confirm_loss, rank, reason)
+        except RuntimeError:  # shutting down: nothing to clean up for
+            with self._lock:
+                self._confirming.discard(rank)
+
+    def _confirm_loss(self, rank: int, reason: BaseException) -> None:
+        try:
+            w = self._workers.get(rank)
+            if w is None or rank in self._left or self._state != "running":
+                return
+            with self._lock:
+                silent = self._silent.pop(rank, None)
+            if silent is not None:
+                error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
+                                            worker=w.name)
+            else:
+                try:
+                    self._connection(w)
+                except RpcError as exc:
+                    cause = exc
+                else:
+                    return  # it answered: alive, the link healed
+                error = ConnectionLostError(
+                    f"worker {w.name} (rank {rank}) was lost: {reason}; connecting to it "
+                    f"again failed: {cause}", worker=w.name)
+            with self._lock:
+                self._declared.add(rank)
+            log.warning("torchrpc: %s: %s", self.name, error)
+            for hook in self._loss_hooks:
+                try:
+                    hook(w, error)
+                except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
+                    log.exception("torchrpc: a loss hook of %s failed for %s", self.name, w.name)
+        finally:
+            with self._lock:
+                self._confirming.discard(rank)
+
+    def _close_idle_private(self, rank: int, reason: BaseException) -> None:
+        """Close the idle private connections to ``rank``, lost: nobody reads them, and
+        the next call to a restarted worker must not go out on one to its predecessor."""
+        with self._lock:
+            idle = list(self._private.get(rank, ()))
+        for conn in idle:
+            conn.close(reason)
 
     def _fail_pending(self, rank: int, error: RpcError) -> None:
         for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
@@ -1154,6 +1313,8 @@ class Agent:
             return self._reading_to_pool(conn)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
+        if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
+            return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state == "running":
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
@@ -1169,6 +1330,64 @@ class Agent:
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return self._reading_to_pool(conn)
+
+    # At most once. A request with a retry policy is sent again when its connection fails
+    # before the reply, and it may have arrived all the same: the caller cannot tell. So
+    # such requests of the internal kinds (a backward pass part that must not add its
+    # gradients twice, an autograd report that must not return its credit twice) carry
+    # FLAG_ONCE, and the callee remembers them by (caller, request id): a copy that
+    # arrives while the first runs is dropped (the first one's reply goes to the caller's
+    # current connection), one that arrives later gets the first one's reply again.
+
+    def _first_time(self, src: WorkerInfo, rid: int, via: Optional[Connection]) -> bool:
+        """Whether request ``rid`` of ``src`` arrives for the first time; if not, send its
+        reply again if there is one."""
+        key = (src.id, rid)
+        now = time.monotonic()
+        with self._once_lock:
+            once = self._once.get(key)
+            if once is None:
+                self._once[key] = _Once()
+                self._trim_once(now)
+                return True
+            self._duplicates += 1
+            reply = once.reply
+        log.info("torchrpc: %s got request %d of %s again; it runs once%s", self.name, rid,
+                 src.name, " (its reply goes again)" if reply is not None else "")
+        if reply is not None:
+            kind, env, bufs, keep = reply
+            self._send_reply(src, kind, rid, env, bufs, keep, via)
+        return False
+
+    def _trim_once(self, now: float) -> None:
+        """Under _once_lock: forget the oldest remembered requests, those replied long ago
+        and any beyond _ONCE_MAX."""
+        table = self._once
+        while table:
+            key, once = next(iter(table.items()))
+            stale = once.done_at is not None and now - once.done_at > _ONCE_KEEP
+            if not stale and len(table) <= _ONCE_MAX:
+                return
+            del table[key]
+
+    def _remember_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any,
+                        keep: Any) -> Any:
+        """If request ``rid`` of ``dst`` may arrive again, keep its reply for it; return
+        the keepalive to send with (a plain list: the kept reply must keep its memory)."""
+        once = self._once.get((dst.id, rid)) if self._once else None
+        if once is None:
+            return keep
+        keep = list(keep) if keep is not None else None
+        with self._once_lock:
+            once.reply = (kind, env, bufs, keep)
+            once.done_at = time.monotonic()
+        return keep
+
+    def _once_done(self, src: WorkerInfo, rid: int) -> None:
+        """A one-way request that may arrive again has run: forget it in _ONCE_KEEP."""
+        once = self._once.get((src.id, rid))
+        if once is not None:
+            once.done_at = time.monotonic()
 
     def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
                       envelope: bytes, buffers: List[torch.Tensor], handler: Any,
@@ -1334,8 +1553,12 @@ class Agent:
                 self._reply_error(src, rid, exc, what, via)
             else:
                 log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
+                if header.flags & _wire.FLAG_ONCE:
+                    self._once_done(src, rid)
             return
         if oneway:
+            if header.flags & _wire.FLAG_ONCE:
+                self._once_done(src, rid)
             return
         if isinstance(result, AsyncResult):
             def done(fut: torch.futures.Future) -> None:
@@ -1406,9 +1629,14 @@ class Agent:
 
     def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
                     via: Optional[Connection] = None) -> None:
+        keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
+            if via is not None and (dst.id, rid) in self._once:
+                # The caller sends it again on another connection: answer there.
+                self._send_reply(dst, kind, rid, env, bufs, keep)
+                return
             self.send_failed(kind, rid, dst, exc)
 
     # -- deadlines ---------------------------------------------------------------------------------
@@ -1504,27 +1732,40 @@ class Agent:
     # HEARTBEAT frame when it has sent that peer nothing for heartbeat_interval, and the
     # timer closes every connection of a peer from which nothing at all came in for
     # heartbeat_timeout, which fails the calls pending on it. Liveness is per peer, not
-    # per connection: any frame on any of its connections counts. Only peers that have
-    # sent a heartbeat are timed out, so one configured without heartbeats is never
-    # mistaken for a dead one. A loss is a suspicion until graceful shutdown confirms it
+    # per connection: any frame on any of its connections counts, private ones included
+    # (a callee's reply, a caller's request), and a lost peer's private connections
+    # close with its shared ones, which ends their readers on the callee's side and
+    # wakes a caller blocked on one. A peer is watched once this worker knows that it
+    # sends heartbeats: it announced a heartbeat interval at rendezvous, or a heartbeat
+    # came from it. Knowing it from rendezvous matters: a peer kept busy sending replies
+    # never needs to send a heartbeat, and it was not watched when only one that came
+    # counted (a stopped busy peer then hung its callers forever). A peer configured
+    # without heartbeats is never timed out, so it is not mistaken for a dead one while
+    # it runs a long call. A loss is a suspicion until graceful shutdown confirms it
     # by failing to connect again; there, confirmed losses are shared through the store,
     # and workers missing from the barrier are probed, so a worker that died unseen by
     # this one is found too (check_peers).
+    #
+    # Heartbeats go where the far end reads: on a shared connection, or (when none is
+    # open) on a private one this worker opened as the caller, whose callee has a
+    # reader; never on one a caller opened to this worker, which its caller reads only
+    # while it waits for a reply.
     #
     # A silent peer on this host whose process the kernel shows running (not stopped, not
     # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
     # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
     # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
 
-    def _connections_by_peer(self) -> Dict[int, List[Connection]]:
-        """The open shared connections of each peer that has one (never an empty list: a
-        connection may close meanwhile, but each is tested once)."""
+    def _connections_by_peer(self) -> Dict[int, Tuple[List[Connection], List[Connection]]]:
+        """The open shared and private connections of each peer that has one (never two
+        empty lists: a connection may close meanwhile, but each is tested once)."""
         out = {}
         with self._lock:
-            for rank, lst in self._all_conns.items():
-                live = [c for c in lst if not c.closed]
-                if live:
-                    out[rank] = live
+            for rank in set(self._all_conns) | set(self._private_conns):
+                shared = [c for c in self._all_conns.get(rank, ()) if not c.closed]
+                private = [c for c in self._private_conns.get(rank, ()) if not c.closed]
+                if shared or private:
+                    out[rank] = (shared, private)
         return out
 
     def _heartbeat_loop(self, guard: Guard) -> None:
@@ -1533,20 +1774,24 @@ class Agent:
         while guard.ok and not self._stopped.wait(interval / 2):
             with guard:
                 now = time.monotonic()
-                for rank, conns in self._connections_by_peer().items():
+                for rank, (shared, private) in self._connections_by_peer().items():
                     try:
-                        self._beat(rank, conns, now, interval, envelope)
+                        self._beat(rank, shared, private, now, interval, envelope)
                     except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
                         guard.failed(exc)
 
-    def _beat(self, rank: int, conns: List[Connection], now: float, interval: float,
-              envelope: bytes) -> None:
+    def _beat(self, rank: int, shared: List[Connection], private: List[Connection], now: float,
+              interval: float, envelope: bytes) -> None:
         """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
+        conns = shared + private
         if now - max(c.last_send for c in conns) < interval:
             return  # traffic to this peer is proof enough
         conn = self._conns.get(rank)
         if conn is None or conn.closed:
-            conn = conns[0]
+            # Only where the far end reads (see the theory of operation above).
+            conn = next(iter(shared or [c for c in private if c.outbound]), None)
+            if conn is None:
+                return
         try:
             conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
         except RpcError:
@@ -1560,36 +1805,66 @@ class Agent:
             return False
         return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
 
+    def _silence_limit(self, rank: int, timeout: float) -> Optional[float]:
+        """How long peer ``rank`` may stay silent before it is lost; None if it is not
+        watched (it sends no heartbeats). Three of its own heartbeat intervals at least,
+        should it beat more slowly than this worker's heartbeat_timeout expects."""
+        every = self._beats_every.get(rank, 0.0)
+        if every <= 0 and rank not in self._beating:
+            return None
+        return max(timeout, 3 * every)
+
     def _check_liveness(self, now: float) -> None:
         timeout = self._hb_timeout
-        if timeout <= 0 or self._state != "running" or not self._beating:
+        if timeout <= 0 or self._state != "running":
             return
         stalled = now - self._last_liveness > timeout / 2
         self._last_liveness = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        for rank, conns in self._connections_by_peer().items():
-            if rank not in self._beating or rank in self._left:
+        for rank, (shared, private) in self._connections_by_peer().items():
+            if rank in self._left:
                 continue
+            limit = self._silence_limit(rank, timeout)
+            if limit is None:
+                continue
+            conns = shared + private
             silent = now - max(c.last_recv for c in conns)
-            if silent <= timeout:
+            if silent <= limit:
                 continue
+            # Connections with a reader of their own (a caller's private connection is
+            # read only while a call waits on it, so bytes may lie there unread).
+            read = shared + [c for c in private if not c.outbound]
             try:
-                if select.select([c.sock for c in conns], [], [], 0)[0]:
+                if read and select.select([c.sock for c in read], [], [], 0)[0]:
                     continue  # bytes are waiting: the peer spoke, our readers are behind
             except (OSError, ValueError):
                 pass
-            if silent <= timeout * _STARVED and self._runs_here(rank):
+            if silent <= limit * _STARVED and self._runs_here(rank):
                 continue  # alive on this host: starved of CPU, not dead (see above)
-            w = self._workers.get(rank)
-            name = w.name if w else f"rank{rank}"
-            error = ConnectionLostError(
-                f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
-                f"(heartbeat_timeout is {timeout:g} s): it is dead, hung or unreachable",
-                worker=name)
-            self._heartbeat_timeouts += 1
-            for conn in conns:
-                conn.close(error)
+            self._lose_silent(rank, conns, silent, limit)
+
+    def _lose_silent(self, rank: int, conns: List[Connection], silent: float,
+                     limit: float) -> None:
+        """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
+        fail every call pending on it."""
+        w = self._workers.get(rank)
+        name = w.name if w else f"rank{rank}"
+        error = ConnectionLostError(
+            f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
+            f"(heartbeat_timeout is {limit:g} s): it is dead, hung or unreachable",
+            worker=name)
+        self._heartbeat_timeouts += 1
+        with self._lock:
+            self._lost[rank] = str(error)
+            self._silent[rank] = error
+        self._suspect(rank, error)  # the loss hooks hear of it (first: see _declared)
+        with self._lock:
+            self._declared.add(rank)  # its calls fail now, with no retry
+        for conn in conns:
+            conn.close(error)
+        self._close_idle_private(rank, error)
+        self._fail_pending(rank, error)  # also those no connection carried (a failed send)
 
     # -- shutdown ----------------------------------------------------------------------------------
 

@@ -67,9 +67,11 @@ def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
     return job_secret(store, rank, timeout)
 
 
-def announce(store: Any, name: str, rank: int, address: Tuple[str, int]) -> None:
+def announce(store: Any, name: str, rank: int, address: Tuple[str, int],
+             extra: Optional[Dict[str, Any]] = None) -> None:
     _append(store, {"op": "join", "rank": rank, "name": name, "host": address[0],
-                    "port": address[1], "hostid": host_identity(), **process_identity()})
+                    "port": address[1], "hostid": host_identity(), **process_identity(),
+                    **(extra or {})})
 
 
 def leave(store: Any, name: str, rank: int) -> None:

@@ -8,8 +8,10 @@ never starve the pool (torch's agent deadlocks there). Blocking that the pool
 cannot see (a user lock, ``torch.futures.wait_all``) is caught by
 :meth:`WorkerPool.check_progress`, which the agent's timer calls: when work is
 queued but no task started since the last check, it adds a thread. Threads above
-``size`` exit after :data:`IDLE_EXIT` seconds without work. :meth:`close` stops
-and joins every thread.
+``size`` exit after :data:`IDLE_EXIT` seconds without work. The pool never has
+more than :data:`HARD_CAP` threads: beyond it, queued work waits for a thread that
+finishes (a program that blocks that many at once is stuck anyway, and each thread
+costs a stack). :meth:`close` stops and joins every thread.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class WorkerPool:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
             self._pending += 1
-            spawn = self._pending > self._idle and len(self._threads) - self._blocked < self._size
+            spawn = (self._pending > self._idle and len(self._threads) - self._blocked < self._size
+                     and len(self._threads) < HARD_CAP)
             if spawn:
                 self._spawn_locked()
         self._queue.put((fn, args))
@@ -97,7 +100,8 @@ class WorkerPool:
             self.on_block()
         with self._lock:
             self._blocked += 1
-            if self._pending > self._idle and len(self._threads) - self._blocked < self._size:
+            if self._pending > self._idle and len(self._threads) - self._blocked < self._size \
+                    and len(self._threads) < HARD_CAP:
                 self._spawn_locked()
         try:
             yield

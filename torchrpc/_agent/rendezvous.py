@@ -236,10 +236,11 @@ def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] 
 
 
 def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],
-            timeout: float) -> Dict[int, Dict[str, Any]]:
-    """Publish where this worker listens; wait for every rank; return all infos by rank."""
+            timeout: float, extra: Optional[Dict[str, Any]] = None) -> Dict[int, Dict[str, Any]]:
+    """Publish where this worker listens (and the JSON-able ``extra`` facts about it); wait
+    for every rank; return all infos by rank."""
     info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
-            **process_identity()}
+            **process_identity(), **(extra or {})}
     store.set(f"worker/{rank}", json.dumps(info))
     keys = [f"worker/{r}" for r in range(world_size)]
     _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join", rank,

@@ -71,10 +71,11 @@ from .._agent.agent import RemoteErrorInfo, rebuild_error
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind
-from ..errors import RpcError, RpcTimeoutError, SerializationError, as_runtime_error
+from ..errors import (ConnectionLostError, RpcError, RpcTimeoutError, SerializationError,
+                      as_runtime_error)
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, ReleaseRequest
 from .records import (CONTEXT_ID_BITS, NODE_PREFIX, DistAutogradContext, MessageKey,
-                      RecvRecorder, SendRecorder, local_pass, make_context_id)
+                      RecvRecorder, SendRecorder, context_creator, local_pass, make_context_id)
 
 log = logging.getLogger("torchrpc")
 
@@ -136,9 +137,10 @@ class _PassState:
     wait, so the event to wait on is only made when some credit is still out then.
     """
 
-    __slots__ = ("done", "error", "sends", "_event", "_returned", "_lock")
+    __slots__ = ("done", "error", "sends", "context_id", "_event", "_returned", "_lock")
 
-    def __init__(self) -> None:
+    def __init__(self, context_id: int = 0) -> None:
+        self.context_id = context_id
         self.done = False
         self.error: Optional[BaseException] = None
         self.sends: set = set()  # message ids of the root's send records that got gradients
@@ -151,7 +153,8 @@ class _PassState:
             if error is not None and self.error is None:
                 self.error = error
             self._returned += credit
-            if self._returned >= _ALL_CREDIT:
+            # A lost worker's credit never comes back: the pass is over (failed) at once.
+            if self._returned >= _ALL_CREDIT or isinstance(error, ConnectionLostError):
                 self.done = True
                 if self._event is not None:
                     self._event.set()
@@ -196,6 +199,8 @@ class DistAutogradEngine(CallHook):
         self._piggybacked = 0
         # context id -> number of parts of backward passes in progress here
         self._active: Dict[int, int] = {}
+        # context id -> the passes rooted elsewhere that ran a part here (see _worker_lost)
+        self._passes: Dict[int, set] = {}
 
     # -- contexts --------------------------------------------------------------------------------
 
@@ -277,6 +282,7 @@ class DistAutogradEngine(CallHook):
         """Drop ``context_id`` here and pass the release on to the workers it went to."""
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
+            self._passes.pop(context_id, None)
             self._released[context_id] = None
             if len(self._released) > _TOMBSTONES:
                 self._released.popitem(last=False)
@@ -395,7 +401,7 @@ class DistAutogradEngine(CallHook):
         context_id = ctx.id
         grads = [torch.ones_like(r, memory_format=torch.contiguous_format) for r in roots]
         pass_id = (self._rank, next(self._next_pass))
-        state = _PassState()
+        state = _PassState(context_id)
         self._roots[pass_id] = state
         timeout = self._agent.default_timeout
         deadline = time.monotonic() + timeout
@@ -521,6 +527,8 @@ class DistAutogradEngine(CallHook):
             state = self._roots.get(pass_id)
             if state is not None:
                 state.sends.update(key[0] for key, _ in grads)
+        elif context_id in self._contexts:
+            self._passes.setdefault(context_id, set()).add(pass_id)
         self._enter_part(context_id)
         try:
             ctx = self.retrieve(context_id)
@@ -571,6 +579,39 @@ class DistAutogradEngine(CallHook):
         if state is not None:
             state.add(credit, error)
 
+    # -- lost workers ----------------------------------------------------------------------------
+    #
+    # A worker that is lost takes the credit it held with it, so a pass that reached it
+    # would wait for the RPC timeout (forever with timeout 0). Passes rooted here whose
+    # context reached it fail at once; for passes rooted elsewhere that ran a part here,
+    # the root is told (a report with no credit and an error naming the lost worker,
+    # which ends the pass there as well). Contexts that reached it are released here,
+    # except those made here, which their `with` block owns; no release is owed to it.
+
+    def _worker_lost(self, worker: WorkerInfo, error: RpcError) -> None:
+        rank = worker.id
+        with self._lock:
+            self._releases.pop(rank, None)
+            contexts = [c for c in self._contexts.values() if _reached(c, rank)]
+        lost = ConnectionLostError(
+            f"distributed autograd: worker {worker.name} (rank {rank}), which this "
+            f"context reached, was lost: {error}", worker=worker.name)
+        ids = {c.id for c in contexts}
+        for pass_id, state in list(self._roots.items()):
+            if state.context_id in ids:
+                state.add(Fraction(0), lost)
+        for ctx in contexts:
+            for pass_id in list(self._passes.get(ctx.id, ())):
+                if pass_id[0] != rank:
+                    self._report(pass_id, Fraction(0), lost)
+            if context_creator(ctx.id) == self._rank:
+                ctx.forget_worker(rank)
+            else:
+                self.release(ctx.id, rank)
+        if contexts:
+            log.info("torchrpc: %s: %d autograd contexts reached lost worker %s", self._agent.name,
+                     len(contexts), worker.name)
+
     # -- handlers ----------------------------------------------------------------------------------
 
     def _on_backward(self, src: WorkerInfo, req: Any) -> Optional[BackwardReply]:
@@ -596,6 +637,13 @@ class DistAutogradEngine(CallHook):
 
 
 _NO_IDS: Tuple[int, ...] = ()
+
+
+def _reached(ctx: DistAutogradContext, rank: int) -> bool:
+    """Whether context ``ctx`` reached worker ``rank``: made there, sent there, or
+    received tensors from there."""
+    return (context_creator(ctx.id) == rank or rank in ctx.known_workers()
+            or rank in ctx.sources())
 
 
 def _parse_meta(meta: Any) -> Tuple[int, int, Tuple[int, ...]]:
@@ -702,6 +750,7 @@ def install(agent: Agent) -> DistAutogradEngine:
     agent.add_debug_source("autograd", engine.debug_info)
     # While releases are queued the timer ticks fast: the workers that took part hold
     # the contexts' memory until they hear.
+    agent.add_loss_hook(engine._worker_lost)
     agent.add_tick_hook(engine._tick, pending=lambda: bool(engine._releases))
     agent.add_shutdown_hook(engine._flush_releases)
     return engine

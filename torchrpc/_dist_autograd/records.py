@@ -168,6 +168,15 @@ class DistAutogradContext:
         with self._lock:
             return sorted(self._known)
 
+    def forget_worker(self, rank: int) -> None:
+        """Worker ``rank`` is lost: no release is owed to it any more."""
+        with self._lock:
+            self._known.discard(rank)
+
+    def sources(self) -> Set[int]:
+        """The ranks that tensors requiring grad of this context were received from."""
+        return {rec[1] for rec in list(self._recvs.values())}
+
     # The two records below run for every tensor that requires grad and crosses an RPC,
     # so they are kept short: a single dict store is atomic and needs no lock.
 

@@ -22,6 +22,13 @@ User copy states::
     unconfirmed --(owner confirms)--> confirmed --(GC)--> deleted (USER_DELETE sent)
     unconfirmed --(GC)--> doomed --(owner confirms)--> deleted (USER_DELETE sent)
 
+A lost worker (:meth:`RRefBook.worker_lost`) takes its part of the tables with it:
+the forks it held are removed on the owner as if it had deleted them, the user
+copies of RRefs it owned are dropped (their owner cannot confirm or free
+anything any more), and so are the children parked for it or for its RRefs. The
+owner therefore records which worker holds each fork, and a parked child the
+worker it went to.
+
 Every method returns the control messages to send as :class:`Msg` values and
 never does I/O, so the protocol is tested on messages alone.
 """
@@ -89,6 +96,10 @@ class RRefBook:
         self.owners: Dict[GloballyUniqueId, OwnerEntry] = {}
         self.pending_children: Dict[GloballyUniqueId, Any] = {}
         self.users: Dict[GloballyUniqueId, _UserState] = {}
+        # (RRefId, ForkId) -> the rank that holds that fork (owner side).
+        self._holders: Dict[Tuple[GloballyUniqueId, GloballyUniqueId], int] = {}
+        # child ForkId -> (the rank it was sent to, the owner of the RRef).
+        self._child_ranks: Dict[GloballyUniqueId, Tuple[int, int]] = {}
         self._tombstones: "collections.OrderedDict[Tuple[GloballyUniqueId, GloballyUniqueId], None]" = \
             collections.OrderedDict()
 
@@ -110,7 +121,9 @@ class RRefBook:
         with self._lock:
             self.owners.setdefault(entry.rref_id, entry)
 
-    def add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    def add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId,
+                 holder: Optional[int] = None) -> None:
+        """Fork ``fork_id`` of ``rref_id`` exists, held by rank ``holder`` (if known)."""
         with self._lock:
             if (rref_id, fork_id) in self._tombstones:
                 return  # deleted before its creation arrived (out-of-order delivery)
@@ -118,20 +131,26 @@ class RRefBook:
             if entry is None:
                 entry = self.owners[rref_id] = OwnerEntry(rref_id)
             entry.forks.add(fork_id)
+            if holder is not None:
+                self._holders[(rref_id, fork_id)] = holder
 
     def remove_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         """A fork is gone (USER_DELETE, or an owner's self-fork arrived)."""
         with self._lock:
-            # A deleted fork never comes back: a late or duplicated (retried) creation or
-            # FORK_REQUEST for it must not resurrect it.
-            self._tombstones[(rref_id, fork_id)] = None
-            while len(self._tombstones) > _TOMBSTONES:
-                self._tombstones.popitem(last=False)
-            entry = self.owners.get(rref_id)
-            if entry is None or fork_id not in entry.forks:
-                return
-            entry.forks.discard(fork_id)
-            self._drop_if_unused(entry)
+            self._remove_fork(rref_id, fork_id)
+
+    def _remove_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        # Under _lock. A deleted fork never comes back: a late or duplicated (retried)
+        # creation or FORK_REQUEST for it must not resurrect it.
+        self._holders.pop((rref_id, fork_id), None)
+        self._tombstones[(rref_id, fork_id)] = None
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        entry = self.owners.get(rref_id)
+        if entry is None or fork_id not in entry.forks:
+            return
+        entry.forks.discard(fork_id)
+        self._drop_if_unused(entry)
 
     def value_settled(self, rref_id: GloballyUniqueId) -> None:
         """The value of an entry was set: drop it if no fork holds it."""
@@ -146,16 +165,19 @@ class RRefBook:
 
     # -- user side -------------------------------------------------------------------------------
 
-    def fork_child(self, parent: Any) -> GloballyUniqueId:
-        """A user RRef is being sent: park the parent until the child is confirmed (G2)."""
+    def fork_child(self, parent: Any, dst: int = -1, owner: int = -1) -> GloballyUniqueId:
+        """A user RRef (owned by ``owner``) is being sent to ``dst``: park the parent until
+        the child is confirmed (G2)."""
         fork_id = self.new_id()
         with self._lock:
             self.pending_children[fork_id] = parent
+            self._child_ranks[fork_id] = (dst, owner)
         return fork_id
 
     def child_accepted(self, fork_id: GloballyUniqueId) -> None:
         with self._lock:
             self.pending_children.pop(fork_id, None)
+            self._child_ranks.pop(fork_id, None)
 
     def user_created(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
                      confirmed: bool, parent: Optional[int]) -> List[Msg]:
@@ -198,6 +220,23 @@ class RRefBook:
             del self.users[fork_id]
             return [Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),))]
 
+    def worker_lost(self, rank: int) -> List[GloballyUniqueId]:
+        """Worker ``rank`` is gone: drop the forks it held, the children parked for it or
+        for its RRefs, and the user copies of RRefs it owned; return the ForkIds of those
+        user copies."""
+        with self._lock:
+            for (rref_id, fork_id), holder in list(self._holders.items()):
+                if holder == rank:
+                    self._remove_fork(rref_id, fork_id)
+            for fork_id, ranks in list(self._child_ranks.items()):
+                if rank in ranks:
+                    del self._child_ranks[fork_id]
+                    self.pending_children.pop(fork_id, None)
+            orphans = [f for f, state in self.users.items() if state.owner == rank]
+            for fork_id in orphans:
+                del self.users[fork_id]
+            return orphans
+
     # -- accounting ------------------------------------------------------------------------------
 
     def counts(self) -> Dict[str, int]:
@@ -231,3 +270,5 @@ class RRefBook:
             self.owners.clear()
             self.pending_children.clear()
             self.users.clear()
+            self._holders.clear()
+            self._child_ranks.clear()

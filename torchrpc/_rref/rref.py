@@ -32,7 +32,7 @@ from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import NotInitializedError, RpcError
+from ..errors import ConnectionLostError, NotInitializedError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
@@ -409,6 +409,7 @@ class RRefLayer:
         agent.add_debug_source("rref", self._counts)
         agent.add_shutdown_hook(self._settle)
         agent.add_stop_hook(self._stop)
+        agent.add_loss_hook(self._worker_lost)
         # Deleted RRefs pin their values on the owners until the deletion arrives.
         agent.add_tick_hook(self._tick, pending=lambda: bool(self.deferred or self._ready))
         self._sender = _threads.start(f"torchrpc-rref-{agent.name}", self._guard,
@@ -473,9 +474,10 @@ class RRefLayer:
         if rref._entry is not None:  # owner -> anyone: the owner counts the fork itself
             fork_id = self.book.new_id()
             self.book.adopt(rref._entry)
-            self.book.add_fork(rref._rref_id, fork_id)
+            self.book.add_fork(rref._rref_id, fork_id, ctx.peer.id)
             return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, True)
-        fork_id = self.book.fork_child(rref)  # G2: keep the parent until the child is accepted
+        # G2: keep the parent until the child is accepted
+        fork_id = self.book.fork_child(rref, ctx.peer.id, rref._owner.id)
         if ctx.replied and ctx.peer.id == rref._owner.id:
             # To the owner, in a request that gets a reply: the reply (or the request's
             # failure) accepts the child, with no RREF_CHILD_ACCEPT message.
@@ -540,7 +542,7 @@ class RRefLayer:
     def _on_remote_call(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
         func, args, kwargs, rref_id, fork_id, deletes = payload
         self._remove_forks(deletes)
-        self.book.add_fork(rref_id, fork_id)
+        self.book.add_fork(rref_id, fork_id, src.id)
         entry = self.book.owner_entry(rref_id)
         return self._run_into(entry, func, args, kwargs)
 
@@ -559,7 +561,7 @@ class RRefLayer:
 
     def _on_fork_request(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
         rref_id, fork_id = payload
-        self.book.add_fork(rref_id, fork_id)
+        self.book.add_fork(rref_id, fork_id, src.id)
 
     def _on_child_accept(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
         (fork_id,) = payload
@@ -691,6 +693,30 @@ class RRefLayer:
         self.agent.check_peers()
         if deadline is not None and time.monotonic() > deadline:
             raise RpcError(f"shutdown timed out waiting for {what}: {self.book.counts()}")
+
+    # -- lost workers --------------------------------------------------------------------------
+
+    def _worker_lost(self, worker: WorkerInfo, error: RpcError) -> None:
+        """``worker`` is gone: release the forks it held here, and make the RRefs it owned
+        fail at once, naming it."""
+        orphans = self.book.worker_lost(worker.id)
+        with self._del_lock:
+            self._ready.pop(worker.id, None)  # deletions nobody can receive
+        failure = ConnectionLostError(
+            f"the owner of this RRef, worker {worker.name} (rank {worker.id}), is lost, and "
+            f"the value with it: {error}", worker=worker.name)
+        for fork_id in orphans:
+            rref = self._users.get(fork_id)
+            if rref is not None:
+                rref._record_error(failure)
+                rref._confirmed = True
+                rref._deleted = True  # nothing to tell its owner when it is collected
+            gate = self._confirmations.pop(fork_id, None)
+            if gate is not None:
+                gate.set_result(None)
+        if orphans:
+            log.info("torchrpc: %s dropped %d RRefs owned by lost worker %s", self.agent.name,
+                     len(orphans), worker.name)
 
     # -- shutdown ------------------------------------------------------------------------------
 

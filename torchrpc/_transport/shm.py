@@ -26,15 +26,28 @@ RETIRED once the sender dropped the segment (idle, too small, or connection clos
 a receiver drops its mapping of a retired segment, and the memory goes back to the
 system when the last tensor on it is freed.
 
-Nothing leaks from ``/dev/shm``, even when a process is killed: a name exists only
-between its creation and the receiver's first mapping. The sender unlinks the names
-of its segments when a connection closes, and names carry the creator's pid (and pid
-namespace), so :func:`sweep_dead` -- run by every worker when it starts, when it
-loses a connection and when it shuts down -- removes the names whose creator died.
+Segments are memfds (anonymous files, ``memfd_create``): nothing is ever in
+``/dev/shm``, and a segment's memory goes back to the system when the last process
+that has it open or mapped is gone, however they die (all SIGKILLed at once
+included). The sender seals every segment against shrinking and growing before it
+sends its name, and the receiver maps only a segment so sealed, of the size it
+checked with ``fstat``: nobody can truncate a mapped segment, so a receiver never
+meets SIGBUS. The reference a frame carries is the segment's name and the sender's
+descriptor of it, ``<name>.<fd>``; the receiver opens ``/proc/<pid>/fd/<fd>`` (the
+pid is in the name) and checks that the file it got is the memfd of that name.
+
+Where the peer is in another pid namespace (its pids mean nothing here), or the
+system has no memfds, segments are files in ``/dev/shm`` as before: a name exists
+only between its creation and the receiver's first mapping, the sender unlinks the
+names of its segments when a connection closes, and names carry the creator's pid
+(and pid namespace), so :func:`sweep_dead` -- run by every worker when it starts,
+when it loses a connection and when it shuts down -- removes the names whose
+creator died. Such files cannot be sealed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -62,6 +75,10 @@ IDLE_RETIRE = 10.0  # seconds a free segment is kept for reuse
 MAX_FREE = 8  # free segments kept per connection
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _NAME = re.compile(r"torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+")
+# A memfd segment's reference: its name, then the sender's descriptor of it.
+_MEMFD_REF = re.compile(r"(torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+)\.(\d+)")
+MEMFD = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) if MEMFD else 0
 _PWRITE_MAX = 1 << 30
 
 
@@ -182,19 +199,28 @@ class _OutSegment:
 
     __slots__ = ("name", "path", "fd", "capacity", "header", "last_used", "writing")
 
-    def __init__(self, directory: str, capacity: int) -> None:
-        self.name = _names.next()
-        self.path = os.path.join(directory, self.name)
+    def __init__(self, directory: str, capacity: int, memfd: bool = False) -> None:
+        name = _names.next()
         self.capacity = capacity
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, 0o600)
+        if memfd:
+            self.path: Optional[str] = None
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            self.name = f"{name}.{self.fd}"
+        else:
+            self.name = name
+            self.path = os.path.join(directory, name)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, 0o600)
         try:
             # Reserve every page now: a full /dev/shm fails here, not later in a write.
             os.posix_fallocate(self.fd, 0, HEADER + capacity)
+            if memfd:  # its size is fixed from now on (see the module docs)
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
             self.header = mmap.mmap(self.fd, HEADER)
         except BaseException:
             os.close(self.fd)
-            _unlink(self.path)
+            if self.path is not None:
+                _unlink(self.path)
             raise
         self.header[_STATE] = BUSY
         self.last_used = time.monotonic()
@@ -218,17 +244,19 @@ class _OutSegment:
         except (ValueError, BufferError):
             pass
         os.close(self.fd)
-        _unlink(self.path)  # only there if the receiver never mapped it
+        if self.path is not None:
+            _unlink(self.path)  # only there if the receiver never mapped it
 
 
 class ShmSender:
     """The sending side of one connection: stages large buffers into pooled segments."""
 
     def __init__(self, threshold: int, directory: str = SHM_DIR,
-                 stats: Optional[Stats] = None) -> None:
+                 stats: Optional[Stats] = None, memfd: bool = True) -> None:
         if threshold < 1:
             raise ValueError(f"shm_threshold must be at least 1 byte, got {threshold}")
         self.threshold = threshold
+        self.memfd = memfd and MEMFD  # else files in ``directory`` (see the module docs)
         self._dir = directory
         self._lock = threading.Lock()
         self._segments: List[_OutSegment] = []
@@ -290,7 +318,7 @@ class ShmSender:
                 best.writing = True
                 return best
         try:
-            seg = _OutSegment(self._dir, _capacity(n))
+            seg = _OutSegment(self._dir, _capacity(n), self.memfd)
         except OSError as exc:
             self._give_up(exc)
             return None
@@ -363,9 +391,11 @@ class _InSegment:
     def __init__(self, directory: str, name: str) -> None:
         if not name.startswith(PREFIX):
             raise ProtocolError(f"shared-memory reference {name!r} is not a torchrpc segment")
-        path = os.path.join(directory, name)
+        memfd = _MEMFD_REF.fullmatch(name)
+        path = None if memfd else os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_memfd(memfd) if memfd else \
+                os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise ProtocolError(f"cannot open shared-memory segment {name}: {exc}") from exc
         try:
@@ -373,7 +403,12 @@ class _InSegment:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size <= HEADER:
                 raise ProtocolError(f"shared-memory segment {name} is not a segment of this "
                                     f"user ({st.st_size} bytes, uid {st.st_uid})")
-            _unlink(path)  # mapped from now on; the name is not needed any more
+            if memfd and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+                # Mapping a file that can shrink under the mapping risks SIGBUS.
+                raise ProtocolError(f"shared-memory segment {name} is not sealed against "
+                                    f"shrinking and growing; refusing to map it")
+            if path is not None:
+                _unlink(path)  # mapped from now on; the name is not needed any more
             self.map = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS)
         except OSError as exc:
             raise ProtocolError(f"cannot map shared-memory segment {name}: {exc}") from exc
@@ -385,6 +420,24 @@ class _InSegment:
     @property
     def retired(self) -> bool:
         return self.map[_RETIRED] != 0
+
+
+def _open_memfd(ref: "re.Match[str]") -> int:
+    """Open the memfd a reference names, through its sender's descriptor table; OSError
+    if it is not there, or is not that memfd (the descriptor was reused meanwhile)."""
+    name, ns, pid, fd = ref.group(1), ref.group(2), ref.group(3), ref.group(4)
+    if ns != str(pid_namespace()):
+        raise OSError(f"the segment's creator is in another pid namespace ({ns})")
+    mine = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        target = os.readlink(f"/proc/self/fd/{mine}")
+    except OSError:
+        os.close(mine)
+        raise
+    if target != f"/memfd:{name} (deleted)":
+        os.close(mine)
+        raise OSError(f"descriptor {fd} of process {pid} is {target!r}, not that segment")
+    return mine
 
 
 def _release(segment: _InSegment) -> None:

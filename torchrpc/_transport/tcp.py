@@ -38,7 +38,7 @@ import torch
 
 from .. import _wire
 from .._threads import Fatal, Guard
-from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
+from ..errors import AuthenticationError, ConnectionLostError, ProtocolError, RpcTimeoutError
 from . import handshake, shm, tls
 
 log = logging.getLogger("torchrpc")
@@ -52,6 +52,9 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _READ_CHUNK = 256 * 1024
 _IOV_MAX = 512
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+# How many read_frames calls the current thread is in: a thread that serves frames never
+# waits for outbox room (two workers' readers waiting on each other would deadlock).
+_reading = threading.local()
 
 
 def _spin_seconds(text: str) -> float:
@@ -117,7 +120,13 @@ class Connection:
         self._on_close = on_close
         self._lock = threading.Lock()
         self._outbox: List[Any] = []
+        self._outbox_bytes = 0  # stream bytes of the frames in _outbox
+        self._room = threading.Condition(self._lock)  # _outbox got emptier, or closed
         self._writing = False
+        # Bounds, set by the transport: bytes that may wait in the outbox before a sender
+        # waits for room (0: no bound), and how long it waits (0: as long as it takes).
+        self.max_outbox = 0
+        self.send_timeout = 0.0
         self._closed = False
         self._close_reason: Optional[BaseException] = None
         # Same-host shared memory (see shm.py), set up by the transport after the handshake.
@@ -176,7 +185,13 @@ class Connection:
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
         data = [b for b in buffers if len(b)]
+        size = len(head) + len(envelope) + sum(
+            _wire.SHM_REF_SIZE if n & _wire.SHM_BIT else n for n in lengths)
         with self._lock:
+            if self._writing and self.max_outbox and self._outbox \
+                    and self._outbox_bytes + size > self.max_outbox \
+                    and not getattr(_reading, "depth", 0):
+                self._wait_for_room(size, staged)
             if self._closed:
                 if staged:
                     self.shm_tx.unstage(staged)
@@ -187,10 +202,33 @@ class Connection:
                 parts.append(self.mac_tx.tag(head, envelope))
             parts.extend(data)
             self._outbox.append((parts, keepalive))
+            self._outbox_bytes += size
             if self._writing:
                 return
             self._writing = True
         self._drain()
+
+    def _wait_for_room(self, size: int, staged: Any) -> None:
+        """Under _lock: wait until a frame of ``size`` bytes fits in the outbox (back-
+        pressure on a peer that reads slower than we send), or raise after send_timeout."""
+        deadline = time.monotonic() + self.send_timeout if self.send_timeout > 0 else None
+        while not self._closed and self._writing and self._outbox \
+                and self._outbox_bytes + size > self.max_outbox:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if staged:
+                    self.shm_tx.unstage(staged)
+                raise RpcTimeoutError(
+                    f"send to rank {self.peer_rank} timed out after {self.send_timeout:g} s "
+                    f"waiting for room: {self._outbox_bytes} bytes wait in its outbox "
+                    f"(max_outbox_bytes is {self.max_outbox}) while the peer reads slower "
+                    f"than this worker sends; raise send_timeout or max_outbox_bytes")
+            self._room.wait(left)
+
+    @property
+    def outbox_bytes(self) -> int:
+        """Bytes of frames waiting in the outbox (for counters and tests)."""
+        return self._outbox_bytes
 
     def _drain(self) -> None:
         while True:
@@ -198,8 +236,11 @@ class Connection:
                 batch = self._outbox
                 if not batch or self._closed:
                     self._writing = False
+                    self._room.notify_all()
                     return
                 self._outbox = []
+                self._outbox_bytes = 0
+                self._room.notify_all()
             iov = [p for parts, _ in batch for p in parts]
             try:
                 self._sendall(iov)
@@ -207,7 +248,12 @@ class Connection:
             except OSError as exc:
                 with self._lock:
                     self._writing = False
-                self.close(ConnectionLostError(f"send to rank {self.peer_rank} failed: {exc}"))
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
+                    why = (f"send to rank {self.peer_rank} made no progress for "
+                           f"{self.send_timeout:g} s (send_timeout): the peer does not read")
+                else:
+                    why = f"send to rank {self.peer_rank} failed: {exc}"
+                self.close(ConnectionLostError(why))
                 return
 
     def _sendall(self, iov: List[Any]) -> None:
@@ -243,6 +289,7 @@ class Connection:
         """Hold the reading role: read frames until the connection ends (report the close
         once and return None) or the frame callback hands the role on (return its work)."""
         error: Optional[BaseException] = None
+        _reading.depth = getattr(_reading, "depth", 0) + 1
         try:
             return self._read_frames()
         except _CLOSING as exc:
@@ -252,6 +299,8 @@ class Connection:
             log.exception("torchrpc: the reader of the connection to rank %s failed; the "
                           "connection closes", self.peer_rank)
             error = exc
+        finally:
+            _reading.depth -= 1
         self.close(error)
         return None
 
@@ -450,6 +499,8 @@ class Connection:
             self._closed = True
             self._close_reason = reason
             self._outbox = []
+            self._outbox_bytes = 0
+            self._room.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -555,7 +606,9 @@ class Transport:
                  on_close: CloseCallback, host: str, port: int = 0, features: int = 0,
                  tls_contexts: Optional[tls.TlsContexts] = None, shm_threshold: int = 0,
                  same_host: Optional[Callable[[int], bool]] = None,
-                 local_socket: bool = False, on_fatal: Optional[Fatal] = None) -> None:
+                 local_socket: bool = False, on_fatal: Optional[Fatal] = None,
+                 same_pids: Optional[Callable[[int], bool]] = None,
+                 send_timeout: float = 0.0, max_outbox: int = 0) -> None:
         self.rank = rank
         self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
@@ -574,6 +627,10 @@ class Transport:
         self._features = features | handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         self._shm_threshold = shm_threshold
         self._same_host = same_host
+        # Whether a peer sees this process's pids (so can open its memfds; see shm.py).
+        self._same_pids = same_pids
+        self._send_timeout = send_timeout  # see Connection.send_timeout and _bound
+        self._max_outbox = max_outbox
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
@@ -703,6 +760,7 @@ class Transport:
     def _serve(self, sock: socket.socket, addr: Any) -> None:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
+            self._bound(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT)
             if sock.family == socket.AF_UNIX:
                 pid, uid = peer_credentials(sock)
@@ -768,6 +826,7 @@ class Transport:
                 raise ConnectionLostError("the transport is shut down")
             self._sockets.add(sock)
         try:
+            self._bound(sock)
             binding = b""
             if self._tls is not None:
                 sock, binding = self._secure(sock, False, host)
@@ -854,8 +913,22 @@ class Transport:
             conns = list(self._every_conn)
         return [c for c in conns if not c.closed]
 
+    def _bound(self, sock: Any) -> None:
+        """Give a connected socket its send deadline: a send that makes no progress for
+        send_timeout fails (SO_SNDTIMEO: the kernel's clock, no cost per send)."""
+        if self._send_timeout > 0:
+            sec = int(self._send_timeout)
+            usec = int((self._send_timeout - sec) * 1e6)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", sec, usec))
+            except OSError as exc:
+                log.debug("torchrpc: no send timeout on a socket: %s", exc)
+
     def _register(self, conn: Connection) -> None:
         """Count ``conn`` among the transport's connections and set up its shared memory."""
+        conn.send_timeout = self._send_timeout
+        conn.max_outbox = self._max_outbox
         with self._lock:
             self._every_conn.add(conn)
         if not conn.features & handshake.FEATURE_SHM:
@@ -872,7 +945,9 @@ class Transport:
                 return
             conn.shm_decider = None
             if self._same_host(conn.peer_rank) and not conn.closed:
-                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
+                memfd = self._same_pids is None or self._same_pids(conn.peer_rank)
+                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats,
+                                            memfd=memfd)
 
     def debug_info(self) -> Dict[str, Any]:
         """Shared-memory counters (``transport.shm_*``)."""
@@ -931,5 +1006,9 @@ class Transport:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for t in threads:
             t.join(timeout)
+        with self._lock:
+            conns = list(self._every_conn)
+        for conn in conns:  # those without a reader (a caller's idle private ones) too:
+            conn.close()    # their sockets and shared-memory segments would leak
         if self._features & handshake.FEATURE_SHM:
             shm.sweep_dead()

@@ -1,14 +1,15 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
-from .frame import (FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_REF_SIZE, Frame, FrameDecoder,
-                    Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
+from .frame import (FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_REF_SIZE, Frame,
+                    FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
                     parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .serialize import (OUT_OF_BAND_MIN, PassThrough, current_context, decode, encode,
                         memoryview_of, new_buffer, tensor_bytes)
 
 __all__ = [
-    "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT", "SHM_REF_SIZE", "Frame", "FrameDecoder",
+    "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT", "SHM_REF_SIZE", "Frame",
+    "FrameDecoder",
     "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "current_context", "decode", "encode",
     "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",

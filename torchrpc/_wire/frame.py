@@ -6,7 +6,8 @@ Every message on a connection is one frame::
     0      4     magic        b"TRPC"
     4      1     version      1
     5      1     kind         a :class:`~torchrpc._wire.kinds.Kind` id
-    6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory)
+    6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory),
+                              bit 2: ONCE (a request that may arrive twice: run it once)
     8      8     request id   unsigned, chosen by the requester, echoed by the reply
     16     4     envelope     length in bytes of the pickled envelope
     20     4     nbuffers     number of out-of-band buffers
@@ -45,7 +46,8 @@ HEADER_SIZE = HEADER.size  # 24
 
 FLAG_ONEWAY = 1
 FLAG_SHM = 2
-_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM
+FLAG_ONCE = 4
+_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE
 
 SHM_BIT = 1 << 63
 SHM_REF_SIZE = 64

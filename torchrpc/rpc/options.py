@@ -60,6 +60,12 @@ def _check_heartbeat(interval: float, timeout: float) -> None:
                          f"a few intervals is usual")
 
 
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def _path_or_none(name: str, value: Any) -> Optional[str]:
     if value is None:
         return None
@@ -129,10 +135,22 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             bytes go through shared memory (default 256 KiB: below it the socket is as
             fast in a tight loop and faster between computations; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
-            seconds (default 0.5; 0 sends none).
-        heartbeat_timeout (float): a connection that brings nothing in for this long is
-            closed as dead, failing the calls pending on that worker (default 1.5 s; 0 never
-            closes one). Must exceed ``heartbeat_interval``.
+            seconds (default 0.5; 0 sends none, and peers then never time this worker out).
+        heartbeat_timeout (float): a peer that sends heartbeats and brings nothing in on
+            any connection for this long is lost: all its connections close and the calls
+            pending on it fail (default 5 s; 0 never times one out). Must exceed
+            ``heartbeat_interval``.
+        send_timeout (float): a send that makes no progress for this long (the peer does
+            not read) fails and closes its connection; so does a frame that waits this
+            long for room in a full outbox (default 30 s; 0: no limit).
+        max_outbox_bytes (int): bytes that may wait in one connection's outbox while
+            another thread writes; beyond that a sending thread waits for room (back-
+            pressure), up to ``send_timeout`` (default 64 MiB). Connection readers never
+            wait.
+        max_pending_requests (int): outstanding requests this worker may have at once;
+            one more raises at once (default 1,048,576).
+        max_private_connections (int): private connections to one peer (for blocking
+            calls); calls beyond that many at once go over the shared one (default 32).
         tls_certfile (str, optional): PEM certificate of this worker; setting it turns TLS on
             for every link. Every worker of the job needs one.
         tls_keyfile (str, optional): PEM private key, when not inside ``tls_certfile``.
@@ -160,6 +178,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD,
                  heartbeat_interval: float = constants.DEFAULT_HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
+                 send_timeout: float = constants.DEFAULT_SEND_TIMEOUT,
+                 max_outbox_bytes: int = constants.DEFAULT_MAX_OUTBOX_BYTES,
+                 max_pending_requests: int = constants.DEFAULT_MAX_PENDING_REQUESTS,
+                 max_private_connections: int = constants.DEFAULT_MAX_PRIVATE_CONNECTIONS,
                  tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
                  tls_cafile: Optional[str] = None,
                  tls_require_client_cert: bool = True,
@@ -181,6 +203,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.shm_threshold = shm_threshold
         self._heartbeat_interval = _seconds("heartbeat_interval", heartbeat_interval)
         self.heartbeat_timeout = heartbeat_timeout
+        self.send_timeout = send_timeout
+        self.max_outbox_bytes = max_outbox_bytes
+        self.max_pending_requests = max_pending_requests
+        self.max_private_connections = max_private_connections
         self.tls_certfile = tls_certfile
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
@@ -233,6 +259,42 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         value = _seconds("heartbeat_timeout", value)
         _check_heartbeat(self._heartbeat_interval, value)
         self._heartbeat_timeout = value
+
+    @property
+    def send_timeout(self) -> float:
+        """Seconds a send may make no progress, or wait for outbox room (0: no limit)."""
+        return self._send_timeout
+
+    @send_timeout.setter
+    def send_timeout(self, value: float) -> None:
+        self._send_timeout = _seconds("send_timeout", value)
+
+    @property
+    def max_outbox_bytes(self) -> int:
+        """Bytes that may wait in one connection's outbox before senders wait for room."""
+        return self._max_outbox_bytes
+
+    @max_outbox_bytes.setter
+    def max_outbox_bytes(self, value: int) -> None:
+        self._max_outbox_bytes = _count("max_outbox_bytes", value, 1)
+
+    @property
+    def max_pending_requests(self) -> int:
+        """Outstanding requests this worker may have at once."""
+        return self._max_pending_requests
+
+    @max_pending_requests.setter
+    def max_pending_requests(self, value: int) -> None:
+        self._max_pending_requests = _count("max_pending_requests", value, 1)
+
+    @property
+    def max_private_connections(self) -> int:
+        """Private connections to one peer; more blocking calls at once share one."""
+        return self._max_private_connections
+
+    @max_private_connections.setter
+    def max_private_connections(self, value: int) -> None:
+        self._max_private_connections = _count("max_private_connections", value, 0)
 
     @property
     def tls_certfile(self) -> Optional[str]:

@@ -1,0 +1,60 @@
+"""At most once: a request sent again because its connection broke after it was delivered
+does not run again on the callee (here a part of a backward pass, which would add its
+gradients twice)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import List
+
+import pytest
+import torch
+
+import torchrpc.autograd as dist_autograd
+import torchrpc.rpc as rpc
+from torchrpc._agent.current import current_agent
+from torchrpc.errors import ConnectionLostError
+
+from . import helpers, robust_helpers
+from .group import running_group
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    with running_group(2, threads=4, timeout=30.0) as g:
+        yield g
+
+
+def _cut(rank: int) -> int:
+    """Break every connection of this worker with ``rank`` (as a network fault would)."""
+    conns = [c for c in current_agent()._transport.connections() if c.peer_rank == rank]
+    for c in conns:
+        c.close(ConnectionLostError("connection cut by the test"))
+    return len(conns)
+
+
+def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
+    before = rpc.rpc_sync("worker1", helpers.debug_info)["agent.num_duplicate_requests"]
+    with dist_autograd.context() as ctx:
+        x = torch.ones(4, requires_grad=True)
+        y = rpc.rpc_sync("worker1", helpers.scale_slowly, args=(x,))
+        errors: List[BaseException] = []
+
+        def backward() -> None:
+            try:
+                dist_autograd.backward(ctx, [y.sum()])
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+        t = threading.Thread(target=backward)
+        t.start()
+        time.sleep(0.7)  # worker1 runs its part (2 s); the request was delivered
+        assert _cut(1) >= 2  # the shared connection and the private one the part went on
+        t.join(30)
+        assert not t.is_alive() and not errors, errors
+        assert rpc.rpc_sync("worker1", robust_helpers.count, args=("backward",)) == 1
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.weight_gradient, args=(ctx,)),
+                           torch.ones(4))
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((4,), 3.0))
+    info = rpc.rpc_sync("worker1", helpers.debug_info)
+    assert info["agent.num_duplicate_requests"] == before + 1, info

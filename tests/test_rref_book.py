@@ -1,0 +1,38 @@
+"""The RRef book on messages alone: what a lost worker takes with it."""
+
+from __future__ import annotations
+
+from torchrpc._rref.book import RRefBook
+from torchrpc._wire import Kind
+
+
+def test_a_lost_holder_releases_its_forks_and_they_never_come_back():
+    book = RRefBook(rank=0)
+    rid = book.new_id()
+    entry = book.owner_entry(rid)
+    entry.set_value(1)
+    book.add_fork(rid, (1, 1), holder=1)
+    book.add_fork(rid, (2, 1), holder=2)
+    assert book.counts()["num_forks"] == 2
+    assert book.worker_lost(1) == []
+    assert entry.forks == {(2, 1)}
+    book.add_fork(rid, (1, 1), holder=1)  # a late FORK_REQUEST from the lost worker
+    assert entry.forks == {(2, 1)}
+    assert book.worker_lost(2) == []
+    assert book.counts()["num_owner_rrefs"] == 0  # unused and settled: dropped
+
+
+def test_a_lost_owner_takes_its_user_copies_and_parked_children_with_it():
+    book = RRefBook(rank=0)
+    msgs = book.user_created((1, 5), (3, 9), owner=1, confirmed=False, parent=3)
+    assert msgs[0].kind == Kind.RREF_FORK_REQUEST and msgs[0].dst == 1
+    book.user_created((2, 5), (2, 6), owner=2, confirmed=True, parent=None)
+    book.fork_child(object(), dst=3, owner=1)  # a copy of worker1's RRef sent to worker3
+    kept = book.fork_child(object(), dst=4, owner=2)
+    assert book.worker_lost(1) == [(3, 9)]
+    counts = book.counts()
+    assert counts["num_user_rrefs"] == 1 and counts["num_pending_users"] == 0
+    assert list(book.pending_children) == [kept]
+    assert book.settled() is False  # worker4 has not accepted its child yet
+    assert book.worker_lost(4) == []
+    assert book.settled() is True

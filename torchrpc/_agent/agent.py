@@ -347,7 +347,8 @@ class Agent:
         store, rank = self.store, self.rank
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
         if self.elastic:
-            secret = membership.join(store, self.name, rank, timeout)
+            secret = membership.join(store, self.name, rank, timeout,
+                                     membership.outlives_rank0(self.options.init_method))
         else:
             secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
@@ -526,6 +527,10 @@ class Agent:
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
+            if w is None and self._log is not None and self._state == "running":
+                # A dynamic group: the worker may have joined since the log was last read.
+                self._refresh_members()
+                w = self._by_name.get(to)
             if w is None and to in self._departed:
                 raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
                                       f"and left the group", worker=to)
@@ -535,6 +540,9 @@ class Agent:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
+            if w is None and self._log is not None and self._state == "running":
+                self._refresh_members()  # as for names above
+                w = self._workers.get(to)
             if w is None:
                 if to in self._left:
                     raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")

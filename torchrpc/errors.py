@@ -75,6 +75,11 @@ class OptionTypeError(TypeError, ValueError):
     torchrpc raised before)."""
 
 
+class OperatorSchemaError(RpcError, TypeError):
+    """A builtin torch operator run by RPC matched none of its schemas (torch:
+    ``RuntimeError``; the ``TypeError`` torch's Python binding raises, too)."""
+
+
 class DestinationTypeError(RpcError, ValueError, TypeError):
     """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
 

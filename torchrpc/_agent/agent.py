@@ -45,8 +45,9 @@ from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
-                      NotInitializedError, RpcError, RpcTimeoutError, SerializationError,
-                      ShutdownError, ThreadFailedError, WorkerLeftError, WrongTypeError)
+                      NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
+                      SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError,
+                      WrongTypeError)
 from . import membership, rendezvous
 from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
@@ -1814,7 +1815,25 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"torch.futures.Future object, but got {type(fut).__name__} from "
                 f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
-    return func(*args, **(kwargs or {}))
+    try:
+        return func(*args, **(kwargs or {}))
+    except TypeError as exc:
+        # Raised by the operator itself (no Python frame below this one): its arguments
+        # match none of its schemas, which torch reports as a RuntimeError.
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None \
+                and _is_builtin_operator(func):
+            raise OperatorSchemaError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: "
+                f"{exc}; check the arguments given to {describe(func)}") from exc
+        raise
+
+
+def _is_builtin_operator(func: Any) -> bool:
+    """Whether ``func`` is one of torch's builtin operators (``torch.add``, ...)."""
+    try:
+        return torch.jit._builtins._find_builtin(func) is not None
+    except Exception:  # noqa: BLE001 - an unhashable callable is no builtin
+        return False
 
 
 def rebuild_error(info: Any) -> BaseException:

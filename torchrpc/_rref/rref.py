@@ -32,7 +32,7 @@ from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import NotInitializedError, RpcError
+from ..errors import ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
@@ -198,11 +198,15 @@ class RRef(Generic[T]):
             try:
                 creation.wait()
             except BaseException as exc:  # noqa: BLE001
-                self._record_error(exc)
-                raise
+                self._record_error(_creation_error(exc))
+                self._check_error()
 
     def _get_future(self) -> torch.futures.Future:
-        """A future of the value, fetched asynchronously from the owner."""
+        """The future of this RRef's creation by ``rpc.remote()`` on the owner, as torch's
+        (it fails with the creation's timeout or error); for an RRef that was not made by
+        a ``remote()`` here, a future of the value, fetched from the owner."""
+        if self._creation is not None:
+            return self._creation
         self._check_error()
         if self._entry is not None:
             return self._entry.future
@@ -253,6 +257,12 @@ class RRef(Generic[T]):
                                                                   retain_graph), {},
                                    self._layer.agent.default_timeout).wait()
 
+    def _serialize(self) -> Tuple[Any, ...]:
+        r"""Fork this RRef for the RPC message being pickled (torch's internal pickling
+        entry point); raises the creation error of an RRef whose ``rpc.remote()`` failed."""
+        self._check_error()
+        return self.__reduce__()
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def __reduce__(self) -> Tuple[Any, ...]:
@@ -277,6 +287,20 @@ class RRef(Generic[T]):
         if self._entry is not None:
             return f"OwnerRRef({_gid(self._rref_id)})"
         return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+
+def _creation_error(exc: BaseException) -> BaseException:
+    """What using an RRef whose ``rpc.remote()`` never reached its owner raises: torch's
+    words for a creation that timed out or whose message was lost, then the cause. Errors
+    the owner reported (the function raised) stay as they are."""
+    if isinstance(exc, RpcTimeoutError):
+        return RpcTimeoutError(f"RRef creation via rpc.remote() timed out, and it is possible "
+                               f"that the RRef on the owner node does not exist: {exc}")
+    if isinstance(exc, ConnectionLostError):
+        return type(exc)(f"RRef creation via rpc.remote() failed, and it is possible that the "
+                         f"RRef on the owner node does not exist: {exc}",
+                         worker=getattr(exc, "worker", None))
+    return exc
 
 
 def _agent_rpc_async(agent: Agent, to: WorkerInfo, func: Any, args: Tuple[Any, ...],
@@ -460,11 +484,10 @@ class RRefLayer:
             fut.wait()
         except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
             if rref is not None:
-                rref._record_error(exc)
+                rref._record_error(_creation_error(exc))
             self.return_deletes(owner, deletes)  # they may not have arrived
         if rref is not None:
             rref._confirmed = True
-            rref._creation = None
         self.post(self.book.user_confirmed(fork_id))
 
     def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:

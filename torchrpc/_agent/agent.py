@@ -971,6 +971,39 @@ class Agent:
         r = p.resend
         self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
+    def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
+                 settled: torch.futures.Future) -> RpcFuture:
+        """A request of ``kind`` this worker addresses to itself, served without a message
+        (an ``rpc.remote()`` to self): ``start()`` runs on the worker pool, and the future
+        returned completes when ``settled`` does, or fails with the timeout error at the
+        deadline, as a request's would (torch sends such requests to itself)."""
+        self._check_running()
+        rid = next(self._rid)
+        p = _Pending(new_future(self._pool), self.worker_info, what, timeout, None)
+        self._pending[rid] = p
+        if timeout > 0:
+            self._push_deadline(time.monotonic() + timeout, rid)
+
+        def finish(f: torch.futures.Future) -> None:
+            q = self._pending.pop(rid, None)
+            if q is None:
+                return  # timed out or failed already
+            try:
+                f.wait()
+            except BaseException as exc:  # noqa: BLE001 - the work's own error
+                q.future.set_exception(exc)
+            else:
+                q.future.set_result(None)
+
+        torch.futures.Future.add_done_callback(settled, finish)
+        self._start_here(kind, rid, start)
+        return p.future
+
+    def _start_here(self, kind: int, rid: int, start: Callable[[], Any]) -> None:
+        """Start the work of :meth:`run_here`'s request ``rid`` (the fault-injecting agent
+        of the tests fails or delays it first, as it does a send)."""
+        self._pool.submit(start)
+
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
         with self._timer_cv:

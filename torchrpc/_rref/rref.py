@@ -143,6 +143,7 @@ class RRef(Generic[T]):
                 f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), "
                 f"can't call localValue() on user {self._layer.agent.worker_info!r}. Call it "
                 f"on owner {self._owner!r}, or use to_here() to copy the value here")
+        self._raise_creation_error()  # a remote() to self that timed out, as in torch
         return self._entry.future.wait()
 
     def _get_type(self, timeout: float = _UNSET, blocking: bool = True) -> Any:
@@ -174,6 +175,7 @@ class RRef(Generic[T]):
         """
         self._check_error()
         if self._entry is not None:
+            self._raise_creation_error()
             return self._entry.future.wait()
         layer = self._layer
         t = _timeout(layer, timeout)
@@ -452,8 +454,14 @@ class RRefLayer:
         rref_id = self.book.new_id()
         if dst.id == agent.rank:
             entry = self.book.owner_entry(rref_id)
-            agent.pool.submit(self._run_into, entry, func, args, kwargs)
-            return RRef._make(self, rref_id, None, dst, entry)
+            rref = RRef._make(self, rref_id, None, dst, entry)
+            fut = agent.run_here(Kind.RREF_REMOTE_CALL, func, timeout,
+                                 functools.partial(self._run_into, entry, func, args, kwargs),
+                                 entry.future)
+            rref._creation = fut
+            ref = weakref.ref(rref)
+            fut.add_done_callback(lambda f: self._created_here(ref, entry, f))
+            return rref
         fork_id = self.book.new_id()
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
@@ -489,6 +497,21 @@ class RRefLayer:
         if rref is not None:
             rref._confirmed = True
         self.post(self.book.user_confirmed(fork_id))
+
+    def _created_here(self, ref: "weakref.ref[RRef]", entry: OwnerEntry,
+                      fut: torch.futures.Future) -> None:
+        """A remote() to this worker itself completed: as in torch, a creation that timed
+        out or never started marks the owner RRef, whose value may still come."""
+        try:
+            fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef
+            error = _creation_error(exc)
+            if isinstance(exc, ConnectionLostError):  # never started: no value will come
+                entry.set_error(error)
+                self.book.value_settled(entry.rref_id)
+            rref = ref()
+            if rref is not None:
+                rref._record_error(error)
 
     def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:
         """Pickle ``rref`` for the message of ``ctx``: register the fork as the protocol

@@ -23,6 +23,7 @@ Tests may change the plan of a running agent with :meth:`FaultyAgent.inject`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Dict, Iterable, Optional
 
@@ -145,6 +146,21 @@ class FaultyAgent(Agent):
                             via)
             return
         super()._send(dst, kind, flags, rid, env, bufs, keep, via)
+
+    def _start_here(self, kind: int, rid: int, start: Any) -> None:
+        # A request to this worker itself meets the same plan as one that is sent.
+        plan = self.faults
+        if plan.should_fail(kind):
+            self._request_lost(rid, self.worker_info, ConnectionLostError(
+                f"injected fault: a send of {Kind(kind).name} to worker {self.name} (itself) "
+                f"failed ({BACKEND_NAME} messages_to_fail)", worker=self.name))
+            return
+        seconds = plan.delay_for(kind)
+        if seconds > 0:
+            self.call_later(seconds, functools.partial(Agent._start_here, self), kind, rid,
+                            start)
+            return
+        super()._start_here(kind, rid, start)
 
     def _send_late(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
                    bufs: Any, keep: Any, via: Any = None) -> None:

@@ -34,7 +34,7 @@ import select
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -510,6 +510,11 @@ class Agent:
     @property
     def worker_info(self) -> WorkerInfo:
         return self._workers[self.rank]
+
+    def has_left(self, rank: int) -> bool:
+        """Whether worker ``rank`` has shut down and told this worker so."""
+        with self._lock:
+            return rank in self._left
 
     def worker_infos(self) -> List[WorkerInfo]:
         with self._lock:
@@ -1645,12 +1650,13 @@ class Agent:
         A worker is gone when its connection broke without a GOODBYE (seen here, or by
         another worker and told through the store) and connecting to it again fails.
         While waiting at the store barrier ``barrier``, the workers that have not
-        arrived are probed as well.
+        arrived are probed as well, and one that stopped without arriving is named.
         """
         if self.store is not None:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
+                self._check_left(barrier)
         with self._lock:
             lost = [r for r in self._lost if r not in self._left and r not in self._gone]
         for r in lost:
@@ -1709,12 +1715,29 @@ class Agent:
             return
         self._next_probe = now + 1.0
         with self._lock:
-            workers = list(self._workers.items())
-        for r, w in workers:
-            if r == self.rank or r in self._left or r in self._lost:
-                continue
-            if self.store.check([f"{barrier}/{r}"]):
-                continue
+            ranks = list(self._workers)
+        self.probe([r for r in ranks if not self.store.check([f"{barrier}/{r}"])])
+
+    def _check_left(self, barrier: str) -> None:
+        """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own
+        shutdown failed or was not graceful, so it never will."""
+        with self._lock:
+            left = [(r, self._workers[r]) for r in sorted(self._left) if r in self._workers]
+        missing = [(r, w) for r, w in left if not self.store.check([f"{barrier}/{r}"])]
+        if missing:
+            names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
+            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
+                                f"{names} stopped before reaching it (their shutdown failed "
+                                f"or was not graceful); shut every worker down the same way")
+
+    def probe(self, ranks: Iterable[int]) -> None:
+        """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
+        is gone (:meth:`check_peers` then names it)."""
+        for r in ranks:
+            with self._lock:
+                w = self._workers.get(r)
+                if w is None or r == self.rank or r in self._left or r in self._lost:
+                    continue
             try:
                 self._connection(w)  # once connected, EOF and heartbeats watch it
             except RpcError as exc:
@@ -1724,12 +1747,16 @@ class Agent:
                 log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 
-    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
-        """Stop the agent; with ``graceful``, first meet every worker (see module docs)."""
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 meet: Optional[Callable[[], None]] = None) -> None:
+        """Stop the agent; with ``graceful``, first meet every worker (see module docs).
+        ``meet`` runs once every worker has reached shutdown; if it raises, the agent
+        stops at once and its error is raised as it is."""
         if self._state != "running":
             return
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         error: Optional[BaseException] = None
+        in_meet = False  # an error of ``meet`` is raised as it is
         if graceful and self.elastic:
             try:
                 for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
@@ -1741,17 +1768,23 @@ class Agent:
                 self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/1"), rank=self.rank)
+                in_meet = meet is not None
+                if meet is not None:
+                    meet()
+                in_meet = False
                 self._finish_work(deadline)
                 rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
                                    lambda: self.check_peers("shutdown/2"), rank=self.rank)
                 self._state = "stopping"
                 rendezvous.barrier(self.store, "shutdown/3", self.world_size,
                                    time.monotonic() + 30.0 if self.rank == 0 else time.monotonic())
-            except (RpcError, RuntimeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self._stop()
         if self.failure is not None:
             self._raise_failure()
+        if in_meet:
+            raise error
         if isinstance(error, ShutdownError):
             raise error
         if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):

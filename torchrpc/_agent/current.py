@@ -32,6 +32,6 @@ def current_agent(failed_ok: bool = False) -> "Agent":
                                       "torchrpc.rpc.init_rpc() again to use it")
         raise NotInitializedError("RPC has not been initialized; call "
                                   "torchrpc.rpc.init_rpc() first")
-    if not failed_ok:
+    if not failed_ok and hasattr(agent, "check_failure"):  # not a third-party backend's agent
         agent.check_failure()
     return agent

@@ -118,6 +118,13 @@ def is_available() -> bool:
     return True
 
 
+def _init(worker_id: int) -> None:
+    """torch's set-up of distributed autograd for worker ``worker_id``. torchrpc installs
+    distributed autograd on each agent in ``init_rpc``, so this only checks the id."""
+    if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
+        raise TypeError(f"_init(): worker_id must be an int >= 0, got {worker_id!r}")
+
+
 def _current_context() -> DistAutogradContext:
     r"""The distributed autograd context current on the calling thread.
 

@@ -84,7 +84,7 @@ class RRefBook:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(0)  # torch numbers the ids of each worker from 0
         self._lock = threading.Lock()
         self.owners: Dict[GloballyUniqueId, OwnerEntry] = {}
         self.pending_children: Dict[GloballyUniqueId, Any] = {}
@@ -221,6 +221,10 @@ class RRefBook:
     def live_user_forks(self) -> List[GloballyUniqueId]:
         with self._lock:
             return list(self.users)
+
+    def user_states(self) -> List[Tuple[GloballyUniqueId, "_UserState"]]:
+        with self._lock:
+            return list(self.users.items())
 
     def clear(self) -> None:
         with self._lock:

@@ -794,4 +794,11 @@ def delete_all_users(agent: Agent, timeout: float) -> None:
     _layer_of(agent).delete_all_users(timeout)
 
 
-__all__ = ["RRef", "RRefLayer", "delete_all_users", "install", "remote", "describe"]
+def live_users(agent: Agent) -> List[str]:
+    """The user RRefs ``agent`` still holds, each as torch names it in a leak report."""
+    return [f"{_gid(state.rref_id)} with fork Id {_gid(fork_id)}"
+            for fork_id, state in _layer_of(agent).book.user_states()]
+
+
+__all__ = ["RRef", "RRefLayer", "delete_all_users", "install", "live_users", "remote",
+           "describe"]

@@ -3,7 +3,7 @@
 Port by changing the import: ``import torchrpc.autograd as dist_autograd``.
 """
 
-from .._dist_autograd.api import (_current_context, _get_debug_info, _get_max_id,
+from .._dist_autograd.api import (_current_context, _get_debug_info, _get_max_id, _init,
                                   _is_valid_context, _new_context, _release_context,
                                   _retrieve_context, backward, context, get_gradients,
                                   is_available)

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Dict, Iterable, Optional, Tuple
+import time
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from .._agent import Agent
 from .._agent.current import current_agent
-from ..errors import RpcError, RpcTimeoutError
+from ..errors import RpcError, RpcTimeoutError, WorkerLeftError
 from . import constants
 
 _EXTENSION_KEY = "torchrpc.rpc.gather"
 SequenceId = Tuple[Tuple[str, ...], int]
+# How often a waiting gather looks for workers that died meanwhile (seconds).
+_PEER_CHECK_S = 0.5
 
 
 class _Gathering:
@@ -88,16 +91,40 @@ def _gather_to_leader(seq: SequenceId, name: str, obj: Any) -> None:
     _gatherings(current_agent()).add(seq, name, obj)
 
 
-def _broadcast_to_followers(seq: SequenceId, objects: Dict[str, Any]) -> None:
+def finish(seq: SequenceId, objects: Dict[str, Any]) -> None:
     """Runs on a follower: the leader's complete dict."""
     _gatherings(current_agent()).finish(seq, objects)
 
 
+def _wait(agent: Agent, gathering: _Gathering, timeout: Optional[float],
+          awaited: Callable[[], Iterable[str]]) -> bool:
+    """Wait for ``gathering`` to complete; raise naming an ``awaited`` worker that died or
+    shut down meanwhile (it would never send)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return gathering.complete.is_set()
+        if gathering.complete.wait(_PEER_CHECK_S if left is None else min(left, _PEER_CHECK_S)):
+            return True
+        workers = [agent.resolve(name) for name in awaited()]
+        for w in workers:
+            if agent.has_left(w.id):
+                raise WorkerLeftError(f"worker {w.name} (rank {w.id}) shut down before it "
+                                      f"took part in _all_gather", worker=w.name)
+        agent.probe(w.id for w in workers)
+        agent.check_peers()
+
+
 def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,
-               timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
+               timeout: float = constants.UNSET_RPC_TIMEOUT,
+               broadcast: Callable[[SequenceId, Dict[str, Any]], None] = finish
+               ) -> Dict[str, Any]:
     """Gather ``obj`` from every worker of ``worker_names`` (default: all); a dict by name.
 
-    Every worker of the set must call it, the same number of times.
+    Every worker of the set must call it, the same number of times. The leader sends the
+    result to the followers by calling ``broadcast`` on them (a function that ends in
+    :func:`finish`), so the followers run whatever that name means there.
     """
     agent = current_agent()
     names = tuple(sorted(worker_names if worker_names is not None
@@ -115,29 +142,32 @@ def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,
     try:
         if agent.name == leader:
             book.add(seq, leader, obj)
-            if not gathering.complete.wait(wait):
+            if not _wait(agent, gathering, wait,
+                         lambda: sorted(set(names) - set(gathering.objects))):
                 missing = sorted(set(names) - set(gathering.objects))
                 raise RpcTimeoutError(
                     f"RPC _all_gather timed out in _all_gather after {timeout:.2f} seconds. "
                     f"The first {len(gathering.objects)} workers to arrive were "
                     f"{sorted(gathering.objects)}; still missing: {missing}")
             objects = dict(gathering.objects)
-            futures = [agent.call(agent.resolve(follower), _broadcast_to_followers,
-                                  (seq, objects), {}, timeout)
+            futures = [agent.call(agent.resolve(follower), broadcast, (seq, objects), {},
+                                  timeout)
                        for follower in names[1:]]
             errors = []
             for follower, fut in zip(names[1:], futures):
                 try:
                     fut.wait()
                 except RuntimeError as exc:
-                    errors.append(f"{follower}: {exc}")
+                    errors.append((follower, exc))
             if errors:
-                raise RpcError(f"followers {', '.join(errors)} did not receive the result of "
-                               f"_all_gather")
+                raise RpcError(
+                    f"Followers {[name for name, _ in errors]} timed out in _all_gather after "
+                    f"{timeout:.2f} seconds. The first exception is {errors[0][1]}: the leader "
+                    f"{leader} could not hand them the result (they may have failed or left)")
             return objects
         agent.call(agent.resolve(leader), _gather_to_leader, (seq, agent.name, obj), {},
                    timeout).wait()
-        if not gathering.complete.wait(wait):
+        if not _wait(agent, gathering, wait, lambda: (leader,)):
             raise RpcTimeoutError(f"RPC _all_gather timed out in _all_gather after "
                                   f"{timeout:.2f} seconds waiting for the leader {leader}")
         assert gathering.result is not None

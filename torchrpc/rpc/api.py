@@ -133,15 +133,25 @@ def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
                                f"{_state.agent.name!r}; call shutdown() first")
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
-        try:
-            for installer in _agent_installers:
-                installer(agent)
-        except BaseException:
-            agent.shutdown(graceful=False)
-            raise
-        _state.agent = agent
-        _state.was_shut_down = False
+        if isinstance(agent, Agent):
+            try:
+                for installer in _agent_installers:
+                    installer(agent)
+            except BaseException:
+                agent.shutdown(graceful=False)
+                raise
+        _set_and_start_rpc_agent(agent)
+
+
+def _set_and_start_rpc_agent(agent: Any) -> None:
+    """Make ``agent`` this process's current agent and let it serve (the last step of
+    ``init_rpc``; a registered third-party backend's agent is started with ``start()``)."""
+    _state.agent = agent
+    _state.was_shut_down = False
+    if isinstance(agent, Agent):
         agent.mark_ready()
+    elif callable(getattr(agent, "start", None)):
+        agent.start()
 
 
 def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -157,11 +167,38 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
     with _state.lock:
         agent = current_agent(failed_ok=True)  # a failed agent stops, then raises why
         try:
-            agent.shutdown(graceful=graceful, timeout=timeout)
+            if not isinstance(agent, Agent):  # a registered third-party backend's agent
+                agent.shutdown()
+            elif graceful and agent.failure is None and not agent.elastic:
+                _graceful_shutdown(agent, timeout)
+            else:
+                agent.shutdown(graceful=graceful, timeout=timeout)
         finally:
             _state.agent = None
             _state.was_shut_down = True
             _state.last_debug_info = getattr(agent, "final_debug_info", {})
+
+
+def _graceful_shutdown(agent: Agent, timeout: float) -> None:
+    """The agent's graceful stop, with torch's steps run once every worker has arrived, each
+    looked up here when it runs (programs replace them): meet every worker, then release
+    this worker's RRefs. A failed step stops the agent at once and raises its error."""
+    leaks: List[str] = []
+
+    def torch_steps() -> None:
+        _wait_all_workers(timeout)
+        _delete_all_user_and_unforked_owner_rrefs()
+        if not _ignore_rref_leak:
+            leaks.extend(_rref.live_users(agent))
+
+    agent.shutdown(graceful=True, timeout=timeout, meet=torch_steps)
+    if leaks:
+        raise RpcError(
+            "Detected RRef Leaks during shutdown. This usually occurs when an application "
+            "code still holds references to RRef instances when calling shutdown(): "
+            + "; ".join(f"Leaking RRef {leak}" for leak in leaks)
+            + ". Delete them (and let the garbage collector run) before shutdown, or set "
+            "torchrpc.rpc.api._ignore_rref_leak = True to ignore leaks")
 
 
 def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
@@ -225,8 +262,7 @@ def _get_debug_info() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
-# Read by torch's API at shutdown; kept for code that sets it (RRefs never leak here:
-# graceful shutdown settles them all).
+# When False, a graceful shutdown raises if user RRefs outlived the release step.
 _ignore_rref_leak = True
 
 
@@ -277,13 +313,18 @@ def _all_gather(obj: Any, worker_names: Optional[List[str]] = None,
     Every worker of the set calls it; a worker that does not arrive within ``timeout``
     makes it raise a RuntimeError that says "timed out in _all_gather".
     """
-    return _gather.all_gather(obj, worker_names, timeout)
+    return _gather.all_gather(obj, worker_names, timeout, broadcast=_broadcast_to_followers)
+
+
+def _broadcast_to_followers(sequence_id: Any, objects_map: Dict[str, Any]) -> None:
+    """Runs on a follower of ``_all_gather``: the leader's complete dict."""
+    _gather.finish(sequence_id, objects_map)
 
 
 def _barrier(worker_names: List[str]) -> None:
     """Return once every worker of ``worker_names`` has called ``_barrier`` with them."""
     try:
-        _gather.all_gather(None, set(worker_names))
+        _gather.all_gather(None, set(worker_names), broadcast=_broadcast_to_followers)
     except RuntimeError as exc:
         raise RpcError(f"Failed to complete barrier, got error {exc}") from exc
 
@@ -291,7 +332,7 @@ def _barrier(worker_names: List[str]) -> None:
 def _wait_all_workers(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Block until every worker of the group has called it (the start of a shutdown)."""
     try:
-        _gather.all_gather(None, timeout=timeout)
+        _all_gather(None, timeout=timeout)
     except RuntimeError as exc:
         log.error("torchrpc: failed to respond to 'Shutdown Proceed' in time, got error %s",
                   exc)

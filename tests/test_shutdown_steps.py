@@ -1,0 +1,142 @@
+"""Graceful shutdown runs torch's steps by name (programs replace them), reports leaked
+RRefs when asked to, and a worker whose step fails stops without hanging the others."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+import torchrpc.rpc.api as api
+from torchrpc.errors import ShutdownError
+from tests import helpers
+from tests.group import Group
+
+
+def test_rref_leak_is_reported_when_asked_and_the_group_still_stops():
+    group = Group(2, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
+        original = api._delete_all_user_and_unforked_owner_rrefs
+        api._ignore_rref_leak = False
+        api._delete_all_user_and_unforked_owner_rrefs = lambda *a, **k: None
+        try:
+            with pytest.raises(RuntimeError, match=r"Leaking RRef GloballyUniqueId\(created_on=0"):
+                rpc.shutdown(graceful=True)
+        finally:
+            api._delete_all_user_and_unforked_owner_rrefs = original
+            api._ignore_rref_leak = True
+        assert not rpc.api._is_current_rpc_agent_set()
+    finally:
+        codes = group.abandon(30)
+    assert codes == {1: 0}, codes  # worker1's graceful shutdown completed
+
+
+def test_no_leak_reported_when_rrefs_were_released():
+    group = Group(2, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        rref.to_here()
+        api._ignore_rref_leak = False
+        try:
+            rpc.shutdown(graceful=True)  # the release step deletes the user RRef: no leak
+        finally:
+            api._ignore_rref_leak = True
+    finally:
+        codes = group.abandon(30)
+    assert codes == {1: 0}, codes
+
+
+def test_a_failing_step_stops_this_worker_and_the_others_are_told():
+    group = Group(2, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
+
+        def fail(*args, **kwargs):
+            raise ValueError("release step failed")
+        original = api._delete_all_user_and_unforked_owner_rrefs
+        api._delete_all_user_and_unforked_owner_rrefs = fail
+        try:
+            with pytest.raises(ValueError, match="release step failed"):
+                rpc.shutdown(graceful=True)
+        finally:
+            api._delete_all_user_and_unforked_owner_rrefs = original
+        assert not rpc.api._is_current_rpc_agent_set()
+        start = time.monotonic()
+        codes = group.wait(30)
+        # worker1 waited for worker0 at the next barrier: it learns that worker0 stopped.
+        assert codes == {1: 1}, codes
+        assert time.monotonic() - start < 15
+    finally:
+        group.abandon(30)
+
+
+def test_all_gather_names_a_worker_that_died_after_sending():
+    # worker1's shutdown sent its part of the first gather, then it is killed: the
+    # leader cannot hand it the result and names it instead of hanging.
+    group = Group(3, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
+        time.sleep(1.0)  # worker2 waits in shutdown's first step
+        group.kill(2)
+        start = time.monotonic()
+        with pytest.raises(ShutdownError, match="worker2"):
+            rpc.shutdown(graceful=True)
+        assert time.monotonic() - start < 10
+    finally:
+        codes = group.abandon(30)
+    assert codes[1] == 1, codes
+
+
+def _file_options(tmp_path, **kwargs):
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path}/store",
+                                           num_worker_threads=2, **kwargs)
+
+
+def test_a_registered_backend_wrapping_torchrpc_serves_calls(tmp_path):
+    calls = []
+
+    def construct(rpc_timeout, init_method, **kwargs):
+        return rpc.TensorPipeRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method)
+
+    def init(store, name, rank, world_size, options):
+        calls.append((name, rank, world_size))
+        return rpc.backend_registry.init_backend(rpc.BackendType.TENSORPIPE, store, name, rank,
+                                                 world_size, options)
+
+    backend = rpc.register_backend("WRAPPED_FOR_TEST", construct, init)
+    rpc.init_rpc("solo", backend=backend, rank=0, world_size=1,
+                 rpc_backend_options=_file_options(tmp_path))
+    try:
+        assert rpc.rpc_sync("solo", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+    finally:
+        rpc.shutdown()
+    assert calls == [("solo", 0, 1)]
+
+
+def test_a_third_party_agent_is_started_and_shut_down(tmp_path):
+    events = []
+
+    class ForeignAgent:
+        def start(self):
+            events.append("start")
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    backend = rpc.register_backend(
+        "FOREIGN_FOR_TEST", lambda rpc_timeout, init_method, **kw: _file_options(tmp_path),
+        lambda store, name, rank, world_size, options: ForeignAgent())
+    rpc.init_rpc("solo", backend=backend, rank=0, world_size=1,
+                 rpc_backend_options=_file_options(tmp_path))
+    assert isinstance(rpc._get_current_rpc_agent(), ForeignAgent)
+    rpc.shutdown()
+    assert events == ["start", "shutdown"]
+    assert not rpc.api._is_current_rpc_agent_set()

@@ -182,7 +182,7 @@ def _init_backend(store: Any, name: str, rank: int, world_size: int, options: An
         raise TypeError(f"`rpc_backend_options` must be a `FaultyTensorPipeRpcBackendOptions`. "
                         f"{options!r} is a {type(options).__name__}; build the options of "
                         f"BackendType.{BACKEND_NAME} with "
-                        f"torchrpc.rpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
+                        f"torchrpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
     agent = FaultyAgent(store, name, rank, world_size, options)
     timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
     return agent.start(max(timeout, 60.0))

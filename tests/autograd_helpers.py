@@ -204,3 +204,34 @@ def remove_step_hooks() -> List[str]:
         _hook_handles.pop().remove()
     return list(_hook_calls)
 
+
+
+def sparse_scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """A sparse COO tensor times a number: the result stays sparse."""
+    return t * factor
+
+
+def embedding_bag(weight: torch.Tensor, idx: torch.Tensor, offsets: torch.Tensor,
+                  per_sample: torch.Tensor) -> torch.Tensor:
+    """A sum-mode EmbeddingBag lookup whose weight gradient is sparse."""
+    return torch.nn.functional.embedding_bag(idx, weight, offsets, mode="sum", sparse=True,
+                                             per_sample_weights=per_sample)
+
+
+_bags: Dict[str, torch.nn.EmbeddingBag] = {}
+
+
+def new_bag(name: str, seed: int, num: int, dim: int) -> None:
+    """Make an ``nn.EmbeddingBag(sparse=True)`` on this worker, seeded for a local copy."""
+    torch.manual_seed(seed)
+    _bags[name] = torch.nn.EmbeddingBag(num, dim, mode="sum", sparse=True)
+
+
+def bag_forward(name: str, idx: torch.Tensor, offsets: torch.Tensor,
+                per_sample: torch.Tensor) -> torch.Tensor:
+    return _bags[name](idx, offsets, per_sample)
+
+
+def bag_grad(context_id: int, name: str) -> Optional[torch.Tensor]:
+    """The gradient of the named bag's weight in the context (None if it has none)."""
+    return dist_autograd.get_gradients(context_id).get(_bags[name].weight)

@@ -49,3 +49,20 @@ def test_test_code_sees_torchrpc_and_library_code_sees_torch():
 def test_mirror_gives_torch_to_everyone():
     modules = _probe("torch")
     assert len(modules) == 6 and all(m.startswith("torch.") for m in modules), modules
+
+
+def _listed(*args):
+    out = subprocess.run([sys.executable, "-m", "tests.conformance.run", "--list", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return {line.split(".", 1)[0] for line in out.stdout.split()}
+
+
+def test_suite_groups_expand_to_torchs_lists():
+    assert _listed("--suites", "tensorpipe,faulty") == {
+        "TensorPipeAgentRpcTest", "TensorPipeAgentDistAutogradTest", "FaultyAgentRpcTest",
+        "FaultyAgentDistAutogradTest"}
+    assert _listed("--suites", "cuda") == {
+        "CudaRpcTest", "CudaDistAutogradTest", "CudaRemoteModuleTest", "CudaDdpComparisonTest",
+        "TensorPipeAgentCudaRpcTest", "TensorPipeCudaDistAutogradTest"}
+    assert "RpcTest" in _listed("--suites", "generic,FaultyAgentRpcTest")

@@ -84,7 +84,8 @@ def test_send_and_recv_hooks_see_the_same_tensors():
     env, bufs, _ = _wire.encode(payload, send_hook=SendRecorder(sender, 7), meta=None)
     bufs = [torch.frombuffer(bytearray(bytes(m)), dtype=torch.uint8) for m in bufs]
     _, out = _wire.decode(env, bufs, recv_hook=lambda meta: RecvRecorder(receiver, 0, 7))
-    assert sender.num_sends == receiver.num_recvs == 4  # a, b, b * 1, a[::2]; not c or sparse
+    assert sender.num_sends == receiver.num_recvs == 5  # a, b, sparse, b * 1, a[::2]; not c
+    assert not out["y"][0].is_leaf and out["y"][0].layout == torch.sparse_coo
     assert out["x"][0] is out["x"][3]  # one tensor twice: one record
     assert not out["x"][0].is_leaf and out["x"][0].requires_grad
     assert not out["x"][2].requires_grad
@@ -193,6 +194,80 @@ def test_several_roots_and_structured_payloads():
         grads = dist_autograd.get_gradients(cid)
     want = local_grads(lambda a, b: (a + b).sum() + (a * b * b).sum() + (a + b).pow(2).sum(), a, b)
     assert_all_close([grads[a], grads[b]], want)
+
+
+# -- sparse tensors and sparse gradients ---------------------------------------------------------
+
+def sparse_coo(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([[0, 1, 1, 3], [2, 0, 2, 1]])
+    vals = torch.randn(4, generator=g, dtype=torch.float64)
+    return torch.sparse_coo_tensor(idx, vals, (4, 3), check_invariants=True).requires_grad_()
+
+
+def assert_same_sparse(got, want):
+    assert got.layout == torch.sparse_coo, f"expected a sparse gradient, got {got.layout}"
+    torch.testing.assert_close(got.coalesce().to_dense(), want.coalesce().to_dense())
+
+
+def test_sparse_coo_inputs_backward_like_local_autograd():
+    # Sparse tensors that require grad cross in both directions (the callee's result is
+    # sparse too), through two workers; the gradients stay sparse, as locally.
+    x, y = sparse_coo(11), sparse_coo(12)
+
+    def remote(x, y):
+        s = rpc.rpc_sync("worker1", torch.add, args=(x, y))
+        t = rpc.rpc_sync("worker2", h.sparse_scale, args=(s, 3.0))
+        return torch.sparse.sum(t * x)
+
+    def local(x, y):
+        return torch.sparse.sum(h.sparse_scale(torch.add(x, y), 3.0) * x)
+
+    got, want = dist_grads(remote, x, y), local_grads(local, x, y)
+    for g, w in zip(got, want):
+        assert_same_sparse(g, w)
+
+
+def test_embedding_bag_sparse_gradient_crosses_back():
+    # The weight lives here; the lookup runs on worker1, whose sparse gradient of the
+    # weight comes back over the wire and accumulates here (twice: retain_graph).
+    torch.manual_seed(21)
+    bag = torch.nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    w = torch.rand(8, requires_grad=True)
+    ref = bag(idx, offsets, w).pow(2).sum()
+    ref.backward(retain_graph=True)
+    ref.backward()
+    want_weight, want_w = bag.weight.grad, w.grad
+    bag.zero_grad()
+    w.grad = None
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("worker1", h.embedding_bag, args=(bag.weight, idx, offsets, w))
+        loss = out.pow(2).sum()
+        dist_autograd.backward(cid, [loss], retain_graph=True)
+        dist_autograd.backward(cid, [loss])
+        grads = dist_autograd.get_gradients(cid)
+    assert bag.weight.grad is None and w.grad is None
+    assert_same_sparse(grads[bag.weight], want_weight)
+    torch.testing.assert_close(grads[w], want_w)
+
+
+def test_remote_embedding_bag_module_sparse_gradient():
+    # An nn.EmbeddingBag(sparse=True) on worker1, fed from here: its sparse weight
+    # gradient stays in worker1's copy of the context, equal to a local run's.
+    rpc.rpc_sync("worker1", h.new_bag, args=("bag", 22, 16, 8))
+    torch.manual_seed(22)
+    local = torch.nn.EmbeddingBag(16, 8, mode="sum", sparse=True)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 3, 5])
+    w = torch.rand(8, requires_grad=True)
+    local(idx, offsets, w).sum().backward()
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("worker1", h.bag_forward, args=("bag", idx, offsets, w))
+        dist_autograd.backward(cid, [out.sum()])
+        got = rpc.rpc_sync("worker1", h.bag_grad, args=(cid, "bag"))
+        got_w = dist_autograd.get_gradients(cid)[w]
+    assert_same_sparse(got, local.weight.grad)
+    torch.testing.assert_close(got_w, w.grad)
 
 
 def test_retain_graph_twice_accumulates():

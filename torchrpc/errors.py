@@ -70,6 +70,16 @@ class WrongTypeError(RpcError, TypeError):
     """An argument of the wrong type where torch raises ``RuntimeError``."""
 
 
+class OptionTypeError(TypeError, ValueError):
+    """A backend option of the wrong type (torch: ``TypeError``; a ``ValueError`` too, as
+    torchrpc raised before)."""
+
+
+class OperatorSchemaError(RpcError, TypeError):
+    """A builtin torch operator run by RPC matched none of its schemas (torch:
+    ``RuntimeError``; the ``TypeError`` torch's Python binding raises, too)."""
+
+
 class DestinationTypeError(RpcError, ValueError, TypeError):
     """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
 

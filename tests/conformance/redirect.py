@@ -39,7 +39,7 @@ MODULE_MAP: Dict[str, Optional[str]] = {
     "torch.distributed.rpc.rref_proxy": "torchrpc.rpc.rref_proxy",
     "torch.distributed.rpc.server_process_global_profiler":
         "torchrpc.rpc.server_process_global_profiler",
-    "torch.distributed.rpc._testing": "torchrpc.rpc._testing",
+    "torch.distributed.rpc._testing": "torchrpc._testing",
     "torch.distributed.rpc._utils": "torchrpc.rpc._utils",
     "torch.distributed.autograd": "torchrpc.autograd",
     "torch.distributed.optim": "torchrpc.optim",

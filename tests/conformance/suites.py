@@ -55,18 +55,31 @@ def _is_jit(cls: type) -> bool:
     return cls.__name__.startswith("Jit")
 
 
-# Suite name -> (torch's suite, fixture). TorchScript suites are left out: TorchScript is
-# deprecated in torch 2.13 and torchrpc has no TorchScript agent.
+# Groups of suites, as torch's rpc_utils lists them (TorchScript suites left out:
+# TorchScript is deprecated in torch 2.13 and torchrpc has no TorchScript agent), with the
+# fixture each group runs under. The CUDA group needs a GPU (see CUDA_GROUPS).
+_GROUP_LISTS = {
+    "generic": (rpc_utils.GENERIC_TESTS, TorchRpcAgentTestFixture),
+    "tensorpipe": (rpc_utils.TENSORPIPE_TESTS, TorchRpcAgentTestFixture),
+    "faulty": (rpc_utils.FAULTY_AGENT_TESTS, FaultyRpcAgentTestFixture),
+    "cuda": (rpc_utils.GENERIC_CUDA_TESTS + rpc_utils.TENSORPIPE_CUDA_TESTS,
+             TorchRpcAgentTestFixture),
+}
+CUDA_GROUPS = frozenset(("cuda",))
+
+# Suite name -> (torch's suite, fixture); group name -> its suite names.
 SUITES: Dict[str, tuple] = {}
-for _suite in rpc_utils.GENERIC_TESTS + rpc_utils.TENSORPIPE_TESTS:
-    if not _is_jit(_suite):
-        SUITES[_suite.__name__] = (_suite, TorchRpcAgentTestFixture)
-for _suite in rpc_utils.FAULTY_AGENT_TESTS:
-    if not _is_jit(_suite):
-        SUITES[_suite.__name__] = (_suite, FaultyRpcAgentTestFixture)
+GROUPS: Dict[str, List[str]] = {}
+for _group, (_suites, _fixture) in _GROUP_LISTS.items():
+    GROUPS[_group] = []
+    for _suite in _suites:
+        if not _is_jit(_suite):
+            SUITES[_suite.__name__] = (_suite, _fixture)
+            GROUPS[_group].append(_suite.__name__)
 
 # The suites issue 14 and 15 call the generic ones (rpc_utils.GENERIC_TESTS without JIT).
-GENERIC: List[str] = [s.__name__ for s in rpc_utils.GENERIC_TESTS if not _is_jit(s)]
+GENERIC: List[str] = GROUPS["generic"]
+CUDA_SUITES = frozenset(n for g in CUDA_GROUPS for n in GROUPS[g])
 
 for _name, (_suite, _fixture) in SUITES.items():
     globals().update(rpc_utils.generate_tests("TorchRpc", _fixture, [_suite], __name__))
@@ -75,3 +88,17 @@ for _name, (_suite, _fixture) in SUITES.items():
 def test_class(suite: str) -> type:
     """The runnable class of ``suite`` (a name of :data:`SUITES`)."""
     return globals()[f"TorchRpc{suite}"]
+
+
+def expand(names: List[str]) -> List[str]:
+    """Suite names for a list of suite and group names (``generic``, ``tensorpipe``,
+    ``faulty``, ``cuda``), in order, each once; ValueError naming an unknown one."""
+    out: List[str] = []
+    for name in names:
+        for suite in GROUPS.get(name, [name]):
+            if suite not in SUITES:
+                raise ValueError(f"unknown suite or group {name!r}; groups: "
+                                 f"{', '.join(GROUPS)}; suites: {', '.join(SUITES)}")
+            if suite not in out:
+                out.append(suite)
+    return out

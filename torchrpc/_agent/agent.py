@@ -46,8 +46,9 @@ from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
-                      NotInitializedError, RpcError, RpcTimeoutError, SerializationError,
-                      ShutdownError, ThreadFailedError, WorkerLeftError, WrongTypeError)
+                      NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
+                      SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError,
+                      WrongTypeError)
 from . import membership, rendezvous
 from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
@@ -384,7 +385,8 @@ class Agent:
         store, rank = self.store, self.rank
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
         if self.elastic:
-            secret = membership.join(store, self.name, rank, timeout)
+            secret = membership.join(store, self.name, rank, timeout,
+                                     membership.outlives_rank0(self.options.init_method))
         else:
             secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
@@ -586,6 +588,10 @@ class Agent:
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
+            if w is None and self._log is not None and self._state == "running":
+                # A dynamic group: the worker may have joined since the log was last read.
+                self._refresh_members()
+                w = self._by_name.get(to)
             if w is None and to in self._departed:
                 raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
                                       f"and left the group", worker=to)
@@ -595,6 +601,9 @@ class Agent:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
+            if w is None and self._log is not None and self._state == "running":
+                self._refresh_members()  # as for names above
+                w = self._workers.get(to)
             if w is None:
                 if to in self._left:
                     raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
@@ -1054,6 +1063,39 @@ class Agent:
         r = p.resend
         r.scheduled = False
         self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
+                 settled: torch.futures.Future) -> RpcFuture:
+        """A request of ``kind`` this worker addresses to itself, served without a message
+        (an ``rpc.remote()`` to self): ``start()`` runs on the worker pool, and the future
+        returned completes when ``settled`` does, or fails with the timeout error at the
+        deadline, as a request's would (torch sends such requests to itself)."""
+        self._check_running()
+        rid = next(self._rid)
+        p = _Pending(new_future(self._pool), self.worker_info, what, timeout, None)
+        self._pending[rid] = p
+        if timeout > 0:
+            self._push_deadline(time.monotonic() + timeout, rid)
+
+        def finish(f: torch.futures.Future) -> None:
+            q = self._pending.pop(rid, None)
+            if q is None:
+                return  # timed out or failed already
+            try:
+                f.wait()
+            except BaseException as exc:  # noqa: BLE001 - the work's own error
+                q.future.set_exception(exc)
+            else:
+                q.future.set_result(None)
+
+        torch.futures.Future.add_done_callback(settled, finish)
+        self._start_here(kind, rid, start)
+        return p.future
+
+    def _start_here(self, kind: int, rid: int, start: Callable[[], Any]) -> None:
+        """Start the work of :meth:`run_here`'s request ``rid`` (the fault-injecting agent
+        of the tests fails or delays it first, as it does a send)."""
+        self._pool.submit(start)
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
@@ -2114,7 +2156,25 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"torch.futures.Future object, but got {type(fut).__name__} from "
                 f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
-    return func(*args, **(kwargs or {}))
+    try:
+        return func(*args, **(kwargs or {}))
+    except TypeError as exc:
+        # Raised by the operator itself (no Python frame below this one): its arguments
+        # match none of its schemas, which torch reports as a RuntimeError.
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None \
+                and _is_builtin_operator(func):
+            raise OperatorSchemaError(
+                f"Overloaded torch operator invoked from Python failed to match any schema: "
+                f"{exc}; check the arguments given to {describe(func)}") from exc
+        raise
+
+
+def _is_builtin_operator(func: Any) -> bool:
+    """Whether ``func`` is one of torch's builtin operators (``torch.add``, ...)."""
+    try:
+        return torch.jit._builtins._find_builtin(func) is not None
+    except Exception:  # noqa: BLE001 - an unhashable callable is no builtin
+        return False
 
 
 def rebuild_error(info: Any) -> BaseException:

@@ -23,12 +23,24 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import host_identity, job_secret, process_identity
+from .rendezvous import claim_membership, host_identity, job_secret, process_identity
 
 
 def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
-    """A TCPStore for a group of unknown size; rank 0 hosts it."""
+    """The store of a group of unknown size: a TCPStore that rank 0 hosts, or, for
+    ``file://``, the FileStore that every member opens (as torch does)."""
     url = urllib.parse.urlparse(init_method)
+    if url.scheme == "file":
+        if not url.path:
+            raise ValueError(f"Error initializing torch.distributed using file:// rendezvous: "
+                             f"path missing in {init_method!r}; use file:///path/to/file")
+        try:
+            store = dist.FileStore(url.path, -1)  # -1: members come and go; never deleted
+        except (RuntimeError, OSError) as exc:
+            raise RendezvousError(f"cannot open the rendezvous file {url.path!r}: {exc}") from exc
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        claim_membership(store, "dynamic")
+        return dist.PrefixStore("torchrpc-elastic", store)
     if url.scheme == "env":
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:
@@ -36,14 +48,15 @@ def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
     elif url.scheme == "tcp":
         host, port = url.hostname, url.port
     else:
-        raise ValueError(f"dynamic membership (world_size=None) needs env:// or tcp:// "
-                         f"rendezvous, got {init_method!r}")
+        raise ValueError(f"dynamic membership (world_size=None) needs env://, tcp:// or "
+                         f"file:// rendezvous, got {init_method!r}")
     try:
         store = dist.TCPStore(host, int(port), None, rank == 0,
                               datetime.timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} (rank 0 "
                               f"hosts it): {exc}") from exc
+    claim_membership(store, "dynamic")
     return dist.PrefixStore("torchrpc-elastic", store)
 
 
@@ -53,8 +66,12 @@ def _append(store: Any, event: Dict[str, Any]) -> int:
     return n
 
 
-def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
-    """Claim ``rank`` and ``name``; return the job secret. Refuses clashes by name."""
+def join(store: Any, name: str, rank: int, timeout: float, keep_secret: bool = False) -> bytes:
+    """Claim ``rank`` and ``name``; return the job secret. Refuses clashes by name.
+
+    With ``keep_secret`` (a store that outlives rank 0), a secret file this worker makes
+    stays after it leaves, for members that join later.
+    """
     holder = store.compare_set(f"rank/{rank}", "", name).decode()
     if holder != name:
         raise RendezvousError(f"rank {rank} is already used by worker {holder!r}; pick a free "
@@ -64,7 +81,7 @@ def join(store: Any, name: str, rank: int, timeout: float) -> bytes:
         store.delete_key(f"rank/{rank}")
         raise RendezvousError(f"worker name {name!r} is already in use by rank {owner} of the "
                               f"running group; pick another name")
-    return job_secret(store, rank, timeout)
+    return job_secret(store, rank, timeout, keep=keep_secret)
 
 
 def announce(store: Any, name: str, rank: int, address: Tuple[str, int],
@@ -79,6 +96,12 @@ def leave(store: Any, name: str, rank: int) -> None:
     _append(store, {"op": "leave", "rank": rank, "name": name})
     store.delete_key(f"name/{name}")
     store.delete_key(f"rank/{rank}")
+
+
+def outlives_rank0(init_method: str) -> bool:
+    """Whether the group's store stays when rank 0 leaves (a file; a TCPStore is rank 0's),
+    so members may join and leave in any order, as with torch."""
+    return urllib.parse.urlparse(init_method).scheme == "file"
 
 
 class EventLog:

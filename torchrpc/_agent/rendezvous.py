@@ -65,7 +65,35 @@ def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: 
     except (RuntimeError, OSError) as exc:
         raise RendezvousError(f"rendezvous through {describe_init_method(init_method)} failed "
                               f"(timeout {timeout:g} s): {exc}") from exc
+    claim_membership(store, "static")
     return dist.PrefixStore("torchrpc", store), rank, world_size
+
+
+_MEMBERSHIP_KEY = "torchrpc-membership"
+
+
+def claim_membership(store: Any, kind: str) -> None:
+    """Mark the rendezvous store as serving a ``static`` (fixed world size) or ``dynamic``
+    group; a worker of the other kind is refused, since the two protocols cannot meet."""
+    held = store.compare_set(_MEMBERSHIP_KEY, "", kind).decode()
+    if held != kind:
+        raise RuntimeError(
+            f"RPC group mixes statically and dynamically initialized members which is not "
+            f"supported. This worker asked for a {kind} group (world_size="
+            f"{'None' if kind == 'dynamic' else 'N'}), but its rendezvous store serves a "
+            f"{held} group; give every member the same world_size argument, or use another "
+            f"init_method for the other group")
+
+
+def missing_rank_error(init_method: str) -> ValueError:
+    """torch's error for ``init_rpc`` without a rank, for the scheme of ``init_method``."""
+    scheme = urllib.parse.urlparse(init_method).scheme
+    if scheme == "env":
+        what = "environment variable RANK expected, but not set"
+    else:
+        what = "rank parameter missing"
+    return ValueError(f"Error initializing torch.distributed using {scheme}:// rendezvous: "
+                      f"{what}; pass rank= to init_rpc (or set RANK, as torchrun does)")
 
 
 def describe_init_method(init_method: str) -> str:
@@ -222,15 +250,17 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
     return job_secret(store, rank, timeout, world_size)
 
 
-def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None) -> bytes:
-    """The job secret (see :mod:`.secret`: never through the store unless opted in)."""
+def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None,
+               keep: bool = False) -> bytes:
+    """The job secret (see :mod:`.secret`: never through the store unless opted in);
+    ``keep``: a secret file made here outlives this process."""
     deadline = time.monotonic() + timeout
 
     def wait(keys: list, what: str) -> None:
         _poll(store, keys, deadline, what, rank, world_size)
 
     try:
-        return secret.job_secret(store, rank, host_identity(), wait)
+        return secret.job_secret(store, rank, host_identity(), wait, keep)
     except RendezvousError as exc:
         raise fail(store, f"rank {rank}: {exc}", rank, world_size) from exc
 

@@ -98,16 +98,21 @@ def runtime_dir() -> str:
     return path
 
 
-def create_local(host: str) -> tuple[bytes, str]:
-    """Rank 0: a new secret in a new private file; return it and the store locator."""
+def create_local(host: str, keep: bool = False) -> tuple[bytes, str]:
+    """Rank 0: a new secret in a new private file; return it and the store locator.
+
+    The file is removed once every rank has read it, or at exit at the latest, unless
+    ``keep`` (a dynamic group whose store outlives rank 0: members may join after it left).
+    """
     secret = secrets.token_hex(32).encode()
     name = f"job-{secrets.token_hex(16)}"
     path = os.path.join(runtime_dir(), name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secret)
-    with _lock:
-        _files.add(path)
+    if not keep:
+        with _lock:
+            _files.add(path)
     return secret, f"{host}/{name}"
 
 
@@ -160,7 +165,7 @@ def via_store_allowed() -> bool:
 
 
 def job_secret(store: Any, rank: int, host: str,
-               wait: Callable[[list, str], None]) -> bytes:
+               wait: Callable[[list, str], None], keep: bool = False) -> bytes:
     """The job's secret: from the launcher, or shared by rank 0 as the module docs say.
 
     ``wait(keys, what)`` blocks until the store has ``keys``.
@@ -175,7 +180,7 @@ def job_secret(store: Any, rank: int, host: str,
         wait(["insecure_secret"], "the job secret from rank 0")
         return store.get("insecure_secret")
     if rank == 0:
-        secret, locator = create_local(host)
+        secret, locator = create_local(host, keep)
         held = store.compare_set("secret_locator", "", locator).decode()
         if held == locator:
             return secret

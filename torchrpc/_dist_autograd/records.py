@@ -183,7 +183,7 @@ class DistAutogradContext:
     def record_send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         node = tensor.grad_fn
         self._sends[key] = (GradientEdge(node, tensor.output_nr) if node is not None
-                            else get_gradient_edge(tensor))
+                            else leaf_edge(tensor))
 
     def send_edge(self, key: MessageKey) -> GradientEdge:
         """The gradient edge recorded when the tensor of ``key`` was sent."""
@@ -209,6 +209,18 @@ class DistAutogradContext:
     @property
     def num_recvs(self) -> int:
         return len(self._recvs)
+
+
+def leaf_edge(leaf: torch.Tensor) -> GradientEdge:
+    """The gradient edge of a leaf that requires grad: its accumulator.
+
+    torch finds it through a view of the leaf, which sparse layouts lack; a clone's
+    node leads to the same accumulator.
+    """
+    if leaf.layout is torch.strided:
+        return get_gradient_edge(leaf)
+    with torch.enable_grad():
+        return GradientEdge(leaf.clone().grad_fn.next_functions[0][0], 0)  # type: ignore[union-attr]
 
 
 class SendRecorder:

@@ -32,7 +32,7 @@ from .._agent.current import current_agent, handle as agent_handle
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import ConnectionLostError, NotInitializedError, RpcError
+from ..errors import ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger("torchrpc")
@@ -143,6 +143,7 @@ class RRef(Generic[T]):
                 f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), "
                 f"can't call localValue() on user {self._layer.agent.worker_info!r}. Call it "
                 f"on owner {self._owner!r}, or use to_here() to copy the value here")
+        self._raise_creation_error()  # a remote() to self that timed out, as in torch
         return self._entry.future.wait()
 
     def _get_type(self, timeout: float = _UNSET, blocking: bool = True) -> Any:
@@ -174,6 +175,7 @@ class RRef(Generic[T]):
         """
         self._check_error()
         if self._entry is not None:
+            self._raise_creation_error()
             return self._entry.future.wait()
         layer = self._layer
         t = _timeout(layer, timeout)
@@ -198,11 +200,15 @@ class RRef(Generic[T]):
             try:
                 creation.wait()
             except BaseException as exc:  # noqa: BLE001
-                self._record_error(exc)
-                raise
+                self._record_error(_creation_error(exc))
+                self._check_error()
 
     def _get_future(self) -> torch.futures.Future:
-        """A future of the value, fetched asynchronously from the owner."""
+        """The future of this RRef's creation by ``rpc.remote()`` on the owner, as torch's
+        (it fails with the creation's timeout or error); for an RRef that was not made by
+        a ``remote()`` here, a future of the value, fetched from the owner."""
+        if self._creation is not None:
+            return self._creation
         self._check_error()
         if self._entry is not None:
             return self._entry.future
@@ -253,6 +259,12 @@ class RRef(Generic[T]):
                                                                   retain_graph), {},
                                    self._layer.agent.default_timeout).wait()
 
+    def _serialize(self) -> Tuple[Any, ...]:
+        r"""Fork this RRef for the RPC message being pickled (torch's internal pickling
+        entry point); raises the creation error of an RRef whose ``rpc.remote()`` failed."""
+        self._check_error()
+        return self.__reduce__()
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def __reduce__(self) -> Tuple[Any, ...]:
@@ -277,6 +289,20 @@ class RRef(Generic[T]):
         if self._entry is not None:
             return f"OwnerRRef({_gid(self._rref_id)})"
         return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+
+def _creation_error(exc: BaseException) -> BaseException:
+    """What using an RRef whose ``rpc.remote()`` never reached its owner raises: torch's
+    words for a creation that timed out or whose message was lost, then the cause. Errors
+    the owner reported (the function raised) stay as they are."""
+    if isinstance(exc, RpcTimeoutError):
+        return RpcTimeoutError(f"RRef creation via rpc.remote() timed out, and it is possible "
+                               f"that the RRef on the owner node does not exist: {exc}")
+    if isinstance(exc, ConnectionLostError):
+        return type(exc)(f"RRef creation via rpc.remote() failed, and it is possible that the "
+                         f"RRef on the owner node does not exist: {exc}",
+                         worker=getattr(exc, "worker", None))
+    return exc
 
 
 def _agent_rpc_async(agent: Agent, to: WorkerInfo, func: Any, args: Tuple[Any, ...],
@@ -429,8 +455,14 @@ class RRefLayer:
         rref_id = self.book.new_id()
         if dst.id == agent.rank:
             entry = self.book.owner_entry(rref_id)
-            agent.pool.submit(self._run_into, entry, func, args, kwargs)
-            return RRef._make(self, rref_id, None, dst, entry)
+            rref = RRef._make(self, rref_id, None, dst, entry)
+            fut = agent.run_here(Kind.RREF_REMOTE_CALL, func, timeout,
+                                 functools.partial(self._run_into, entry, func, args, kwargs),
+                                 entry.future)
+            rref._creation = fut
+            ref = weakref.ref(rref)
+            fut.add_done_callback(lambda f: self._created_here(ref, entry, f))
+            return rref
         fork_id = self.book.new_id()
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
@@ -461,12 +493,26 @@ class RRefLayer:
             fut.wait()
         except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
             if rref is not None:
-                rref._record_error(exc)
+                rref._record_error(_creation_error(exc))
             self.return_deletes(owner, deletes)  # they may not have arrived
         if rref is not None:
             rref._confirmed = True
-            rref._creation = None
         self.post(self.book.user_confirmed(fork_id))
+
+    def _created_here(self, ref: "weakref.ref[RRef]", entry: OwnerEntry,
+                      fut: torch.futures.Future) -> None:
+        """A remote() to this worker itself completed: as in torch, a creation that timed
+        out or never started marks the owner RRef, whose value may still come."""
+        try:
+            fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef
+            error = _creation_error(exc)
+            if isinstance(exc, ConnectionLostError):  # never started: no value will come
+                entry.set_error(error)
+                self.book.value_settled(entry.rref_id)
+            rref = ref()
+            if rref is not None:
+                rref._record_error(error)
 
     def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:
         """Pickle ``rref`` for the message of ``ctx``: register the fork as the protocol

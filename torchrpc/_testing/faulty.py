@@ -23,6 +23,7 @@ Tests may change the plan of a running agent with :meth:`FaultyAgent.inject`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Dict, Iterable, Optional
 
@@ -146,6 +147,21 @@ class FaultyAgent(Agent):
             return
         super()._send(dst, kind, flags, rid, env, bufs, keep, via)
 
+    def _start_here(self, kind: int, rid: int, start: Any) -> None:
+        # A request to this worker itself meets the same plan as one that is sent.
+        plan = self.faults
+        if plan.should_fail(kind):
+            self._request_lost(rid, self.worker_info, ConnectionLostError(
+                f"injected fault: a send of {Kind(kind).name} to worker {self.name} (itself) "
+                f"failed ({BACKEND_NAME} messages_to_fail)", worker=self.name))
+            return
+        seconds = plan.delay_for(kind)
+        if seconds > 0:
+            self.call_later(seconds, functools.partial(Agent._start_here, self), kind, rid,
+                            start)
+            return
+        super()._start_here(kind, rid, start)
+
     def _send_late(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
                    bufs: Any, keep: Any, via: Any = None) -> None:
         try:
@@ -162,9 +178,11 @@ def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
 
 
 def _init_backend(store: Any, name: str, rank: int, world_size: int, options: Any) -> Agent:
-    if not isinstance(options, TensorPipeRpcBackendOptions):
-        raise TypeError(f"the {BACKEND_NAME} backend takes FaultyTensorPipeRpcBackendOptions, "
-                        f"got {type(options).__name__}")
+    if not isinstance(options, FaultyTensorPipeRpcBackendOptions):
+        raise TypeError(f"`rpc_backend_options` must be a `FaultyTensorPipeRpcBackendOptions`. "
+                        f"{options!r} is a {type(options).__name__}; build the options of "
+                        f"BackendType.{BACKEND_NAME} with "
+                        f"torchrpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
     agent = FaultyAgent(store, name, rank, world_size, options)
     timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
     return agent.start(max(timeout, 60.0))

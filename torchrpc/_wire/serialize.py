@@ -254,20 +254,32 @@ _SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES = 0, 1, 2, 3, 4
 _REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes)
 
 
+def _received_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor that requires grad, after the receive hook saw it (as in
+    :func:`_rebuild_tensor`), so distributed autograd records sparse tensors too."""
+    t.requires_grad_(True)
+    hook = getattr(_local, "recv_hook", None)
+    return hook(t) if hook is not None else t
+
+
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
                         coalesced: bool, requires_grad: bool) -> torch.Tensor:
     t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
                                 check_invariants=True)
-    return t.requires_grad_(True) if requires_grad else t
+    return _received_with_grad(t) if requires_grad else t
 
 
 def _rebuild_sparse_compressed(layout: torch.layout, a: torch.Tensor, b: torch.Tensor,
-                               values: torch.Tensor, size: Tuple[int, ...]) -> torch.Tensor:
-    return torch.sparse_compressed_tensor(a, b, values, size, layout=layout, check_invariants=True)
+                               values: torch.Tensor, size: Tuple[int, ...],
+                               requires_grad: bool = False) -> torch.Tensor:
+    t = torch.sparse_compressed_tensor(a, b, values, size, layout=layout, check_invariants=True)
+    return _received_with_grad(t) if requires_grad else t
 
 
-def _rebuild_parameter(data: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
-    return torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
+def _rebuild_parameter(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    p = torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
+    hook = getattr(_local, "recv_hook", None) if requires_grad else None
+    return hook(p) if hook is not None else p
 
 
 def _load_script_function(qualified_name: str) -> Any:
@@ -309,6 +321,10 @@ class _Encoder:
         # call into torch, so read as few as the common case needs.
         layout = t.layout
         if layout is not torch.strided:
+            if self.send_hook is not None and t.requires_grad and layout in _SPARSE_LAYOUTS:
+                # The receiver rebuilds it with its receive hook (see _received_with_grad);
+                # its indices and values never require grad, so the two sides count alike.
+                self.send_hook(t)
             return _reduce_sparse(t, layout)
         dtype = t.dtype
         dtype_ref = _DTYPE_IDS.get(dtype)
@@ -382,6 +398,10 @@ class _Encoder:
         return _rebuild, (_BYTES, buf, data.view.readonly)
 
     def reduce_parameter(self, p: torch.nn.Parameter) -> Tuple[Any, ...]:
+        if p.requires_grad and self.send_hook is not None:
+            # Recorded like any tensor that requires grad (its .data does not), so a
+            # parameter passed to a callee gets its gradient back.
+            self.send_hook(p)
         return _rebuild_parameter, (p.data, p.requires_grad)
 
     def reduce_script_function(self, fn: Any) -> Tuple[Any, ...]:
@@ -420,16 +440,24 @@ class _Encoder:
         return _Bytes(view)
 
 
+_SPARSE_LAYOUTS = frozenset((torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+                             torch.sparse_bsr, torch.sparse_bsc))
+
+
 def _reduce_sparse(t: torch.Tensor, layout: torch.layout) -> Tuple[Any, ...]:
+    # The parts travel detached: the tensor's own requires_grad says what the receiver
+    # rebuilds, and no part may call the send hook.
     if layout is torch.sparse_coo:
-        return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape),
-                                     t.is_coalesced(), t.requires_grad)
-    if layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return _rebuild_sparse_coo, (t._indices().detach(), t._values().detach(),
+                                     tuple(t.shape), t.is_coalesced(), t.requires_grad)
+    if layout in _SPARSE_LAYOUTS:
         if layout in (torch.sparse_csr, torch.sparse_bsr):
             a, b = t.crow_indices(), t.col_indices()
         else:
             a, b = t.ccol_indices(), t.row_indices()
-        return _rebuild_sparse_compressed, (layout, a, b, t.values(), tuple(t.shape))
+        return _rebuild_sparse_compressed, (layout, a.detach(), b.detach(),
+                                            t.values().detach(), tuple(t.shape),
+                                            t.requires_grad)
     return _plain_reduce(t)
 
 

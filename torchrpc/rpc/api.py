@@ -20,7 +20,8 @@ from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.membership import open_elastic_store
-from .._agent.rendezvous import open_store, rendezvous_timeout, validate_name
+from .._agent.rendezvous import (missing_rank_error, open_store, rendezvous_timeout,
+                                  validate_name)
 from .._wire import Kind
 from ..errors import RpcError
 from . import _gather, backend_registry, constants, functions
@@ -92,14 +93,14 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if rank < 0:
-        raise ValueError("rank is required: pass rank= or set RANK (torchrun does)")
     with _state.lock:
         if _state.agent is not None:
             raise RuntimeError(f"RPC is already initialized on this process as "
                                f"{_state.agent.name!r}; call shutdown() first")
         if rpc_backend_options is None:
             rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
+        if rank < 0:
+            raise missing_rank_error(rpc_backend_options.init_method)
         timeout = rpc_backend_options.rpc_timeout or \
             constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
         if world_size is None:  # dynamic membership: workers join and leave a running group

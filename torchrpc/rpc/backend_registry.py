@@ -32,9 +32,9 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
                           rpc_backend_options: Any) -> Agent:
     if not isinstance(rpc_backend_options, TensorPipeRpcBackendOptions):
         raise TypeError(
-            f"the default backend takes TensorPipeRpcBackendOptions, got "
-            f"{type(rpc_backend_options).__name__}; build it with "
-            f"torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
+            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. "
+            f"{rpc_backend_options!r} is a {type(rpc_backend_options).__name__}; build the "
+            f"options of BackendType.TENSORPIPE with torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
     agent = Agent(store, name, rank, world_size, rpc_backend_options)
     timeout = rpc_backend_options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
     return agent.start(rendezvous_timeout(timeout))

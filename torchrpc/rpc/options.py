@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from ..errors import OptionTypeError
 from . import constants
 
 DeviceLike = Union[int, str, torch.device]
@@ -74,6 +75,21 @@ def _path_or_none(name: str, value: Any) -> Optional[str]:
     return os.fspath(value)
 
 
+def _check_number(cls: str, name: str, value: Any, construction: bool = False,
+                  integer: bool = False) -> None:
+    """Raise torch's TypeError (pybind's wording) when ``value`` is not a number."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        where = (f"{cls}.__init__(): incompatible constructor arguments" if construction
+                 else f"{cls}.{name}: incompatible function arguments")
+        fix = (" (a datetime.timedelta: pass its .total_seconds())"
+               if hasattr(value, "total_seconds") else "")
+        raise OptionTypeError(
+            f"{where}. {name} must be "
+            f"{'an int' if integer else 'a number of seconds (float)'}, got "
+            f"{type(value).__name__} {value!r}{fix}")
+
+
 class RpcBackendOptions:
     """An abstract structure encapsulating the options passed into the RPC backend.
 
@@ -85,6 +101,7 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = constants.DEFAULT_INIT_METHOD) -> None:
+        _check_number(type(self).__name__, "rpc_timeout", rpc_timeout, construction=True)
         self.rpc_timeout = rpc_timeout
         self.init_method = init_method
 
@@ -95,7 +112,8 @@ class RpcBackendOptions:
 
     @rpc_timeout.setter
     def rpc_timeout(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        _check_number(type(self).__name__, "rpc_timeout", value)
+        if value < 0:
             raise ValueError(f"rpc_timeout must be a number of seconds >= 0 (0: no timeout), "
                              f"got {value!r}")
         self._rpc_timeout = float(value)
@@ -223,7 +241,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     @num_worker_threads.setter
     def num_worker_threads(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _check_number(type(self).__name__, "num_worker_threads", value, integer=True)
+        if value < 1:
             raise ValueError(f"num_worker_threads must be an int >= 1, got {value!r}")
         self._num_worker_threads = value
 

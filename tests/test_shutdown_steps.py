@@ -140,3 +140,16 @@ def test_a_third_party_agent_is_started_and_shut_down(tmp_path):
     rpc.shutdown()
     assert events == ["start", "shutdown"]
     assert not rpc.api._is_current_rpc_agent_set()
+
+
+def test_debug_info_is_the_union_of_torchs_three(tmp_path):
+    import torchrpc.autograd as dist_autograd
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=_file_options(tmp_path))
+    try:
+        parts = [rpc._rref_context_get_debug_info(),
+                 rpc._get_current_rpc_agent().get_debug_info(), dist_autograd._get_debug_info()]
+        assert not (parts[0].keys() & parts[1].keys() & parts[2].keys())
+        assert rpc._get_debug_info().keys() == {k for p in parts for k in p}
+        assert "num_owner_rrefs" in rpc._get_debug_info()
+    finally:
+        rpc.shutdown()

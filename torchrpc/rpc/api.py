@@ -258,8 +258,13 @@ def _rref_context_get_debug_info() -> Dict[str, Any]:
 
 
 def _get_debug_info() -> Dict[str, Any]:
-    """The agent's, the RRefs' and distributed autograd's counters in one dict."""
-    return current_agent().debug_info()
+    """The agent's, the RRefs' and distributed autograd's counters in one dict, as torch
+    reports them (``get_debug_info()`` has torchrpc's fuller counters)."""
+    info: Dict[str, Any] = {}
+    info.update(_rref_context_get_debug_info())
+    info.update(_get_current_rpc_agent().get_debug_info())
+    info.update(_dist_autograd.api._get_debug_info())
+    return info
 
 
 # When False, a graceful shutdown raises if user RRefs outlived the release step.

@@ -501,7 +501,7 @@ def test_a_segment_that_could_shrink_is_refused_not_mapped():
         os.ftruncate(fd, shm.HEADER + LARGE)
         conn = a.connect(b)
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
-        conn.sock.sendall(head + b"e" + _wire.pack_shm_ref(f"{name}.{fd}"))
+        conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref(f"{name}.{fd}"))
         deadline = time.monotonic() + 10
         while not any("not sealed" in str(why) for why in b.closed) \
                 and time.monotonic() < deadline:

@@ -897,9 +897,15 @@ class Transport:
         with self._lock:
             self._sockets.discard(sock)
             self._sockets.add(wrapped)
-        wrapped.do_handshake()
-        if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
-            tls.check_identity(wrapped.peer_certificate(), self._tls.identity, address)
+        try:
+            wrapped.do_handshake()
+            if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
+                tls.check_identity(wrapped.peer_certificate(), self._tls.identity, address)
+        except BaseException:
+            # The caller forgets and closes the plain socket; the session must go too, or
+            # every failed handshake would keep its buffers here until shutdown.
+            self._forget(wrapped)
+            raise
         return wrapped, wrapped.binding(self._tls.certificate, server_side)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -16,7 +17,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, tls
+from torchrpc._transport import Transport, handshake, tcp, tls
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
@@ -177,6 +178,36 @@ def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
             client.close()
     finally:
         rogue.close()
+        server.close()
+
+
+def test_a_trickled_tls_handshake_is_dropped_at_the_handshake_deadline(pki, monkeypatch):
+    # One deadline for the whole handshake, TLS included: a byte every 0.2 s would
+    # otherwise hold one of the worker's few handshake slots for as long as it likes.
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    server = _Peer(0, _contexts(pki))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_obj = _contexts(pki).client.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls_obj.do_handshake()
+    client_hello = outgoing.read()
+    try:
+        with socket.create_connection(server.t.address, timeout=5) as s:
+            start = time.monotonic()
+            closed = False
+            for i in range(len(client_hello)):
+                if time.monotonic() - start > 6:
+                    break
+                try:
+                    s.sendall(client_hello[i:i + 1])
+                    if select.select([s], [], [], 0.2)[0]:
+                        closed = not s.recv(100)
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed and time.monotonic() - start < 4, time.monotonic() - start
+    finally:
         server.close()
 
 

@@ -3,13 +3,13 @@ the HMAC handshake inside TLS, and a whole group running over TLS."""
 
 from __future__ import annotations
 
+import os
 import queue
-import shutil
+import select
 import socket
 import ssl
-import subprocess
 import threading
-from pathlib import Path
+import time
 from typing import Dict, List
 
 import pytest
@@ -17,51 +17,27 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, tls
+from torchrpc._transport import Transport, handshake, tcp, tls
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
 
-from . import helpers
+from . import helpers, pki_helpers
 from .group import running_group
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
-                                reason="needs the openssl command line tool to make certificates")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
-             cwd=d)
-
-
-def _make_cert(d: Path, name: str, ca: str, san: str = "IP:127.0.0.1") -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    (d / f"{name}.ext").write_text(f"subjectAltName={san}\nbasicConstraints=CA:FALSE\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
-             cwd=d)
+pytestmark = pki_helpers.needs_openssl
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Dict[str, str]:
-    d = tmp_path_factory.mktemp("pki")
-    _make_ca(d, "ca")
-    _make_cert(d, "worker", "ca")
-    _make_ca(d, "rogue_ca")
-    _make_cert(d, "rogue", "rogue_ca")
-    _make_cert(d, "elsewhere", "ca", "IP:10.9.9.9")  # the job's CA, another host's address
-    _make_cert(d, "job_a", "ca", "URI:torchrpc://job-a")  # a job identity, no address
-    _make_cert(d, "job_b", "ca", "URI:torchrpc://job-b")
-    _make_cert(d, "other", "ca")  # the job's CA and this address: another holder
-    certs = ("worker", "rogue", "elsewhere", "job_a", "job_b", "other")
-    return {k: str(d / f"{k}.pem") for k in ("ca", "rogue_ca") + certs} | \
-        {f"{k}.key": str(d / f"{k}.key") for k in certs}
+    return pki_helpers.make_pki(tmp_path_factory.mktemp("pki"), ("ca", "rogue_ca"), (
+        ("worker", "ca", "IP:127.0.0.1"),
+        ("rogue", "rogue_ca", "IP:127.0.0.1"),
+        ("elsewhere", "ca", "IP:10.9.9.9"),  # the job's CA, another host's address
+        ("job_a", "ca", "URI:torchrpc://job-a"),  # a job identity, no address
+        ("job_b", "ca", "URI:torchrpc://job-b"),
+        ("other", "ca", "IP:127.0.0.1"),  # the job's CA and this address: another holder
+    ))
 
 
 def _contexts(pki, cert="worker", ca="ca", require=True, identity=None) -> tls.TlsContexts:
@@ -172,6 +148,69 @@ def test_client_rejects_a_server_certificate_from_another_ca(pki):
         server.close()
 
 
+def _tracked_sockets(peer: "_Peer", timeout: float = 10.0) -> int:
+    """How many sockets the transport still tracks once its handshake threads are done."""
+    deadline = time.monotonic() + timeout
+    while peer.t._sockets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(peer.t._sockets)
+
+
+def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
+    # Each TLS session holds a 256 KiB receive buffer: one kept after a failed handshake
+    # would let garbage connections grow a worker's memory without bound.
+    server = _Peer(0, _contexts(pki))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))
+    try:
+        for i in range(30):
+            with socket.create_connection(server.t.address, timeout=5) as s:
+                # A TLS handshake record header, then garbage.
+                s.sendall(b"\x16\x03\x01\x00\xc8" + os.urandom(200))
+        for _ in range(3):
+            with pytest.raises(RpcError):
+                rogue.connect(server)  # fails the TLS handshake on both sides
+        assert _tracked_sockets(server) == 0
+        assert _tracked_sockets(rogue) == 0
+        client = _Peer(2, _contexts(pki))
+        try:
+            assert isinstance(client.connect(server).sock, tls.TlsSocket)  # still serving
+        finally:
+            client.close()
+    finally:
+        rogue.close()
+        server.close()
+
+
+def test_a_trickled_tls_handshake_is_dropped_at_the_handshake_deadline(pki, monkeypatch):
+    # One deadline for the whole handshake, TLS included: a byte every 0.2 s would
+    # otherwise hold one of the worker's few handshake slots for as long as it likes.
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    server = _Peer(0, _contexts(pki))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_obj = _contexts(pki).client.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls_obj.do_handshake()
+    client_hello = outgoing.read()
+    try:
+        with socket.create_connection(server.t.address, timeout=5) as s:
+            start = time.monotonic()
+            closed = False
+            for i in range(len(client_hello)):
+                if time.monotonic() - start > 6:
+                    break
+                try:
+                    s.sendall(client_hello[i:i + 1])
+                    if select.select([s], [], [], 0.2)[0]:
+                        closed = not s.recv(100)
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed and time.monotonic() - start < 4, time.monotonic() - start
+    finally:
+        server.close()
+
+
 def test_bad_certificate_options_name_the_option(pki, tmp_path):
     with pytest.raises(ValueError, match="tls_certfile"):
         tls.make_contexts(str(tmp_path / "missing.pem"), None, pki["ca"], True)
@@ -269,9 +308,7 @@ def test_the_hmac_handshake_is_bound_to_the_tls_session(pki):
 
 
 def test_a_group_runs_over_tls(pki):
-    options = {"tls_certfile": pki["worker"], "tls_keyfile": pki["worker.key"],
-               "tls_cafile": pki["ca"]}
-    with running_group(3, threads=4, timeout=30.0, options=options):
+    with running_group(3, threads=4, timeout=30.0, options=pki_helpers.tls_options(pki)):
         big = torch.randn(4 << 20)
         assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(big,)), big)
         assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 2)) == \

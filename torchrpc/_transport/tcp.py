@@ -771,7 +771,7 @@ class Transport:
             if self._tls is not None:
                 # A client on the Unix socket is on this host, which its certificate must name.
                 sock, binding = self._secure(sock, True, addr[0] if isinstance(addr, tuple)
-                                             else self.address[0])
+                                             else self.address[0], deadline)
             hello = handshake.parse_hello(_recv_exact(sock, handshake.HELLO.size, deadline))
             challenge, nonce = handshake.make_challenge(self._secret, hello, self.rank,
                                                         self._features, binding)
@@ -887,19 +887,26 @@ class Transport:
             return None
         return sock
 
-    def _secure(self, sock: socket.socket, server_side: bool, address: str
-                ) -> Tuple[tls.TlsSocket, bytes]:
-        """Run the TLS handshake on ``sock`` and check the identity of the peer at
-        ``address``; return the TLS socket that replaces it and the session's binding."""
+    def _secure(self, sock: socket.socket, server_side: bool, address: str,
+                deadline: Optional[float] = None) -> Tuple[tls.TlsSocket, bytes]:
+        """Run the TLS handshake on ``sock`` (by ``deadline``, if given) and check the
+        identity of the peer at ``address``; return the TLS socket that replaces it and
+        the session's binding."""
         assert self._tls is not None
         ctx = self._tls.server if server_side else self._tls.client
         wrapped = tls.TlsSocket(sock, ctx, server_side)
         with self._lock:
             self._sockets.discard(sock)
             self._sockets.add(wrapped)
-        wrapped.do_handshake()
-        if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
-            tls.check_identity(wrapped.peer_certificate(), self._tls.identity, address)
+        try:
+            wrapped.do_handshake(deadline)
+            if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
+                tls.check_identity(wrapped.peer_certificate(), self._tls.identity, address)
+        except BaseException:
+            # The caller forgets and closes the plain socket; the session must go too, or
+            # every failed handshake would keep its buffers here until shutdown.
+            self._forget(wrapped)
+            raise
         return wrapped, wrapped.binding(self._tls.certificate, server_side)
 
     @property

@@ -34,6 +34,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Dict, Optional, Sequence
 
 from ..errors import AuthenticationError
@@ -182,8 +183,9 @@ class TlsSocket:
         """The peer's verified certificate, decoded (None if it sent none)."""
         return self.ssl_object.getpeercert() or None
 
-    def do_handshake(self) -> None:
-        """Run the TLS handshake (one thread, before the connection is shared)."""
+    def do_handshake(self, deadline: Optional[float] = None) -> None:
+        """Run the TLS handshake (one thread, before the connection is shared); past the
+        ``time.monotonic()`` ``deadline``, if given, raise TimeoutError."""
         while True:
             with self._lock:
                 try:
@@ -196,6 +198,11 @@ class TlsSocket:
                 self._sock.sendall(out)
             if done:
                 return
+            if deadline is not None:  # a peer trickling bytes must not hold us for long
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the TLS handshake did not finish by its deadline")
+                self._sock.settimeout(left)
             data = self._sock.recv(_CIPHER_CHUNK)
             if not data:
                 raise ConnectionResetError("the peer closed the connection during the TLS "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
+import mmap
 import socket
 import ssl
 import threading
@@ -172,7 +173,9 @@ class TlsSocket:
         self.ssl_object = context.wrap_bio(self._in, self._out, server_side=server_side)
         self._lock = threading.Lock()       # guards the SSLObject and both BIOs
         self._send_lock = threading.Lock()  # keeps ciphertext records in order on the socket
-        self._cipher = memoryview(bytearray(_CIPHER_CHUNK))  # the reader's receive buffer
+        # An anonymous mapping, not a bytearray: no page costs memory before data lands on it,
+        # so an unauthenticated peer makes this worker allocate nothing of it.
+        self._cipher = memoryview(mmap.mmap(-1, _CIPHER_CHUNK))
 
     def binding(self, own_certificate: bytes, server_side: bool) -> bytes:
         """The SHA-256 of the server's certificate, as this side of the session sees it."""

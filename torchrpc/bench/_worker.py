@@ -204,9 +204,10 @@ def main(argv: list[str]) -> int:
     # The systems' warnings and errors go to this rank's log, where the launcher looks.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s "
                         "%(name)s %(threadName)s: %(message)s")
-    torch.set_num_threads(1)
     record = Record(spec["result_path"], spec["rank"])
     opts = BenchOptions.from_json(spec["options"])
+    if opts.torch_threads:
+        torch.set_num_threads(opts.torch_threads)
     try:
         record.phase("import")
         mods = {role: importlib.import_module(name)

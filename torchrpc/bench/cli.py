@@ -27,6 +27,8 @@ _HELP = {
     "num_worker_threads": "TensorPipeRpcBackendOptions(num_worker_threads=...) for the pair "
                           "workloads",
     "rpc_timeout": "TensorPipeRpcBackendOptions(rpc_timeout=...), seconds",
+    "torch_threads": "torch's intra-op threads in every worker; 0 keeps torch's default "
+                     "(one per core)",
     "small_call": "the small call: 'add' = torch.add(torch.ones(2), 1), 'python' = a "
                   "module-level Python function doing the same",
     "latency_calls": "timed rpc_sync calls",

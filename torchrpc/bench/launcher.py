@@ -217,13 +217,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(torch_threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    if torch_threads:
+        env.update({"OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)})
+    else:  # torch's default: one thread per core
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(name, None)
     env.update({
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         # Keep torch's TensorPipe (and gloo, if anything starts it) on loopback.
         "TP_SOCKET_IFNAME": "lo",
@@ -295,7 +298,7 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
     session_dir.mkdir(parents=True)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
-    env = _worker_env()
+    env = _worker_env(options.torch_threads)
     start = time.monotonic()
     try:
         for rank in range(world_size):

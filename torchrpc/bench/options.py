@@ -24,6 +24,8 @@ class BenchOptions:
     # backend options, passed as TensorPipeRpcBackendOptions(...)
     num_worker_threads: int = 16
     rpc_timeout: float = 60.0
+    # torch's intra-op threads in every worker (torch.set_num_threads); 0: torch's default
+    torch_threads: int = 1
     # 1. small rpc_sync latency
     small_call: str = "add"
     latency_calls: int = 2000

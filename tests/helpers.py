@@ -317,20 +317,25 @@ def keep_remote(to: str, value: Any) -> Any:
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a while (a slow part of a backward pass)."""
+    """Identity whose backward sleeps ``seconds`` (a slow part of a backward pass) and,
+    with ``counted``, counts its runs (``bump("backward")``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, seconds: float, counted: bool) -> torch.Tensor:
+        ctx.seconds, ctx.counted = seconds, counted
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(3.0)
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.counted:
+            from tests.robust_helpers import bump
+            bump("backward")
+        time.sleep(ctx.seconds)
+        return grad, None, None
 
 
 def slow_identity(x: torch.Tensor) -> torch.Tensor:
-    return _SlowBackward.apply(x)
+    return _SlowBackward.apply(x, 3.0, False)
 
 
 def fan_through(x: torch.Tensor, slow: str, fast: str) -> torch.Tensor:
@@ -355,24 +360,9 @@ def stop_serving() -> bool:
 _weight = torch.full((4,), 3.0, requires_grad=True)
 
 
-class _CountedSlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a while and counts its runs (``bump("backward")``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        from tests.robust_helpers import bump
-        bump("backward")
-        time.sleep(2.0)
-        return grad
-
-
 def scale_slowly(x: torch.Tensor) -> torch.Tensor:
     """``x`` times a weight that lives here; the backward pass through it is slow."""
-    return _CountedSlowBackward.apply(x * _weight)
+    return _SlowBackward.apply(x * _weight, 2.0, True)
 
 
 def weight_gradient(context_id: int) -> torch.Tensor:

@@ -1991,7 +1991,8 @@ class Agent:
         self._next_probe = now + 1.0
         with self._lock:
             ranks = list(self._workers)
-        self.probe([r for r in ranks if not self.store.check([f"{barrier}/{r}"])])
+        self.probe([r for r in ranks
+                    if r != self.rank and not self.store.check([f"{barrier}/{r}"])])
 
     def _check_left(self, barrier: str) -> None:
         """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own

@@ -433,8 +433,10 @@ class Connection:
             self._rstart = self._rend = 0
         fill(_wire.HEADER_SIZE)
         start = self._rstart
-        head = bytes(mv[start:start + _wire.HEADER_SIZE])
-        header = _wire.parse_header(head, limits)
+        mac = self.mac_rx
+        header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
+        # What the MAC covers is copied before later reads may move the buffer's bytes.
+        head = bytes(mv[start:start + _wire.HEADER_SIZE]) if mac is not None else b""
         self._rstart = start = start + _wire.HEADER_SIZE
         lengths: Sequence[int] = ()
         if header.nbuffers:
@@ -442,13 +444,14 @@ class Connection:
             if table <= len(mv):
                 fill(table)
                 start = self._rstart
-                raw = bytes(mv[start:start + table])
+                raw: Any = mv[start:start + table]
                 self._rstart = start + table
             else:
                 raw = bytearray(table)
                 self._take_into(memoryview(raw))
             lengths = _wire.parse_lengths(raw, header, limits)
-            head += raw
+            if mac is not None:
+                head += bytes(raw)
         n = header.envelope_len
         if n <= len(mv):
             fill(n)
@@ -457,13 +460,13 @@ class Connection:
             self._rstart = start + n
         else:
             envelope = self._take_bytes(n)
-        if self.mac_rx is not None:
+        if mac is not None:
             size = handshake.FRAME_MAC_SIZE
             fill(size)
             start = self._rstart
             tag = bytes(mv[start:start + size])
             self._rstart = start + size
-            if not hmac.compare_digest(tag, self.mac_rx.tag(head, envelope)):
+            if not hmac.compare_digest(tag, mac.tag(head, envelope)):
                 raise ProtocolError(f"a frame from rank {self.peer_rank} failed authentication "
                                     f"(altered, replayed, reordered or injected on the way); "
                                     f"the connection is closed")
@@ -907,7 +910,7 @@ class Transport:
             # every failed handshake would keep its buffers here until shutdown.
             self._forget(wrapped)
             raise
-        return wrapped, wrapped.binding(self._tls.certificate, server_side)
+        return wrapped, wrapped.binding(self._tls.certificate_hash, server_side)
 
     @property
     def secure(self) -> bool:

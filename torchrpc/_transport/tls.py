@@ -50,7 +50,7 @@ class TlsContexts:
 
     server: ssl.SSLContext
     client: ssl.SSLContext
-    certificate: bytes = b""  # this worker's certificate (DER), for the binding
+    certificate_hash: bytes = b""  # SHA-256 of this worker's certificate (DER): the binding
     identity: Optional[str] = None  # what every peer's certificate must name, if set
 
 
@@ -85,7 +85,8 @@ def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
     load(client)
     client.check_hostname = False  # check_identity does it, for IP addresses too
     client.verify_mode = ssl.CERT_REQUIRED
-    return TlsContexts(server, client, _first_certificate(certfile), identity)
+    return TlsContexts(server, client, hashlib.sha256(_first_certificate(certfile)).digest(),
+                       identity)
 
 
 def _first_certificate(certfile: str) -> bytes:
@@ -177,10 +178,11 @@ class TlsSocket:
         # so an unauthenticated peer makes this worker allocate nothing of it.
         self._cipher = memoryview(mmap.mmap(-1, _CIPHER_CHUNK))
 
-    def binding(self, own_certificate: bytes, server_side: bool) -> bytes:
+    def binding(self, own_certificate_hash: bytes, server_side: bool) -> bytes:
         """The SHA-256 of the server's certificate, as this side of the session sees it."""
-        server = own_certificate if server_side else self.ssl_object.getpeercert(True) or b""
-        return hashlib.sha256(server).digest()
+        if server_side:
+            return own_certificate_hash
+        return hashlib.sha256(self.ssl_object.getpeercert(True) or b"").digest()
 
     def peer_certificate(self) -> Optional[Dict[str, Any]]:
         """The peer's verified certificate, decoded (None if it sent none)."""

@@ -6,6 +6,9 @@ A system is nothing but three module names: the RPC module (``init_rpc``, ``rpc_
 only inside the spawned worker processes, by name, so a system that is missing or broken
 shows up as an error row instead of taking the whole benchmark down.
 
+``torchrpc-tcp`` is torchrpc over plain TCP, as between hosts (no Unix socket, no shared
+memory); ``torchrpc-tcp-nomac`` is the same without frame MACs, to measure what they cost.
+
 ``shim`` is torch again under another label. It exists to develop and test the harness
 end to end without depending on torchrpc being complete.
 """
@@ -42,6 +45,11 @@ SYSTEMS: dict[str, SystemSpec] = {
     "torch": SystemSpec("torch", **_TORCH_MODULES),
     "torchrpc": SystemSpec("torchrpc", rpc="torchrpc.rpc", autograd="torchrpc.autograd",
                            optim="torchrpc.optim"),
+    "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="torchrpc.bench.variants.tcp",
+                               autograd="torchrpc.autograd", optim="torchrpc.optim"),
+    "torchrpc-tcp-nomac": SystemSpec("torchrpc-tcp-nomac",
+                                     rpc="torchrpc.bench.variants.tcp_nomac",
+                                     autograd="torchrpc.autograd", optim="torchrpc.optim"),
     "shim": SystemSpec("shim", **_TORCH_MODULES),
 }
 """Built-in systems, selectable with ``--systems``."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 import threading
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import torch
 
@@ -126,7 +127,7 @@ def _failure(fut: torch.futures.Future) -> Optional[BaseException]:
     """The error of a completed future, as a copy that holds no frames; None if it holds
     a value."""
     try:
-        fut.value()
+        _future_value(fut)
     except BaseException as exc:  # noqa: BLE001 - returned, not handled
         exc.__traceback__ = None
         exc.__context__ = exc.__cause__ = None
@@ -134,38 +135,37 @@ def _failure(fut: torch.futures.Future) -> Optional[BaseException]:
     return None
 
 
+_future_value = torch._C.Future.value
+_add_done_callback = torch._C.Future.add_done_callback
 _torch_collect_all = torch.futures.collect_all
 _torch_wait_all = torch.futures.wait_all
 
 
 @functools.wraps(_torch_collect_all)
 def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
-    ours = [f for f in futures if isinstance(f, RpcFuture)]
-    if not ours:
+    ours = next((f for f in futures if isinstance(f, RpcFuture)), None)
+    if ours is None:
         return _torch_collect_all(futures)
     futures = list(futures)
-    combined = new_future(ours[0]._pool)
-    lock = threading.Lock()
-    state = {"left": len(futures), "ended": False}
+    combined = new_future(ours._pool)
+    if not futures:
+        combined.set_result(futures)
+        return combined
+    finished = itertools.count(1).__next__  # atomic under the GIL: no lock per future
+    ended: Dict[str, Any] = {}
+    total = len(futures)
 
     def on_done(fut: torch.futures.Future) -> None:
+        # Runs where the future completes, a reader thread too: it only counts and checks.
         error = _failure(fut)
-        with lock:  # the first error, or the last future, completes the combined one
-            if state["ended"]:
-                return
-            state["left"] -= 1
-            if error is None and state["left"]:
-                return
-            state["ended"] = True
         if error is not None:
-            combined.set_exception(error)
-        else:
+            if ended.setdefault("by", fut) is fut:  # the first error ends it
+                combined.set_exception(error)
+        elif finished() == total and ended.setdefault("by", combined) is combined:
             combined.set_result(futures)
 
     for fut in futures:
-        # The plain callback runs where the future completes: it only counts, so it may
-        # run on a reader thread; the combined future hands on its own callbacks.
-        torch.futures.Future.add_done_callback(fut, on_done)
+        _add_done_callback(fut, on_done)
     return combined
 
 
@@ -173,7 +173,8 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
 def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     if not any(isinstance(f, RpcFuture) for f in futures):
         return _torch_wait_all(futures)
-    return [fut.wait() for fut in collect_all(futures).wait()]
+    # Once the combined future holds the list, every future in it holds a value.
+    return [_future_value(fut) for fut in collect_all(futures).wait()]
 
 
 torch.futures.collect_all = collect_all

@@ -122,6 +122,7 @@ class Connection:
         self._outbox: List[Any] = []
         self._outbox_bytes = 0  # stream bytes of the frames in _outbox
         self._room = threading.Condition(self._lock)  # _outbox got emptier, or closed
+        self._room_waiters = 0  # threads in _wait_for_room: only they need a notify
         self._writing = False
         # Bounds, set by the transport: bytes that may wait in the outbox before a sender
         # waits for room (0: no bound), and how long it waits (0: as long as it takes).
@@ -184,9 +185,12 @@ class Connection:
                     keepalive.clear()
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
-        data = [b for b in buffers if len(b)]
-        size = len(head) + len(envelope) + sum(
-            _wire.SHM_REF_SIZE if n & _wire.SHM_BIT else n for n in lengths)
+        size = len(head) + len(envelope)
+        if lengths:
+            data = [b for b in buffers if len(b)]
+            size += sum(_wire.SHM_REF_SIZE if n & _wire.SHM_BIT else n for n in lengths)
+        else:
+            data = []
         with self._lock:
             if self._writing and self.max_outbox and self._outbox \
                     and self._outbox_bytes + size > self.max_outbox \
@@ -223,7 +227,11 @@ class Connection:
                     f"waiting for room: {self._outbox_bytes} bytes wait in its outbox "
                     f"(max_outbox_bytes is {self.max_outbox}) while the peer reads slower "
                     f"than this worker sends; raise send_timeout or max_outbox_bytes")
-            self._room.wait(left)
+            self._room_waiters += 1
+            try:
+                self._room.wait(left)
+            finally:
+                self._room_waiters -= 1
 
     @property
     def outbox_bytes(self) -> int:
@@ -236,11 +244,13 @@ class Connection:
                 batch = self._outbox
                 if not batch or self._closed:
                     self._writing = False
-                    self._room.notify_all()
+                    if self._room_waiters:
+                        self._room.notify_all()
                     return
                 self._outbox = []
                 self._outbox_bytes = 0
-                self._room.notify_all()
+                if self._room_waiters:
+                    self._room.notify_all()
             iov = [p for parts, _ in batch for p in parts]
             try:
                 self._sendall(iov)

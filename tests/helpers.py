@@ -287,6 +287,20 @@ def stop_heartbeats() -> bool:
     return True
 
 
+def flood(to: str, n: int, seconds: float) -> Tuple[int, List[str]]:
+    """Start ``n`` calls of ``sleep_then(seconds)`` on ``to`` at once; return how many
+    succeeded and the errors of the others as ``"Type: message"``."""
+    futs = [rpc.rpc_async(to, sleep_then, args=(seconds, i)) for i in range(n)]
+    ok, errors = 0, []
+    for fut in futs:
+        try:
+            fut.wait()
+            ok += 1
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return ok, errors
+
+
 def open_private_connections(to: str, n: int) -> int:
     """Make ``n`` blocking calls to ``to`` at once, so that ``n`` private connections are
     opened; return how many this worker holds to ``to`` afterwards (idle, in its free list)."""

@@ -1,5 +1,6 @@
-"""Every queue and table has a bound: outstanding requests, private connections per peer,
-bytes waiting in a connection's outbox (back-pressure), and sends have a deadline.
+"""Every queue and table has a bound: outstanding requests, private connections per peer
+(dialed and accepted), requests waiting for the pool, bytes waiting in a connection's
+outbox (back-pressure), and sends have a deadline.
 
 Rank 0 runs with small bounds; the others with the defaults. worker2 is stopped (SIGSTOP)
 to play a peer that does not read, and continued afterwards.
@@ -27,6 +28,7 @@ SEND_TIMEOUT = 1.5
 OUTBOX = 8 << 20
 PENDING = 8
 PRIVATE = 2
+QUEUED = 4
 # Sends fail at send_timeout; the loaded 2-core machine gets 3 s more.
 SLACK = 3.0
 
@@ -36,9 +38,20 @@ def group():
     # No heartbeat timeout here: the stopped peer must be found by the send deadline.
     mine = {"send_timeout": SEND_TIMEOUT, "max_outbox_bytes": OUTBOX,
             "max_pending_requests": PENDING, "max_private_connections": PRIVATE,
-            "heartbeat_timeout": 0.0, "enable_shm": False}
+            "max_queued_requests": QUEUED, "heartbeat_timeout": 0.0, "enable_shm": False}
     with running_group(3, threads=4, timeout=30.0, self_options=mine) as g:
         yield g
+
+
+def test_requests_beyond_the_pool_queue_bound_are_refused_with_a_clear_error():
+    # worker1 floods this worker (4 threads, 4 queued) with 40 slow calls at once, first
+    # of all: later, a pool thread may hold the connection's reading role, and then it
+    # stops reading while every thread is busy (the socket holds what waits).
+    ok, errors = rpc.rpc_sync("worker1", helpers.flood, args=("worker0", 40, 0.3), timeout=60)
+    assert ok >= 4 and errors and ok + len(errors) == 40, (ok, errors)
+    assert all(e.startswith("OverloadedError: worker worker0 is overloaded") and
+               "max_queued_requests is 4" in e for e in errors), errors
+    assert rpc.rpc_sync("worker1", helpers.flood, args=("worker0", 3, 0.0)) == (3, [])
 
 
 def test_outstanding_requests_are_bounded():
@@ -72,6 +85,30 @@ def test_private_connections_per_peer_are_bounded():
         watcher.join()
     assert not errors, errors
     assert sorted(results) == list(range(6))
+    assert 1 <= most[0] <= PRIVATE, most
+
+
+def test_private_connections_a_peer_dials_here_are_bounded():
+    # worker1 (default bounds: 32) opens more private connections than this worker takes.
+    transport = current_agent()._transport
+    most = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            n = sum(1 for c in transport.connections()
+                    if c.private and not c.outbound and c.peer_rank == 1 and not c.closed)
+            most[0] = max(most[0], n)
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        # Six blocking calls at once to this worker, all answered (beyond two, on the
+        # shared connection).
+        rpc.rpc_sync("worker1", helpers.open_private_connections, args=("worker0", 6))
+    finally:
+        done.set()
+        watcher.join()
     assert 1 <= most[0] <= PRIVATE, most
 
 

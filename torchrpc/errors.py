@@ -58,6 +58,10 @@ class MissingDefinitionError(SerializationError, AttributeError):
     """A message names a function or class that this process does not define."""
 
 
+class OverloadedError(RpcError):
+    """The callee refused a request: too many requests already wait for its threads."""
+
+
 class ShutdownError(RpcError):
     """Graceful shutdown could not complete (for example a worker is missing)."""
 

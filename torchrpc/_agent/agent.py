@@ -42,13 +42,13 @@ import torch
 from .. import _threads, _wire
 from .._threads import Guard
 from .._transport import Connection, Releasable, Transport, handshake, shm
-from .._transport.tcp import set_spare_cpus
+from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
                       NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
-                      SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError,
-                      WrongTypeError, as_runtime_error)
+                      OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
+                      WorkerLeftError, WrongTypeError, as_runtime_error)
 from . import membership, rendezvous
 from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
@@ -355,6 +355,8 @@ class Agent:
         # bounds (see the README's options table; 0: none)
         self._max_pending = int(getattr(options, "max_pending_requests", 0))
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
+        self._max_queued = int(getattr(options, "max_queued_requests", 0))
+        self._overloads = LogBudget(what="refused requests")
         self._heartbeat: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
@@ -402,6 +404,7 @@ class Agent:
                                                                    "send_timeout", 0.0)),
                                         max_outbox=int(getattr(self.options,
                                                                "max_outbox_bytes", 0)),
+                                        max_private=self._max_private,
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)))
         except ValueError as exc:
@@ -1367,11 +1370,28 @@ class Agent:
         if self._state == "running" and self._pool.hand_off(
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return _nothing
+        if self._max_queued and self._pool.num_pending >= self._max_queued \
+                and not header.oneway and not header.flags & _wire.FLAG_ONCE:
+            self._refuse(src, header, via)
+            return self._reading_to_pool(conn)
         try:
             self._pool.submit(self._serve, src, header, envelope, buffers, handler, via)
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return self._reading_to_pool(conn)
+
+    def _refuse(self, src: WorkerInfo, header: _wire.Header, via: Optional[Connection]) -> None:
+        """Fail a request that would wait behind ``max_queued_requests`` others (one-way
+        and at-most-once messages of the protocols are never refused: losing them would
+        lose state)."""
+        queued = self._pool.num_pending
+        self._overloads.warn("torchrpc: %s refused a %s from %s: %d requests wait for its "
+                             "%d threads (max_queued_requests)", self.name,
+                             Kind(header.kind).name, src.name, queued, self._pool.num_threads)
+        self._send_error(src, header.request_id, OverloadedError(
+            f"worker {self.name} is overloaded: {queued} requests already wait for a thread "
+            f"(max_queued_requests is {self._max_queued}); slow down, wait for replies, or "
+            f"raise num_worker_threads or max_queued_requests on {self.name}"), via)
 
     # At most once. A request with a retry policy is sent again when its connection fails
     # before the reply, and it may have arrived all the same: the caller cannot tell. So
@@ -1653,11 +1673,16 @@ class Agent:
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
                      via: Optional[Connection] = None) -> None:
-        info = RemoteErrorInfo(type(exc), str(exc), "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
         # The callee's side of the story, as torch's agent logs it; the caller gets the error.
         log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
                     type(exc).__name__, exc, describe(what), dst.name)
+        self._send_error(dst, rid, exc, via)
+
+    def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
+                    via: Optional[Connection] = None) -> None:
+        """Answer request ``rid`` of ``dst`` with ``exc``."""
+        info = RemoteErrorInfo(type(exc), str(exc), "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
         try:
             info.original = _wire.encode(exc)[0]
         except SerializationError:

@@ -542,11 +542,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return bytes(data)
 
 
-class _LogBudget:
-    """At most ``burst`` warnings per ``period`` seconds, then one line counting the rest,
-    so that a flood of hostile connections cannot flood the log."""
+class LogBudget:
+    """At most ``burst`` warnings per ``period`` seconds, then one line counting the rest
+    (``what`` names them), so that a flood cannot flood the log."""
 
-    def __init__(self, burst: int = 20, period: float = 60.0) -> None:
+    def __init__(self, burst: int = 20, period: float = 60.0,
+                 what: str = "rejected connections") -> None:
+        self._what = what
         self._burst = burst
         self._period = period
         self._lock = threading.Lock()
@@ -559,8 +561,8 @@ class _LogBudget:
             now = time.monotonic()
             if now - self._start > self._period:
                 if self._dropped:
-                    log.warning("torchrpc: %d more rejected connections in the last %.0f s "
-                                "were not logged", self._dropped, now - self._start)
+                    log.warning("torchrpc: %d more %s in the last %.0f s were not logged",
+                                self._dropped, self._what, now - self._start)
                 self._start, self._count, self._dropped = now, 0, 0
             if self._count >= self._burst:
                 self._dropped += 1
@@ -621,11 +623,12 @@ class Transport:
                  same_host: Optional[Callable[[int], bool]] = None,
                  local_socket: bool = False, on_fatal: Optional[Fatal] = None,
                  same_pids: Optional[Callable[[int], bool]] = None,
-                 send_timeout: float = 0.0, max_outbox: int = 0) -> None:
+                 send_timeout: float = 0.0, max_outbox: int = 0,
+                 max_private: int = 0) -> None:
         self.rank = rank
         self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
-        self._rejects = _LogBudget()
+        self._rejects = LogBudget()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._secret = secret
         self._limits = limits
@@ -644,6 +647,7 @@ class Transport:
         self._same_pids = same_pids
         self._send_timeout = send_timeout  # see Connection.send_timeout and _bound
         self._max_outbox = max_outbox
+        self._max_private = max_private  # private connections accepted per peer (0: any)
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
@@ -791,6 +795,12 @@ class Transport:
             sock.sendall(challenge)
             handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
                                   hello, nonce, self.rank, self._features, binding)
+            if hello.features & handshake.FEATURE_PRIVATE and self._max_private \
+                    and self._private_from(hello.rank) >= self._max_private:
+                # Refused before ACCEPT: the dialer's call goes over the shared connection.
+                raise ConnectionRefusedError(
+                    f"rank {hello.rank} already has {self._max_private} private connections "
+                    f"here (max_private_connections)")
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             _tune(sock)
@@ -944,6 +954,12 @@ class Transport:
                                 struct.pack("ll", sec, usec))
             except OSError as exc:
                 log.debug("torchrpc: no send timeout on a socket: %s", exc)
+
+    def _private_from(self, rank: int) -> int:
+        """Open private connections that ``rank`` dialed to this worker."""
+        with self._lock:
+            return sum(1 for c in self._every_conn
+                       if c.private and not c.outbound and c.peer_rank == rank and not c.closed)
 
     def _register(self, conn: Connection) -> None:
         """Count ``conn`` among the transport's connections and set up its shared memory."""

@@ -168,7 +168,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         max_pending_requests (int): outstanding requests this worker may have at once;
             one more raises at once (default 1,048,576).
         max_private_connections (int): private connections to one peer (for blocking
-            calls); calls beyond that many at once go over the shared one (default 32).
+            calls); calls beyond that many at once go over the shared one, and a peer's
+            connections beyond that many are refused (default 32).
+        max_queued_requests (int): requests that may wait for a thread of the pool; a
+            call or ``remote()`` arriving beyond that fails at its caller with an error
+            saying the worker is overloaded (default 65,536). The messages of the RRef and
+            distributed autograd protocols are never refused.
         tls_certfile (str, optional): PEM certificate of this worker; setting it turns TLS on
             for every link. Every worker of the job needs one.
         tls_keyfile (str, optional): PEM private key, when not inside ``tls_certfile``.
@@ -205,6 +210,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  max_outbox_bytes: int = constants.DEFAULT_MAX_OUTBOX_BYTES,
                  max_pending_requests: int = constants.DEFAULT_MAX_PENDING_REQUESTS,
                  max_private_connections: int = constants.DEFAULT_MAX_PRIVATE_CONNECTIONS,
+                 max_queued_requests: int = constants.DEFAULT_MAX_QUEUED_REQUESTS,
                  tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
                  tls_cafile: Optional[str] = None,
                  tls_require_client_cert: bool = True,
@@ -231,6 +237,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.max_outbox_bytes = max_outbox_bytes
         self.max_pending_requests = max_pending_requests
         self.max_private_connections = max_private_connections
+        self.max_queued_requests = max_queued_requests
         self.tls_certfile = tls_certfile
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
@@ -323,6 +330,15 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     @max_private_connections.setter
     def max_private_connections(self, value: int) -> None:
         self._max_private_connections = _count("max_private_connections", value, 0)
+
+    @property
+    def max_queued_requests(self) -> int:
+        """Requests that may wait for a pool thread; calls beyond that are refused."""
+        return self._max_queued_requests
+
+    @max_queued_requests.setter
+    def max_queued_requests(self, value: int) -> None:
+        self._max_queued_requests = _count("max_queued_requests", value, 1)
 
     @property
     def tls_certfile(self) -> Optional[str]:

@@ -56,7 +56,7 @@ class CoroutineRunner:
     def submit(self, coro: Coroutine[Any, Any, Any]) -> torch.futures.Future:
         """Run ``coro`` on the loop; a future of its result (or of what it raised)."""
         fut: torch.futures.Future = torch.futures.Future()
-        loop = self._loop or self._start()
+        loop = None if self._closed else (self._loop or self._start())
         if loop is None:
             coro.close()  # never awaited: close it, or Python warns when it is collected
             fut.set_exception(NotInitializedError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -24,6 +25,9 @@ THREADS = 2
 def group():
     with running_group(3, threads=THREADS, timeout=30.0) as g:
         yield g
+    # Shutdown stopped and joined this worker's event loop thread (it ran coroutines).
+    left = [t.name for t in threading.enumerate() if t.name.startswith("torchrpc-asyncio")]
+    assert not left, left
 
 
 class _Errors(logging.Handler):

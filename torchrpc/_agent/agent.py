@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import contextlib
 import heapq
-import inspect
 import itertools
 import logging
 import os
@@ -36,6 +35,7 @@ import select
 import threading
 import time
 import traceback
+from types import CoroutineType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -1704,8 +1704,10 @@ class Agent:
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
                      via: Optional[Connection] = None) -> None:
-        info = RemoteErrorInfo(type(exc), str(exc), "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        # A coroutine target's error carries its traceback as text (see coroutines.py).
+        text = getattr(exc, "_torchrpc_traceback", None) or "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__))
+        info = RemoteErrorInfo(type(exc), str(exc), text, self.name, None)
         # The callee's side of the story, as torch's agent logs it; the caller gets the error.
         log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
                     type(exc).__name__, exc, describe(what), dst.name)
@@ -2206,7 +2208,7 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
     ``agent`` (default: the current agent)."""
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
-        if inspect.iscoroutine(fut):
+        if isinstance(fut, CoroutineType):
             return AsyncResult(_coroutines_of(agent).submit(fut))
         if not isinstance(fut, torch._C.Future):
             raise WrongTypeError(
@@ -2225,7 +2227,7 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"Overloaded torch operator invoked from Python failed to match any schema: "
                 f"{exc}; check the arguments given to {describe(func)}") from exc
         raise
-    if inspect.iscoroutine(result):
+    if isinstance(result, CoroutineType):
         return AsyncResult(_coroutines_of(agent).submit(result))
     return result
 

@@ -10,8 +10,9 @@ wait at once (on nested ``await rpc.rpc_async(...)`` calls, timers, I/O).
 When a coroutine ends, its future is completed on a pool thread, not on the
 loop: completing it runs the callbacks that encode and send the reply, which may
 block on a full socket, and the loop must stay free for the other coroutines.
-The exception a coroutine raised is stored as it is, with its traceback, so the
-caller's error names the remote frames just as a plain function's does.
+The exception a coroutine raised is stored as a copy without frames, and with the
+coroutine's traceback as text, so the caller's error names the remote frames just as a
+plain function's does.
 
 :meth:`close` (at shutdown) cancels what still runs, waits a moment for the
 cancellations, then stops, closes and joins the loop thread.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import traceback
 from typing import Any, Coroutine, Optional
 
 import torch
@@ -29,6 +31,7 @@ import torch
 from .. import _threads
 from .._threads import Guard
 from ..errors import NotInitializedError
+from .futures import fresh_error
 from .pool import WorkerPool
 
 log = logging.getLogger("torchrpc")
@@ -134,7 +137,14 @@ def _settle(task: "asyncio.Future[Any]", fut: torch.futures.Future) -> None:
             "the coroutine target was cancelled: its worker shut down before it ended"))
         return
     exc = task.exception()
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
+    if exc is None:
         fut.set_result(task.result())
+        return
+    # The future keeps a copy without frames (waiting on it must not make a cycle through
+    # the C++ future that gc cannot see), and the coroutine's traceback as text for the reply.
+    error = fresh_error(exc)
+    try:
+        error._torchrpc_traceback = "".join(traceback.format_exception(exc))
+    except AttributeError:  # an exception type without attributes: the copy's own then
+        pass
+    fut.set_exception(error)

@@ -543,7 +543,8 @@ def _combine_results(agent: Agent, dsts: List[WorkerInfo], futures: List[torch.f
         try:
             value = f.wait()
         except BaseException as exc:  # noqa: BLE001 - collected into the group's error
-            error, value = exc, None
+            # Without frames: ``out`` keeps it, and a C++ future in a cycle is never freed.
+            error, value = exc.with_traceback(None), None
         with lock:
             results[i] = value
             if error is not None:

@@ -82,6 +82,11 @@ def debug_info() -> dict:
 
 
 @torch.jit.script
+def script_raise(message: str) -> torch.Tensor:
+    raise ValueError(message)
+
+
+@torch.jit.script
 def script_add(x: torch.Tensor, y: int) -> torch.Tensor:
     return x + y
 

@@ -166,21 +166,25 @@ def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
     assert "skipped: memory ran out at 2 workers" in errors["scale_3w_rss_MB"]["errors"]["torchrpc"]
 
 
+NOMAC = "torchrpc-tcp-nomac=tests.bench_tcp_nomac,torchrpc.autograd,torchrpc.optim"
+
+
 def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
     proc = run_bench("--quick", "--workloads", "latency", "--systems",
-                     "torchrpc-tcp,torchrpc-tcp-nomac", "--json")
+                     "torchrpc-tcp,torchrpc-tcp-nomac", "--define-system", NOMAC, "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     values = json.loads(proc.stdout)["metrics"]["rpc_sync_p50_us"]["values"]
     assert all(isinstance(values[s], (int, float)) and values[s] > 0
                for s in ("torchrpc-tcp", "torchrpc-tcp-nomac")), values
     # What each variant changes, checked in a fresh interpreter (tcp_nomac patches its own).
-    probe = ("import socket, torchrpc.bench.variants.{0} as v\n"
+    probe = ("import socket, {0} as v\n"
              "from torchrpc._transport import tcp, handshake\n"
              "o = v.TensorPipeRpcBackendOptions(num_worker_threads=2)\n"
              "c = type('C', (), {{'features': handshake.FEATURE_FRAME_MAC,\n"
              "                    'sock': socket.socket()}})()\n"
              "print(o.enable_uds, o.enable_shm, tcp._needs_frame_macs(c))\n")
-    for variant, macs in (("tcp", "True"), ("tcp_nomac", "False")):
+    for variant, macs in (("torchrpc.bench.variants.tcp", "True"),
+                          ("tests.bench_tcp_nomac", "False")):
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert out.split() == ["False", "False", macs], (variant, out)

@@ -13,7 +13,7 @@ from .group import running_group
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
-    with running_group(2, threads=2, timeout=30.0) as g:
+    with running_group(2, threads=2, timeout=30.0, options={"profile_kineto": True}) as g:
         yield g
 
 
@@ -21,7 +21,7 @@ def _names(events):
     return [e.name for e in events]
 
 
-def test_legacy_profiler_records_rpcs_and_remote_ops():
+def test_autograd_profiler_records_rpcs_and_remote_ops():
     x = torch.ones(4)
     with torch.autograd.profiler.profile() as prof:
         fut = rpc.rpc_async("worker1", torch.add, args=(x, 1))

@@ -169,12 +169,19 @@ def test_profiles_on_two_threads_keep_their_own_events():
     assert results == [{1}, {2}] * 3
 
 
-def test_kineto_profile_gets_named_replays():
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        rpc.rpc_async("worker1", ops).wait()
-    key = _key(RPCExecMode.ASYNC, ops, "worker1")
-    names = [e.name for e in prof.events()]
-    assert key in names and key + REMOTE_OP + "aten::add" in names, names
+@pytest.mark.parametrize("profiler", ["torch.profiler", "torch.autograd.profiler"])
+def test_kineto_profiles_record_no_rpc_by_default(profiler):
+    # As torch's RPC: only the legacy profiler records RPCs (option profile_kineto).
+    kineto = torch.profiler.profile if profiler == "torch.profiler" \
+        else torch.autograd.profiler.profile
+    with kineto() as prof:
+        first = rpc.rpc_async("worker1", ops)
+        assert torch.equal(rpc.rpc_async("worker1", ops).wait(), first.wait())
+        assert rpc.remote("worker1", ops).to_here() is not None
+    events = prof.events() if profiler == "torch.profiler" else prof.function_events
+    names = [e.name for e in events]
+    assert not [n for n in names if n.startswith("rpc_")], names
+    assert "aten::add" not in names, names  # the callee's operators were not profiled
 
 
 def test_server_process_global_profile():

@@ -65,6 +65,30 @@ def test_futures_api():
     assert [f.value() for f in collected] == [2 * i for i in range(30)]
 
 
+def test_wait_all_and_collect_all_end_at_the_first_error():
+    # As torch's for its RPC futures: no waiting for the slow call once another failed.
+    slow = rpc.rpc_async("worker1", helpers.sleep_then, args=(6.0, "late"))
+    plain = torch.futures.Future()  # torch's own futures may be in the list too
+    plain.set_result(0)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="first to fail"):
+        torch.futures.wait_all([slow, rpc.rpc_async("worker2", helpers.raise_value_error,
+                                                    args=("first to fail",)), plain])
+    combined = torch.futures.collect_all(
+        [slow, rpc.rpc_async("worker2", torch.add, args=(torch.ones(2), "x"))])
+    with pytest.raises(RuntimeError):
+        combined.wait()
+    assert time.monotonic() - start < 4.0
+    assert slow.wait() == "late"  # the slow call itself goes on to its result
+
+
+def test_a_torchscript_error_arrives_as_a_runtime_error():
+    # torch's RPC runs TorchScript in C++, whose errors reach the caller as RuntimeError.
+    with pytest.raises(RuntimeError, match="script says no") as info:
+        rpc.rpc_sync("worker1", helpers.script_raise, args=("script says no",))
+    assert isinstance(info.value, torch.jit.Error)
+
+
 def test_callback_may_block_on_rpc():
     # A then() callback that makes a blocking RPC must not stall the reader thread.
     fut = rpc.rpc_async("worker1", helpers.add, args=(1, 1)).then(

@@ -49,7 +49,7 @@ from .._wire import Kind
 from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
                       NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
                       SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError,
-                      WrongTypeError)
+                      WrongTypeError, as_runtime_error)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
 from .secret import discard_local as discard_local_secret
@@ -2268,6 +2268,8 @@ def rebuild_error(info: Any) -> BaseException:
                            f"{exc_type.__name__}: {text}")
         elif hasattr(exc, "add_note"):
             exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
+    if isinstance(exc, torch.jit.Error):  # torch's RPC reports TorchScript errors as such
+        exc = as_runtime_error(exc)
     exc.remote_traceback = info.remote_traceback
     exc.worker = info.worker
     return exc

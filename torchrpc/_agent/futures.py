@@ -7,6 +7,11 @@ reader thread: if the future completes there, they are handed to the pool, so a
 callback that itself makes a blocking RPC cannot stall the connection whose
 reply it waits for. And ``await fut`` works in any running event loop: the loop
 is told of the completion with ``call_soon_threadsafe`` and never blocks on it.
+
+``torch.futures.collect_all`` and ``wait_all`` run in torch's C++, which sees a future as
+failed only if C++ failed it; torchrpc's futures fail from Python (``set_exception``), so
+this module puts versions of the two into ``torch.futures`` that also end early on those,
+and leave lists without a torchrpc future to torch's own.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import copy
 import functools
 import logging
 import threading
-from typing import Any, Callable, Generator, Optional, TypeVar
+from typing import Any, Callable, Generator, List, Optional, TypeVar
 
 import torch
 
@@ -143,3 +148,61 @@ def new_future(pool: Optional[WorkerPool]) -> RpcFuture:
     fut = RpcFuture()
     fut._pool = pool
     return fut
+
+
+def _failure(fut: torch.futures.Future) -> Optional[BaseException]:
+    """The error of a completed future, as a copy that holds no frames; None if it holds
+    a value."""
+    try:
+        fut.value()
+    except BaseException as exc:  # noqa: BLE001 - returned, not handled
+        exc.__traceback__ = None
+        exc.__context__ = exc.__cause__ = None
+        return fresh_error(exc)
+    return None
+
+
+_torch_collect_all = torch.futures.collect_all
+_torch_wait_all = torch.futures.wait_all
+
+
+@functools.wraps(_torch_collect_all)
+def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
+    ours = [f for f in futures if isinstance(f, RpcFuture)]
+    if not ours:
+        return _torch_collect_all(futures)
+    futures = list(futures)
+    combined = new_future(ours[0]._pool)
+    lock = threading.Lock()
+    state = {"left": len(futures), "ended": False}
+
+    def on_done(fut: torch.futures.Future) -> None:
+        error = _failure(fut)
+        with lock:  # the first error, or the last future, completes the combined one
+            if state["ended"]:
+                return
+            state["left"] -= 1
+            if error is None and state["left"]:
+                return
+            state["ended"] = True
+        if error is not None:
+            combined.set_exception(error)
+        else:
+            combined.set_result(futures)
+
+    for fut in futures:
+        # The plain callback runs where the future completes: it only counts, so it may
+        # run on a reader thread; the combined future hands on its own callbacks.
+        torch.futures.Future.add_done_callback(fut, on_done)
+    return combined
+
+
+@functools.wraps(_torch_wait_all)
+def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
+    if not any(isinstance(f, RpcFuture) for f in futures):
+        return _torch_wait_all(futures)
+    return [fut.wait() for fut in collect_all(futures).wait()]
+
+
+torch.futures.collect_all = collect_all
+torch.futures.wait_all = wait_all

@@ -15,7 +15,8 @@ caller's profile depends on the profiler:
   RPC supports): as torch's own remote events, with ``is_remote``, the callee's rank as
   ``node_id`` and the callee's durations (see :mod:`.events`);
 - a Kineto profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``),
-  which takes no foreign events: replayed on the thread that waits for the result, as
+  only with the backend option ``profile_kineto`` (torch's RPC records nothing under
+  Kineto, and ported code may count on it). Kineto takes no foreign events: replayed on the thread that waits for the result, as
   ``record_function`` events of the same names whose ``args`` carry ``node=<callee>``
   and the callee-side CPU time (their own duration is not the remote one).
 
@@ -49,11 +50,13 @@ EXTENSION_KEY = "profiler"
 _local = threading.local()  # .pending: the Call whose request is being sent on this thread
 _hooks: "weakref.WeakSet[ProfilingHook]" = weakref.WeakSet()
 _hooks_lock = threading.Lock()
+_kineto = False  # the current agent's profile_kineto option
 
 
 def enabled() -> bool:
-    """Whether a torch profiler is recording on this thread."""
-    return torch.autograd._profiler_enabled()
+    """Whether RPCs made on this thread are profiled: a legacy profiler is recording on
+    it, or a Kineto one and the agent's ``profile_kineto`` option is on."""
+    return torch.autograd._profiler_enabled() and (_kineto or events.is_legacy())
 
 
 def profiling_key(mode: str, func_name: str, src_name: str, dst_name: str) -> str:
@@ -298,6 +301,8 @@ def _profiled_locally(func: Any, call: Call) -> Callable[..., Any]:
 
 def install(agent: Agent) -> None:
     """Add the profiling hook to ``agent`` (called by ``init_rpc``)."""
+    global _kineto
+    _kineto = bool(getattr(agent.options, "profile_kineto", False))
     events.install()
     hook = ProfilingHook(agent)
     agent.extensions[EXTENSION_KEY] = hook

@@ -7,7 +7,7 @@ only inside the spawned worker processes, by name, so a system that is missing o
 shows up as an error row instead of taking the whole benchmark down.
 
 ``torchrpc-tcp`` is torchrpc over plain TCP, as between hosts (no Unix socket, no shared
-memory); ``torchrpc-tcp-nomac`` is the same without frame MACs, to measure what they cost.
+memory), frame MACs included.
 
 ``shim`` is torch again under another label. It exists to develop and test the harness
 end to end without depending on torchrpc being complete.
@@ -47,9 +47,6 @@ SYSTEMS: dict[str, SystemSpec] = {
                            optim="torchrpc.optim"),
     "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="torchrpc.bench.variants.tcp",
                                autograd="torchrpc.autograd", optim="torchrpc.optim"),
-    "torchrpc-tcp-nomac": SystemSpec("torchrpc-tcp-nomac",
-                                     rpc="torchrpc.bench.variants.tcp_nomac",
-                                     autograd="torchrpc.autograd", optim="torchrpc.optim"),
     "shim": SystemSpec("shim", **_TORCH_MODULES),
 }
 """Built-in systems, selectable with ``--systems``."""

@@ -16,10 +16,11 @@ operators that worker1 ran for each call, recorded there, shipped back and
 named ``<rpc event>#remote_op: <operator>`` with node id 1. The trace is also
 exported in Chrome's format to a temporary directory.
 
-It exits with an error when the profile holds no RPC event. (In torch 2.13,
-``torch.distributed.rpc`` itself records none: its profiler is now always
-Kineto, which "will profile the caller, but not the worker", and records no
-``rpc_async#`` event either.)
+It exits with an error when the profile holds no RPC event. In torch 2.13 the
+autograd profiler is a Kineto profiler, under which ``torch.distributed.rpc``
+records no RPC (it "will profile the caller, but not the worker"); torchrpc does
+the same by default and records them when the backend option ``profile_kineto``
+is on, as here.
 
 Differences from the recipe: the table is sorted by CPU total and names are
 not truncated; a short summary of the RPC and remote events follows it; the
@@ -100,7 +101,8 @@ def export_trace(prof: profiler.profile) -> None:
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """Entry point of one rank: worker0 profiles calls to worker1, which only serves."""
     name = CALLER if rank == 0 else CALLEE
-    rpc.init_rpc(name, rank=rank, world_size=world_size)
+    rpc.init_rpc(name, rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(profile_kineto=True))
     recorded: int | None = None
     if rank == 0:
         prof = profile_calls(args.sleep)

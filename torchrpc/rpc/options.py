@@ -181,6 +181,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             URI subject alternative name, or the common name), for example the job's name.
             Without it, a peer's certificate must name the IP address it is reached at or
             connects from (an IP address or a host name resolving to it).
+        profile_kineto (bool): RPCs made under a Kineto profiler (``torch.profiler.profile``,
+            ``torch.autograd.profiler.profile``) become profiler events too, with the
+            callee's operators replayed as remote events (default False: as torch's RPC,
+            only torch's legacy profiler, ``torch.autograd.profiler_legacy.profile``,
+            records RPCs).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -203,7 +208,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
                  tls_cafile: Optional[str] = None,
                  tls_require_client_cert: bool = True,
-                 tls_identity: Optional[str] = None) -> None:
+                 tls_identity: Optional[str] = None,
+                 profile_kineto: bool = False) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -233,6 +239,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             raise ValueError(f"tls_identity must be a non-empty str or None, got "
                              f"{tls_identity!r}")
         self.tls_identity = tls_identity
+        if not isinstance(profile_kineto, bool):
+            raise TypeError(f"profile_kineto must be a bool, got {profile_kineto!r}")
+        self.profile_kineto = profile_kineto
 
     @property
     def num_worker_threads(self) -> int:

@@ -1,0 +1,13 @@
+"""torchrpc over plain TCP with frame MACs off, for measuring what the MACs cost.
+
+``--define-system torchrpc-tcp-nomac=tests.bench_tcp_nomac,torchrpc.autograd,torchrpc.optim``
+(run from the repository root) is the bench's ``torchrpc-tcp`` system less the MACs.
+Importing this module turns them off for the whole process: it is for a benchmark worker
+and nothing else, which is why it lives with the tests and not in the package.
+"""
+
+from torchrpc._transport import tcp as _tcp_transport
+from torchrpc.bench.variants.tcp import TensorPipeRpcBackendOptions  # noqa: F401
+from torchrpc.bench.variants.tcp import __getattr__  # noqa: F401 - the rest of torchrpc.rpc
+
+_tcp_transport._needs_frame_macs = lambda conn: False

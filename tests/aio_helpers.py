@@ -33,6 +33,13 @@ async def async_raise(msg: str) -> None:
     raise ValueError(msg)
 
 
+@rpc.functions.async_execution
+async def async_execution_coroutine(x: int) -> int:
+    """Marked @async_execution and a coroutine: runs on the loop like any coroutine."""
+    await asyncio.sleep(0)
+    return x * 2
+
+
 def loop_thread_of_async_target() -> str:
     """Runs a coroutine target here; the name of the thread it ran on."""
     return rpc.rpc_sync(rpc.get_worker_info().name, _thread_name)

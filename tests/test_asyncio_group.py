@@ -179,6 +179,7 @@ def test_async_target_via_rpc_sync_rpc_async_and_remote():
     assert rpc.remote("worker1", aio.async_add, args=("a", "b")).to_here() == "ab"
     assert rpc.rpc_sync("worker0", aio.async_add, args=(1, 1)) == 2  # to itself
     assert rpc.remote("worker0", aio.async_add, args=(2, 2)).to_here() == 4
+    assert rpc.rpc_sync("worker2", aio.async_execution_coroutine, args=(21,)) == 42
     # Coroutines run on the callee's own loop thread, not on a pool thread.
     assert rpc.rpc_sync("worker1", aio.loop_thread_of_async_target) == "torchrpc-asyncio-worker1"
 
@@ -269,7 +270,7 @@ def test_rpc_async_many_partial_failure_names_every_failed_worker():
     assert isinstance(err, RuntimeError)
     assert "worker1" in str(err) and "worker2" in str(err) and "2 of 3" in str(err)
     assert err.results == [40, None, None]
-    assert sorted(err.errors) == ["worker1", "worker2"] == sorted(err.failed_workers)
+    assert list(err.errors) == ["worker1", "worker2"] == err.failed_workers  # order of `to`
     assert all(isinstance(e, ValueError) for e in err.errors.values())
     assert "worker1 was told to fail" in str(err.errors["worker1"])
     with pytest.raises(GroupCallError, match="worker2"):

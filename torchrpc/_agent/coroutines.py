@@ -49,7 +49,6 @@ class CoroutineRunner:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self.started = 0  # coroutines run so far (the agent's debug info)
 
     @property
     def running(self) -> bool:
@@ -65,7 +64,6 @@ class CoroutineRunner:
             fut.set_exception(NotInitializedError(
                 f"RPC agent of {self._name} shut down before a coroutine target could run"))
             return fut
-        self.started += 1
         try:
             loop.call_soon_threadsafe(self._begin, coro, fut)
         except RuntimeError:  # closed between the check and the call

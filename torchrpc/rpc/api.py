@@ -534,28 +534,29 @@ def _combine_results(agent: Agent, dsts: List[WorkerInfo], futures: List[torch.f
     """One future of the results of ``futures`` (one per worker of ``dsts``)."""
     out = new_future(agent.pool)
     results: List[Any] = [None] * len(futures)
-    errors: Dict[str, BaseException] = {}
+    failures: List[Optional[BaseException]] = [None] * len(futures)
     left = [len(futures)]
     lock = threading.Lock()
 
     def done(i: int, f: torch.futures.Future) -> None:
-        error = None
         try:
-            value = f.wait()
+            results[i] = f.wait()
         except BaseException as exc:  # noqa: BLE001 - collected into the group's error
             # Without frames: ``out`` keeps it, and a C++ future in a cycle is never freed.
-            error, value = exc.with_traceback(None), None
+            failures[i] = exc.with_traceback(None)
         with lock:
-            results[i] = value
-            if error is not None:
-                errors.setdefault(dsts[i].name, error)
             left[0] -= 1
             last = left[0] == 0
         if not last:
             return
+        errors: Dict[str, BaseException] = {}  # in the order of ``to``
+        for dst, error in zip(dsts, failures):
+            if error is not None:
+                errors.setdefault(dst.name, error)
         if errors:
+            failed = sum(1 for error in failures if error is not None)
             out.set_exception(GroupCallError(
-                f"rpc_async_many of {describe(func)}: {len(errors)} of {len(futures)} calls "
+                f"rpc_async_many of {describe(func)}: {failed} of {len(futures)} calls "
                 f"failed, on {', '.join(errors)}: "
                 + "; ".join(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                             if str(e) else f"{name}: {type(e).__name__}"

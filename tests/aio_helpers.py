@@ -40,6 +40,12 @@ async def async_execution_coroutine(x: int) -> int:
     return x * 2
 
 
+async def leave_a_task_running() -> bool:
+    """Start a task that never ends on this worker's loop: shutdown must cancel it."""
+    asyncio.ensure_future(asyncio.sleep(3600))
+    return True
+
+
 def loop_thread_of_async_target() -> str:
     """Runs a coroutine target here; the name of the thread it ran on."""
     return rpc.rpc_sync(rpc.get_worker_info().name, _thread_name)

@@ -180,6 +180,8 @@ def test_async_target_via_rpc_sync_rpc_async_and_remote():
     assert rpc.rpc_sync("worker0", aio.async_add, args=(1, 1)) == 2  # to itself
     assert rpc.remote("worker0", aio.async_add, args=(2, 2)).to_here() == 4
     assert rpc.rpc_sync("worker2", aio.async_execution_coroutine, args=(21,)) == 42
+    # A task left running does not keep shutdown from stopping the loop (see the fixture).
+    assert rpc.rpc_sync_many(["worker0", "worker1"], aio.leave_a_task_running) == [True, True]
     # Coroutines run on the callee's own loop thread, not on a pool thread.
     assert rpc.rpc_sync("worker1", aio.loop_thread_of_async_target) == "torchrpc-asyncio-worker1"
 

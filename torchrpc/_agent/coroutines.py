@@ -50,11 +50,6 @@ class CoroutineRunner:
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
-    @property
-    def running(self) -> bool:
-        """Whether the loop thread has been started and not closed."""
-        return self._loop is not None and not self._closed
-
     def submit(self, coro: Coroutine[Any, Any, Any]) -> torch.futures.Future:
         """Run ``coro`` on the loop; a future of its result (or of what it raised)."""
         fut: torch.futures.Future = torch.futures.Future()
@@ -93,6 +88,7 @@ class CoroutineRunner:
         try:
             loop.run_forever()
         finally:
+            loop.run_until_complete(asyncio.sleep(0))  # start the coroutines handed over last
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()

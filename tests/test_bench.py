@@ -188,3 +188,21 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert out.split() == ["False", "False", macs], (variant, out)
+
+
+def test_fanout_reports_both_systems_and_the_group_call_used() -> None:
+    proc = run_bench("--quick", "--workloads", "fanout", "--systems", "torch,torchrpc",
+                     "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    metrics = report["metrics"]
+    assert sorted(metrics) == ["fanout_calls_per_s", "fanout_round_p50_us"]
+    for name, entry in metrics.items():
+        for system in ("torch", "torchrpc"):
+            value = entry["values"][system]
+            assert isinstance(value, (int, float)) and value > 0, (name, system, entry)
+        assert entry["ratios"]["torchrpc"] == pytest.approx(
+            entry["values"]["torchrpc"] / entry["values"]["torch"])
+    assert "fanout" not in PAIR_WORKLOADS  # not in the default run: it spawns more workers
+    text = json.dumps(report)
+    assert "rpc_async_many" in text and "rpc_async + wait_all" in text

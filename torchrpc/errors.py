@@ -11,7 +11,7 @@ and its traceback; timeouts name the callee, the function and the limit.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 
 class RpcError(RuntimeError):
@@ -86,6 +86,28 @@ class OperatorSchemaError(RpcError, TypeError):
 
 class DestinationTypeError(RpcError, ValueError, TypeError):
     """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
+
+
+class GroupCallError(RpcError):
+    """Some calls of a group call (``rpc_async_many``) failed.
+
+    ``errors`` maps the name of each failed worker to its error; ``results`` holds
+    every call's result in the order of the workers, None where it failed.
+    """
+
+    def __init__(self, message: str, results: Optional[List[Any]] = None,
+                 errors: Optional[Dict[str, BaseException]] = None) -> None:
+        super().__init__(message)
+        self.results: List[Any] = list(results or [])
+        self.errors: Dict[str, BaseException] = dict(errors or {})
+
+    @property
+    def failed_workers(self) -> List[str]:
+        """The names of the workers whose call failed."""
+        return list(self.errors)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return type(self), (str(self), self.results, self.errors)
 
 
 _runtime_twins: Dict[type, type] = {}

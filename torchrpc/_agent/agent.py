@@ -35,6 +35,7 @@ import select
 import threading
 import time
 import traceback
+from types import CoroutineType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,8 +51,10 @@ from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgument
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError, as_runtime_error)
 from . import membership, rendezvous
+from .coroutines import CoroutineRunner
 from .secret import discard_local as discard_local_secret
-from .futures import RpcFuture, mark_reader_thread, new_future
+from .current import current_agent
+from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
 from .worker import WorkerInfo
@@ -78,13 +81,16 @@ class MessageContext:
     both ways, and a frozen dataclass takes several times as long to build.
     """
 
-    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates")
+    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates", "per_peer")
 
     def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
                  replied: bool = False) -> None:
         self.agent = agent
         self.peer = peer
         self.kind = kind
+        # Set by pickling code whose output depends on the peer (an RRef fork): the
+        # message cannot go to other workers as it is (see Agent.request_many).
+        self.per_peer = False
         # A request that gets a reply: the reply shows that the callee has unpickled it.
         self.replied = replied
         # While encoding such a request: what to run once it is answered or has failed.
@@ -309,7 +315,8 @@ class Agent:
         self._rid = itertools.count(1)
         self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
-        self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {Kind.CALL: _handle_call}
+        self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
+            Kind.CALL: functools.partial(_handle_call, self)}
         self._hooks: List[CallHook] = []
         # Hooks asked about every request served, not only those that carry their key.
         self.serve_all: List[CallHook] = []
@@ -339,6 +346,8 @@ class Agent:
         self._log: Optional[membership.EventLog] = None
         self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
         self._pool.on_block = self._lend_out  # a request that blocks gives up reading
+        # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
+        self.coroutines = CoroutineRunner(name, self._pool)
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
         # Set by the timer before it sleeps a whole _TICK; an inline request on a shared
         # connection then wakes it (see _serve_inline).
@@ -742,10 +751,46 @@ class Agent:
         self._attempt(rid, p, kind, flags, env, bufs, keep)
         return p.future
 
+    def request_many(self, dsts: Sequence[WorkerInfo], kind: int, payload: Any, timeout: float,
+                     what: Any = None, retry: Optional[RetryPolicy] = None) -> List[RpcFuture]:
+        """:meth:`request` to each of ``dsts``; a future per destination, in order.
+
+        The payload is pickled once and the same frame goes to every destination, unless
+        what it holds depends on the peer (an RRef argument, a distributed autograd
+        context, the profiler): then each destination gets its own encoding. Errors of
+        the first encoding raise here, before anything is sent; later ones fail only
+        their destination's future.
+        """
+        self._check_running()
+        futures: List[RpcFuture] = []
+        shared: List[Tuple[bytes, Any, Any]] = []
+        for i, dst in enumerate(dsts):
+            try:
+                rid, p, flags, env, bufs, keep = self._new_request(
+                    dst, kind, payload, timeout, what, retry=retry,
+                    encoded=shared[0] if shared else None, share=shared if i == 0 else None)
+            except BaseException as exc:  # noqa: BLE001 - the first raises, others fail alone
+                if i == 0:
+                    raise
+                failed = new_future(self._pool)
+                failed.set_exception(fresh_error(exc))
+                futures.append(failed)
+                continue
+            self._attempt(rid, p, kind, flags, env, bufs, keep)
+            futures.append(p.future)
+        return futures
+
     def _new_request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any,
                      oneway: bool = False, retry: Optional[RetryPolicy] = None,
-                     private: Optional[Connection] = None) -> Tuple[Any, ...]:
-        """Encode a request and enter it in the pending table (unless one-way)."""
+                     private: Optional[Connection] = None,
+                     encoded: Optional[Tuple[bytes, Any, Any]] = None,
+                     share: Optional[List[Tuple[bytes, Any, Any]]] = None) -> Tuple[Any, ...]:
+        """Encode a request and enter it in the pending table (unless one-way).
+
+        ``encoded``: an encoding of ``payload`` made for another destination, used unless
+        a call hook has something to add for this one. ``share``: a list that gets this
+        encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
+        """
         if self._max_pending and len(self._pending) >= self._max_pending and not oneway:
             raise RpcError(
                 f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
@@ -755,13 +800,19 @@ class Agent:
         if self._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
         ctx = MessageContext(self, dst, kind, replied=not oneway)
-        try:
-            env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
-                                           _wire.PAYLOAD_NAMES.get(kind, "payload"))
-        except BaseException:
-            if states is not None:
-                self._request_failed(dst, states)
-            raise
+        if encoded is not None and meta is None and send_hook is None and states is None:
+            env, bufs, keep = encoded
+        else:
+            try:
+                env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
+                                               _wire.PAYLOAD_NAMES.get(kind, "payload"))
+            except BaseException:
+                if states is not None:
+                    self._request_failed(dst, states)
+                raise
+            if share is not None and meta is None and send_hook is None and states is None \
+                    and not ctx.per_peer and not ctx.on_settled and ctx.gates is None:
+                share.append((env, bufs, keep))
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
         p = _Pending(new_future(self._pool), dst, what, timeout, states)
@@ -1681,8 +1732,10 @@ class Agent:
     def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
                     via: Optional[Connection] = None) -> None:
         """Answer request ``rid`` of ``dst`` with ``exc``."""
-        info = RemoteErrorInfo(type(exc), str(exc), "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        # A coroutine target's error carries its traceback as text (see coroutines.py).
+        text = getattr(exc, "_torchrpc_traceback", None) or "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__))
+        info = RemoteErrorInfo(type(exc), str(exc), text, self.name, None)
         try:
             info.original = _wire.encode(exc)[0]
         except SerializationError:
@@ -2145,6 +2198,7 @@ class Agent:
         self._parked.clear()
         if self._transport is not None:
             self._transport.close()
+        self.coroutines.close()
         for thread in (self._timer, self._heartbeat):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(10)
@@ -2167,15 +2221,20 @@ def _nothing() -> None:
     """The work of a reader that handed its role on and has nothing else to do."""
 
 
-def _handle_call(src: WorkerInfo, payload: Any) -> Any:
+def _handle_call(agent: "Agent", src: WorkerInfo, payload: Any) -> Any:
     func, args, kwargs = payload
-    return run_callable(func, args, kwargs)
+    return run_callable(func, args, kwargs, agent)
 
 
-def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:
-    """Run a user function; an ``@async_execution`` one gives an :class:`AsyncResult`."""
+def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
+                 agent: Optional["Agent"] = None) -> Any:
+    """Run a user function; an ``@async_execution`` one, or one that returns a coroutine
+    (an ``async def``), gives an :class:`AsyncResult`. Coroutines run on the event loop of
+    ``agent`` (default: the current agent)."""
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
+        if isinstance(fut, CoroutineType):
+            return AsyncResult(_coroutines_of(agent).submit(fut))
         if not isinstance(fut, torch._C.Future):
             raise WrongTypeError(
                 f"Functions decorated with @rpc.async_function must return a "
@@ -2183,7 +2242,7 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
     try:
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
     except TypeError as exc:
         # Raised by the operator itself (no Python frame below this one): its arguments
         # match none of its schemas, which torch reports as a RuntimeError.
@@ -2193,6 +2252,13 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"Overloaded torch operator invoked from Python failed to match any schema: "
                 f"{exc}; check the arguments given to {describe(func)}") from exc
         raise
+    if isinstance(result, CoroutineType):
+        return AsyncResult(_coroutines_of(agent).submit(result))
+    return result
+
+
+def _coroutines_of(agent: Optional["Agent"]) -> CoroutineRunner:
+    return (agent if agent is not None else current_agent(failed_ok=True)).coroutines
 
 
 def _is_builtin_operator(func: Any) -> bool:

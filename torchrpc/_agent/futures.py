@@ -5,7 +5,8 @@ tells the pool the thread is blocked, so nested blocking calls never starve the
 pool. Callbacks (``then`` / ``add_done_callback``) never run on a transport
 reader thread: if the future completes there, they are handed to the pool, so a
 callback that itself makes a blocking RPC cannot stall the connection whose
-reply it waits for.
+reply it waits for. And ``await fut`` works in any running event loop: the loop
+is told of the completion with ``call_soon_threadsafe`` and never blocks on it.
 
 ``torch.futures.collect_all`` and ``wait_all`` run in torch's C++, which sees a future as
 failed only if C++ failed it; torchrpc's futures fail from Python (``set_exception``), so
@@ -15,12 +16,13 @@ and leave lists without a torchrpc future to torch's own.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Generator, List, Optional, TypeVar
 
 import torch
 
@@ -98,6 +100,32 @@ class RpcFuture(torch.futures.Future):
 
         self.add_done_callback(chain)
         return child
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await fut``: the value, or the error, without blocking the running loop.
+
+        Cancelling the awaiting task leaves the RPC alone: it still completes, and
+        its result (or error) is dropped with the future.
+        """
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            # Inline, on whichever thread completes it: handing over to the loop is quick.
+            torch.futures.Future.add_done_callback(self, functools.partial(_wake, loop, waiter))
+            yield from waiter.__await__()
+        return self.wait()
+
+
+def _wake(loop: asyncio.AbstractEventLoop, waiter: "asyncio.Future[None]", _fut: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, waiter)
+    except RuntimeError:  # the loop is closed: nobody awaits any more
+        pass
+
+
+def _resolve(waiter: "asyncio.Future[None]") -> None:
+    if not waiter.done():  # a cancelled await leaves a cancelled waiter
+        waiter.set_result(None)
 
 
 def fresh_error(exc: BaseException) -> BaseException:

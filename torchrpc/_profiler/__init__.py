@@ -28,6 +28,7 @@ The callee side, including ``rpc._server_process_global_profile``, is in
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -292,7 +293,8 @@ def _profiled_locally(func: Any, call: Call) -> Callable[..., Any]:
         call.receive(scope.response_meta())
         return result
 
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None \
+            or inspect.iscoroutinefunction(func):  # its future is the reply, as for func
         run._wrapped_async_rpc_function = func  # type: ignore[attr-defined]
     return run
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import inspect
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ from .. import _threads
 from .._agent import (Agent, AsyncResult, MessageContext, Parked, WorkerInfo, describe,
                       fresh_error, run_callable)
 from .._agent.current import current_agent, handle as agent_handle
+from .._agent.futures import RpcFuture, new_future
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
@@ -192,6 +194,59 @@ class RRef(Generic[T]):
             raise
         self._raise_creation_error()
         return value
+
+    def to_here_async(self, timeout: float = _UNSET) -> RpcFuture:
+        r"""Non-blocking :meth:`to_here`: a future of the value, copied from the owner.
+
+        The future is a :class:`torch.futures.Future`; ``await`` works on it in a
+        running event loop. It fails with what :meth:`to_here` would raise.
+
+        Args:
+            timeout (float, optional): seconds to wait; 0 means no limit; by default
+                the agent's ``rpc_timeout``.
+        """
+        layer = self._layer
+        out = new_future(layer.agent.pool)
+        if self._error is not None:
+            out.set_exception(fresh_error(self._error))
+            return out
+        owner: Optional[int] = None
+        deletes: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...] = ()
+        if self._entry is not None:
+            source: torch.futures.Future = self._entry.future
+        else:
+            t = _timeout(layer, timeout)
+            owner = self._owner.id
+            deletes = layer.take_deletes(owner)
+            try:
+                source = layer.agent.request(self._owner, Kind.RREF_FETCH,
+                                             (self._rref_id, deletes), t,
+                                             what=f"RRef.to_here_async() of {self!r}")
+            except BaseException:
+                layer.return_deletes(owner, deletes)
+                raise
+
+        def relay(f: torch.futures.Future) -> None:
+            # Holds this RRef until the fetch is answered: its owner keeps the value so long.
+            try:
+                value = f.wait()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                if owner is not None:
+                    layer.return_deletes(owner, deletes)
+                error: BaseException = fresh_error(exc)
+            else:
+                error = None
+            try:
+                self._raise_creation_error()  # a recorded creation failure explains it better
+            except BaseException as creation:  # noqa: BLE001
+                error = creation.with_traceback(None)
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(value)
+
+        torch.futures.Future.add_done_callback(source, relay)
+        return out
 
     def _raise_creation_error(self) -> None:
         self._check_error()
@@ -376,9 +431,12 @@ class _Proxy:
 
 def _invoke_method(rref: RRef, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]
                    ) -> torch.futures.Future:
-    """Run on the owner: call a method of the value; async_execution methods stay async."""
+    """Run on the owner: call a method of the value; async_execution methods stay async,
+    and ``async def`` methods run on the owner's event loop."""
     bound = getattr(rref.local_value(), name)
     result = bound(*args, **kwargs)
+    if inspect.iscoroutine(result):
+        return rref._layer.agent.coroutines.submit(result)
     if getattr(bound, "_wrapped_async_rpc_function", None) is not None:
         return result
     fut: torch.futures.Future = torch.futures.Future()
@@ -517,6 +575,7 @@ class RRefLayer:
     def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:
         """Pickle ``rref`` for the message of ``ctx``: register the fork as the protocol
         requires."""
+        ctx.per_peer = True  # the fork is this peer's: the message is for it alone
         if rref._entry is not None:  # owner -> anyone: the owner counts the fork itself
             fork_id = self.book.new_id()
             self.book.adopt(rref._entry)
@@ -562,7 +621,7 @@ class RRefLayer:
             self.book.value_settled(entry.rref_id)
 
         try:
-            result = run_callable(func, args, kwargs)
+            result = run_callable(func, args, kwargs, self.agent)
         except BaseException as exc:  # noqa: BLE001 - stored on the entry
             settle(error=exc)
             raise

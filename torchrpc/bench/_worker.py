@@ -4,7 +4,8 @@ Run as ``python -m torchrpc.bench._worker SPEC_JSON``; the launcher writes the s
 worker imports its system's modules by name, joins the RPC group and plays its part:
 
 * ``pair`` sessions: rank 0 ("caller") runs the session's workloads, one after the other,
-  against rank 1 ("callee"), which only serves. The caller records each workload's metrics
+  against rank 1 ("callee"), which only serves (the fanout workload: against ranks 1..N,
+  "callee", "callee2", ...). The caller records each workload's metrics
   (or error) as soon as it has them, so a later hang or crash loses nothing measured.
 * ``scale`` sessions: every rank times ``init_rpc``, an all-to-all round of calls and a
   graceful ``shutdown``, with barriers (on the launcher's TCPStore) between the phases.
@@ -117,15 +118,23 @@ def _exit_barrier(store: Any, world_size: int) -> None:
         _barrier(store, "exit", world_size, _EXIT_BARRIER_S)
 
 
+def _callee_name(rank: int) -> str:
+    """The name of callee ``rank``: "callee" for rank 1, as the pair workloads call it."""
+    return "callee" if rank == 1 else f"callee{rank}"
+
+
 def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,
              record: Record) -> None:
-    """Caller or callee of a two-worker session."""
+    """Caller or callee of a session with one caller: two workers, or a caller and
+    ``world_size - 1`` callees (the fanout workload)."""
     rpc = mods["rpc"]
     store = _connect(spec)
     rank = spec["rank"]
+    world_size = spec.get("world_size", 2)
     record.phase("init")
     start = time.perf_counter()
-    rpc.init_rpc("caller" if rank == 0 else "callee", rank=rank, world_size=2,
+    rpc.init_rpc("caller" if rank == 0 else _callee_name(rank), rank=rank,
+                 world_size=world_size,
                  rpc_backend_options=_backend_options(rpc, spec, opts.num_worker_threads,
                                                       opts))
     record.data["init_s"] = time.perf_counter() - start
@@ -134,7 +143,8 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
         turns = spec.get("turns")
         ctx = WorkerContext(rpc=rpc, autograd=mods["autograd"], optim=mods["optim"],
                             rpc_module_name=spec["system"]["rpc"], peer="callee",
-                            options=opts, turns=Turns(turns) if turns else None)
+                            options=opts, turns=Turns(turns) if turns else None,
+                            peers=[_callee_name(r) for r in range(1, world_size)])
         results = record.data.setdefault("results", {})
         for workload in spec["workloads"]:
             record.data["workload"] = workload
@@ -154,7 +164,7 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
     rpc.shutdown()
     record.data["shutdown_s"] = time.perf_counter() - start
     record.phase("done")
-    _exit_barrier(store, 2)
+    _exit_barrier(store, world_size)
 
 
 def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptions,

@@ -50,6 +50,9 @@ _HELP = {
     "train_turns": "with two or more systems, their training sessions (when not shared with "
                    "other workloads) run side by side and take this many turns each, one "
                    "system at a time, so that all see the same machine",
+    "fanout_callees": "callees of the fanout workload (one caller calls all of them)",
+    "fanout_rounds": "timed fan-out rounds (one small call to every callee, then wait)",
+    "fanout_warmup": "untimed fan-out rounds first",
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
@@ -86,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Workloads: latency (small rpc_sync p50/p99), throughput (concurrent "
                "rpc_async), remote (remote()+to_here()), echo (1/64/256 MB tensors and "
                "peak RSS), echo_numpy (a 64 MB numpy array), train (MLP split over two "
-               "workers), scale (init, all-to-all and shutdown of 4..32 workers; only when "
-               "asked for).")
+               "workers), fanout (one caller to 8 callees: rpc_async_many where a system "
+               "has it, else rpc_async + wait_all; only when asked for), scale (init, "
+               "all-to-all and shutdown of 4..32 workers; only when asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
                         help=f"comma-separated systems to run, in order; ratios are "
                              f"taken against '{BASELINE}' if it runs, else the first "

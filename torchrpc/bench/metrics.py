@@ -133,6 +133,14 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
         return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "
                            f"{options.train_batch}", "ms", "lower", workload,
                            Target("ratio", "<=", 0.8, "issue 5"))]
+    if workload == "fanout":
+        n = options.fanout_callees
+        return [
+            MetricSpec("fanout_calls_per_s", f"fan-out to {n} callees, one round at a time",
+                       "calls/s", "higher", workload),
+            MetricSpec("fanout_round_p50_us", f"fan-out round to {n} callees p50", "us",
+                       "lower", workload),
+        ]
     if workload == "scale":
         specs = []
         for n in options.scale_sizes:

@@ -10,8 +10,9 @@ __all__ = ["ALL_WORKLOADS", "PAIR_WORKLOADS", "QUICK_OVERRIDES", "BenchOptions"]
 PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "echo_numpy", "train")
 """Workloads that run on a caller (rank 0) and a callee (rank 1)."""
 
-ALL_WORKLOADS = (*PAIR_WORKLOADS, "scale")
-"""Every workload; ``scale`` spawns 4 to 32 workers and only runs when asked for."""
+ALL_WORKLOADS = (*PAIR_WORKLOADS, "fanout", "scale")
+"""Every workload; ``fanout`` (a caller and ``fanout_callees`` callees) and ``scale`` (4 to
+32 workers) spawn more processes and only run when asked for."""
 
 
 @dataclasses.dataclass
@@ -53,7 +54,11 @@ class BenchOptions:
     # With two or more systems, their training sessions run side by side and take turns
     # (see runner.py): the timed steps are split into this many turns per system.
     train_turns: int = 8
-    # 7. scale mode
+    # 7. fan-out: one caller, this many callees; sequential rounds of one small call to each
+    fanout_callees: int = 8
+    fanout_rounds: int = 2000
+    fanout_warmup: int = 100
+    # 8. scale mode
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
     scale_threads: int = 2
     scale_time_limit: float = 150.0
@@ -66,12 +71,14 @@ class BenchOptions:
         """Raise ValueError naming the first setting that makes no sense."""
         positive_ints = ("num_worker_threads", "latency_calls", "throughput_calls",
                          "throughput_repeats", "remote_calls", "echo_iters", "train_batch",
-                         "train_steps", "train_turns", "scale_threads")
+                         "train_steps", "train_turns", "scale_threads", "fanout_callees",
+                         "fanout_rounds")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("latency_warmup", "remote_warmup", "echo_warmup", "train_warmup"):
+        for name in ("latency_warmup", "remote_warmup", "echo_warmup", "train_warmup",
+                     "fanout_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
                                  f"got {getattr(self, name)}")
@@ -131,6 +138,9 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "train_steps": 6,
     "train_turns": 2,
     "train_warmup": 1,
+    "fanout_callees": 3,
+    "fanout_rounds": 100,
+    "fanout_warmup": 10,
     "scale_sizes": (3, 4),
     "scale_time_limit": 60.0,
     "time_limit": 60.0,

@@ -183,8 +183,10 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
     """
     specs = [spec for w in workloads for spec in metric_specs(w, options)]
     result = RunResult(specs, systems)
-    pair = [w for w in workloads if w != "scale"]
+    pair = [w for w in workloads if w not in ("scale", "fanout")]
     groups = ([pair] if shared_session else [[w] for w in pair]) if pair else []
+    if "fanout" in workloads:  # a session of its own: one caller, fanout_callees callees
+        groups.append(["fanout"])
     if "scale" in workloads:
         groups.append(["scale"])
     # The training sessions of all systems take turns (see the module docs), last in a round.
@@ -227,8 +229,11 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
 
 def _run_pair(result: RunResult, system: SystemSpec, workloads: list[str],
               options: BenchOptions, workdir: Path, log: Log) -> str | None:
-    """Run pair workloads in one session; return an error if the system cannot be imported."""
-    outcome = run_session(system, workloads, "pair", 2, options, options.time_limit, workdir)
+    """Run pair workloads (or the fanout workload, with its callees) in one session; return
+    an error if the system cannot be imported."""
+    world_size = options.fanout_callees + 1 if workloads == ["fanout"] else 2
+    outcome = run_session(system, workloads, "pair", world_size, options, options.time_limit,
+                          workdir)
     return _take_pair(result, outcome, log)
 
 

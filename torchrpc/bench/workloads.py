@@ -44,6 +44,7 @@ class WorkerContext:
     peer: str
     options: BenchOptions
     turns: Turns | None = None
+    peers: list[str] = dataclasses.field(default_factory=list)  # every callee (fanout)
 
 
 class Turns:
@@ -379,6 +380,55 @@ def run_train(ctx: WorkerContext) -> Result:
     return {"train_step_ms": percentile(times, 50)}, details
 
 
+def run_fanout(ctx: WorkerContext) -> Result:
+    """Rounds of one small call to every callee, each waited for before the next: calls/s
+    and the p50 of a round. A system with ``rpc_async_many`` makes each round with it;
+    others with a loop of ``rpc_async`` and ``torch.futures.wait_all``."""
+    opts = ctx.options
+    func, args = _small_call(opts)
+    peers = list(ctx.peers)
+    if len(peers) < 1:
+        raise AssertionError("the fanout workload needs callees")
+    many = getattr(ctx.rpc, "rpc_async_many", None)
+    rpc_async = ctx.rpc.rpc_async
+
+    def loop() -> list[Any]:
+        return torch.futures.wait_all([rpc_async(peer, func, args=args) for peer in peers])
+
+    def fan_out() -> list[Any]:
+        if many is not None:
+            return many(peers, func, args=args).wait()
+        return loop()
+
+    def rate(round_fn: Callable[[], Any]) -> tuple[float, list[float]]:
+        samples = []
+        clock = time.perf_counter_ns
+        start = time.perf_counter()
+        for _ in range(opts.fanout_rounds):
+            begin = clock()
+            round_fn()
+            samples.append((clock() - begin) / 1e3)
+        return opts.fanout_rounds * len(peers) / (time.perf_counter() - start), samples
+
+    results = fan_out()
+    if len(results) != len(peers):
+        raise AssertionError(f"fan-out to {len(peers)} callees returned {len(results)} results")
+    for value in results:
+        _check_small_result(value)
+    for _ in range(opts.fanout_warmup):
+        fan_out()
+    calls_per_s, samples = rate(fan_out)
+    metrics = {"fanout_calls_per_s": calls_per_s,
+               "fanout_round_p50_us": percentile(samples, 50)}
+    details: dict[str, Any] = {
+        "callees": len(peers), "rounds": opts.fanout_rounds,
+        "group_call": "rpc_async_many" if many is not None else "rpc_async + wait_all",
+        "round_p99_us": percentile(samples, 99)}
+    if many is not None:  # the same system with the loop, to show what the group call buys
+        details["loop_calls_per_s"] = rate(loop)[0]
+    return metrics, details
+
+
 def _split(total: int, parts: int) -> list[int]:
     """``total`` as ``parts`` near-equal positive counts."""
     return [total // parts + (k < total % parts) for k in range(parts)]
@@ -391,5 +441,7 @@ PAIR_RUNNERS: dict[str, Callable[[WorkerContext], Result]] = {
     "echo": run_echo,
     "echo_numpy": run_echo_numpy,
     "train": run_train,
+    "fanout": run_fanout,
 }
-"""Caller-side entry point of each two-worker workload."""
+"""Caller-side entry point of each workload with one caller (two workers; ``fanout``:
+one caller and ``fanout_callees`` callees)."""

@@ -11,6 +11,7 @@ from .api import (_get_current_rpc_agent, _get_debug_info, _init_rpc_backend,
 from .api import (_set_rpc_timeout, enable_gil_profiling, get_debug_info, get_rpc_timeout,
                   get_worker_info, get_worker_infos, init_rpc, is_available, remote, rpc_async,
                   rpc_sync, shutdown)
+from .api import all_gather, barrier, rpc_async_many, rpc_sync_many  # beyond torch
 from .._rref import RRef
 from .backend_registry import BackendType, register_backend
 from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -22,4 +23,6 @@ __all__ = [
     "backend_registry", "constants", "enable_gil_profiling", "functions", "get_debug_info",
     "get_rpc_timeout", "get_worker_info", "get_worker_infos", "init_rpc", "is_available",
     "register_backend", "remote", "rpc_async", "rpc_sync", "shutdown",
+    # beyond torch.distributed.rpc
+    "all_gather", "barrier", "rpc_async_many", "rpc_sync_many",
 ]

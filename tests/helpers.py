@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 
 import torchrpc.rpc as rpc
+from torchrpc.rpc import RRef
 
 
 def add(a: Any, b: Any) -> Any:
@@ -79,6 +80,11 @@ def return_unpicklable() -> Any:
 
 def debug_info() -> dict:
     return rpc.get_debug_info()
+
+
+@torch.jit.script
+def script_rref_add(ref: RRef[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    return ref.to_here() + t
 
 
 @torch.jit.script

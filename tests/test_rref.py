@@ -84,6 +84,18 @@ def test_local_owner_rref_and_remote_to_self():
     assert me.is_owner() and me.to_here() == 3 and me.local_value() == 3
 
 
+def test_torchscript_function_taking_an_rref():
+    # TorchScript's interpreter takes only torch's RRefs; the callee runs the Python original.
+    on_owner = rpc.remote("worker1", torch.ones, args=(3,))
+    out = rpc.rpc_sync("worker1", helpers.script_rref_add, args=(on_owner, torch.full((3,), 2.0)))
+    assert torch.equal(out, torch.full((3,), 3.0))
+    elsewhere = rpc.remote("worker2", torch.zeros, args=(3,))  # a user on worker1: fetched
+    out = rpc.rpc_sync("worker1", helpers.script_rref_add, args=(elsewhere, torch.ones(3)))
+    assert torch.equal(out, torch.ones(3))
+    assert torch.equal(rpc.rpc_sync("worker1", helpers.script_add, args=(torch.ones(2), 1)),
+                       torch.full((2,), 2.0))  # no RRef: TorchScript runs it
+
+
 def test_rref_is_generic_and_not_picklable_outside_rpc():
     assert rpc.RRef[torch.Tensor] is not None
     with pytest.raises(RuntimeError, match="only be pickled"):

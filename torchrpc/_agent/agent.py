@@ -2241,6 +2241,8 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"torch.futures.Future object, but got {type(fut).__name__} from "
                 f"{describe(func)}; return the future of the work it started")
         return AsyncResult(fut)
+    if type(func) is torch.jit.ScriptFunction:
+        func = _runnable_script(func)
     try:
         result = func(*args, **(kwargs or {}))
     except TypeError as exc:
@@ -2255,6 +2257,16 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
     if isinstance(result, CoroutineType):
         return AsyncResult(_coroutines_of(agent).submit(result))
     return result
+
+
+def _runnable_script(func: Any) -> Any:
+    """``func``, a TorchScript function, or its Python original where its signature has
+    RRefs: TorchScript's interpreter takes only torch's own RRefs, while the Python
+    function does with torchrpc's what the compiled one does with torch's."""
+    original = getattr(func, "_torchdynamo_inline", None)
+    if original is not None and any("RRef[" in str(arg.type) for arg in func.schema.arguments):
+        return original
+    return func
 
 
 def _coroutines_of(agent: Optional["Agent"]) -> CoroutineRunner:

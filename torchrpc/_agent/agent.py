@@ -56,7 +56,7 @@ from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
 from .worker import WorkerInfo
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 _TICK = 0.1  # the timer wakes at least this often
 # A request running on its reading thread for longer than this hands the reading role on.
@@ -431,7 +431,7 @@ class Agent:
             self._members_thread = self._start_thread("members", self._follow_members)
         if self._hb_interval > 0:
             self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
-        log.info("torchrpc: worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
+        log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
@@ -451,7 +451,7 @@ class Agent:
             f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
             f"init_rpc() again")
         self.failure.__cause__ = error.__cause__
-        log.error("torchrpc: %s", self.failure)
+        log.error("%s", self.failure)
         for rid in list(self._pending):
             p = self._pending.pop(rid, None)
             if p is not None:
@@ -553,7 +553,7 @@ class Agent:
                     events = None
                     failures += 1
                     if failures == 1:
-                        log.warning("torchrpc: %s cannot read the membership log: %s",
+                        log.warning("%s cannot read the membership log: %s",
                                     self.name, exc)
                 if events is not None:
                     failures = 0
@@ -1021,7 +1021,7 @@ class Agent:
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
         if kind in (Kind.RESPONSE, Kind.ERROR):
-            log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
+            log.warning("%s could not reply to %s: %s", self.name, dst.name, exc)
             return
         self._request_lost(rid, dst, exc)
 
@@ -1046,7 +1046,7 @@ class Agent:
                     r.attempt += 1
                     r.scheduled = True
                     self._pending[rid] = p
-                    log.info("torchrpc: %s retries %s to %s in %.3g s (attempt %d of %d): %s",
+                    log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
                              self.name, describe(p.what) if p.what else Kind(r.kind).name,
                              p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
                     self.call_later(delay, self._resend, rid)
@@ -1175,7 +1175,7 @@ class Agent:
                                                   BrokenPipeError)) and self._runs_here(dst.id)
                 if not busy or time.monotonic() + delay >= deadline:
                     raise
-                log.info("torchrpc: %s: worker %s is busy (%s); connecting again in %.2g s",
+                log.info("%s: worker %s is busy (%s); connecting again in %.2g s",
                          self.name, dst.name, exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -1229,7 +1229,7 @@ class Agent:
         name = w.name if w else f"rank{rank}"
         with self._lock:
             self._lost[rank] = str(reason)
-        log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
+        log.warning("%s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._close_idle_private(rank, reason)
         self._fail_pending(rank, ConnectionLostError(
@@ -1276,12 +1276,12 @@ class Agent:
                     f"again failed: {cause}", worker=w.name)
             with self._lock:
                 self._declared.add(rank)
-            log.warning("torchrpc: %s: %s", self.name, error)
+            log.warning("%s: %s", self.name, error)
             for hook in self._loss_hooks:
                 try:
                     hook(w, error)
                 except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                    log.exception("torchrpc: a loss hook of %s failed for %s", self.name, w.name)
+                    log.exception("a loss hook of %s failed for %s", self.name, w.name)
         finally:
             with self._lock:
                 self._confirming.discard(rank)
@@ -1394,7 +1394,7 @@ class Agent:
                 return True
             self._duplicates += 1
             reply = once.reply
-        log.info("torchrpc: %s got request %d of %s again; it runs once%s", self.name, rid,
+        log.info("%s got request %d of %s again; it runs once%s", self.name, rid,
                  src.name, " (its reply goes again)" if reply is not None else "")
         if reply is not None:
             kind, env, bufs, keep = reply
@@ -1513,7 +1513,7 @@ class Agent:
             return  # expired or failed already
         if p.dst.id != conn.peer_rank:
             # Only the callee answers a call: a reply from anyone else is dropped.
-            log.warning("torchrpc: %s dropped a reply from rank %d to request %d, which was "
+            log.warning("%s dropped a reply from rank %d to request %d, which was "
                         "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
             return
         if self._pending.pop(header.request_id, None) is not p:
@@ -1539,7 +1539,7 @@ class Agent:
                 try:
                     hook.request_failed(dst, states[hook.key])
                 except Exception:  # noqa: BLE001 - the caller's error matters more
-                    log.exception("torchrpc: %s: call hook %r failed", self.name, hook.key)
+                    log.exception("%s: call hook %r failed", self.name, hook.key)
 
     def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
         hooks = []
@@ -1594,7 +1594,7 @@ class Agent:
             if not oneway:
                 self._reply_error(src, rid, exc, what, via)
             else:
-                log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
+                log.warning("one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
                 if header.flags & _wire.FLAG_ONCE:
                     self._once_done(src, rid)
             return
@@ -1656,7 +1656,7 @@ class Agent:
         info = RemoteErrorInfo(type(exc), str(exc), "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
         # The callee's side of the story, as torch's agent logs it; the caller gets the error.
-        log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
+        log.warning("%s raised %s: %s in %s called by %s", self.name,
                     type(exc).__name__, exc, describe(what), dst.name)
         try:
             info.original = _wire.encode(exc)[0]
@@ -2020,7 +2020,7 @@ class Agent:
                 with self._lock:
                     self._lost[r] = self._gone[r] = \
                         f"unreachable while the group shuts down: {exc}"
-                log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
+                log.warning("%s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 
     def shutdown(self, graceful: bool = True, timeout: float = 0,
@@ -2093,7 +2093,7 @@ class Agent:
             try:
                 membership.leave(self.store, self.name, self.rank)
             except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-                log.warning("torchrpc: %s could not announce its departure: %s", self.name, exc)
+                log.warning("%s could not announce its departure: %s", self.name, exc)
             discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
@@ -2103,7 +2103,7 @@ class Agent:
             try:
                 hook()
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("torchrpc: a stop hook of %s failed", self.name)
+                log.exception("a stop hook of %s failed", self.name)
         with self._timer_cv:
             self._state = "stopped"
             self._later.clear()
@@ -2125,7 +2125,7 @@ class Agent:
                 thread.join(10)
         stuck = self._pool.close()
         if stuck:
-            log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
+            log.warning("%d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
 
@@ -2135,7 +2135,7 @@ def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:
         try:
             action()
         except Exception:  # noqa: BLE001 - one must not keep the others from running
-            log.exception("torchrpc: an action after a request settled failed")
+            log.exception("an action after a request settled failed")
 
 
 def _nothing() -> None:

@@ -29,7 +29,7 @@ from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
 from .options import RpcBackendOptions
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 WorkerLike = Union[str, int, WorkerInfo]
 
@@ -339,7 +339,7 @@ def _wait_all_workers(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> No
     try:
         _all_gather(None, timeout=timeout)
     except RuntimeError as exc:
-        log.error("torchrpc: failed to respond to 'Shutdown Proceed' in time, got error %s",
+        log.error("failed to respond to 'Shutdown Proceed' in time, got error %s",
                   exc)
         raise
 

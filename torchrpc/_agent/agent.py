@@ -29,6 +29,7 @@ import functools
 import contextlib
 import heapq
 import itertools
+import json
 import logging
 import os
 import select
@@ -50,10 +51,12 @@ from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgument
                       SerializationError, ShutdownError, ThreadFailedError, WorkerLeftError,
                       WrongTypeError)
 from . import membership, rendezvous
+from .current import current_agent
 from .secret import discard_local as discard_local_secret
 from .futures import RpcFuture, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
+from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat t
 # long after their reply went out, and at most this many at once (see _Once).
 _ONCE_KEEP = 60.0
 _ONCE_MAX = 8192
+_REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -165,11 +169,15 @@ class CallHook:
 
 
 class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure")
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
+                 "stats", "sent")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
-                 states: Optional[Dict[str, Any]]) -> None:
+                 states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
+                 sent: float = 0.0) -> None:
         self.future = future
+        self.stats = stats  # the callee's counters (None for a request to this worker)
+        self.sent = sent  # time.monotonic() when the request was made
         self.dst = dst
         self.what = what
         self.timeout = timeout
@@ -185,6 +193,8 @@ class _Pending:
         reading a private connection."""
         if self.on_failure is not None:
             self.on_failure()
+        if self.stats is not None:
+            self.stats.errors_out += 1
         self.future.set_exception(error)
         if self.private is not None:
             self.private.close(error)
@@ -375,6 +385,11 @@ class Agent:
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
         self._duplicates = 0  # requests that arrived again and were not run again
+        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
+        self._peer_stats: Dict[int, PeerStats] = {}
+        # log_debug_info_on_timeout: ranks whose debug info is being fetched after a timeout.
+        self._log_on_timeout = bool(getattr(options, "log_debug_info_on_timeout", False))
+        self._timeout_reports: set[int] = set()
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
 
@@ -501,6 +516,9 @@ class Agent:
     def _add_worker(self, rank: int, info: Dict[str, Any]) -> None:
         w = WorkerInfo(info["name"], rank)
         with self._lock:
+            old = self._workers.get(rank)
+            if old is not None and old.name != w.name:
+                self._peer_stats.pop(rank, None)  # another worker under a rank: new counters
             self._workers[rank] = w
             self._by_name[w.name] = w
             self._departed.pop(w.name, None)
@@ -701,9 +719,59 @@ class Agent:
         if layer is None:
             for source in self._debug_sources.values():
                 info.update(source())
+            info["peers"] = self.peer_stats()
         elif "agent" in self._debug_sources:  # counters upper layers keep for the agent
             info.update(self._debug_sources["agent"]())
         return info
+
+    def peer_stats(self) -> Dict[str, Dict[str, Any]]:
+        """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
+        and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
+        with self._lock:
+            stats = list(self._peer_stats.items())
+            names = {rank: w.name for rank, w in self._workers.items()}
+        return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
+
+    def _new_stats(self, rank: int) -> PeerStats:
+        with self._lock:  # two first calls to a peer may race here
+            return self._peer_stats.setdefault(rank, PeerStats())
+
+    def _report_timeout(self, dst: WorkerInfo, what: Any, timeout: float) -> None:
+        """log_debug_info_on_timeout: log this worker's debug info and, when it answers
+        within a few seconds, the callee's; on the pool, so the timer never waits for it.
+        One report per callee at a time, so a burst of timeouts logs once."""
+        if dst.id in self._timeout_reports:
+            return
+        self._timeout_reports.add(dst.id)
+        try:
+            self._pool.submit(self._log_timeout, dst, what, timeout)
+        except RuntimeError:  # the pool has stopped: so has the agent
+            self._timeout_reports.discard(dst.id)
+
+    def _log_timeout(self, dst: WorkerInfo, what: Any, timeout: float) -> None:
+        log.warning("%s: the call to %s of %s timed out after %g s; debug info of %s: %s",
+                    self.name, dst.name, describe(what), timeout, self.name,
+                    _as_json(self.debug_info()))
+
+        def answered(fut: torch.futures.Future) -> None:
+            self._timeout_reports.discard(dst.id)
+            try:
+                info = fut.wait()
+            except Exception as exc:  # noqa: BLE001 - best effort: say why there is none
+                log.warning("%s: no debug info from %s after its call timed out: %s",
+                            self.name, dst.name, exc)
+            else:
+                log.warning("%s: debug info of %s, whose call timed out: %s", self.name,
+                            dst.name, _as_json(info))
+
+        try:
+            fut = self.request(dst, Kind.CALL, (debug_info_here, (), {}), _REPORT_TIMEOUT,
+                               what=debug_info_here)
+        except Exception as exc:  # noqa: BLE001 - best effort, as above
+            self._timeout_reports.discard(dst.id)
+            log.warning("%s: cannot ask %s for its debug info: %s", self.name, dst.name, exc)
+            return
+        fut.add_done_callback(answered)
 
     @property
     def pool(self) -> WorkerPool:
@@ -761,7 +829,11 @@ class Agent:
             raise
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
-        p = _Pending(new_future(self._pool), dst, what, timeout, states)
+        now = time.monotonic()
+        stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
+        stats.calls_out += 1
+        stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
+        p = _Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
@@ -769,7 +841,7 @@ class Agent:
             torch.futures.Future.add_done_callback(
                 p.future, functools.partial(_run_all, ctx.on_settled))
         p.private = private
-        deadline = time.monotonic() + timeout if timeout > 0 else None
+        deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             if kind != Kind.CALL:  # internal: the callee runs it once; @idempotent may rerun
                 flags |= _wire.FLAG_ONCE
@@ -1353,6 +1425,9 @@ class Agent:
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)
             return self._reading_to_pool(conn)
+        stats = self._peer_stats.get(src.id) or self._new_stats(src.id)
+        stats.calls_in += 1
+        stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
         if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
@@ -1518,6 +1593,12 @@ class Agent:
             return
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
+        stats = p.stats
+        if stats is not None:
+            stats.latency(time.monotonic() - p.sent)
+            stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
+            if header.kind == Kind.ERROR:
+                stats.errors_out += 1
         ctx = MessageContext(self, p.dst, header.kind)
         recv_hook = None
         if p.states is not None:
@@ -1525,6 +1606,8 @@ class Agent:
         try:
             _, value = _wire.decode(envelope, buffers, ctx, recv_hook)
         except Exception as exc:  # noqa: BLE001 - the caller gets the error
+            if stats is not None and header.kind != Kind.ERROR:
+                stats.errors_out += 1
             p.future.set_exception(SerializationError(
                 f"cannot unpickle the reply of {p.dst.name} to {describe(p.what)}: {exc}"))
             return
@@ -1655,6 +1738,9 @@ class Agent:
                      via: Optional[Connection] = None) -> None:
         info = RemoteErrorInfo(type(exc), str(exc), "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)), self.name, None)
+        stats = self._peer_stats.get(dst.id)
+        if stats is not None:
+            stats.errors_in += 1
         # The callee's side of the story, as torch's agent logs it; the caller gets the error.
         log.warning("%s raised %s: %s in %s called by %s", self.name,
                     type(exc).__name__, exc, describe(what), dst.name)
@@ -1671,6 +1757,9 @@ class Agent:
 
     def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
                     via: Optional[Connection] = None) -> None:
+        stats = self._peer_stats.get(dst.id)
+        if stats is not None:
+            stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
         keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
@@ -1760,6 +1849,10 @@ class Agent:
     def _expire(self, rid: int) -> None:
         p = self._pending.pop(rid, None)
         if p is not None:
+            if p.stats is not None:
+                p.stats.timeouts += 1
+            if self._log_on_timeout and p.dst.id != self.rank:
+                self._report_timeout(p.dst, p.what, p.timeout)
             p.set_exception(RpcTimeoutError(
                 f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
                 f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
@@ -2128,6 +2221,15 @@ class Agent:
             log.warning("%d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
+
+
+def debug_info_here() -> Dict[str, Any]:
+    """The debug info of the worker this runs on (the target of ``get_debug_info(to)``)."""
+    return current_agent().debug_info()
+
+
+def _as_json(info: Dict[str, Any]) -> str:
+    return json.dumps(info, sort_keys=True, default=str)
 
 
 def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:

@@ -181,6 +181,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             URI subject alternative name, or the common name), for example the job's name.
             Without it, a peer's certificate must name the IP address it is reached at or
             connects from (an IP address or a host name resolving to it).
+        log_debug_info_on_timeout (bool): when a call times out, log (as a warning of the
+            ``torchrpc._agent.agent`` logger) this worker's debug info and the callee's,
+            which it is asked for with a 5 s limit, on a pool thread (default False).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -203,7 +206,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  tls_certfile: Optional[str] = None, tls_keyfile: Optional[str] = None,
                  tls_cafile: Optional[str] = None,
                  tls_require_client_cert: bool = True,
-                 tls_identity: Optional[str] = None) -> None:
+                 tls_identity: Optional[str] = None,
+                 log_debug_info_on_timeout: bool = False) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -233,6 +237,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             raise ValueError(f"tls_identity must be a non-empty str or None, got "
                              f"{tls_identity!r}")
         self.tls_identity = tls_identity
+        self.log_debug_info_on_timeout = log_debug_info_on_timeout
 
     @property
     def num_worker_threads(self) -> int:
@@ -352,6 +357,17 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if not isinstance(value, bool):
             raise TypeError(f"tls_require_client_cert must be a bool, got {value!r}")
         self._tls_require_client_cert = value
+
+    @property
+    def log_debug_info_on_timeout(self) -> bool:
+        """Whether a timed-out call logs the debug info of this worker and of the callee."""
+        return self._log_debug_info_on_timeout
+
+    @log_debug_info_on_timeout.setter
+    def log_debug_info_on_timeout(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"log_debug_info_on_timeout must be a bool, got {value!r}")
+        self._log_debug_info_on_timeout = value
 
     @property
     def device_maps(self) -> Dict[str, Dict[torch.device, torch.device]]:

@@ -228,3 +228,64 @@ def test_option_docstrings_state_the_real_defaults(cls):
     for name in ("heartbeat_timeout", "heartbeat_interval", "rpc_timeout", "send_timeout",
                  "num_worker_threads", "log_debug_info_on_timeout"):
         assert name in documented, f"{name}'s docstring does not give its default"
+
+
+# -- the docs ------------------------------------------------------------------------------------
+
+def _read(*path):
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_readme_is_short_and_covers_every_option_and_variable():
+    readme = _read("README.md")
+    assert len(readme.splitlines()) < 250
+    for name in inspect.signature(rpc.TensorPipeRpcBackendOptions.__init__).parameters:
+        if name != "self" and not name.startswith("_"):
+            assert f"`{name}" in readme or f"{name}=" in readme, name
+    code = "".join(_read(os.path.relpath(os.path.join(base, f), ROOT))
+                   for base, _, files in os.walk(os.path.join(ROOT, "torchrpc"))
+                   if "bench" not in base for f in files if f.endswith(".py"))
+    for variable in set(re.findall(r'"((?:TORCHRPC|TP)_[A-Z_]+)"', code)):
+        assert variable in readme, variable
+    for variable in ("PYTHON", "TORCHRPC_REUSE_TORCH", "TORCHRPC_TORCH_INDEX_URL",
+                     "TORCHRPC_ALLOW_CUDA_TORCH"):
+        assert f"`{variable}" in readme and variable in _read("scripts", "_venv.sh"), variable
+
+
+def test_readme_conformance_count_matches_the_recorded_runs():
+    totals = [0, 0, 0, 0]  # tests, passed, failed, skipped
+    for line in _read("docs", "CONFORMANCE.md").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and all(c.isdigit() for c in cells[1:5]):
+            totals = [t + int(c) for t, c in zip(totals, cells[1:5])]
+    tests, passed, failed, skipped = totals
+    assert tests == passed + failed + skipped
+    words = {1: "one", 2: "two", 3: "three"}
+    readme = " ".join(_read("README.md").split())
+    assert f"{passed} of {tests} tests pass" in readme
+    assert f"{words[skipped]} is skipped" in readme and f"{words[failed]} fail" in readme
+
+
+def test_docs_describe_the_design_not_the_history_of_the_work():
+    history = re.compile(r"\b(this session|until this session|since session|session \d|"
+                         r"before this work|as torchrpc did before|the first version|"
+                         r"\(issue \d+\))", re.IGNORECASE)
+    for name in ["README.md", *(os.path.join("docs", f) for f in os.listdir(
+            os.path.join(ROOT, "docs")) if f.endswith(".md"))]:
+        found = history.findall(_read(name))
+        assert not found, (name, found)
+
+
+def test_docs_state_the_real_option_defaults():
+    signature = inspect.signature(rpc.TensorPipeRpcBackendOptions.__init__).parameters
+    seen = 0
+    for name in ["README.md", *(os.path.join("docs", f) for f in os.listdir(
+            os.path.join(ROOT, "docs")) if f.endswith(".md"))]:
+        text = " ".join(_read(name).split())
+        for option, value in re.findall(r"`(\w+)` \(default ([\w.,]+(?: (?:s|KiB|MiB|GiB))?)",
+                                        text):
+            if option in signature:
+                seen += 1
+                assert _parse_default(value) == signature[option].default, (name, option, value)
+    assert seen >= 2

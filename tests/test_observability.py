@@ -175,3 +175,18 @@ def test_remote_event_of_a_sleeping_block_lasts_the_sleep():
                  if e.is_remote and e.name.endswith("#remote_op: sleeping_block"))
     assert block.node_id == 2
     assert 0.25e6 <= block.cpu_time_total < 2.0e6, block.cpu_time_total
+
+
+def test_kineto_remote_events_carry_the_callee_durations():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rpc.rpc_sync("worker2", sleeping_block, args=(0.25,))
+        local = torch.ones(3) * 2  # a local op right after: not a child of the remote event
+    events = prof.events()
+    block = next(e for e in events if e.name.endswith("#remote_op: sleeping_block"))
+    assert block.is_remote and block.node_id == 2
+    assert 0.25e6 <= block.cpu_time_total < 2.0e6, block.cpu_time_total
+    mul = [e for e in events if e.name == "aten::mul" and not e.is_remote]
+    assert mul and all(e.cpu_parent is None or not e.cpu_parent.is_remote for e in mul)
+    assert local.sum().item() == 6
+    averages = {a.key: a for a in prof.key_averages()}
+    assert averages[block.name].cpu_time_total >= 0.25e6

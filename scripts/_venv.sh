@@ -13,17 +13,17 @@ die() {
   exit 1
 }
 
-# Stop unless interpreter $1 is Python 3.10 or newer.
+# Stop unless interpreter $1 is Python 3.10 or newer; $2 is the fix to suggest.
 check_python() {
-  local version major minor
+  local version major minor fix=${2:-"set PYTHON, for example PYTHON=python3.11"}
   version=$("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
-    die "cannot run '$1'; set PYTHON to a Python 3.10 or newer"
+    die "cannot run '$1'; $fix"
   IFS=. read -r major minor <<<"$version"
   if ! [[ "$major" =~ ^[0-9]+$ && "$minor" =~ ^[0-9]+$ ]]; then
-    die "'$1' did not report its version (got '$version'); set PYTHON to a Python 3.10 or newer"
+    die "'$1' did not report its version (got '$version'); $fix"
   fi
   if ((major < 3 || (major == 3 && minor < 10))); then
-    die "torchrpc needs Python 3.10 or newer; '$1' is Python $version (set PYTHON, for example PYTHON=python3.11)"
+    die "torchrpc needs Python 3.10 or newer; '$1' is Python $version ($fix)"
   fi
 }
 
@@ -37,7 +37,7 @@ make_venv() {
   if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv || die "could not create .venv with $PY"
   fi
-  check_python .venv/bin/python
+  check_python .venv/bin/python "remove .venv to make it again with $PY"
   local site
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') ||
     die "cannot find the site-packages of .venv"

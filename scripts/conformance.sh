@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-pip_install "torch==2.13.0"
+install_torch "torch==2.13.0"
 pip_install -e ".[test]"
 .venv/bin/python -c "import torch, torchrpc, expecttest"
 exec .venv/bin/python -m tests.conformance.run "$@"

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-pip_install "torch==2.13.0"
+install_torch "torch==2.13.0"
 pip_install -e ".[examples]"
 exec .venv/bin/python -m torchrpc.examples.parameter_server "$@"

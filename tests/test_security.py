@@ -190,6 +190,7 @@ def test_listen_address_is_configurable(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.delenv(rendezvous.LISTEN_ENV, raising=False)
     monkeypatch.delenv(rendezvous.IFNAME_ENV, raising=False)
+    monkeypatch.delenv(rendezvous.TORCH_IFNAME_ENV, raising=False)
     assert rendezvous.listen_host("env://", None) == "127.0.0.1"
     assert rendezvous.listen_host("tcp://localhost:1234", None) == "127.0.0.1"
     assert rendezvous.listen_host("env://", "10.1.2.3") == "10.1.2.3"

@@ -47,9 +47,9 @@ def raise_once(real: Callable[..., Any], exc: BaseException = None) -> Callable[
 
 
 def errors_about(caplog: Any, words: str) -> List[logging.LogRecord]:
-    """ERROR records of the torchrpc logger that mention ``words`` and carry a traceback."""
-    return [r for r in caplog.records if r.name == "torchrpc" and r.levelno == logging.ERROR
-            and words in r.getMessage() and r.exc_info is not None]
+    """ERROR records of the torchrpc loggers that mention ``words`` and carry a traceback."""
+    return [r for r in caplog.records if r.name.split(".")[0] == "torchrpc"
+            and r.levelno == logging.ERROR and words in r.getMessage() and r.exc_info is not None]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:

@@ -10,6 +10,9 @@ Import mapping::
 
 import logging
 
+from . import _platform
+
+_platform.check()  # before any module that needs fcntl or Unix sockets
 logging.getLogger("torchrpc").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"

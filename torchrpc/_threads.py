@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from .errors import ThreadFailedError
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 IN_A_ROW = 10  # rounds that fail one after the other before a loop gives up
 _PAUSE = 0.01  # after the n-th failure in a row a round waits n times this, not to spin
@@ -75,10 +75,10 @@ class Guard:
         """A round raised ``exc``: log it; False once the loop has to give up."""
         self._row += 1
         if self.limit is None:
-            log.error("torchrpc: %s raised an unexpected exception; it goes on", self.what,
+            log.error("%s raised an unexpected exception; it goes on", self.what,
                       exc_info=exc)
             return True
-        log.error("torchrpc: %s raised an unexpected exception (%d in a row; it gives up "
+        log.error("%s raised an unexpected exception (%d in a row; it gives up "
                   "at %d); it goes on", self.what, self._row, self.limit, exc_info=exc)
         if self._row < self.limit:
             return True
@@ -92,12 +92,12 @@ class Guard:
         self._gave_up = True
         error = ThreadFailedError(f"{self.what} cannot go on: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        log.error("torchrpc: %s", error, exc_info=exc)
+        log.error("%s", error, exc_info=exc)
         if self.on_fatal is not None:
             try:
                 self.on_fatal(error)
             except Exception:  # noqa: BLE001 - reporting must not raise in its turn
-                log.exception("torchrpc: reporting that %s failed raised", self.what)
+                log.exception("reporting that %s failed raised", self.what)
 
     def call(self, target: Callable[..., Any], *args: Any) -> None:
         """Run a thread's whole ``target(*args)``: whatever escapes it is fatal."""

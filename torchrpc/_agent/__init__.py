@@ -1,10 +1,10 @@
 """The agent layer: rendezvous, connections, pending requests, worker pool, shutdown."""
 
-from .agent import (Agent, AsyncResult, CallHook, CallScope, MessageContext, Parked, describe,
-                    run_callable)
+from .agent import (Agent, AsyncResult, CallHook, CallScope, MessageContext, Parked,
+                    debug_info_here, describe, run_callable)
 from .futures import RpcFuture, fresh_error
 from .pool import current_pool
 from .worker import WorkerInfo
 
 __all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "MessageContext", "Parked", "RpcFuture",
-           "WorkerInfo", "current_pool", "describe", "fresh_error", "run_callable"]
+           "WorkerInfo", "current_pool", "debug_info_here", "describe", "fresh_error", "run_callable"]

@@ -29,6 +29,7 @@ import functools
 import contextlib
 import heapq
 import itertools
+import json
 import logging
 import os
 import select
@@ -57,9 +58,10 @@ from .current import current_agent
 from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
 from .retry import RetryPolicy, retryable
+from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 _TICK = 0.1  # the timer wakes at least this often
 # A request running on its reading thread for longer than this hands the reading role on.
@@ -71,6 +73,7 @@ _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat t
 # long after their reply went out, and at most this many at once (see _Once).
 _ONCE_KEEP = 60.0
 _ONCE_MAX = 8192
+_REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
 
@@ -171,11 +174,15 @@ class CallHook:
 
 
 class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure")
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
+                 "stats", "sent")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
-                 states: Optional[Dict[str, Any]]) -> None:
+                 states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
+                 sent: float = 0.0) -> None:
         self.future = future
+        self.stats = stats  # the callee's counters (None for a request to this worker)
+        self.sent = sent  # time.monotonic() when the request was made
         self.dst = dst
         self.what = what
         self.timeout = timeout
@@ -191,6 +198,8 @@ class _Pending:
         reading a private connection."""
         if self.on_failure is not None:
             self.on_failure()
+        if self.stats is not None:
+            self.stats.errors_out += 1
         self.future.set_exception(error)
         if self.private is not None:
             self.private.close(error)
@@ -386,6 +395,11 @@ class Agent:
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
         self._duplicates = 0  # requests that arrived again and were not run again
+        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
+        self._peer_stats: Dict[int, PeerStats] = {}
+        # log_debug_info_on_timeout: ranks whose debug info is being fetched after a timeout.
+        self._log_on_timeout = bool(getattr(options, "log_debug_info_on_timeout", False))
+        self._timeout_reports: set[int] = set()
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
 
@@ -443,7 +457,7 @@ class Agent:
             self._members_thread = self._start_thread("members", self._follow_members)
         if self._hb_interval > 0:
             self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
-        log.info("torchrpc: worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
+        log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
         return self
@@ -463,7 +477,7 @@ class Agent:
             f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
             f"init_rpc() again")
         self.failure.__cause__ = error.__cause__
-        log.error("torchrpc: %s", self.failure)
+        log.error("%s", self.failure)
         for rid in list(self._pending):
             p = self._pending.pop(rid, None)
             if p is not None:
@@ -513,6 +527,9 @@ class Agent:
     def _add_worker(self, rank: int, info: Dict[str, Any]) -> None:
         w = WorkerInfo(info["name"], rank)
         with self._lock:
+            old = self._workers.get(rank)
+            if old is not None and old.name != w.name:
+                self._peer_stats.pop(rank, None)  # another worker under a rank: new counters
             self._workers[rank] = w
             self._by_name[w.name] = w
             self._departed.pop(w.name, None)
@@ -565,7 +582,7 @@ class Agent:
                     events = None
                     failures += 1
                     if failures == 1:
-                        log.warning("torchrpc: %s cannot read the membership log: %s",
+                        log.warning("%s cannot read the membership log: %s",
                                     self.name, exc)
                 if events is not None:
                     failures = 0
@@ -713,9 +730,59 @@ class Agent:
         if layer is None:
             for source in self._debug_sources.values():
                 info.update(source())
+            info["peers"] = self.peer_stats()
         elif "agent" in self._debug_sources:  # counters upper layers keep for the agent
             info.update(self._debug_sources["agent"]())
         return info
+
+    def peer_stats(self) -> Dict[str, Dict[str, Any]]:
+        """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
+        and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
+        with self._lock:
+            stats = list(self._peer_stats.items())
+            names = {rank: w.name for rank, w in self._workers.items()}
+        return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
+
+    def _new_stats(self, rank: int) -> PeerStats:
+        with self._lock:  # two first calls to a peer may race here
+            return self._peer_stats.setdefault(rank, PeerStats())
+
+    def _report_timeout(self, dst: WorkerInfo, what: Any, timeout: float) -> None:
+        """log_debug_info_on_timeout: log this worker's debug info and, when it answers
+        within a few seconds, the callee's; on the pool, so the timer never waits for it.
+        One report per callee at a time, so a burst of timeouts logs once."""
+        if dst.id in self._timeout_reports:
+            return
+        self._timeout_reports.add(dst.id)
+        try:
+            self._pool.submit(self._log_timeout, dst, what, timeout)
+        except RuntimeError:  # the pool has stopped: so has the agent
+            self._timeout_reports.discard(dst.id)
+
+    def _log_timeout(self, dst: WorkerInfo, what: Any, timeout: float) -> None:
+        log.warning("%s: the call to %s of %s timed out after %g s; debug info of %s: %s",
+                    self.name, dst.name, describe(what), timeout, self.name,
+                    _as_json(self.debug_info()))
+
+        def answered(fut: torch.futures.Future) -> None:
+            self._timeout_reports.discard(dst.id)
+            try:
+                info = fut.wait()
+            except Exception as exc:  # noqa: BLE001 - best effort: say why there is none
+                log.warning("%s: no debug info from %s after its call timed out: %s",
+                            self.name, dst.name, exc)
+            else:
+                log.warning("%s: debug info of %s, whose call timed out: %s", self.name,
+                            dst.name, _as_json(info))
+
+        try:
+            fut = self.request(dst, Kind.CALL, (debug_info_here, (), {}), _REPORT_TIMEOUT,
+                               what=debug_info_here)
+        except Exception as exc:  # noqa: BLE001 - best effort, as above
+            self._timeout_reports.discard(dst.id)
+            log.warning("%s: cannot ask %s for its debug info: %s", self.name, dst.name, exc)
+            return
+        fut.add_done_callback(answered)
 
     @property
     def pool(self) -> WorkerPool:
@@ -815,7 +882,11 @@ class Agent:
                 share.append((env, bufs, keep))
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
-        p = _Pending(new_future(self._pool), dst, what, timeout, states)
+        now = time.monotonic()
+        stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
+        stats.calls_out += 1
+        stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
+        p = _Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
@@ -823,7 +894,7 @@ class Agent:
             torch.futures.Future.add_done_callback(
                 p.future, functools.partial(_run_all, ctx.on_settled))
         p.private = private
-        deadline = time.monotonic() + timeout if timeout > 0 else None
+        deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             if kind != Kind.CALL:  # internal: the callee runs it once; @idempotent may rerun
                 flags |= _wire.FLAG_ONCE
@@ -1075,7 +1146,7 @@ class Agent:
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
         if kind in (Kind.RESPONSE, Kind.ERROR):
-            log.warning("torchrpc: %s could not reply to %s: %s", self.name, dst.name, exc)
+            log.warning("%s could not reply to %s: %s", self.name, dst.name, exc)
             return
         self._request_lost(rid, dst, exc)
 
@@ -1100,7 +1171,7 @@ class Agent:
                     r.attempt += 1
                     r.scheduled = True
                     self._pending[rid] = p
-                    log.info("torchrpc: %s retries %s to %s in %.3g s (attempt %d of %d): %s",
+                    log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
                              self.name, describe(p.what) if p.what else Kind(r.kind).name,
                              p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
                     self.call_later(delay, self._resend, rid)
@@ -1229,7 +1300,7 @@ class Agent:
                                                   BrokenPipeError)) and self._runs_here(dst.id)
                 if not busy or time.monotonic() + delay >= deadline:
                     raise
-                log.info("torchrpc: %s: worker %s is busy (%s); connecting again in %.2g s",
+                log.info("%s: worker %s is busy (%s); connecting again in %.2g s",
                          self.name, dst.name, exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -1283,7 +1354,7 @@ class Agent:
         name = w.name if w else f"rank{rank}"
         with self._lock:
             self._lost[rank] = str(reason)
-        log.warning("torchrpc: %s lost its connection to worker %s (rank %d): %s", self.name,
+        log.warning("%s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._close_idle_private(rank, reason)
         self._fail_pending(rank, ConnectionLostError(
@@ -1330,12 +1401,12 @@ class Agent:
                     f"again failed: {cause}", worker=w.name)
             with self._lock:
                 self._declared.add(rank)
-            log.warning("torchrpc: %s: %s", self.name, error)
+            log.warning("%s: %s", self.name, error)
             for hook in self._loss_hooks:
                 try:
                     hook(w, error)
                 except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                    log.exception("torchrpc: a loss hook of %s failed for %s", self.name, w.name)
+                    log.exception("a loss hook of %s failed for %s", self.name, w.name)
         finally:
             with self._lock:
                 self._confirming.discard(rank)
@@ -1407,6 +1478,9 @@ class Agent:
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)
             return self._reading_to_pool(conn)
+        stats = self._peer_stats.get(src.id) or self._new_stats(src.id)
+        stats.calls_in += 1
+        stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
         if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
@@ -1436,7 +1510,7 @@ class Agent:
         and at-most-once messages of the protocols are never refused: losing them would
         lose state)."""
         queued = self._pool.num_pending
-        self._overloads.warn("torchrpc: %s refused a %s from %s: %d requests wait for its "
+        self._overloads.warn("%s refused a %s from %s: %d requests wait for its "
                              "%d threads (max_queued_requests)", self.name,
                              Kind(header.kind).name, src.name, queued, self._pool.num_threads)
         self._send_error(src, header.request_id, OverloadedError(
@@ -1465,7 +1539,7 @@ class Agent:
                 return True
             self._duplicates += 1
             reply = once.reply
-        log.info("torchrpc: %s got request %d of %s again; it runs once%s", self.name, rid,
+        log.info("%s got request %d of %s again; it runs once%s", self.name, rid,
                  src.name, " (its reply goes again)" if reply is not None else "")
         if reply is not None:
             kind, env, bufs, keep = reply
@@ -1584,11 +1658,17 @@ class Agent:
             return  # expired or failed already
         if p.dst.id != conn.peer_rank:
             # Only the callee answers a call: a reply from anyone else is dropped.
-            log.warning("torchrpc: %s dropped a reply from rank %d to request %d, which was "
+            log.warning("%s dropped a reply from rank %d to request %d, which was "
                         "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
             return
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
+        stats = p.stats
+        if stats is not None:
+            stats.latency(time.monotonic() - p.sent)
+            stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
+            if header.kind == Kind.ERROR:
+                stats.errors_out += 1
         ctx = MessageContext(self, p.dst, header.kind)
         recv_hook = None
         if p.states is not None:
@@ -1596,6 +1676,8 @@ class Agent:
         try:
             _, value = _wire.decode(envelope, buffers, ctx, recv_hook)
         except Exception as exc:  # noqa: BLE001 - the caller gets the error
+            if stats is not None and header.kind != Kind.ERROR:
+                stats.errors_out += 1
             p.future.set_exception(SerializationError(
                 f"cannot unpickle the reply of {p.dst.name} to {describe(p.what)}: {exc}"))
             return
@@ -1610,7 +1692,7 @@ class Agent:
                 try:
                     hook.request_failed(dst, states[hook.key])
                 except Exception:  # noqa: BLE001 - the caller's error matters more
-                    log.exception("torchrpc: %s: call hook %r failed", self.name, hook.key)
+                    log.exception("%s: call hook %r failed", self.name, hook.key)
 
     def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
         hooks = []
@@ -1665,7 +1747,7 @@ class Agent:
             if not oneway:
                 self._reply_error(src, rid, exc, what, via)
             else:
-                log.warning("torchrpc: one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
+                log.warning("one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
                 if header.flags & _wire.FLAG_ONCE:
                     self._once_done(src, rid)
             return
@@ -1724,8 +1806,11 @@ class Agent:
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
                      via: Optional[Connection] = None) -> None:
+        stats = self._peer_stats.get(dst.id)
+        if stats is not None:
+            stats.errors_in += 1
         # The callee's side of the story, as torch's agent logs it; the caller gets the error.
-        log.warning("torchrpc: %s raised %s: %s in %s called by %s", self.name,
+        log.warning("%s raised %s: %s in %s called by %s", self.name,
                     type(exc).__name__, exc, describe(what), dst.name)
         self._send_error(dst, rid, exc, via)
 
@@ -1749,6 +1834,9 @@ class Agent:
 
     def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
                     via: Optional[Connection] = None) -> None:
+        stats = self._peer_stats.get(dst.id)
+        if stats is not None:
+            stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
         keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
@@ -1838,6 +1926,10 @@ class Agent:
     def _expire(self, rid: int) -> None:
         p = self._pending.pop(rid, None)
         if p is not None:
+            if p.stats is not None:
+                p.stats.timeouts += 1
+            if self._log_on_timeout and p.dst.id != self.rank:
+                self._report_timeout(p.dst, p.what, p.timeout)
             p.set_exception(RpcTimeoutError(
                 f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
                 f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
@@ -2098,7 +2190,7 @@ class Agent:
                 with self._lock:
                     self._lost[r] = self._gone[r] = \
                         f"unreachable while the group shuts down: {exc}"
-                log.warning("torchrpc: %s: worker %s (rank %d) did not reach shutdown and "
+                log.warning("%s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", self.name, w.name, r, exc)
 
     def shutdown(self, graceful: bool = True, timeout: float = 0,
@@ -2171,7 +2263,7 @@ class Agent:
             try:
                 membership.leave(self.store, self.name, self.rank)
             except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-                log.warning("torchrpc: %s could not announce its departure: %s", self.name, exc)
+                log.warning("%s could not announce its departure: %s", self.name, exc)
             discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
         with self._lock:
             conns = [c for lst in self._all_conns.values() for c in lst]
@@ -2181,7 +2273,7 @@ class Agent:
             try:
                 hook()
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("torchrpc: a stop hook of %s failed", self.name)
+                log.exception("a stop hook of %s failed", self.name)
         with self._timer_cv:
             self._state = "stopped"
             self._later.clear()
@@ -2204,9 +2296,18 @@ class Agent:
                 thread.join(10)
         stuck = self._pool.close()
         if stuck:
-            log.warning("torchrpc: %d worker threads of %s were still busy at shutdown: %s",
+            log.warning("%d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), self.name, stuck[:4])
         self.store = None
+
+
+def debug_info_here() -> Dict[str, Any]:
+    """The debug info of the worker this runs on (the target of ``get_debug_info(to)``)."""
+    return current_agent().debug_info()
+
+
+def _as_json(info: Dict[str, Any]) -> str:
+    return json.dumps(info, sort_keys=True, default=str)
 
 
 def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:
@@ -2214,7 +2315,7 @@ def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:
         try:
             action()
         except Exception:  # noqa: BLE001 - one must not keep the others from running
-            log.exception("torchrpc: an action after a request settled failed")
+            log.exception("an action after a request settled failed")
 
 
 def _nothing() -> None:

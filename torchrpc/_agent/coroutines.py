@@ -34,7 +34,7 @@ from ..errors import NotInitializedError
 from .futures import fresh_error
 from .pool import WorkerPool
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 _CANCEL_WAIT = 2.0  # seconds shutdown lets cancelled coroutines finish
 

@@ -29,7 +29,7 @@ import torch
 from ..errors import as_runtime_error
 from .pool import WorkerPool, current_pool
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 S = TypeVar("S")
 
@@ -142,7 +142,7 @@ def _run_logged(callback: Callable[[Any], None], fut: Any) -> None:
     try:
         callback(fut)
     except Exception:
-        log.exception("torchrpc: a future callback raised; the error is ignored as in torch")
+        log.exception("a future callback raised; the error is ignored as in torch")
 
 
 def new_future(pool: Optional[WorkerPool]) -> RpcFuture:

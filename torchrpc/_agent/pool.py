@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .._threads import Guard
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 IDLE_EXIT = 5.0
 HARD_CAP = 2048
@@ -116,7 +116,7 @@ class WorkerPool:
                        and not self._closed and len(self._threads) < HARD_CAP)
             self._last_started = self._started
             if stalled:
-                log.debug("torchrpc: pool %s stalled with %d queued tasks; adding a thread",
+                log.debug("pool %s stalled with %d queued tasks; adding a thread",
                           self._name, self._pending)
                 self._spawn_locked()
 
@@ -130,7 +130,7 @@ class WorkerPool:
             t.start()
         except RuntimeError as exc:  # out of threads: the ones there take the work
             self._threads.discard(t)
-            log.error("torchrpc: pool %s cannot start another thread (%s); its %d threads "
+            log.error("pool %s cannot start another thread (%s); its %d threads "
                       "go on", self._name, exc, len(self._threads))
 
     # -- the loop ------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ class WorkerPool:
                 try:
                     fn(*args)
                 except BaseException:  # noqa: BLE001 - a task must never kill its thread
-                    log.exception("torchrpc: task %r failed in the worker pool", fn)
+                    log.exception("task %r failed in the worker pool", fn)
                 del item, fn, args
         finally:
             _current.pool = None

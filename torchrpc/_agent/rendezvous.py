@@ -29,6 +29,7 @@ from ..errors import RendezvousError
 
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
+TORCH_IFNAME_ENV = "TP_SOCKET_IFNAME"  # torch's (TensorPipe's) variable, read the same way
 RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
 _ERROR_KEY = "error"
 _ERROR_SEEN_KEY = "error_seen"
@@ -134,13 +135,16 @@ def _interface_address(ifname: str) -> str:
 
 
 def listen_host(init_method: str, configured: Optional[str]) -> str:
-    """The address to listen on: configured, else the interface that reaches the master."""
+    """The address to listen on: configured, else ``TORCHRPC_LISTEN_ADDR``, else the address
+    of interface ``TORCHRPC_IFNAME`` or ``TP_SOCKET_IFNAME``, else the interface that
+    reaches the master."""
     if configured:
         return configured
     if os.environ.get(LISTEN_ENV):
         return os.environ[LISTEN_ENV]
-    if os.environ.get(IFNAME_ENV):
-        return _interface_address(os.environ[IFNAME_ENV])
+    for name in (IFNAME_ENV, TORCH_IFNAME_ENV):
+        if os.environ.get(name):
+            return _interface_address(os.environ[name])
     host = master_host(init_method)
     if host is None or _is_loopback(host):
         return "127.0.0.1"

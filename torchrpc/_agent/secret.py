@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Set
 
 from ..errors import RendezvousError
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 SECRET_ENV = "TORCHRPC_SECRET"
 SECRET_FILE_ENV = "TORCHRPC_SECRET_FILE"
@@ -157,7 +157,7 @@ atexit.register(discard_local)
 
 def via_store_allowed() -> bool:
     if os.environ.get(VIA_STORE_ENV, "") not in ("", "0"):
-        log.warning("torchrpc: %s is set: the job secret travels through the rendezvous "
+        log.warning("%s is set: the job secret travels through the rendezvous "
                     "store, so anyone who can reach the store can run code on every worker",
                     VIA_STORE_ENV)
         return True

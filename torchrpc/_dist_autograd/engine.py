@@ -77,7 +77,7 @@ from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, Releas
 from .records import (CONTEXT_ID_BITS, NODE_PREFIX, DistAutogradContext, MessageKey,
                       RecvRecorder, SendRecorder, context_creator, local_pass, make_context_id)
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 EXTENSION_KEY = "autograd"
 """The engine's name in ``Agent.extensions``."""
@@ -320,7 +320,7 @@ class DistAutogradEngine(CallHook):
                                   what="distributed autograd context release",
                                   retry=_CONTROL_RETRY)
                 except (RpcError, ValueError) as exc:
-                    log.debug("torchrpc: %s could not release autograd contexts %s on rank "
+                    log.debug("%s could not release autograd contexts %s on rank "
                               "%d: %s", agent.name, ids, rank, exc)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
@@ -570,7 +570,7 @@ class DistAutogradEngine(CallHook):
                 agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
                               what="distributed autograd report", oneway=True)
         except BaseException as exc:  # noqa: BLE001 - the root times out and says so
-            log.warning("torchrpc: %s could not report to the root of distributed backward "
+            log.warning("%s could not report to the root of distributed backward "
                         "pass %s: %s", agent.name, pass_id, exc)
 
     def _credit_back(self, pass_id: PassId, credit: Fraction,
@@ -609,7 +609,7 @@ class DistAutogradEngine(CallHook):
             else:
                 self.release(ctx.id, rank)
         if contexts:
-            log.info("torchrpc: %s: %d autograd contexts reached lost worker %s", self._agent.name,
+            log.info("%s: %d autograd contexts reached lost worker %s", self._agent.name,
                      len(contexts), worker.name)
 
     # -- handlers ----------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ caller's profile depends on the profiler:
   only with the backend option ``profile_kineto`` (torch's RPC records nothing under
   Kineto, and ported code may count on it). Kineto takes no foreign events: replayed on the thread that waits for the result, as
   ``record_function`` events of the same names whose ``args`` carry ``node=<callee>``
-  and the callee-side CPU time (their own duration is not the remote one).
+  and the callee-side CPU time; the profile's parsed events (``events()``,
+  ``key_averages()``) then give them the callee's durations, ``is_remote`` and the
+  callee's ``node_id`` (see :mod:`.events`), while an exported trace keeps the replays.
 
 Local events of a legacy profile get this worker's rank as ``node_id``, as in torch.
 The callee side, including ``rpc._server_process_global_profile``, is in
@@ -202,10 +204,11 @@ def _replay(call: Call) -> None:
     if not enabled():
         return
     for ev in call.events:
-        name, start, end = ev[1], ev[4], ev[5]
-        with record_function(f"{call.name}{REMOTE_OP}{name}",
-                             f"node={call.node_id} remote_cpu_time_us={end - start:.1f}"):
+        name, start, end = f"{call.name}{REMOTE_OP}{ev[1]}", ev[4], ev[5]
+        t0 = time.time_ns()
+        with record_function(name, f"node={call.node_id} remote_cpu_time_us={end - start:.1f}"):
             pass
+        events.note_replay(name, t0, time.time_ns(), end - start, call.node_id)
 
 
 def _begin(mode: str, agent: Agent, dst: WorkerInfo, func: Any) -> "tuple[Call, Any]":

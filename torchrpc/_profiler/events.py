@@ -15,6 +15,14 @@ pass through unchanged when there is nothing to add:
   ``node_id``, its durations, shapes and memory), named
   ``<rpc event>#remote_op: <event>``.
 
+A Kineto profile takes no foreign events: the callee's events are replayed as empty
+``record_function`` blocks on the thread that waits for the result (see
+:func:`torchrpc._profiler._replay`), and each replay is noted in :data:`_replayed`. A
+third wrapper, of ``torch.autograd.profiler.profile._parse_kineto_results``, gives each
+replayed event found in the parsed events the callee's duration, the callee's rank as
+``node_id`` and ``is_remote``; it is marked async, so that its stretched time range
+does not make the waiting thread's later events its children.
+
 A finished RPC waits in :data:`_completed` until the parse of the profile that holds
 its event takes it. The event is found by its name and start time: the time window in
 which the RPC's ``record_function`` was entered, in the records' clock (wall-clock
@@ -30,7 +38,8 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import DeviceType, profiler_legacy
-from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent
+from torch.autograd import profiler as torch_profiler
+from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent, Interval
 
 from .._agent.current import handle as _current
 
@@ -43,6 +52,10 @@ _lock = threading.Lock()
 _completed: Dict[str, List["Call"]] = {}
 _order: Deque["Call"] = collections.deque()
 _installed = False
+# Kineto replays not yet parsed: (event name, wall ns before, wall ns after, callee
+# duration in us, callee rank); the oldest go first.
+_replayed: Deque[Tuple[str, int, int, float, int]] = collections.deque(maxlen=_MAX_COMPLETED)
+_REPLAY_SLACK_NS = 50_000  # clock granularity allowed around a replay's window
 
 
 class Options(NamedTuple):
@@ -247,6 +260,54 @@ def parse(thread_records: Sequence[Sequence[Any]]) -> Tuple[List[FunctionEvent],
 
 _torch_parse = profiler_legacy._parse_legacy_records
 _torch_start_trace = profiler_legacy.profile._start_trace
+_torch_parse_kineto = torch_profiler.profile._parse_kineto_results
+
+
+def note_replay(name: str, t0_ns: int, t1_ns: int, duration_us: float, node_id: int) -> None:
+    """A callee event was replayed into a Kineto profile between ``t0_ns`` and ``t1_ns``."""
+    with _lock:
+        _replayed.append((name, t0_ns, t1_ns, duration_us, node_id))
+
+
+def give_durations(functions: List[FunctionEvent], trace_start_ns: int) -> None:
+    """Give the replayed remote events among ``functions`` (times in microseconds from
+    ``trace_start_ns``) the durations they had on the callee."""
+    with _lock:
+        pending = list(_replayed)
+    if not pending:
+        return
+    by_name: Dict[str, List[Tuple[str, int, int, float, int]]] = {}
+    for replay in pending:
+        by_name.setdefault(replay[0], []).append(replay)
+    used = set()
+    for fe in functions:
+        candidates = by_name.get(fe.name) if REMOTE_OP in fe.name else None
+        if not candidates:
+            continue
+        start_ns = trace_start_ns + fe.time_range.start * 1000.0
+        for i, replay in enumerate(candidates):
+            if replay[1] - _REPLAY_SLACK_NS <= start_ns <= replay[2] + _REPLAY_SLACK_NS:
+                del candidates[i]
+                used.add(id(replay))
+                fe.time_range = Interval(fe.time_range.start, fe.time_range.start + replay[3])
+                fe.is_async = True
+                fe.is_remote = True
+                fe.node_id = replay[4]
+                break
+    if used:
+        with _lock:
+            kept = [r for r in _replayed if id(r) not in used]
+            _replayed.clear()
+            _replayed.extend(kept)
+
+
+def _parse_kineto_results(self: Any, result: Any, *args: Any, **kwargs: Any) -> List[FunctionEvent]:
+    """torch's ``profile._parse_kineto_results``, with the callee's durations given to the
+    replayed remote events."""
+    functions = _torch_parse_kineto(self, result, *args, **kwargs)
+    if _replayed:
+        give_durations(functions, result.trace_start_ns())
+    return functions
 
 
 def _parse_legacy_records(thread_records: Sequence[Sequence[Any]]) -> List[FunctionEvent]:
@@ -263,12 +324,14 @@ def _start_trace(self: Any) -> None:
 
 
 def install() -> None:
-    """Wrap torch's two functions (see module docs); idempotent."""
+    """Wrap torch's three functions (see module docs); idempotent."""
     global _installed
     if _installed:
         return
     _installed = True
     _parse_legacy_records.__wrapped__ = _torch_parse  # type: ignore[attr-defined]
     _start_trace.__wrapped__ = _torch_start_trace  # type: ignore[attr-defined]
+    _parse_kineto_results.__wrapped__ = _torch_parse_kineto  # type: ignore[attr-defined]
     profiler_legacy._parse_legacy_records = _parse_legacy_records
     profiler_legacy.profile._start_trace = _start_trace
+    torch_profiler.profile._parse_kineto_results = _parse_kineto_results

@@ -37,7 +37,7 @@ from .._wire import Kind, PassThrough, current_context
 from ..errors import ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Control messages are idempotent on the receiver (sets and tombstones), so they are
 # retried on connection failures, as the protocol prescribes.
@@ -757,7 +757,7 @@ class RRefLayer:
                                 what=f"RRef control message {msg.kind.name}",
                                 retry=_CONTROL_RETRY)
         except Exception as exc:  # noqa: BLE001 - control messages are best effort past here
-            log.debug("torchrpc: %s to rank %d failed: %s", msg.kind.name, msg.dst, exc)
+            log.debug("%s to rank %d failed: %s", msg.kind.name, msg.dst, exc)
             return
         if msg.kind == Kind.RREF_FORK_REQUEST:
             fork_id = msg.payload[1]
@@ -770,7 +770,7 @@ class RRefLayer:
             rref = self._users.get(fork_id)
             if rref is not None:
                 rref._record_error(exc)
-            log.warning("torchrpc: owner did not confirm RRef fork %s: %s", fork_id, exc)
+            log.warning("owner did not confirm RRef fork %s: %s", fork_id, exc)
         rref = self._users.get(fork_id)
         if rref is not None:
             rref._confirmed = True
@@ -820,7 +820,7 @@ class RRefLayer:
             if gate is not None:
                 gate.set_result(None)
         if orphans:
-            log.info("torchrpc: %s dropped %d RRefs owned by lost worker %s", self.agent.name,
+            log.info("%s dropped %d RRefs owned by lost worker %s", self.agent.name,
                      len(orphans), worker.name)
 
     # -- shutdown ------------------------------------------------------------------------------

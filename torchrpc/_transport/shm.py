@@ -64,7 +64,7 @@ import torch
 from .. import _wire
 from ..errors import ProtocolError
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "torchrpc-"
@@ -130,7 +130,7 @@ def _unlink(path: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.debug("torchrpc: cannot unlink %s: %s", path, exc)
+        log.debug("cannot unlink %s: %s", path, exc)
 
 
 def process_state(pid: int) -> Optional[str]:
@@ -176,7 +176,7 @@ def sweep_dead(directory: str = SHM_DIR) -> int:
             _unlink(os.path.join(directory, name))
             removed += 1
     if removed:
-        log.info("torchrpc: removed %d shared-memory segments left by dead processes", removed)
+        log.info("removed %d shared-memory segments left by dead processes", removed)
     return removed
 
 
@@ -335,7 +335,7 @@ class ShmSender:
     def _give_up(self, exc: OSError) -> None:
         if not self._broken and not self._closed:
             self._broken = True
-            log.warning("torchrpc: shared memory in %s failed (%s); large buffers on this "
+            log.warning("shared memory in %s failed (%s); large buffers on this "
                         "connection go through the socket from now on", self._dir, exc)
 
     def _written(self, seg: _OutSegment, ok: bool) -> bool:

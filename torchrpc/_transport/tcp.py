@@ -41,7 +41,7 @@ from .._threads import Fatal, Guard
 from ..errors import AuthenticationError, ConnectionLostError, ProtocolError, RpcTimeoutError
 from . import handshake, shm, tls
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds for a whole handshake, however its bytes trickle in
 # Handshakes served at once; a connection beyond this is closed before it is read.
@@ -63,7 +63,7 @@ def _spin_seconds(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 <= value <= 1e6:
-        log.warning("torchrpc: TORCHRPC_SPIN_US must be microseconds between 0 and 1e6, "
+        log.warning("TORCHRPC_SPIN_US must be microseconds between 0 and 1e6, "
                     "got %r; using 200", text)
         value = 200.0
     return value / 1e6
@@ -306,7 +306,7 @@ class Connection:
             error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
         except Exception as exc:  # noqa: BLE001 - reading itself failed: where the next
             # frame starts is unknown, so the connection closes
-            log.exception("torchrpc: the reader of the connection to rank %s failed; the "
+            log.exception("the reader of the connection to rank %s failed; the "
                           "connection closes", self.peer_rank)
             error = exc
         finally:
@@ -561,7 +561,7 @@ class LogBudget:
             now = time.monotonic()
             if now - self._start > self._period:
                 if self._dropped:
-                    log.warning("torchrpc: %d more %s in the last %.0f s were not logged",
+                    log.warning("%d more %s in the last %.0f s were not logged",
                                 self._dropped, self._what, now - self._start)
                 self._start, self._count, self._dropped = now, 0, 0
             if self._count >= self._burst:
@@ -689,11 +689,11 @@ class Transport:
             if exc.errno == errno.EADDRINUSE:
                 # Nobody else may hold the name of this worker's TCP address: someone took it
                 # first. Peers that dial it find another owner and refuse it (_connect_local).
-                log.error("torchrpc: the local socket name of this worker (%r) is taken by "
+                log.error("the local socket name of this worker (%r) is taken by "
                           "another process, perhaps of another user squatting it; same-host "
                           "peers refuse it and use TCP", name)
             else:
-                log.info("torchrpc: no local socket (%s); same-host peers use TCP", exc)
+                log.info("no local socket (%s); same-host peers use TCP", exc)
             sock.close()
             return None
         return sock
@@ -749,13 +749,13 @@ class Transport:
             # Out of descriptors (a flood, or a busy process): pause and try again; the
             # kernel keeps new peers in the backlog meanwhile.
             backoff[0] = min(max(backoff[0] * 2, _ACCEPT_BACKOFF[0]), _ACCEPT_BACKOFF[1])
-            self._rejects.warn("torchrpc: rank %d cannot accept connections: %s; trying "
+            self._rejects.warn("rank %d cannot accept connections: %s; trying "
                                "again in %.2f s", self.rank, exc, backoff[0])
             time.sleep(backoff[0])
             return True
         backoff[0] = 0.0
         if not self._handshakes.acquire(blocking=False):
-            self._rejects.warn("torchrpc: rank %d refused a connection from %s: %d "
+            self._rejects.warn("rank %d refused a connection from %s: %d "
                                "handshakes are in progress", self.rank, addr, MAX_HANDSHAKES)
             sock.close()
             return True
@@ -805,7 +805,7 @@ class Transport:
             sock.settimeout(None)
             _tune(sock)
         except (OSError, AuthenticationError) as exc:
-            self._rejects.warn("torchrpc: rank %d dropped a connection from %s that failed the "
+            self._rejects.warn("rank %d dropped a connection from %s that failed the "
                                "handshake: %s", self.rank, addr, exc)
             self._forget(sock)
             sock.close()
@@ -898,12 +898,12 @@ class Transport:
         try:
             sock.connect(local_name(host, port))
         except OSError as exc:
-            log.debug("torchrpc: no local socket for %s:%d (%s); using TCP", host, port, exc)
+            log.debug("no local socket for %s:%d (%s); using TCP", host, port, exc)
             sock.close()
             return None
         pid, uid = peer_credentials(sock)
         if uid != os.getuid():
-            log.error("torchrpc: the local socket of the worker at %s:%d is held by process "
+            log.error("the local socket of the worker at %s:%d is held by process "
                       "%d of uid %d, not by this user: refused (a squatter); using TCP",
                       host, port, pid, uid)
             sock.close()
@@ -953,7 +953,7 @@ class Transport:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", sec, usec))
             except OSError as exc:
-                log.debug("torchrpc: no send timeout on a socket: %s", exc)
+                log.debug("no send timeout on a socket: %s", exc)
 
     def _private_from(self, rank: int) -> int:
         """Open private connections that ``rank`` dialed to this worker."""
@@ -1015,7 +1015,7 @@ class Transport:
             with guard:
                 shm.sweep_dead()  # the peer may have died holding segments not yet mapped
         if isinstance(reason, ProtocolError):
-            self._rejects.warn("torchrpc: rank %d closed its connection with rank %d: %s",
+            self._rejects.warn("rank %d closed its connection with rank %d: %s",
                                self.rank, conn.peer_rank, reason)
         with guard:
             self._on_close(conn, reason)

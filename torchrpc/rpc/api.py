@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .._agent import Agent, RpcFuture, WorkerInfo, describe
+from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here, describe
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
@@ -31,7 +31,7 @@ from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
 from .options import RpcBackendOptions
 
-log = logging.getLogger("torchrpc")
+log = logging.getLogger(__name__)
 
 WorkerLike = Union[str, int, WorkerInfo]
 
@@ -230,9 +230,25 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     current_agent().default_timeout = float(rpc_timeout)
 
 
-def get_debug_info() -> Dict[str, Any]:
-    r"""Counters of this worker's agent and layers (pending calls, threads, RRefs, ...)."""
-    return current_agent().debug_info()
+def get_debug_info(to: Optional[WorkerLike] = None,
+                   timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
+    r"""Counters of a worker's agent and layers (pending calls, threads, RRefs, ...).
+
+    ``peers`` holds, by peer name, the traffic with each peer: ``calls_out`` and
+    ``calls_in`` (requests of every kind), ``bytes_out`` and ``bytes_in``, ``errors_out``
+    (calls to it that failed), ``errors_in`` (its requests that raised here),
+    ``timeouts``, ``replies``, and ``latency_p50_ms`` / ``latency_p99_ms`` over the
+    last 1024 replies.
+
+    Args:
+        to (str or WorkerInfo or int, optional): the worker to ask, over RPC; by default
+            this worker, without a message.
+        timeout (float, optional): seconds to wait for ``to``'s answer; by default the
+            agent's ``rpc_timeout``.
+    """
+    if to is None:
+        return current_agent().debug_info()
+    return rpc_sync(to, debug_info_here, timeout=timeout)
 
 
 def enable_gil_profiling(flag: bool) -> None:
@@ -341,7 +357,7 @@ def _wait_all_workers(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> No
     try:
         _all_gather(None, timeout=timeout)
     except RuntimeError as exc:
-        log.error("torchrpc: failed to respond to 'Shutdown Proceed' in time, got error %s",
+        log.error("failed to respond to 'Shutdown Proceed' in time, got error %s",
                   exc)
         raise
 

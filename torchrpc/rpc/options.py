@@ -191,6 +191,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             callee's operators replayed as remote events (default False: as torch's RPC,
             only torch's legacy profiler, ``torch.autograd.profiler_legacy.profile``,
             records RPCs).
+        log_debug_info_on_timeout (bool): when a call times out, log (as a warning of the
+            ``torchrpc._agent.agent`` logger) this worker's debug info and the callee's,
+            which it is asked for with a 5 s limit, on a pool thread (default False).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -215,7 +218,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  tls_cafile: Optional[str] = None,
                  tls_require_client_cert: bool = True,
                  tls_identity: Optional[str] = None,
-                 profile_kineto: bool = False) -> None:
+                 profile_kineto: bool = False,
+                 log_debug_info_on_timeout: bool = False) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -249,6 +253,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if not isinstance(profile_kineto, bool):
             raise TypeError(f"profile_kineto must be a bool, got {profile_kineto!r}")
         self.profile_kineto = profile_kineto
+        self.log_debug_info_on_timeout = log_debug_info_on_timeout
 
     @property
     def num_worker_threads(self) -> int:
@@ -377,6 +382,17 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if not isinstance(value, bool):
             raise TypeError(f"tls_require_client_cert must be a bool, got {value!r}")
         self._tls_require_client_cert = value
+
+    @property
+    def log_debug_info_on_timeout(self) -> bool:
+        """Whether a timed-out call logs the debug info of this worker and of the callee."""
+        return self._log_debug_info_on_timeout
+
+    @log_debug_info_on_timeout.setter
+    def log_debug_info_on_timeout(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"log_debug_info_on_timeout must be a bool, got {value!r}")
+        self._log_debug_info_on_timeout = value
 
     @property
     def device_maps(self) -> Dict[str, Dict[torch.device, torch.device]]:

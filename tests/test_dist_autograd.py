@@ -337,6 +337,8 @@ def test_rref_backward():
         grads = dist_autograd.get_gradients(cid)
     torch.testing.assert_close(grads[a], 2 * a.detach())
     assert a.grad is None
+    with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+        rpc.RRef("foo").backward()
 
 
 def test_concurrent_contexts_in_threads():

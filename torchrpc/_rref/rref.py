@@ -34,7 +34,8 @@ from .._agent.futures import RpcFuture, new_future
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError
+from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
+                      WrongTypeError)
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger(__name__)
@@ -450,7 +451,9 @@ _invoke_method._wrapped_async_rpc_function = _invoke_method  # type: ignore[attr
 def _backward_local(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
     value = rref.local_value()
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"RRef.backward() needs a tensor value, got {type(value).__name__}")
+        raise WrongTypeError(f"RRef should contain a tensor for .backward(), but it holds a "
+                             f"{type(value).__name__}; call backward() on an RRef of a tensor "
+                             f"(for example the loss)")
     if ctx_id == -1:
         value.backward(retain_graph=retain_graph)
         return

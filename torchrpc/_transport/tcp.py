@@ -613,7 +613,7 @@ class Transport:
     With ``FEATURE_SHM`` in ``features``, a connection whose peer offered it too
     accepts buffers in shared memory, and sends its own buffers of at least
     ``shm_threshold`` bytes that way when ``same_host(peer_rank)`` says the peer
-    shares this machine's ``/dev/shm``.
+    shares this machine and ``same_pids(peer_rank)`` that it sees this process's pids.
     """
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
@@ -639,7 +639,7 @@ class Transport:
             raise ValueError(f"shm_threshold must be at least 1 byte, got {shm_threshold}; "
                              f"to keep buffers off shared memory, set enable_shm=False")
         if features & handshake.FEATURE_SHM and not shm.available():
-            features &= ~handshake.FEATURE_SHM
+            features &= ~handshake.FEATURE_SHM  # no memfds: no shared memory (see shm.py)
         self._features = features | handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         self._shm_threshold = shm_threshold
         self._same_host = same_host
@@ -651,8 +651,6 @@ class Transport:
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
-        if features & handshake.FEATURE_SHM:
-            shm.sweep_dead()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._sockets: set[socket.socket] = set()
@@ -980,10 +978,11 @@ class Transport:
             if conn.shm_decider is None:
                 return
             conn.shm_decider = None
-            if self._same_host(conn.peer_rank) and not conn.closed:
-                memfd = self._same_pids is None or self._same_pids(conn.peer_rank)
-                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats,
-                                            memfd=memfd)
+            # A peer that cannot see this process's pids cannot open its memfds: its
+            # large buffers go over the socket.
+            if self._same_host(conn.peer_rank) and not conn.closed and (
+                    self._same_pids is None or self._same_pids(conn.peer_rank)):
+                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
 
     def debug_info(self) -> Dict[str, Any]:
         """Shared-memory counters (``transport.shm_*``)."""
@@ -1011,9 +1010,6 @@ class Transport:
         guard = Guard(f"closing the connection of rank {self.rank} to rank {conn.peer_rank}",
                       limit=None)
         self._forget(conn.sock)
-        if reason is not None and conn.shm_rx is not None:
-            with guard:
-                shm.sweep_dead()  # the peer may have died holding segments not yet mapped
         if isinstance(reason, ProtocolError):
             self._rejects.warn("torchrpc: rank %d closed its connection with rank %d: %s",
                                self.rank, conn.peer_rank, reason)
@@ -1046,5 +1042,3 @@ class Transport:
             conns = list(self._every_conn)
         for conn in conns:  # those without a reader (a caller's idle private ones) too:
             conn.close()    # their sockets and shared-memory segments would leak
-        if self._features & handshake.FEATURE_SHM:
-            shm.sweep_dead()

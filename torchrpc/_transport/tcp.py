@@ -624,8 +624,12 @@ class Transport:
                  local_socket: bool = False, on_fatal: Optional[Fatal] = None,
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0,
-                 max_private: int = 0) -> None:
+                 max_private: int = 0, incarnation: int = 0,
+                 admit: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
         self.rank = rank
+        self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
+        # admit(rank, incarnation): None to accept an authenticated peer, else why not.
+        self._admit = admit
         self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
         self._rejects = LogBudget()
@@ -793,6 +797,9 @@ class Transport:
             sock.sendall(challenge)
             handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
                                   hello, nonce, self.rank, self._features, binding)
+            refused = self._admit(hello.rank, hello.incarnation) if self._admit else None
+            if refused is not None:
+                raise ConnectionRefusedError(refused)
             if hello.features & handshake.FEATURE_PRIVATE and self._max_private \
                     and self._private_from(hello.rank) >= self._max_private:
                 # Refused before ACCEPT: the dialer's call goes over the shared connection.
@@ -852,11 +859,12 @@ class Transport:
             if self._tls is not None:
                 sock, binding = self._secure(sock, False, host)
             offer = self._features if private else self._features & ~handshake.FEATURE_PRIVATE
-            hello, nonce = handshake.make_hello(self.rank, offer)
+            hello, nonce = handshake.make_hello(self.rank, offer, self.incarnation)
             sock.sendall(hello)
             challenge = _recv_exact(sock, handshake.CHALLENGE.size)
             proof, server_rank, features = handshake.answer_challenge(
-                self._secret, challenge, self.rank, nonce, peer_rank, offer, binding)
+                self._secret, challenge, self.rank, nonce, peer_rank, offer, binding,
+                self.incarnation)
             sock.sendall(proof)
             if _recv_exact(sock, 1) != handshake.ACCEPT:
                 raise AuthenticationError("the peer refused the handshake")

@@ -204,7 +204,8 @@ def rejoin_member(rank: int) -> None:
     name, stopfile = os.environ["SCENARIO_NAME"], os.environ["SCENARIO_STOPFILE"]
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=30)
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=opts)
-    print("JOINED", flush=True)
+    from torchrpc._agent.current import current_agent
+    print(f"JOINED {current_agent().incarnation}", flush=True)
     while not os.path.exists(stopfile):
         try:
             rpc.get_worker_infos()

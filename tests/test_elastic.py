@@ -17,9 +17,11 @@ import time
 import pytest
 
 import torchrpc.rpc as rpc
+from torchrpc._agent.current import current_agent
 from torchrpc.errors import WorkerLeftError
 
 from . import helpers
+from .handshake_helpers import authenticate
 from .group import ROOT, free_port, worker_env
 
 PORT = free_port()
@@ -143,12 +145,19 @@ def test_a_stopped_member_removed_as_lost_finds_out_when_continued(group):
     fresh = None
     try:
         _joined("w6", 6, stale)
+        stale_incarnation = int(stale.stdout.readline().split()[1])  # "JOINED <n>"
         stale.send_signal(signal.SIGSTOP)
         took = _removed("w6", time.monotonic())
         print(f"stopped member removed after {took:.2f} s", file=sys.stderr)
         assert took < HB_TIMEOUT + 2.0, took
         fresh = spawn("w6", 6, "stop-w6", "rejoin_member")
         _joined("w6", 6, fresh)
+        # A connection of the removed process is refused once it proved it holds the
+        # secret: this handshake is the one it would make.
+        agent = current_agent()
+        with pytest.raises(ConnectionError, match="closed after 0 of 1 bytes"):
+            authenticate(*agent._transport.address, agent._transport._secret, 6, 0,
+                         incarnation=stale_incarnation)
         stale.send_signal(signal.SIGCONT)  # it comes back believing it is w6
         out, _ = stale.communicate(timeout=60)
         assert "REMOVED" in out and "declared lost by the group and removed" in out, out

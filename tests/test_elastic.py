@@ -114,7 +114,7 @@ def _removed(name: str, since: float) -> float:
     """Wait until w0 and w1 no longer list ``name``; seconds since ``since``."""
     names_everywhere(["w0", "w1"], timeout=HB_TIMEOUT + 30)
     took = time.monotonic() - since
-    with pytest.raises(WorkerLeftError, match=f"{name}.*(removed|left)"):
+    with pytest.raises(WorkerLeftError, match=f"{name} .*was lost and removed from the group"):
         rpc.rpc_sync(name, helpers.whoami)
     return took
 

@@ -582,6 +582,13 @@ class Agent:
                     self._declared.add(rank)
                 self._run_loss_hooks(w, error)
 
+    def _departure(self, name: str, rank: int) -> str:
+        """Why worker ``name`` (rank ``rank``), no longer a member, is gone."""
+        why = self._removed.get(rank)
+        if why is not None:
+            return f"worker {name} (rank {rank}) was lost and removed from the group: {why}"
+        return f"worker {name} (rank {rank}) has shut down and left the group"
+
     def _connections_of(self, rank: int) -> List[Connection]:
         with self._lock:
             return [c for table in (self._all_conns, self._private_conns)
@@ -664,8 +671,7 @@ class Agent:
         if isinstance(to, WorkerInfo):
             w = self._workers.get(to.id)
             if w is None and to.name in self._departed:
-                raise WorkerLeftError(f"worker {to.name} (rank {to.id}) has shut down and left "
-                                      f"the group", worker=to.name)
+                raise WorkerLeftError(self._departure(to.name, to.id), worker=to.name)
             if w is None or w.name != to.name:
                 raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
                                            f"destination: {to!r} is not a member of this group")
@@ -677,8 +683,7 @@ class Agent:
                 self._refresh_members()
                 w = self._by_name.get(to)
             if w is None and to in self._departed:
-                raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
-                                      f"and left the group", worker=to)
+                raise WorkerLeftError(self._departure(to, self._departed[to]), worker=to)
             if w is None:
                 raise InvalidArgumentError(f"name:{to} could not find destination; known "
                                            f"workers: {sorted(self._by_name)[:16]}")

@@ -1392,6 +1392,7 @@ class Agent:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)
+                incarnation = self._incarnations.get(rank, 0)  # the process that was lost
             if silent is not None:
                 error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
                                             worker=w.name)
@@ -1410,7 +1411,7 @@ class Agent:
             log.warning("torchrpc: %s: %s", self.name, error)
             self._run_loss_hooks(w, error)
             if self.elastic:
-                self._remove_lost(w, error)
+                self._remove_lost(w, incarnation, error)
         finally:
             with self._lock:
                 self._confirming.discard(rank)
@@ -1422,8 +1423,9 @@ class Agent:
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
                 log.exception("torchrpc: a loss hook of %s failed for %s", self.name, w.name)
 
-    def _remove_lost(self, w: WorkerInfo, error: RpcError) -> None:
-        """Dynamic group: free the name and rank of lost member ``w`` for a new process.
+    def _remove_lost(self, w: WorkerInfo, incarnation: int, error: RpcError) -> None:
+        """Dynamic group: free the name and rank of lost member ``w`` (process
+        ``incarnation``) for a new process.
         Not if this worker was removed itself: a stopped process that is continued finds
         every peer silent, and must learn of its own removal before it removes them."""
         try:
@@ -1433,8 +1435,6 @@ class Agent:
             return
         if self.failure is not None:
             return
-        with self._lock:
-            incarnation = self._incarnations.get(w.id, 0)
         try:
             if membership.remove_lost(self.store, w.name, w.id, incarnation, str(error)):
                 log.warning("torchrpc: %s removed lost worker %s (rank %d) from the group; "

@@ -14,8 +14,9 @@ A member that dies cannot leave: the first survivor that declares it lost
 (:func:`remove_lost`) releases its claims and appends a leave event marked ``lost``
 for it, so a new process may join under its name and rank. Every claim and event
 carries the member's *incarnation*, a random number drawn at each ``init_rpc``:
-claims are released only by compare-and-set on the incarnation that made them, and a
-leave event removes a member only if its incarnation matches, so a late or repeated
+claims are released only by compare-and-set on the incarnation that made them (to a
+token unique to that release, so that exactly one releaser wins), and a leave event
+removes a member only if its incarnation matches, so a late or repeated
 removal never touches the process that took the name since, and a removed process
 that comes back (a stopped one continued) recognises the leave event of its own
 incarnation and knows it is out of the group.
@@ -82,36 +83,51 @@ def new_incarnation() -> int:
     return secrets.randbits(62) + 1
 
 
+_FREE = "free"  # a released claim holds "free <token>", a token unique to the release
+
+
 def _claim(value: str, incarnation: int) -> str:
     return f"{value} {incarnation}"
 
 
-def _holder(claim: bytes) -> str:
+def _holder(claim: str) -> str:
     """The rank or name a claim's value holds (without its incarnation)."""
-    return claim.decode().split(" ", 1)[0]
+    return claim.split(" ", 1)[0]
+
+
+def _take(store: Any, key: str, mine: str) -> str:
+    """Claim ``key`` with ``mine`` if it is free (never set, or released); what it holds."""
+    current = ""
+    for _ in range(100):
+        held = store.compare_set(key, current, mine).decode()
+        if held == mine or not held.startswith(_FREE + " ") or held == current:
+            return held
+        current = held  # released: claim it from what it holds now
+    return held
 
 
 def _release(store: Any, key: str, value: str, incarnation: int) -> bool:
-    """Release claim ``key`` if ``incarnation`` still holds it; whether it did."""
-    return store.compare_set(key, _claim(value, incarnation), "") == b""
+    """Release claim ``key`` if ``incarnation`` still holds it; whether this call did."""
+    freed = f"{_FREE} {secrets.token_hex(8)}"
+    return store.compare_set(key, _claim(value, incarnation), freed).decode() == freed
 
 
 def join(store: Any, name: str, rank: int, timeout: float, keep_secret: bool = False,
          incarnation: int = 0) -> bytes:
     """Claim ``rank`` and ``name`` for ``incarnation``; return the job secret. Refuses
-    clashes by name. A released claim holds the empty string.
+    clashes by name.
 
     With ``keep_secret`` (a store that outlives rank 0), a secret file this worker makes
     stays after it leaves, for members that join later.
     """
     mine = _claim(name, incarnation)
-    holder = store.compare_set(f"rank/{rank}", "", mine)
-    if holder.decode() != mine:
+    holder = _take(store, f"rank/{rank}", mine)
+    if holder != mine:
         raise RendezvousError(f"rank {rank} is already used by worker {_holder(holder)!r}; "
                               f"pick a free rank for {name!r}")
     mine = _claim(str(rank), incarnation)
-    owner = store.compare_set(f"name/{name}", "", mine)
-    if owner.decode() != mine:
+    owner = _take(store, f"name/{name}", mine)
+    if owner != mine:
         _release(store, f"rank/{rank}", name, incarnation)
         raise RendezvousError(f"worker name {name!r} is already in use by rank "
                               f"{_holder(owner)} of the running group; pick another name")

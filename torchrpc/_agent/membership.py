@@ -6,8 +6,8 @@ Theory of operation. The group is an append-only log of events in the store:
 and name with compare-and-set (a clash is refused with an error naming the holder; the
 running worker is untouched), publishes a join event and replays the log to
 learn the members. Every member follows the log (:class:`EventLog`) to learn of
-later joins and departures. Leaving appends a leave event and releases the rank
-and name so they can be reused. The worker hosting the store (rank 0) must stay
+later joins and departures. Leaving releases the rank and name so they can be
+reused, then appends a leave event. The worker hosting the store (rank 0) must stay
 for the life of the group, as with torch.
 
 A member that dies cannot leave: the first survivor that declares it lost

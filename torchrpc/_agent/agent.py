@@ -612,7 +612,10 @@ class Agent:
         be shutting down)."""
         why = self._stale(rank, incarnation)
         if why is not None and self._log is not None:
-            self._refresh_members()
+            try:
+                self._refresh_members()
+            except Exception as exc:  # noqa: BLE001 - the store host may be gone: refuse
+                return f"{why} (the membership log cannot be read: {exc})"
             why = self._stale(rank, incarnation)
         return why
 

@@ -407,3 +407,9 @@ def stream_to(to: str, nbytes: int, seconds: float) -> bool:
                 return
     threading.Thread(target=run, daemon=True).start()
     return True
+
+
+def relay(to: str, fn: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    """Run on an intermediate worker: ``fn(x)`` on ``to``, plus one (a nested call whose
+    result takes part in the caller's graph)."""
+    return rpc.rpc_sync(to, fn, args=(x,)) + 1

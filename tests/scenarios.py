@@ -197,6 +197,30 @@ def soak_member(rank: int) -> None:
     print(f"OK soak member {name}", flush=True)
 
 
+def rejoin_member(rank: int) -> None:
+    """Join a running dynamic group and serve until the stop file exists; a member that
+    the group removed (stopped, declared lost, continued) finds out and stops."""
+    import time
+    name, stopfile = os.environ["SCENARIO_NAME"], os.environ["SCENARIO_STOPFILE"]
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=30)
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=opts)
+    from torchrpc._agent.current import current_agent
+    print(f"JOINED {current_agent().incarnation}", flush=True)
+    while not os.path.exists(stopfile):
+        try:
+            rpc.get_worker_infos()
+        except RuntimeError as exc:
+            print(f"REMOVED {exc}", flush=True)
+            try:
+                rpc.shutdown(graceful=False)
+            except RuntimeError:
+                pass  # it raises the failure again, once stopped
+            return
+        time.sleep(0.05)
+    rpc.shutdown()
+    print(f"OK rejoin member {name}", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     globals()[sys.argv[1]](int(sys.argv[2]))

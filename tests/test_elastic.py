@@ -1,8 +1,14 @@
-"""Dynamic membership: workers join a running group and leave it (init_rpc world_size=None)."""
+"""Dynamic membership: workers join a running group and leave it (init_rpc world_size=None).
+
+A member that is SIGKILLed, or stopped until it is declared lost, is removed from the
+group by the survivors: a new process joins under its name and rank, and a stopped one
+that is continued learns that it was removed and leaves the new one alone.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -11,19 +17,22 @@ import time
 import pytest
 
 import torchrpc.rpc as rpc
+from torchrpc._agent.current import current_agent
 from torchrpc.errors import WorkerLeftError
 
 from . import helpers
+from .handshake_helpers import authenticate
 from .group import ROOT, free_port, worker_env
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-elastic-")
 
 
-def spawn(name: str, rank: int, stop: str) -> subprocess.Popen:
+def spawn(name: str, rank: int, stop: str, scenario: str = "elastic_member"
+          ) -> subprocess.Popen:
     env = worker_env(PORT, 0, {"SCENARIO_NAME": name, "SCENARIO_STOPFILE": os.path.join(STOP, stop)})
     env.pop("WORLD_SIZE")
-    return subprocess.Popen([sys.executable, "-m", "tests.scenarios", "elastic_member", str(rank),
+    return subprocess.Popen([sys.executable, "-m", "tests.scenarios", scenario, str(rank),
                              "0", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -87,3 +96,79 @@ def test_joining_with_a_name_in_use_is_refused(group):
     assert "ERR" in out and "'w1' is already in use" in out, out
     assert rpc.rpc_sync("w1", helpers.whoami) == "w1"
     assert sorted(w.name for w in rpc.get_worker_infos()) == ["w0", "w1"]
+
+
+HB_TIMEOUT = 5.0  # the default heartbeat_timeout of every member here
+
+
+def _joined(name: str, rank: int, proc: subprocess.Popen) -> None:
+    """``name`` (rank ``rank``) is served by ``proc`` for w0 and w1, and in both tables."""
+    names_everywhere(["w0", "w1", name], timeout=120)
+    assert rpc.rpc_sync(name, helpers.pid, timeout=30) == proc.pid
+    assert rpc.rpc_sync("w1", helpers.nested_call, args=(name, 1), timeout=30) == f"w1>{name}"
+    for infos in (rpc.get_worker_infos(), rpc.rpc_sync("w1", helpers.worker_infos)):
+        assert [(w.name, w.id) for w in infos if w.name == name] == [(name, rank)]
+
+
+def _removed(name: str, since: float) -> float:
+    """Wait until w0 and w1 no longer list ``name``; seconds since ``since``."""
+    names_everywhere(["w0", "w1"], timeout=HB_TIMEOUT + 30)
+    took = time.monotonic() - since
+    with pytest.raises(WorkerLeftError, match=f"{name} .*was lost and removed from the group"):
+        rpc.rpc_sync(name, helpers.whoami)
+    return took
+
+
+def test_a_killed_member_is_removed_and_its_name_and_rank_taken_again(group):
+    first = spawn("w5", 5, "stop-w5", "rejoin_member")
+    second = None
+    try:
+        _joined("w5", 5, first)
+        first.kill()
+        first.wait(30)
+        took = _removed("w5", time.monotonic())
+        print(f"killed member removed after {took:.2f} s", file=sys.stderr)
+        second = spawn("w5", 5, "stop-w5", "rejoin_member")
+        _joined("w5", 5, second)
+        open(os.path.join(STOP, "stop-w5"), "w").close()
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0 and "OK rejoin member w5" in out, out
+        names_everywhere(["w0", "w1"])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_a_stopped_member_removed_as_lost_finds_out_when_continued(group):
+    stale = spawn("w6", 6, "stop-w6", "rejoin_member")
+    fresh = None
+    try:
+        _joined("w6", 6, stale)
+        stale_incarnation = int(stale.stdout.readline().split()[1])  # "JOINED <n>"
+        stale.send_signal(signal.SIGSTOP)
+        took = _removed("w6", time.monotonic())
+        print(f"stopped member removed after {took:.2f} s", file=sys.stderr)
+        assert took < HB_TIMEOUT + 2.0, took
+        fresh = spawn("w6", 6, "stop-w6", "rejoin_member")
+        _joined("w6", 6, fresh)
+        # A connection of the removed process is refused once it proved it holds the
+        # secret: this handshake is the one it would make.
+        agent = current_agent()
+        with pytest.raises(ConnectionError, match="closed after 0 of 1 bytes"):
+            authenticate(*agent._transport.address, agent._transport._secret, 6, 0,
+                         incarnation=stale_incarnation)
+        stale.send_signal(signal.SIGCONT)  # it comes back believing it is w6
+        out, _ = stale.communicate(timeout=60)
+        assert "REMOVED" in out and "declared lost by the group and removed" in out, out
+        # The group still knows only the new w6, which still works.
+        _joined("w6", 6, fresh)
+        open(os.path.join(STOP, "stop-w6"), "w").close()
+        out, _ = fresh.communicate(timeout=120)
+        assert fresh.returncode == 0 and "OK rejoin member w6" in out, out
+        names_everywhere(["w0", "w1"])
+    finally:
+        for p in (stale, fresh):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()

@@ -1,7 +1,8 @@
 """Soak with a member killed and replaced: three members of a dynamic group make mixed
 calls (echoes with checked payloads, remote() and to_here(), distributed backward passes)
 to each other from 8 threads each, and now and then to a fourth member, which is
-SIGKILLed and replaced by a new one every few seconds. Among the survivors no reply is
+SIGKILLed every few seconds and restarted under the same name and rank once the
+survivors have removed it. Among the survivors no reply is
 lost, wrong or swapped and nothing hangs; their thread and descriptor counts return to
 their baselines once the load stops, and no connection of a dead member is left.
 
@@ -30,6 +31,7 @@ EVERY = float(os.environ.get("TORCHRPC_SOAK_CHURN_EVERY", "4"))
 THREADS = 8
 POOL = 8  # num_worker_threads of every member
 SURVIVORS = ["s0", "s1", "s2"]
+VICTIM, VICTIM_RANK = "v", 10
 
 
 def _spawn(port: int, name: str, rank: int, stopfile: str) -> subprocess.Popen:
@@ -51,6 +53,14 @@ def _wait_joined(names: List[str], timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_removed(timeout: float = 30.0) -> None:
+    """Wait until the survivors have removed the killed victim (its name is free)."""
+    deadline = time.monotonic() + timeout
+    while VICTIM in _members():
+        assert time.monotonic() < deadline, f"{VICTIM} was not removed: {_members()}"
+        time.sleep(0.02)
+
+
 def _census() -> Dict[str, Dict[str, int]]:
     return {"s0": rh.census(), **{n: rpc.rpc_sync(n, rh.census, timeout=30)
                                  for n in SURVIVORS[1:]}}
@@ -68,8 +78,8 @@ def test_mixed_load_survives_a_member_killed_and_replaced():
     victims: List[subprocess.Popen] = []
     try:
         _wait_joined(SURVIVORS)
-        victims.append(_spawn(port, "v0", 10, stopfile))
-        _wait_joined(["v0"])
+        victims.append(_spawn(port, VICTIM, VICTIM_RANK, stopfile))
+        _wait_joined([VICTIM])
         # Warm up with the same load, then take the baselines.
         for n in SURVIVORS[1:]:
             rpc.rpc_sync(n, rh.soak_churn_drive, args=([s for s in SURVIVORS if s != n], 4, 1.0,
@@ -90,13 +100,15 @@ def test_mixed_load_survives_a_member_killed_and_replaced():
             victims[-1].kill()  # SIGKILL
             victims[-1].wait()
             kills += 1
-            victims.append(_spawn(port, f"v{kills}", 10 + kills, stopfile))
+            _wait_removed()
+            victims.append(_spawn(port, VICTIM, VICTIM_RANK, stopfile))
         driver.join(SECONDS + 240)
         assert not driver.is_alive(), "the local driver hangs"
         results = [local] + [f.wait() for f in futs.values()]
         victims[-1].kill()
         victims[-1].wait()
-        dead = set(range(10, 11 + kills))  # the victims' ranks
+        _wait_removed()
+        dead = {VICTIM_RANK}
         # Once the load stops, the survivors' counts return to their baselines (extra
         # pool threads leave after 5 s idle; connections to the dead are closed).
         deadline = time.monotonic() + 30
@@ -109,7 +121,7 @@ def test_mixed_load_survives_a_member_killed_and_replaced():
                 break
             time.sleep(0.5)
         lines = [f"soak with churn: {len(SURVIVORS)} survivors x {THREADS} threads for "
-                 f"{SECONDS:g} s, {kills} members killed and replaced"]
+                 f"{SECONDS:g} s, {kills} members killed and restarted under the same name"]
         for r in results:
             lines.append(f"  {r['worker']}: {r['calls']} calls, {r['victim_calls']} to victims "
                          f"({r['victim_failures']} failed), {r['bad']} mismatched, "

@@ -21,7 +21,7 @@ from torchrpc import _threads, _wire
 from torchrpc._agent import WorkerInfo
 from torchrpc._agent.current import current_agent, handle
 from torchrpc._threads import Guard
-from torchrpc._transport import Transport, handshake, shm
+from torchrpc._transport import Transport, handshake
 from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcError, RpcTimeoutError, ThreadFailedError
 
@@ -298,17 +298,6 @@ def test_accept_loop_that_cannot_go_on_tells_its_owner(peers, caplog, monkeypatc
             a.connect(b)
     assert wait_until(lambda: b.fatal)
     assert "torchrpc-accept-1 cannot go on: RuntimeError" in str(b.fatal[0])
-
-
-def test_the_owner_hears_of_a_close_even_if_the_sweep_fails(peers, caplog, monkeypatch):
-    a, b = peers(0), peers(1)
-    conn = a.connect(b)
-    def sweep() -> None:  # fails for both ends (the peer sees EOF at once)
-        raise Boom("injected")
-    monkeypatch.setattr(shm, "sweep_dead", sweep)
-    conn.close(ConnectionLostError("closed by the test"))
-    assert any("closed by the test" in str(why) for why in a.closed)
-    assert errors_about(caplog, "closing the connection of rank 0 to rank 1")
 
 
 def test_connection_tables_are_read_from_snapshots_while_connections_come(peers):

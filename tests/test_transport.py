@@ -1,7 +1,7 @@
 """The transport over real sockets and processes, with same-host shared memory on and off.
 
 Every test that takes the ``group`` fixture runs twice: once with shared memory
-(``enable_shm=True``, buffers from 64 KiB on go through /dev/shm) and once over the
+(``enable_shm=True``, buffers from 64 KiB on go through memfds) and once over the
 socket alone. Bare-transport tests (two transports in this process) cover what
 decides whether shared memory is used. The leak and peak-RSS tests are in
 ``test_transport_lifecycle.py``.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import queue
 import threading
@@ -37,11 +38,15 @@ THRESHOLD = 64 << 10
 SMALL, LARGE = 1 << 10, 1 << 20  # bytes: below and above THRESHOLD
 
 
+_FILE_SEGMENT = re.compile(r"torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+")
+
+
 def torchrpc_segments(pids: Optional[List[int]] = None) -> List[str]:
-    """Names in /dev/shm of torchrpc segments, of the given creator pids if any."""
+    """Files in /dev/shm named as torchrpc segments, of the given creator pids if any:
+    there must never be any (segments are memfds)."""
     out = []
-    for name in os.listdir(shm.SHM_DIR):
-        m = shm._NAME.fullmatch(name)
+    for name in os.listdir("/dev/shm"):
+        m = _FILE_SEGMENT.fullmatch(name)
         if m and (pids is None or int(m.group(2)) in pids):
             out.append(name)
     return out
@@ -186,13 +191,15 @@ def test_requests_run_on_the_reader_yet_never_hold_up_the_connection(group):
 class _Peer:
     """A bare transport that echoes CALL frames and records everything else."""
 
-    def __init__(self, rank: int, shm_on: bool = True, same_host: bool = True) -> None:
+    def __init__(self, rank: int, shm_on: bool = True, same_host: bool = True,
+                 same_pids: bool = True) -> None:
         self.frames: "queue.Queue" = queue.Queue()
         self.closed: List[Any] = []
         self.t = Transport(rank, b"s" * 32, _wire.Limits(), lambda c: None, self._on_frame,
                            lambda c, why: self.closed.append(why), "127.0.0.1",
                            features=handshake.FEATURE_SHM if shm_on else 0,
-                           shm_threshold=THRESHOLD, same_host=lambda r: same_host)
+                           shm_threshold=THRESHOLD, same_host=lambda r: same_host,
+                           same_pids=lambda r: same_pids)
 
     def _on_frame(self, conn, header, envelope, buffers) -> None:
         if header.kind == Kind.CALL:
@@ -215,21 +222,25 @@ def _call(conn, peer: _Peer, data: torch.Tensor) -> torch.Tensor:
     return bufs[0]
 
 
-@pytest.mark.parametrize("a_shm, b_shm, same_host, used", [
-    (True, True, True, True),
-    (True, True, False, False),  # peers on different hosts never try it
-    (True, False, True, False),  # both must offer it
-    (False, True, True, False),
+@pytest.mark.parametrize("a_shm, b_shm, same_host, same_pids, used", [
+    (True, True, True, True, True),
+    (True, True, False, True, False),  # peers on different hosts never try it
+    (True, False, True, True, False),  # both must offer it
+    (False, True, True, True, False),
+    (True, True, True, False, False),  # a peer that cannot open our memfds gets none
 ])
-def test_shared_memory_needs_both_sides_and_the_same_host(a_shm, b_shm, same_host, used):
-    a, b = _Peer(0, a_shm, same_host), _Peer(1, b_shm, same_host)
+def test_shared_memory_needs_both_sides_the_same_host_and_pids(a_shm, b_shm, same_host,
+                                                               same_pids, used):
+    a, b = _Peer(0, a_shm, same_host, same_pids), _Peer(1, b_shm, same_host, same_pids)
     try:
         conn = a.connect(b)
+        before = torchrpc_segments([os.getpid()])
         data = torch.randint(0, 255, (LARGE,), dtype=torch.uint8)
         back = _call(conn, a, data)
         assert torch.equal(back, data)
         assert (conn.shm_tx is not None) == used
         assert th.is_segment(th.mapping_of(back)) == used
+        assert torchrpc_segments([os.getpid()]) == before == []  # never a file
     finally:
         a.close()
         b.close()
@@ -481,7 +492,6 @@ def test_segments_are_sealed_memfds_that_no_one_can_truncate():
         assert th.is_segment(th.mapping_of(back))
         assert torchrpc_segments([os.getpid()]) == before == []
         segments = list(conn.shm_tx._segments)
-        assert segments and all(seg.path is None for seg in segments)
         for seg in segments:
             seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
             assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW

@@ -2,7 +2,7 @@
 
 Theory of operation. Each loop of a torchrpc background thread (the agent's timer and
 heartbeat, the transport's accept loops and connection readers, the RRef sender, the
-membership follower, the autograd releases, the shared-memory sweep) runs its rounds under
+membership follower, the autograd releases, a closing connection) runs its rounds under
 a :class:`Guard`. An exception that a round did not expect is logged at ERROR, with its
 traceback, under the ``torchrpc`` logger, and the loop goes on with its next round: one bad
 round must not cost a worker its timer or its heartbeats. A loop whose rounds fail

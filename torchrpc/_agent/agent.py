@@ -349,6 +349,10 @@ class Agent:
         # Elastic membership (world_size=None): see torchrpc._agent.membership.
         self.elastic = world_size is None
         self._departed: Dict[str, int] = {}
+        # This process's membership, and the members' (a lost member is removed by it).
+        self.incarnation = membership.new_incarnation() if self.elastic else 0
+        self._incarnations: Dict[int, int] = {}
+        self._removed: Dict[int, str] = {}  # rank -> why it was removed as lost
         self._members_lock = threading.Lock()
         self._members_stop = threading.Event()
         self._members_thread: Optional[threading.Thread] = None
@@ -411,7 +415,8 @@ class Agent:
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
         if self.elastic:
             secret = membership.join(store, self.name, rank, timeout,
-                                     membership.outlives_rank0(self.options.init_method))
+                                     membership.outlives_rank0(self.options.init_method),
+                                     self.incarnation)
         else:
             secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
@@ -429,7 +434,9 @@ class Agent:
                                                                "max_outbox_bytes", 0)),
                                         max_private=self._max_private,
                                         local_socket=bool(getattr(self.options, "enable_uds",
-                                                                  False)))
+                                                                  False)),
+                                        incarnation=self.incarnation,
+                                        admit=self._admit if self.elastic else None)
         except ValueError as exc:
             rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
             raise
@@ -439,7 +446,8 @@ class Agent:
             # Peers watch this worker for silence only if they know it sends heartbeats.
             facts = {"heartbeat_interval": self._hb_interval}
             if self.elastic:
-                membership.announce(store, self.name, rank, self._transport.address, facts)
+                membership.announce(store, self.name, rank, self._transport.address, facts,
+                                    self.incarnation)
                 self._log = membership.EventLog(store)
                 infos = membership.EventLog.members(self._log.poll())
             else:
@@ -533,6 +541,8 @@ class Agent:
             self._workers[rank] = w
             self._by_name[w.name] = w
             self._departed.pop(w.name, None)
+            self._removed.pop(rank, None)
+            self._incarnations[rank] = int(info.get("incarnation") or 0)
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
             self._gone.pop(rank, None)
@@ -554,17 +564,89 @@ class Agent:
                 if rank != self.rank:
                     self._add_worker(rank, event)
                 continue
+            incarnation = int(event.get("incarnation") or 0)
+            lost = event.get("lost")
             if rank == self.rank:
+                if lost and incarnation == self.incarnation:
+                    self._was_removed(str(lost))
                 continue
             with self._lock:
+                if self._incarnations.get(rank, 0) != incarnation:
+                    continue  # about an earlier process under this rank
                 w = self._workers.pop(rank, None)
                 if w is not None:
                     self._by_name.pop(w.name, None)
                     self._departed[w.name] = rank
                 self._left.add(rank)
+                if lost:
+                    self._removed[rank] = str(lost)
+                declared = rank in self._declared
             name = w.name if w is not None else event["name"]
-            self._fail_pending(rank, WorkerLeftError(
-                f"worker {name} (rank {rank}) has shut down and left the group", worker=name))
+            if not lost:
+                self._fail_pending(rank, WorkerLeftError(
+                    f"worker {name} (rank {rank}) has shut down and left the group",
+                    worker=name))
+                continue
+            # Declared lost by another survivor: drop what this worker has of it too.
+            error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
+                                    f"the group: {lost}", worker=name)
+            for conn in self._connections_of(rank):
+                conn.close(error)
+            self._close_idle_private(rank, error)
+            self._fail_pending(rank, error)
+            if not declared and w is not None:
+                with self._lock:
+                    self._declared.add(rank)
+                self._run_loss_hooks(w, error)
+
+    def _departure(self, name: str, rank: int) -> str:
+        """Why worker ``name`` (rank ``rank``), no longer a member, is gone."""
+        why = self._removed.get(rank)
+        if why is not None:
+            return f"worker {name} (rank {rank}) was lost and removed from the group: {why}"
+        return f"worker {name} (rank {rank}) has shut down and left the group"
+
+    def _connections_of(self, rank: int) -> List[Connection]:
+        with self._lock:
+            return [c for table in (self._all_conns, self._private_conns)
+                    for c in table.get(rank, ()) if not c.closed]
+
+    def _was_removed(self, why: str) -> None:
+        """The group declared this worker lost and removed it (it was stopped or cut off
+        for heartbeat_timeout, say): it is no member any more, and says so."""
+        error = ThreadFailedError(f"worker {self.name} (rank {self.rank}) was declared lost "
+                                  f"by the group and removed from it: {why}")
+        log.error("%s", error)
+        self.fail(error)
+        for conn in self._transport.connections():
+            conn.close(error)
+
+    def _admit(self, rank: int, incarnation: int) -> Optional[str]:
+        """Transport: None to accept a peer that proved it holds the job secret, else why
+        not. Refused: a process removed from the group as lost that came back, and one
+        whose rank another process holds now (looked up in the log first, in case that is
+        the newer one). Others are accepted, members that left included (they may still
+        be shutting down)."""
+        why = self._stale(rank, incarnation)
+        if why is not None and self._log is not None:
+            try:
+                self._refresh_members()
+            except Exception as exc:  # noqa: BLE001 - the store host may be gone: refuse
+                return f"{why} (the membership log cannot be read: {exc})"
+            why = self._stale(rank, incarnation)
+        return why
+
+    def _stale(self, rank: int, incarnation: int) -> Optional[str]:
+        with self._lock:
+            current = self._incarnations.get(rank)
+            removed = current == incarnation and rank in self._removed
+        if removed:
+            return (f"rank {rank} (incarnation {incarnation}) was declared lost and removed "
+                    f"from the group")
+        if current is not None and current != incarnation:
+            return (f"rank {rank} (incarnation {incarnation}) is not a member of the group: "
+                    f"another process (incarnation {current}) holds the rank now")
+        return None
 
     def _refresh_members(self) -> None:
         with self._members_lock:
@@ -609,8 +691,7 @@ class Agent:
         if isinstance(to, WorkerInfo):
             w = self._workers.get(to.id)
             if w is None and to.name in self._departed:
-                raise WorkerLeftError(f"worker {to.name} (rank {to.id}) has shut down and left "
-                                      f"the group", worker=to.name)
+                raise WorkerLeftError(self._departure(to.name, to.id), worker=to.name)
             if w is None or w.name != to.name:
                 raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
                                            f"destination: {to!r} is not a member of this group")
@@ -622,8 +703,7 @@ class Agent:
                 self._refresh_members()
                 w = self._by_name.get(to)
             if w is None and to in self._departed:
-                raise WorkerLeftError(f"worker {to} (rank {self._departed[to]}) has shut down "
-                                      f"and left the group", worker=to)
+                raise WorkerLeftError(self._departure(to, self._departed[to]), worker=to)
             if w is None:
                 raise InvalidArgumentError(f"name:{to} could not find destination; known "
                                            f"workers: {sorted(self._by_name)[:16]}")
@@ -1386,6 +1466,7 @@ class Agent:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)
+                incarnation = self._incarnations.get(rank, 0)  # the process that was lost
             if silent is not None:
                 error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
                                             worker=w.name)
@@ -1402,14 +1483,39 @@ class Agent:
             with self._lock:
                 self._declared.add(rank)
             log.warning("%s: %s", self.name, error)
-            for hook in self._loss_hooks:
-                try:
-                    hook(w, error)
-                except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                    log.exception("a loss hook of %s failed for %s", self.name, w.name)
+            self._run_loss_hooks(w, error)
+            if self.elastic:
+                self._remove_lost(w, incarnation, error)
         finally:
             with self._lock:
                 self._confirming.discard(rank)
+
+    def _run_loss_hooks(self, w: WorkerInfo, error: RpcError) -> None:
+        for hook in self._loss_hooks:
+            try:
+                hook(w, error)
+            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
+                log.exception("a loss hook of %s failed for %s", self.name, w.name)
+
+    def _remove_lost(self, w: WorkerInfo, incarnation: int, error: RpcError) -> None:
+        """Dynamic group: free the name and rank of lost member ``w`` (process
+        ``incarnation``) for a new process.
+        Not if this worker was removed itself: a stopped process that is continued finds
+        every peer silent, and must learn of its own removal before it removes them."""
+        try:
+            self._refresh_members()
+        except Exception as exc:  # noqa: BLE001 - the store host may be gone
+            log.warning("%s cannot read the membership log: %s", self.name, exc)
+            return
+        if self.failure is not None:
+            return
+        try:
+            if membership.remove_lost(self.store, w.name, w.id, incarnation, str(error)):
+                log.warning("%s removed lost worker %s (rank %d) from the group; "
+                            "its name and rank are free", self.name, w.name, w.id)
+        except Exception as exc:  # noqa: BLE001 - the store host may be gone
+            log.warning("%s could not remove lost worker %s from the group: %s",
+                        self.name, w.name, exc)
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -2261,7 +2367,7 @@ class Agent:
             if self._members_thread is not None:
                 self._members_thread.join(10)
             try:
-                membership.leave(self.store, self.name, self.rank)
+                membership.leave(self.store, self.name, self.rank, self.incarnation)
             except Exception as exc:  # noqa: BLE001 - the store host may be gone already
                 log.warning("%s could not announce its departure: %s", self.name, exc)
             discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops

@@ -184,7 +184,9 @@ class DistAutogradEngine(CallHook):
         self._rank = agent.rank
         self._lock = threading.Lock()
         self._contexts: Dict[int, DistAutogradContext] = {}
-        self._released: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        # Released context ids, with the loss of a worker that released one (see _worker_lost).
+        self._released: "collections.OrderedDict[int, Optional[ConnectionLostError]]" = \
+            collections.OrderedDict()
         self._next_context = itertools.count(1)
         self._next_message = itertools.count(1)
         self._next_pass = itertools.count(1)
@@ -278,12 +280,16 @@ class DistAutogradEngine(CallHook):
                 ctx = self._contexts[context_id] = DistAutogradContext(context_id, self._rank)
         return ctx
 
-    def release(self, context_id: int, notified_by: Optional[int]) -> None:
-        """Drop ``context_id`` here and pass the release on to the workers it went to."""
+    def release(self, context_id: int, notified_by: Optional[int],
+                lost: Optional[ConnectionLostError] = None) -> None:
+        """Drop ``context_id`` here and pass the release on to the workers it went to;
+        ``lost``: the loss of a worker that released it, which a later part of a backward
+        pass of the context fails with."""
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
             self._passes.pop(context_id, None)
-            self._released[context_id] = None
+            if lost is not None or context_id not in self._released:
+                self._released[context_id] = lost
             if len(self._released) > _TOMBSTONES:
                 self._released.popitem(last=False)
         if ctx is None:
@@ -531,7 +537,7 @@ class DistAutogradEngine(CallHook):
             self._passes.setdefault(context_id, set()).add(pass_id)
         self._enter_part(context_id)
         try:
-            ctx = self.retrieve(context_id)
+            ctx = self._contexts.get(context_id) or self._retrieve_for_pass(context_id)
             edges = [ctx.send_edge(key) for key, _ in grads]
             try:
                 if _profiling():
@@ -547,6 +553,15 @@ class DistAutogradEngine(CallHook):
         finally:
             self._exit_part(context_id)
         return self._forward(context_id, pass_id, routed, credit, reply_to)
+
+    def _retrieve_for_pass(self, context_id: int) -> DistAutogradContext:
+        """The context a part of a backward pass needs, gone from here: an error naming the
+        lost worker that released it, else :meth:`retrieve`'s."""
+        lost = self._released.get(context_id)
+        if lost is not None and context_id not in self._contexts:
+            raise ConnectionLostError(f"{lost} (worker {self._agent.name} released the "
+                                      f"context then)", worker=lost.worker)
+        return self.retrieve(context_id)
 
     def _report(self, pass_id: PassId, credit: Fraction, error: Optional[BaseException]) -> None:
         """Return ``credit`` of ``pass_id`` (and the error that ended it here) to its root."""
@@ -607,7 +622,7 @@ class DistAutogradEngine(CallHook):
             if context_creator(ctx.id) == self._rank:
                 ctx.forget_worker(rank)
             else:
-                self.release(ctx.id, rank)
+                self.release(ctx.id, rank, lost)
         if contexts:
             log.info("%s: %d autograd contexts reached lost worker %s", self._agent.name,
                      len(contexts), worker.name)

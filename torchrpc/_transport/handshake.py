@@ -3,13 +3,18 @@
 Theory of operation. A connection proves it belongs to the job before one byte of
 it is unpickled. Both sides hold the per-job secret; neither ever sends it.
 
-    client -> server   HELLO      magic b"TRPH", version, client rank, features_c, nonce_c
+    client -> server   HELLO      magic b"TRPH", version, client rank, features_c, nonce_c,
+                                  incarnation_c
     server -> client   CHALLENGE  server rank, features_s, nonce_s,
                                   HMAC(secret, "srv" | nonce_c | nonce_s | bound)
     client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | bound)
     server -> client   ACCEPT     one byte, 1
 
-    bound = ranks | version | features_c | features_s | binding
+    bound = ranks | version | features_c | features_s | incarnation_c | binding
+
+The client's incarnation tells a process apart from an earlier one under the same rank
+(a dynamic group's member that was removed as lost, see ``_agent.membership``); the
+server refuses one that is not a member after checking the PROOF.
 
 The client checks the server's MAC (so it never talks to an impostor) and the
 server checks the client's (so it never unpickles an outsider's bytes). Both MACs
@@ -36,7 +41,8 @@ from ..errors import AuthenticationError
 MAGIC = b"TRPH"
 VERSION = 1
 NONCE = 16
-HELLO = struct.Struct("<4sBxxxiQ16s")  # magic, version, client rank, features, nonce
+# magic, version, client rank, features, nonce, incarnation
+HELLO = struct.Struct("<4sBxxxiQ16sQ")
 CHALLENGE = struct.Struct("<iQ16s32s")  # server rank, features, nonce, mac
 PROOF = struct.Struct("<32s")
 ACCEPT = b"\x01"
@@ -57,32 +63,34 @@ class Hello:
     rank: int
     features: int
     nonce: bytes
+    incarnation: int = 0
 
 
 def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, client_rank: int,
-         server_rank: int, client_features: int, server_features: int, binding: bytes) -> bytes:
+         server_rank: int, client_features: int, server_features: int, binding: bytes,
+         client_incarnation: int = 0) -> bytes:
     msg = b"".join((label, first, second,
-                    struct.pack("<iiBQQ", client_rank, server_rank, VERSION, client_features,
-                                server_features), binding))
+                    struct.pack("<iiBQQQ", client_rank, server_rank, VERSION, client_features,
+                                server_features, client_incarnation), binding))
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def make_hello(rank: int, features: int) -> tuple[bytes, bytes]:
+def make_hello(rank: int, features: int, incarnation: int = 0) -> tuple[bytes, bytes]:
     """Client: return (HELLO bytes, nonce to remember)."""
     nonce = os.urandom(NONCE)
-    return HELLO.pack(MAGIC, VERSION, rank, features, nonce), nonce
+    return HELLO.pack(MAGIC, VERSION, rank, features, nonce, incarnation), nonce
 
 
 def parse_hello(data: bytes) -> Hello:
     """Server: validate a HELLO."""
     if len(data) != HELLO.size:
         raise AuthenticationError(f"short handshake: {len(data)} of {HELLO.size} bytes")
-    magic, version, rank, features, nonce = HELLO.unpack(data)
+    magic, version, rank, features, nonce, incarnation = HELLO.unpack(data)
     if magic != MAGIC:
         raise AuthenticationError(f"not a torchrpc handshake (magic {magic!r})")
     if version != VERSION:
         raise AuthenticationError(f"handshake version {version}, this worker speaks {VERSION}")
-    return Hello(rank, features, nonce)
+    return Hello(rank, features, nonce, incarnation)
 
 
 def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int,
@@ -90,13 +98,14 @@ def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int,
     """Server: return (CHALLENGE bytes, server nonce to remember)."""
     nonce = os.urandom(NONCE)
     mac = _mac(secret, b"srv", hello.nonce, nonce, hello.rank, server_rank, hello.features,
-               features, binding)
+               features, binding, hello.incarnation)
     return CHALLENGE.pack(server_rank, features, nonce, mac), nonce
 
 
 def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce: bytes,
                      expected_server_rank: int | None, client_features: int = 0,
-                     binding: bytes = b"") -> tuple[bytes, int, int]:
+                     binding: bytes = b"", client_incarnation: int = 0
+                     ) -> tuple[bytes, int, int]:
     """Client: check the server's MAC; return (PROOF bytes, server rank, server features).
     ``client_features`` are the features the HELLO offered."""
     if len(data) != CHALLENGE.size:
@@ -106,12 +115,12 @@ def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce:
         raise AuthenticationError(
             f"connected to rank {server_rank}, expected rank {expected_server_rank}")
     want = _mac(secret, b"srv", client_nonce, nonce, client_rank, server_rank, client_features,
-                features, binding)
+                features, binding, client_incarnation)
     if not hmac.compare_digest(mac, want):
         raise AuthenticationError("the server failed authentication: wrong job secret, or "
                                   "the handshake or TLS session was tampered with")
     proof = _mac(secret, b"cli", nonce, client_nonce, client_rank, server_rank, client_features,
-                 features, binding)
+                 features, binding, client_incarnation)
     return PROOF.pack(proof), server_rank, features
 
 
@@ -121,7 +130,7 @@ def check_proof(secret: bytes, data: bytes, hello: Hello, server_nonce: bytes,
     if len(data) != PROOF.size:
         raise AuthenticationError(f"short handshake proof: {len(data)} of {PROOF.size} bytes")
     want = _mac(secret, b"cli", server_nonce, hello.nonce, hello.rank, server_rank,
-                hello.features, server_features, binding)
+                hello.features, server_features, binding, hello.incarnation)
     if not hmac.compare_digest(data, want):
         raise AuthenticationError(
             f"peer claiming rank {hello.rank} failed authentication: wrong job secret, or "

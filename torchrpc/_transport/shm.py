@@ -1,22 +1,23 @@
 """Same-host shared memory for large buffers: a pool of reusable segments per connection.
 
 Theory of operation. Two workers on one host (same boot, same IPC and mount
-namespaces, same ``/dev/shm``; see ``rendezvous.host_identity``) that both offered
-``FEATURE_SHM`` in the handshake move every buffer of at least ``threshold`` bytes
-through a file in ``/dev/shm`` instead of the socket. The frame then carries the
-segment's name in the buffer's place (``_wire.frame``: ``SHM_BIT``, ``pack_shm_ref``).
+namespaces; see ``rendezvous.host_identity``) that both offered ``FEATURE_SHM`` in the
+handshake move every buffer of at least ``threshold`` bytes through a shared segment
+instead of the socket, where the receiver sees the sender's pids (below). The frame
+then carries the segment's reference in the buffer's place (``_wire.frame``:
+``SHM_BIT``, ``pack_shm_ref``).
 
-A segment is a file: one header page, then the data. The sender of a connection owns
+A segment is a memfd: one header page, then the data. The sender of a connection owns
 a pool of them (:class:`ShmSender`); the receiver maps each one once and keeps the
 mapping (:class:`ShmReceiver`), so a segment used again costs neither a page
 allocation nor a mapping:
 
 * send: take a free segment big enough (or create one), mark it BUSY in its header,
-  ``pwrite`` the buffer into it -- the one copy the sender makes -- and send the name;
-* receive: map the segment the first time its name arrives and unlink the name at
-  once; then wrap the data as a uint8 tensor, no copy. When the last tensor using
-  that memory is freed, a finalizer marks the segment FREE in the shared header, and
-  the sender may reuse it.
+  ``pwrite`` the buffer into it -- the one copy the sender makes -- and send its
+  reference;
+* receive: map the segment the first time its reference arrives; then wrap the data
+  as a uint8 tensor, no copy. When the last tensor using that memory is freed, a
+  finalizer marks the segment FREE in the shared header, and the sender may reuse it.
 
 The sender never maps the data, so its own memory does not grow with what it sends.
 
@@ -30,19 +31,16 @@ Segments are memfds (anonymous files, ``memfd_create``): nothing is ever in
 ``/dev/shm``, and a segment's memory goes back to the system when the last process
 that has it open or mapped is gone, however they die (all SIGKILLed at once
 included). The sender seals every segment against shrinking and growing before it
-sends its name, and the receiver maps only a segment so sealed, of the size it
+sends its reference, and the receiver maps only a segment so sealed, of the size it
 checked with ``fstat``: nobody can truncate a mapped segment, so a receiver never
 meets SIGBUS. The reference a frame carries is the segment's name and the sender's
 descriptor of it, ``<name>.<fd>``; the receiver opens ``/proc/<pid>/fd/<fd>`` (the
 pid is in the name) and checks that the file it got is the memfd of that name.
 
-Where the peer is in another pid namespace (its pids mean nothing here), or the
-system has no memfds, segments are files in ``/dev/shm`` as before: a name exists
-only between its creation and the receiver's first mapping, the sender unlinks the
-names of its segments when a connection closes, and names carry the creator's pid
-(and pid namespace), so :func:`sweep_dead` -- run by every worker when it starts,
-when it loses a connection and when it shuts down -- removes the names whose
-creator died. Such files cannot be sealed.
+A peer in another pid namespace cannot open this process's descriptors, so the
+transport sends it no segments (its large buffers go over the socket), and a system
+without memfds uses no shared memory at all (:func:`available`): no file is ever
+created in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ from ..errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 PREFIX = "torchrpc-"
 HEADER = 4096  # the data starts one page into the file, page aligned
 FREE, BUSY = 0, 1
@@ -74,7 +71,6 @@ _STATE, _RETIRED = 0, 1  # header byte offsets
 IDLE_RETIRE = 10.0  # seconds a free segment is kept for reuse
 MAX_FREE = 8  # free segments kept per connection
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-_NAME = re.compile(r"torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+")
 # A memfd segment's reference: its name, then the sender's descriptor of it.
 _MEMFD_REF = re.compile(r"(torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+)\.(\d+)")
 MEMFD = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
@@ -114,23 +110,14 @@ _names = _Names()
 
 
 def available() -> bool:
-    """Whether this machine has a writable ``/dev/shm``."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+    """Whether this system has sealable memfds, which every segment is."""
+    return MEMFD
 
 
 def _capacity(n: int) -> int:
     """Round ``n`` up so that segments get reused across similar sizes (<= 12.5% slack)."""
     step = max(1 << max(n.bit_length() - 4, 0), 1 << 16)
     return -(-n // step) * step
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.debug("cannot unlink %s: %s", path, exc)
 
 
 def process_state(pid: int) -> Optional[str]:
@@ -141,43 +128,6 @@ def process_state(pid: int) -> Optional[str]:
             return f.read().rsplit(b")", 1)[1].split()[0].decode("ascii", "replace")
     except (OSError, IndexError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return process_state(pid) != "Z"  # a zombie is dead; unreadable: assume alive
-
-
-def sweep_dead(directory: str = SHM_DIR) -> int:
-    """Unlink the segments of dead torchrpc processes of this pid namespace; return how many."""
-    ns = str(pid_namespace())
-    me = os.getpid()
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    alive: Dict[int, bool] = {}
-    for name in names:
-        m = _NAME.fullmatch(name)
-        if m is None or m.group(1) != ns:
-            continue
-        pid = int(m.group(2))
-        if pid == me:
-            continue
-        if pid not in alive:
-            alive[pid] = _alive(pid)
-        if not alive[pid]:
-            _unlink(os.path.join(directory, name))
-            removed += 1
-    if removed:
-        log.info("removed %d shared-memory segments left by dead processes", removed)
-    return removed
 
 
 class Stats:
@@ -195,32 +145,23 @@ class Stats:
 
 
 class _OutSegment:
-    """A segment of the sender's pool: its file and a mapping of its header page only."""
+    """A segment of the sender's pool: its memfd and a mapping of its header page only."""
 
-    __slots__ = ("name", "path", "fd", "capacity", "header", "last_used", "writing")
+    __slots__ = ("name", "fd", "capacity", "header", "last_used", "writing")
 
-    def __init__(self, directory: str, capacity: int, memfd: bool = False) -> None:
+    def __init__(self, capacity: int) -> None:
         name = _names.next()
         self.capacity = capacity
-        if memfd:
-            self.path: Optional[str] = None
-            self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            self.name = f"{name}.{self.fd}"
-        else:
-            self.name = name
-            self.path = os.path.join(directory, name)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                              | os.O_CLOEXEC, 0o600)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.name = f"{name}.{self.fd}"
         try:
-            # Reserve every page now: a full /dev/shm fails here, not later in a write.
+            # Reserve every page now: running out of memory fails here, not later in a write.
             os.posix_fallocate(self.fd, 0, HEADER + capacity)
-            if memfd:  # its size is fixed from now on (see the module docs)
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+            # Its size is fixed from now on (see the module docs).
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
             self.header = mmap.mmap(self.fd, HEADER)
         except BaseException:
             os.close(self.fd)
-            if self.path is not None:
-                _unlink(self.path)
             raise
         self.header[_STATE] = BUSY
         self.last_used = time.monotonic()
@@ -244,20 +185,15 @@ class _OutSegment:
         except (ValueError, BufferError):
             pass
         os.close(self.fd)
-        if self.path is not None:
-            _unlink(self.path)  # only there if the receiver never mapped it
 
 
 class ShmSender:
     """The sending side of one connection: stages large buffers into pooled segments."""
 
-    def __init__(self, threshold: int, directory: str = SHM_DIR,
-                 stats: Optional[Stats] = None, memfd: bool = True) -> None:
+    def __init__(self, threshold: int, stats: Optional[Stats] = None) -> None:
         if threshold < 1:
             raise ValueError(f"shm_threshold must be at least 1 byte, got {threshold}")
         self.threshold = threshold
-        self.memfd = memfd and MEMFD  # else files in ``directory`` (see the module docs)
-        self._dir = directory
         self._lock = threading.Lock()
         self._segments: List[_OutSegment] = []
         self._closed = False
@@ -318,7 +254,7 @@ class ShmSender:
                 best.writing = True
                 return best
         try:
-            seg = _OutSegment(self._dir, _capacity(n), self.memfd)
+            seg = _OutSegment(_capacity(n))
         except OSError as exc:
             self._give_up(exc)
             return None
@@ -335,8 +271,8 @@ class ShmSender:
     def _give_up(self, exc: OSError) -> None:
         if not self._broken and not self._closed:
             self._broken = True
-            log.warning("shared memory in %s failed (%s); large buffers on this "
-                        "connection go through the socket from now on", self._dir, exc)
+            log.warning("shared memory failed (%s); large buffers on this "
+                        "connection go through the socket from now on", exc)
 
     def _written(self, seg: _OutSegment, ok: bool) -> bool:
         """The write into ``seg`` is over; retire it if it failed or the sender closed."""
@@ -388,14 +324,12 @@ class _InSegment:
 
     __slots__ = ("name", "map", "capacity", "__weakref__")
 
-    def __init__(self, directory: str, name: str) -> None:
-        if not name.startswith(PREFIX):
-            raise ProtocolError(f"shared-memory reference {name!r} is not a torchrpc segment")
+    def __init__(self, name: str) -> None:
         memfd = _MEMFD_REF.fullmatch(name)
-        path = None if memfd else os.path.join(directory, name)
+        if memfd is None:
+            raise ProtocolError(f"shared-memory reference {name!r} is not a torchrpc segment")
         try:
-            fd = _open_memfd(memfd) if memfd else \
-                os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_memfd(memfd)
         except OSError as exc:
             raise ProtocolError(f"cannot open shared-memory segment {name}: {exc}") from exc
         try:
@@ -403,12 +337,10 @@ class _InSegment:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size <= HEADER:
                 raise ProtocolError(f"shared-memory segment {name} is not a segment of this "
                                     f"user ({st.st_size} bytes, uid {st.st_uid})")
-            if memfd and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
                 # Mapping a file that can shrink under the mapping risks SIGBUS.
                 raise ProtocolError(f"shared-memory segment {name} is not sealed against "
                                     f"shrinking and growing; refusing to map it")
-            if path is not None:
-                _unlink(path)  # mapped from now on; the name is not needed any more
             self.map = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS)
         except OSError as exc:
             raise ProtocolError(f"cannot map shared-memory segment {name}: {exc}") from exc
@@ -451,8 +383,7 @@ class ShmReceiver:
     Only the connection's reader calls :meth:`open`; finalizers may run in any thread.
     """
 
-    def __init__(self, directory: str = SHM_DIR, stats: Optional[Stats] = None) -> None:
-        self._dir = directory
+    def __init__(self, stats: Optional[Stats] = None) -> None:
         self._segments: Dict[str, _InSegment] = {}
         self._lock = threading.Lock()
         self._stats = stats or Stats()
@@ -463,7 +394,7 @@ class ShmReceiver:
             seg = self._segments.get(name)
         if seg is None:
             self.housekeeping()  # the sender retires old segments before it makes a new one
-            seg = _InSegment(self._dir, name)
+            seg = _InSegment(name)
             with self._lock:
                 self._segments[name] = seg
         if size > seg.capacity:

@@ -613,7 +613,7 @@ class Transport:
     With ``FEATURE_SHM`` in ``features``, a connection whose peer offered it too
     accepts buffers in shared memory, and sends its own buffers of at least
     ``shm_threshold`` bytes that way when ``same_host(peer_rank)`` says the peer
-    shares this machine's ``/dev/shm``.
+    shares this machine and ``same_pids(peer_rank)`` that it sees this process's pids.
     """
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
@@ -624,8 +624,12 @@ class Transport:
                  local_socket: bool = False, on_fatal: Optional[Fatal] = None,
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0,
-                 max_private: int = 0) -> None:
+                 max_private: int = 0, incarnation: int = 0,
+                 admit: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
         self.rank = rank
+        self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
+        # admit(rank, incarnation): None to accept an authenticated peer, else why not.
+        self._admit = admit
         self._on_fatal = on_fatal  # an accept loop that cannot go on reports here
         self._tls = tls_contexts
         self._rejects = LogBudget()
@@ -639,7 +643,7 @@ class Transport:
             raise ValueError(f"shm_threshold must be at least 1 byte, got {shm_threshold}; "
                              f"to keep buffers off shared memory, set enable_shm=False")
         if features & handshake.FEATURE_SHM and not shm.available():
-            features &= ~handshake.FEATURE_SHM
+            features &= ~handshake.FEATURE_SHM  # no memfds: no shared memory (see shm.py)
         self._features = features | handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         self._shm_threshold = shm_threshold
         self._same_host = same_host
@@ -651,8 +655,6 @@ class Transport:
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
-        if features & handshake.FEATURE_SHM:
-            shm.sweep_dead()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._sockets: set[socket.socket] = set()
@@ -795,6 +797,9 @@ class Transport:
             sock.sendall(challenge)
             handshake.check_proof(self._secret, _recv_exact(sock, handshake.PROOF.size, deadline),
                                   hello, nonce, self.rank, self._features, binding)
+            refused = self._admit(hello.rank, hello.incarnation) if self._admit else None
+            if refused is not None:
+                raise ConnectionRefusedError(refused)
             if hello.features & handshake.FEATURE_PRIVATE and self._max_private \
                     and self._private_from(hello.rank) >= self._max_private:
                 # Refused before ACCEPT: the dialer's call goes over the shared connection.
@@ -854,11 +859,12 @@ class Transport:
             if self._tls is not None:
                 sock, binding = self._secure(sock, False, host)
             offer = self._features if private else self._features & ~handshake.FEATURE_PRIVATE
-            hello, nonce = handshake.make_hello(self.rank, offer)
+            hello, nonce = handshake.make_hello(self.rank, offer, self.incarnation)
             sock.sendall(hello)
             challenge = _recv_exact(sock, handshake.CHALLENGE.size)
             proof, server_rank, features = handshake.answer_challenge(
-                self._secret, challenge, self.rank, nonce, peer_rank, offer, binding)
+                self._secret, challenge, self.rank, nonce, peer_rank, offer, binding,
+                self.incarnation)
             sock.sendall(proof)
             if _recv_exact(sock, 1) != handshake.ACCEPT:
                 raise AuthenticationError("the peer refused the handshake")
@@ -980,10 +986,11 @@ class Transport:
             if conn.shm_decider is None:
                 return
             conn.shm_decider = None
-            if self._same_host(conn.peer_rank) and not conn.closed:
-                memfd = self._same_pids is None or self._same_pids(conn.peer_rank)
-                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats,
-                                            memfd=memfd)
+            # A peer that cannot see this process's pids cannot open its memfds: its
+            # large buffers go over the socket.
+            if self._same_host(conn.peer_rank) and not conn.closed and (
+                    self._same_pids is None or self._same_pids(conn.peer_rank)):
+                conn.shm_tx = shm.ShmSender(self._shm_threshold, stats=self._shm_stats)
 
     def debug_info(self) -> Dict[str, Any]:
         """Shared-memory counters (``transport.shm_*``)."""
@@ -1011,9 +1018,6 @@ class Transport:
         guard = Guard(f"closing the connection of rank {self.rank} to rank {conn.peer_rank}",
                       limit=None)
         self._forget(conn.sock)
-        if reason is not None and conn.shm_rx is not None:
-            with guard:
-                shm.sweep_dead()  # the peer may have died holding segments not yet mapped
         if isinstance(reason, ProtocolError):
             self._rejects.warn("rank %d closed its connection with rank %d: %s",
                                self.rank, conn.peer_rank, reason)
@@ -1046,5 +1050,3 @@ class Transport:
             conns = list(self._every_conn)
         for conn in conns:  # those without a reader (a caller's idle private ones) too:
             conn.close()    # their sockets and shared-memory segments would leak
-        if self._features & handshake.FEATURE_SHM:
-            shm.sweep_dead()

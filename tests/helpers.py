@@ -43,6 +43,15 @@ def raise_odd(code: int) -> None:
     raise OddError(code, "odd failure")
 
 
+def call_raise_on(to: str, msg: str) -> None:
+    """Make ``to`` raise ``ValueError(msg)`` in a call from this worker."""
+    rpc.rpc_sync(to, raise_value_error, args=(msg,))
+
+
+def return_future() -> torch.futures.Future:
+    return torch.futures.Future()
+
+
 def whoami() -> str:
     return rpc.get_worker_info().name
 

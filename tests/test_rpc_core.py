@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import pickle
 import socket
+import sys
 import threading
 import time
 
@@ -87,6 +90,28 @@ def test_a_torchscript_error_arrives_as_a_runtime_error():
     with pytest.raises(RuntimeError, match="script says no") as info:
         rpc.rpc_sync("worker1", helpers.script_raise, args=("script says no",))
     assert isinstance(info.value, torch.jit.Error)
+
+
+def test_returning_a_future_without_async_execution_fails_at_the_caller():
+    with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
+        rpc.rpc_sync("worker1", helpers.return_future, timeout=20)
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 1)) == 2
+
+
+def test_a_user_error_is_written_to_the_callee_stderr(monkeypatch):
+    # As torch's agent does, where logging is not configured (pytest's own handlers set aside).
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(logging.root, "handlers", [])
+    with pytest.raises(ValueError, match="reported on the callee"):
+        rpc.rpc_sync("worker1", helpers.call_raise_on, args=("worker0", "reported on the callee"))
+    assert "reported on the callee" in err.getvalue()
+    handler = logging.StreamHandler(io.StringIO())  # configured logging: that handler only
+    monkeypatch.setattr(logging.root, "handlers", [handler])
+    err.truncate(0)
+    with pytest.raises(ValueError):
+        rpc.rpc_sync("worker1", helpers.call_raise_on, args=("worker0", "once, in the log"))
+    assert "once, in the log" in handler.stream.getvalue() and not err.getvalue()
 
 
 def test_callback_may_block_on_rpc():

@@ -1902,7 +1902,7 @@ class Agent:
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
                                            send_hook, meta, "result")
-        except SerializationError as exc:
+        except Exception as exc:  # noqa: BLE001 - a result that won't encode: the caller is told
             self._reply_error(dst, rid, exc, what, via)
             return
         if owned:
@@ -1915,9 +1915,9 @@ class Agent:
         stats = self._peer_stats.get(dst.id)
         if stats is not None:
             stats.errors_in += 1
-        # The callee's side of the story, as torch's agent logs it; the caller gets the error.
-        log.warning("%s raised %s: %s in %s called by %s", self.name,
-                    type(exc).__name__, exc, describe(what), dst.name)
+        # The callee's side of the story, as torch's agent reports it; the caller gets the error.
+        _warn_even_unconfigured("%s raised %s: %s in %s called by %s", self.name,
+                                type(exc).__name__, exc, describe(what), dst.name)
         self._send_error(dst, rid, exc, via)
 
     def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
@@ -2464,6 +2464,21 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
     if isinstance(result, CoroutineType):
         return AsyncResult(_coroutines_of(agent).submit(result))
     return result
+
+
+def _warn_even_unconfigured(msg: str, *args: Any) -> None:
+    """A warning that reaches the process's stderr even where logging is not configured
+    (only the package's NullHandler): torch's agent writes a failed user function's error
+    there, and ported programs and tests read it."""
+    log.warning(msg, *args)
+    logger: Optional[logging.Logger] = log
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return  # a configured handler has it
+        logger = logger.parent if logger.propagate else None
+    if logging.lastResort is not None and log.isEnabledFor(logging.WARNING):
+        logging.lastResort.handle(log.makeRecord(log.name, logging.WARNING, __file__, 0,
+                                                 msg, args, None))
 
 
 def _runnable_script(func: Any) -> Any:

@@ -96,6 +96,17 @@ def test_torchscript_function_taking_an_rref():
                        torch.full((2,), 2.0))  # no RRef: TorchScript runs it
 
 
+def test_get_type_of_a_failed_value_raises_its_error_and_backward_needs_a_context():
+    rref = rpc.remote("worker1", helpers.raise_value_error, args=("no value",))
+    with pytest.raises(ValueError, match="no value"):
+        rref._get_type()
+    with pytest.raises(ValueError, match="no value"):
+        rpc.remote("worker1", helpers.raise_value_error, args=("no value",))._get_type(
+            blocking=False).wait()
+    with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
+        rpc.remote("worker1", torch.ones, args=(1,)).backward()
+
+
 def test_rref_is_generic_and_not_picklable_outside_rpc():
     assert rpc.RRef[torch.Tensor] is not None
     with pytest.raises(RuntimeError, match="only be pickled"):

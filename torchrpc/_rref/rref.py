@@ -34,8 +34,8 @@ from .._agent.futures import RpcFuture, new_future
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind, PassThrough, current_context
-from ..errors import (ConnectionLostError, NotInitializedError, RpcError, RpcTimeoutError,
-                      WrongTypeError)
+from ..errors import (ConnectionLostError, InvalidArgumentError, NotInitializedError,
+                      RpcError, RpcTimeoutError, WrongTypeError)
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,7 @@ class RRef(Generic[T]):
             timeout (float, optional): seconds to wait; 0 means no limit; by default
                 the agent's ``rpc_timeout``.
         """
+        self._check_not_deleted("to_here() on it")
         self._check_error()
         if self._entry is not None:
             self._raise_creation_error()
@@ -310,6 +311,11 @@ class RRef(Generic[T]):
         self._check_error()
         if self._entry is not None:
             _backward_local(self, dist_autograd_ctx_id, retain_graph)
+        elif dist_autograd_ctx_id == -1:
+            raise InvalidArgumentError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: a user RRef's "
+                "backward pass runs from its owner in a distributed autograd context; pass "
+                "the id of the context the value was computed in")
         else:
             self._layer.agent.call(self._owner, _backward_local, (self, dist_autograd_ctx_id,
                                                                   retain_graph), {},
@@ -323,7 +329,16 @@ class RRef(Generic[T]):
 
     # -- lifetime --------------------------------------------------------------------------------
 
+    def _check_not_deleted(self, what: str) -> None:
+        """torch's error for a user RRef used after shutdown deleted it."""
+        if self._entry is None and self._deleted:
+            raise RuntimeError(f"User RRef with RRefId={self._rref_id} and ForkId="
+                               f"{self._fork_id} has been deleted. Cannot call {what} after "
+                               f"deletion: rpc.shutdown() deletes every user RRef; use "
+                               f"RRefs only while RPC runs")
+
     def __reduce__(self) -> Tuple[Any, ...]:
+        self._check_not_deleted("fork an UserRRef")
         ctx = current_context()
         if not isinstance(ctx, MessageContext):
             raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
@@ -376,7 +391,16 @@ def _gid(gid: Optional[GloballyUniqueId]) -> str:
 def _typeof_on_owner(rref: RRef) -> torch.futures.Future:
     """On the owner: a future of the type of the value (once it exists)."""
     assert rref._entry is not None
-    return rref._entry.future.then(lambda f: type(f.value()))
+    out: torch.futures.Future = torch.futures.Future()
+
+    def relay(f: torch.futures.Future) -> None:
+        # Not then(): torch turns a callback's error into a plain RuntimeError.
+        try:
+            out.set_result(type(f.value()))
+        except BaseException as exc:  # noqa: BLE001 - the creation error, with its type
+            out.set_exception(fresh_error(exc.with_traceback(None)))
+    rref._entry.future.add_done_callback(relay)
+    return out
 
 
 def _rref_typeof_on_owner(rref: RRef) -> torch.futures.Future:

@@ -330,8 +330,9 @@ class RRef(Generic[T]):
     # -- lifetime --------------------------------------------------------------------------------
 
     def _check_not_deleted(self, what: str) -> None:
-        """torch's error for a user RRef used after shutdown deleted it."""
-        if self._entry is None and self._deleted:
+        """torch's error for a user RRef used after shutdown deleted it (a recorded error,
+        such as its owner's loss, explains better and is raised instead where it is used)."""
+        if self._entry is None and self._deleted and self._error is None:
             raise RuntimeError(f"User RRef with RRefId={self._rref_id} and ForkId="
                                f"{self._fork_id} has been deleted. Cannot call {what} after "
                                f"deletion: rpc.shutdown() deletes every user RRef; use "

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,3 +137,13 @@ def running_group(world_size: int, **kwargs: object) -> Iterator[Group]:
         rpc.shutdown()
         codes = group.wait()
         assert all(c == 0 for c in codes.values()), f"workers exited with {codes}"
+
+
+def wait_for(what: str, check: Callable[[], Any], limit: float) -> float:
+    """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > limit:
+            raise AssertionError(f"{what}: not after {limit:g} s")
+        time.sleep(0.05)
+    return time.monotonic() - start

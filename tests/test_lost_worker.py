@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError
 
 from . import helpers
-from .group import Group
+from .group import Group, wait_for as _wait_for
 
 HB_TIMEOUT = 2.0
 # The issue's bound is heartbeat_timeout + 1 s; the shared 2-core machine gets 1 s more.
@@ -61,16 +61,6 @@ def _rref_counts(name: str) -> Dict[str, int]:
         info = rpc.get_debug_info()
         return {k: info[k] for k in RREF_KEYS}
     return rpc.rpc_sync(name, helpers.rref_counts, timeout=10)
-
-
-def _wait_for(what: str, check: Callable[[], Any], limit: float) -> float:
-    """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > limit:
-            raise AssertionError(f"{what}: not after {limit:g} s")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_rrefs_of_a_killed_worker_are_released_and_fail_naming_it(group):

@@ -25,7 +25,7 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 
 from . import helpers
-from .group import Group
+from .group import Group, wait_for as _wait_for
 
 HB_TIMEOUT = 2.0
 # The issue's bound is heartbeat_timeout + 1 s; the shared 2-core machine gets 1 s more.
@@ -58,16 +58,6 @@ def _contexts(name: str) -> int:
     if name == "worker0":
         return rpc.get_debug_info()["num_autograd_contexts"]
     return rpc.rpc_sync(name, helpers.autograd_contexts, timeout=10)
-
-
-def _wait_for(what: str, check: Callable[[], Any], limit: float) -> float:
-    """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > limit:
-            raise AssertionError(f"{what}: not after {limit:g} s")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _two_hop_backward(far: str, fn: Callable[..., Any], out: List[Tuple]) -> threading.Thread:

@@ -652,6 +652,9 @@ class Transport:
         self._send_timeout = send_timeout  # see Connection.send_timeout and _bound
         self._max_outbox = max_outbox
         self._max_private = max_private  # private connections accepted per peer (0: any)
+        # Private connections per peer admitted by a handshake but not yet registered: the
+        # bound counts them, so handshakes that run at once cannot all pass it.
+        self._private_pending: Dict[int, int] = {}
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
@@ -778,6 +781,7 @@ class Transport:
 
     def _serve(self, sock: socket.socket, addr: Any) -> None:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        reserved: Optional[int] = None  # the peer whose private slot this handshake holds
         try:
             self._bound(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -800,36 +804,38 @@ class Transport:
             refused = self._admit(hello.rank, hello.incarnation) if self._admit else None
             if refused is not None:
                 raise ConnectionRefusedError(refused)
-            if hello.features & handshake.FEATURE_PRIVATE and self._max_private \
-                    and self._private_from(hello.rank) >= self._max_private:
+            if hello.features & handshake.FEATURE_PRIVATE and self._max_private:
                 # Refused before ACCEPT: the dialer's call goes over the shared connection.
-                raise ConnectionRefusedError(
-                    f"rank {hello.rank} already has {self._max_private} private connections "
-                    f"here (max_private_connections)")
+                reserved = self._reserve_private(hello.rank)
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             _tune(sock)
         except (OSError, AuthenticationError) as exc:
+            self._release_private(reserved)
             self._rejects.warn("rank %d dropped a connection from %s that failed the "
                                "handshake: %s", self.rank, addr, exc)
             self._forget(sock)
             sock.close()
             return
         except BaseException:  # unexpected: the thread's guard logs it; drop the socket
+            self._release_private(reserved)
             self._forget(sock)
             sock.close()
             raise
         finally:
             self._handshakes.release()
-        conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
-                          outbound=False)
-        conn.features = hello.features & self._features
-        conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
-        if _needs_frame_macs(conn):
-            c2s, s2c = handshake.frame_keys(self._secret, hello.nonce, nonce, hello.rank,
-                                            self.rank)
-            conn.mac_tx, conn.mac_rx = handshake.FrameMac(s2c), handshake.FrameMac(c2s)
-        self._register(conn)
+        try:
+            conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
+                              outbound=False)
+            conn.features = hello.features & self._features
+            conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
+            if _needs_frame_macs(conn):
+                c2s, s2c = handshake.frame_keys(self._secret, hello.nonce, nonce, hello.rank,
+                                                self.rank)
+                conn.mac_tx, conn.mac_rx = handshake.FrameMac(s2c), handshake.FrameMac(c2s)
+            self._register(conn)
+        finally:
+            self._release_private(reserved)
         self._on_connect(conn)
         conn.read_loop()
 
@@ -961,11 +967,31 @@ class Transport:
             except OSError as exc:
                 log.debug("no send timeout on a socket: %s", exc)
 
-    def _private_from(self, rank: int) -> int:
-        """Open private connections that ``rank`` dialed to this worker."""
+    def _reserve_private(self, rank: int) -> int:
+        """Take one of ``rank``'s private connection slots here, or raise
+        ConnectionRefusedError when its open and admitted ones already fill the bound.
+        Returns the rank to hand to _release_private once the connection is registered."""
         with self._lock:
-            return sum(1 for c in self._every_conn
-                       if c.private and not c.outbound and c.peer_rank == rank and not c.closed)
+            pending = self._private_pending.get(rank, 0)
+            n = pending + sum(1 for c in self._every_conn if c.private and not c.outbound
+                              and c.peer_rank == rank and not c.closed)
+            if n >= self._max_private:
+                raise ConnectionRefusedError(
+                    f"rank {rank} already has {self._max_private} private connections "
+                    f"here (max_private_connections)")
+            self._private_pending[rank] = pending + 1
+        return rank
+
+    def _release_private(self, rank: Optional[int]) -> None:
+        """Give back a slot _reserve_private took (None: none was taken)."""
+        if rank is None:
+            return
+        with self._lock:
+            left = self._private_pending.get(rank, 0) - 1
+            if left > 0:
+                self._private_pending[rank] = left
+            else:
+                self._private_pending.pop(rank, None)
 
     def _register(self, conn: Connection) -> None:
         """Count ``conn`` among the transport's connections and set up its shared memory."""

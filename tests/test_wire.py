@@ -187,6 +187,52 @@ def test_sparse_tensors():
     assert out.layout == torch.sparse_csr and torch.equal(out.to_dense(), csr.to_dense())
 
 
+def test_small_tensors_travel_inside_the_envelope():
+    cases = [torch.arange(2.0), torch.tensor(3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool),
+             torch.randn(4, dtype=torch.complex64), torch.randn(2, 2).to(torch.bfloat16),
+             torch.arange(_wire.INLINE_MAX // 4, dtype=torch.float32)]
+    for t in cases:
+        env, bufs, _ = _wire.encode(t)
+        assert bufs == [], t
+        out = _wire.decode(env, [])[1]
+        assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+        out.add_(1) if t.dtype != torch.bool else out.logical_not_()  # writable, its own memory
+        assert not torch.equal(out, t)
+    big = torch.arange(_wire.INLINE_MAX // 4 + 1, dtype=torch.float32)
+    assert len(_wire.encode(big)[1]) == 1  # one element more: out of band
+
+
+def test_small_views_of_one_storage_still_arrive_shared():
+    x = torch.arange(8.0)
+    env, bufs, _ = _wire.encode((x[:2], x[2:4], x))
+    assert len(bufs) == 1  # not inline: one slot keeps them views of one storage
+    a, b, whole = _wire.decode(env, [torch.frombuffer(bytearray(bufs[0]), dtype=torch.uint8)])[1]
+    whole[0] = 100.0
+    assert a[0] == 100.0 and torch.equal(b, x[2:4])
+    assert a.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+
+
+def test_an_inline_tensor_that_requires_grad_meets_the_receive_hook():
+    t = torch.ones(2, requires_grad=True)
+    sent, received = [], []
+    env, bufs, _ = _wire.encode(t, send_hook=sent.append)
+    assert bufs == [] and sent == [t]
+
+    def hook(x):
+        received.append(x)
+        return x * 2
+    out = _wire.decode(env, [], recv_hook=lambda meta: hook)[1]
+    assert len(received) == 1 and received[0].requires_grad and torch.equal(out, t * 2)
+
+
+def test_an_inline_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
+    env, _, _ = _wire.encode(torch.arange(4.0))
+    bad = env.replace(bytes(torch.arange(4.0).numpy().tobytes()), b"\0" * 12)
+    with pytest.raises(Exception) as info:
+        _wire.decode(bad, [])
+    assert not isinstance(info.value, SystemError)
+
+
 def test_shared_storages_arrive_shared():
     x = torch.arange(100.0)
     a, b, c = x[10:20], x[15:40], x[5:8].view(1, 3)
@@ -361,8 +407,8 @@ def test_random_headers_never_crash_the_decoder():
 
 
 def test_buffers_that_do_not_match_the_envelope_are_rejected():
-    env, bufs, _ = _wire.encode(torch.arange(10.0))
-    short = torch.zeros(8, dtype=torch.uint8)  # 2 elements where 10 were announced
+    env, bufs, _ = _wire.encode(torch.arange(1000.0))  # over INLINE_MAX: out of band
+    short = torch.zeros(8, dtype=torch.uint8)  # 2 elements where 1000 were announced
     with pytest.raises(Exception) as info:
         _wire.decode(env, [short])
     assert not isinstance(info.value, SystemError)

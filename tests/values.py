@@ -272,6 +272,11 @@ def pickled(value: Any) -> Any:
     try:
         return pickle.loads(pickle.dumps(value, protocol=5))
     except Exception:  # noqa: BLE001 - torch 2.13 can't pickle float8 tensors
+        # Only the part that fails stands for itself: its neighbours still go through pickle.
+        if type(value) in (tuple, list):
+            return type(value)(pickled(v) for v in value)
+        if type(value) is dict:
+            return {k: pickled(v) for k, v in value.items()}
         return value
 
 

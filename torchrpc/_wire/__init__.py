@@ -4,7 +4,7 @@ from .frame import (FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_
                     FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
                     parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
-from .serialize import (OUT_OF_BAND_MIN, PassThrough, current_context, decode, encode,
+from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, current_context, decode, encode,
                         memoryview_of, new_buffer, tensor_bytes)
 
 __all__ = [
@@ -12,6 +12,6 @@ __all__ = [
     "FrameDecoder",
     "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "current_context", "decode", "encode",
-    "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
+    "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
     "parse_header", "parse_lengths", "tensor_bytes",
 ]

@@ -7,7 +7,11 @@ one storage that the message needs; it is pickled once and becomes one
 out-of-band buffer, so two views of one storage arrive as two views of one
 storage. Only the covered range is sent, and a view arrives with its strides,
 unless it covers much less than its span (a sparse strided slice of a large
-tensor): that one is sent compacted. :func:`decode` receives the
+tensor): that one is sent compacted. A small contiguous tensor (at most
+:data:`INLINE_MAX` bytes) whose storage no other tensor of the message shares
+travels inside the envelope instead, as its bytes: a buffer of its own would cost
+more (a length, a receive, a tensor to receive into) than copying a few bytes
+twice. :func:`decode` receives the
 buffers as uint8 tensors that the transport already filled (``recv_into``, or
 mapped from shared memory), and rebuilds each tensor on that memory without a
 copy. A tensor's dtype travels as a small fixed id, and every reduction made here
@@ -53,6 +57,9 @@ _ALIGN = 16
 # A buffer of a non-tensor object this large or larger travels out of band; a smaller one
 # stays in the envelope, where pickle puts it.
 OUT_OF_BAND_MIN = 256 * 1024
+# A contiguous tensor of at most this many bytes travels inside the envelope: for small
+# tensors, a buffer of its own costs more in bookkeeping than copying the bytes twice.
+INLINE_MAX = 512
 
 
 class PassThrough(Exception):
@@ -250,8 +257,26 @@ _ITEMSIZE = {d: d.itemsize for d in _DTYPE_IDS}
 
 
 # _rebuild tags: never renumber one.
-_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES = 0, 1, 2, 3, 4
-_REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes)
+def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
+                    requires_grad: bool) -> torch.Tensor:
+    if type(dtype) is int:
+        dtype = _DTYPES[dtype]
+    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    if len(shape) != 1:
+        t = t.view(shape)
+    elif shape[0] != t.numel():
+        raise ValueError(f"malformed inline tensor: {len(data)} bytes for shape {shape}")
+    if requires_grad:
+        t.requires_grad_(True)
+        hook = getattr(_local, "recv_hook", None)
+        if hook is not None:
+            t = hook(t)
+    return t
+
+
+_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES, _INLINE = 0, 1, 2, 3, 4, 5
+_REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes,
+               _rebuild_inline)
 
 
 def _received_with_grad(t: torch.Tensor) -> torch.Tensor:
@@ -301,6 +326,7 @@ class _Encoder:
 
     def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict) -> None:
         self.slots: dict = {}
+        self.inlined: dict = {}  # storage address -> byte range of the tensor sent inline
         self.views: List[memoryview] = []
         self.keepalive: List[torch.Tensor] = []
         self.send_hook = send_hook
@@ -357,7 +383,19 @@ class _Encoder:
         off = data.storage_offset()
         lo = off * itemsize
         if data.is_contiguous():
-            hi = lo + numel * itemsize
+            nbytes = numel * itemsize
+            key = data.data_ptr() - lo
+            if nbytes <= INLINE_MAX and key not in self.retry_ranges:
+                # Inline, unless another tensor of the message shares the storage: then
+                # encode() runs again and that storage travels as one slot for both.
+                seen = self.inlined.get(key)
+                if seen is None and key not in self.slots:
+                    self.inlined[key] = (lo, lo + nbytes)
+                    return _rebuild, (_INLINE, ctypes.string_at(key + lo, nbytes), dtype_ref,
+                                      tuple(data.shape), requires_grad)
+                if seen is not None:
+                    self.widen(key, seen, lo, lo + nbytes)
+            hi = lo + nbytes
         else:
             # A view keeps its strides: the span of storage it covers travels. Only a view
             # whose span would add more than _SPAN_EXTRA bytes beyond twice its elements'
@@ -371,20 +409,28 @@ class _Encoder:
         # The storage is known by the address of its first byte: two live storages never
         # share one, and everything encoded stays alive until encode() returns.
         key = data.data_ptr() - lo
+        seen = self.inlined.get(key)
+        if seen is not None:  # an earlier tensor of the message, inlined, shares the storage
+            self.widen(key, seen, lo, hi)
         slot = self.slots.get(key)
         if slot is None or not (slot.lo <= lo and hi <= slot.hi):
             if slot is not None:
                 # A later view reaches outside the range already pickled: note the union
                 # and let encode() run once more with the whole range known up front.
-                self.conflict = True
-                lo2, hi2 = self.retry_ranges.get(key, (slot.lo, slot.hi))
-                self.retry_ranges[key] = (min(lo2, lo), max(hi2, hi))
+                self.widen(key, (slot.lo, slot.hi), lo, hi)
             lo_a, hi_a = self.retry_ranges.get(key, (lo, hi))
             slot = _Slot(data, key, (min(lo, lo_a) // _ALIGN) * _ALIGN, max(hi, hi_a))
             self.slots[key] = slot
             self.keepalive.append(data)
         return _rebuild, (_TENSOR, slot, lo - slot.lo, dtype_ref, tuple(data.shape),
                           data.stride(), requires_grad)
+
+    def widen(self, key: int, sent: Tuple[int, int], lo: int, hi: int) -> None:
+        """Storage ``key``, of which bytes ``sent`` are already pickled, is needed over
+        [lo, hi) too: note the union, and have encode() run again with it known."""
+        self.conflict = True
+        lo2, hi2 = self.retry_ranges.get(key, sent)
+        self.retry_ranges[key] = (min(lo2, sent[0], lo), max(hi2, sent[1], hi))
 
     def reduce_slot(self, slot: _Slot) -> Tuple[Any, ...]:
         raw = (ctypes.c_ubyte * (slot.hi - slot.lo)).from_address(slot.base + slot.lo)

@@ -1353,7 +1353,7 @@ class Agent:
             p = self._pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or p.dst.id != conn.peer_rank:
-                continue
+                continue  # answered (the kept reply came just before), timed out or failed
             with self._probe_lock:  # one answer acts once
                 if not r.probing:
                     continue  # an answer to an earlier attempt's probe
@@ -1897,6 +1897,9 @@ class Agent:
             return
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
+        if p.resend is not None and p.resend.probing:
+            p.resend.probing = False  # the reply came before the probe's answer
+            self._resends_avoided += 1
         stats = p.stats
         if stats is not None:
             stats.latency(time.monotonic() - p.sent)

@@ -1342,7 +1342,8 @@ class Agent:
                 for rid in ids:
                     self._request_lost(rid, dst, exc)
                 continue
-            self._probes += 1
+            with self._probe_lock:
+                self._probes += 1
             log.info("%s asks %s whether it has %d request(s) before sending them again",
                      self.name, dst.name, len(ids))
 
@@ -1358,12 +1359,12 @@ class Agent:
                 if not r.probing:
                     continue  # an answer to an earlier attempt's probe
                 r.probing = False
-            if status == MISSING:
-                missing.append((rid, p))
-            else:
-                self._resends_avoided += 1
+                if status == MISSING:
+                    self._resends_after_probe += 1
+                    missing.append((rid, p))
+                else:
+                    self._resends_avoided += 1
         for rid, p in missing:
-            self._resends_after_probe += 1
             r = p.resend
             self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
@@ -1382,7 +1383,7 @@ class Agent:
                 else:
                     answers.append((rid, REPLIED))
                     replies.append((rid, once.reply))
-        # On the probe's connection: the caller's others to this worker may be dead.
+        # On the probe's connection, the one known to reach the caller now.
         for rid, (kind, env, bufs, keep) in replies:
             self._send_reply(src, kind, rid, env, bufs, keep, conn)
         try:
@@ -1898,8 +1899,10 @@ class Agent:
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
         if p.resend is not None and p.resend.probing:
-            p.resend.probing = False  # the reply came before the probe's answer
-            self._resends_avoided += 1
+            with self._probe_lock:  # the reply came before the probe's answer
+                if p.resend.probing:
+                    p.resend.probing = False
+                    self._resends_avoided += 1
         stats = p.stats
         if stats is not None:
             stats.latency(time.monotonic() - p.sent)

@@ -248,6 +248,23 @@ def worker_infos() -> list:
     return rpc.get_worker_infos()
 
 
+def view_of(rank: int) -> dict:
+    """What this worker knows of worker ``rank`` by itself: its open connections with it,
+    whether it saw one of them break, and why the group removed it (None if it did not)."""
+    from torchrpc.rpc import api
+    agent = api.current_agent()
+    return {"connections": sum(1 for c in agent._transport.connections() if c.peer_rank == rank),
+            "lost_connection": rank in agent._lost, "removed": agent._removed.get(rank)}
+
+
+def call_outcome(to: str) -> str:
+    """``rpc_sync(to, whoami)`` from here: the name it returns, or its error's type and text."""
+    try:
+        return rpc.rpc_sync(to, whoami, timeout=30)
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return f"{type(exc).__name__}: {exc}"
+
+
 def connection_census() -> dict:
     """This worker's open connections: private ones, shared ones, and how many of the
     agent's registry (heartbeats, liveness) are private (must be none)."""

@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 import torch
 
 import torchrpc.rpc as rpc
+from torchrpc._wire import Kind
 
 _counts: Dict[str, int] = {}
 _counts_lock = threading.Lock()
@@ -374,3 +375,37 @@ def soak_churn_drive(survivors: List[str], threads: int, seconds: float, seed: i
     out["hung"] = sum(w.is_alive() for w in workers)
     out["worker"] = me.name
     return out
+
+
+# A stand-in for the internal kinds sent with a retry policy (so with the ONCE flag): the
+# at-most-once tests send it with agent.request; it runs nothing but a count by key.
+ONCE_KIND = Kind.PROFILED_CALL  # which no layer serves
+_once_results: Dict[str, Any] = {}
+
+
+def serve_once_kind() -> None:
+    """Serve ONCE_KIND here: ``bump(payload)``."""
+    from torchrpc._agent.current import current_agent
+    current_agent().register_handler(ONCE_KIND, lambda src, key: bump(key))
+
+
+def start_once_request(to: str, key: str, timeout: float) -> None:
+    """Send ``key`` as ONCE_KIND to ``to`` with a retry policy, from a thread; return at
+    once (see :func:`once_result`)."""
+    from torchrpc._agent.current import current_agent
+    from torchrpc._agent.retry import RetryPolicy
+    agent = current_agent()
+    fut = agent.request(agent.resolve(to), ONCE_KIND, key, timeout, what="once request",
+                        retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
+
+    def done(f: Any) -> None:
+        try:
+            _once_results[key] = f.value()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            _once_results[key] = repr(exc)
+    fut.add_done_callback(done)
+
+
+def once_result(key: str) -> Any:
+    """The reply to :func:`start_once_request` of ``key``; None while it waits."""
+    return _once_results.get(key)

@@ -1,6 +1,6 @@
-"""At most once: a request sent again because its connection broke after it was delivered
-does not run again on the callee (here a part of a backward pass, which would add its
-gradients twice)."""
+"""At most once: a request whose connection broke after it was delivered does not run
+again on the callee (here a part of a backward pass, which would add its gradients
+twice): the caller asks the callee first (a probe) and does not send it again."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def _cut(rank: int) -> int:
 
 def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
     before = rpc.rpc_sync("worker1", helpers.debug_info)["agent.num_duplicate_requests"]
+    mine = rpc.get_debug_info()
     with dist_autograd.context() as ctx:
         x = torch.ones(4, requires_grad=True)
         y = rpc.rpc_sync("worker1", helpers.scale_slowly, args=(x,))
@@ -56,5 +57,10 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
         assert torch.equal(rpc.rpc_sync("worker1", helpers.weight_gradient, args=(ctx,)),
                            torch.ones(4))
         assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((4,), 3.0))
+    # The probe found the part running there: the frame was not sent again.
     info = rpc.rpc_sync("worker1", helpers.debug_info)
-    assert info["agent.num_duplicate_requests"] == before + 1, info
+    assert info["agent.num_duplicate_requests"] == before, info
+    now = rpc.get_debug_info()
+    assert now["agent.num_once_probes"] == mine["agent.num_once_probes"] + 1, now
+    assert now["agent.num_resends_avoided"] == mine["agent.num_resends_avoided"] + 1, now
+    assert now["agent.num_resends_after_probe"] == mine["agent.num_resends_after_probe"], now

@@ -172,3 +172,36 @@ def test_a_stopped_member_removed_as_lost_finds_out_when_continued(group):
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
+
+
+def test_a_survivor_that_never_talked_to_a_lost_member_learns_its_removal_from_the_log(group):
+    # w1 has no connection to w7, so it cannot see w7 die: only w0 does, and removes it;
+    # w1 learns of the removal from the membership log alone.
+    first = spawn("w7", 7, "stop-w7", "rejoin_member")
+    second = None
+    try:
+        names_everywhere(["w0", "w1", "w7"], timeout=120)
+        assert rpc.rpc_sync("w7", helpers.pid, timeout=30) == first.pid
+        assert rpc.rpc_sync("w1", helpers.view_of, args=(7,)) == {
+            "connections": 0, "lost_connection": False, "removed": None}
+        first.kill()
+        first.wait(30)
+        _removed("w7", time.monotonic())  # gone from w0's and w1's get_worker_infos()
+        view = rpc.rpc_sync("w1", helpers.view_of, args=(7,))
+        assert view["connections"] == 0 and not view["lost_connection"], view
+        assert view["removed"] and "was lost" in view["removed"], view
+        outcome = rpc.rpc_sync("w1", helpers.call_outcome, args=("w7",))
+        assert outcome.startswith("WorkerLeftError: worker w7 (rank 7) was lost and removed "
+                                  "from the group"), outcome
+        # A successor under the same name and rank is a member for w1 too, and answers it.
+        second = spawn("w7", 7, "stop-w7", "rejoin_member")
+        _joined("w7", 7, second)
+        assert rpc.rpc_sync("w1", helpers.call_outcome, args=("w7",)) == "w7"
+        open(os.path.join(STOP, "stop-w7"), "w").close()
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0 and "OK rejoin member w7" in out, out
+        names_everywhere(["w0", "w1"])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()

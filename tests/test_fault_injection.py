@@ -14,7 +14,7 @@ from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 from torchrpc.rpc import api
 
 from . import helpers, robust_helpers as rh
-from .group import running_group
+from .group import running_group, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,9 +118,11 @@ def test_retry_after_a_real_connection_loss(agent):
     time.sleep(0.1)
     for conn in list(agent._all_conns.get(1, [])):
         conn.close(ConnectionLostError("cut by the test"))
+    probes = agent.debug_info()["agent.num_once_probes"]
     assert fut.wait() in (1, 2)
     time.sleep(0.6)
     assert _count("broken") == 2  # it ran twice: that is what idempotent allows
+    assert agent.debug_info()["agent.num_once_probes"] == probes  # resent without asking
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
 
 
@@ -209,3 +211,102 @@ def test_autograd_control_messages_are_retried(agent):
         assert time.monotonic() < deadline, "the retried release never arrived"
         time.sleep(0.05)
     assert plan.failed == {"AUTOGRAD_BACKWARD": 1, "AUTOGRAD_RELEASE": 1}
+
+
+# At most once: a request with the ONCE flag (internal kinds with a retry policy; here a
+# stand-in, rh.ONCE_KIND, that counts its runs) whose send may have reached the callee is
+# sent again only if a probe finds that the callee never got it.
+
+
+def _cut(agent) -> None:
+    """Break every connection of this worker with worker1 (as a network fault would)."""
+    for conn in list(agent._all_conns.get(1, [])):
+        conn.close(ConnectionLostError("cut by the test"))
+
+
+def _probe_counters(info) -> tuple:
+    return (info["agent.num_once_probes"], info["agent.num_resends_avoided"],
+            info["agent.num_resends_after_probe"])
+
+
+@pytest.fixture()
+def once_kind(agent):
+    rpc.rpc_sync("worker1", rh.serve_once_kind)
+    rh.serve_once_kind()
+    return agent.resolve("worker1")
+
+
+def _duplicates(where: str) -> int:
+    info = rpc.rpc_sync(where, helpers.debug_info) if where != "here" else rpc.get_debug_info()
+    return info["agent.num_duplicate_requests"]
+
+
+def test_a_once_request_lost_before_delivery_is_sent_again_after_the_probe(agent, once_kind):
+    dups, mine = _duplicates("worker1"), _probe_counters(agent.debug_info())
+    plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1)
+    fut = agent.request(once_kind, rh.ONCE_KIND, "lost", 20.0, what="once",
+                        retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
+    time.sleep(0.3)  # the frame "left" (its send returned) but never arrived
+    assert plan.dropped == {"PROFILED_CALL": 1} and not fut.done() and _count("lost") == 0
+    _cut(agent)
+    assert fut.wait() == 1
+    assert _count("lost") == 1
+    # One probe, which found the request missing: it was sent again, and ran once.
+    probes, avoided, after = _probe_counters(agent.debug_info())
+    assert (probes - mine[0], avoided - mine[1], after - mine[2]) == (1, 0, 1)
+    assert _duplicates("worker1") == dups
+
+
+def test_a_probe_that_cannot_be_sent_is_retried_under_the_policy(agent, once_kind):
+    mine = _probe_counters(agent.debug_info())
+    plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1, fail=["ONCE_PROBE"],
+                        num_fail_sends=2)
+    fut = agent.request(once_kind, rh.ONCE_KIND, "reprobed", 20.0, what="once",
+                        retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
+    time.sleep(0.2)
+    _cut(agent)
+    assert fut.wait() == 1 and _count("reprobed") == 1
+    assert plan.failed == {"ONCE_PROBE": 2}  # attempts 2 and 3; attempt 4 asked and resent
+    probes, avoided, after = _probe_counters(agent.debug_info())
+    assert (probes - mine[0], avoided - mine[1], after - mine[2]) == (1, 0, 1)
+    # Out of attempts: a probe that keeps failing fails the request, naming the worker.
+    agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1, fail=["ONCE_PROBE"],
+                 num_fail_sends=9)
+    fut = agent.request(once_kind, rh.ONCE_KIND, "given up", 20.0, what="once",
+                        retry=RetryPolicy(max_attempts=3, initial_backoff=0.05))
+    time.sleep(0.2)
+    _cut(agent)
+    with pytest.raises(ConnectionLostError, match="gave up after 3 attempts"):
+        fut.wait()
+    assert _count("given up") == 0
+
+
+def test_a_once_request_whose_send_failed_is_sent_again_without_a_probe(agent, once_kind):
+    # A send that raised never queued its frame: the caller knows it did not arrive.
+    mine = _probe_counters(agent.debug_info())
+    plan = agent.inject(fail=[rh.ONCE_KIND], num_fail_sends=2)
+    fut = agent.request(once_kind, rh.ONCE_KIND, "unsent", 5.0, what="once",
+                        retry=RetryPolicy(max_attempts=3, initial_backoff=0.01))
+    assert fut.wait() == 1 and plan.failed == {"PROFILED_CALL": 2}
+    assert _count("unsent") == 1
+    assert _probe_counters(agent.debug_info()) == mine
+
+
+def test_a_once_reply_lost_with_its_connection_comes_again_on_the_probe(agent, once_kind):
+    # worker1 asks this worker; the reply is lost; after the break worker1's probe finds
+    # it answered here, and this worker sends the kept reply again instead of a rerun.
+    dups = _duplicates("here")
+    theirs = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
+    plan = agent.inject(drop=["RESPONSE"], num_drop_sends=1)
+    rpc.rpc_sync("worker1", rh.start_once_request, args=("worker0", "replied", 20.0))
+    wait_for("the request runs here", lambda: plan.dropped == {"RESPONSE": 1}, 10.0)
+    assert rh.count("replied") == 1
+    assert rpc.rpc_sync("worker1", rh.once_result, args=("replied",)) is None
+    _cut(agent)
+    wait_for("the reply reaches worker1",
+             lambda: rpc.rpc_sync("worker1", rh.once_result, args=("replied",)) is not None,
+             15.0)
+    assert rpc.rpc_sync("worker1", rh.once_result, args=("replied",)) == 1
+    assert rh.count("replied") == 1 and _duplicates("here") == dups
+    probes, avoided, after = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
+    assert (probes - theirs[0], avoided - theirs[1], after - theirs[2]) == (1, 1, 0)

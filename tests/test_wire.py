@@ -422,3 +422,28 @@ def test_buffers_that_do_not_match_the_envelope_are_rejected():
 def test_unknown_dtypes_travel_as_objects():
     x = torch.arange(4.0).to(getattr(torch, "float8_e4m3fn", torch.float16))
     assert_same(round_trip(x), x)
+
+
+def test_once_probes_round_trip_and_reject_malformed_envelopes():
+    ids = [1, 2, (1 << 64) - 1]
+    assert _wire.parse_probe(_wire.pack_probe(ids)) == tuple(ids)
+    answers = [(1, _wire.probe.MISSING), (2, _wire.probe.RUNNING), (7, _wire.probe.REPLIED)]
+    assert _wire.parse_status(_wire.pack_status(answers)) == answers
+    assert len(_wire.pack_probe(ids)) == 8 * len(ids)  # ids only, no pickle
+    most = list(range(_wire.MAX_PROBE_IDS))
+    assert len(_wire.parse_probe(_wire.pack_probe(most))) == _wire.MAX_PROBE_IDS
+    for bad in (b"", b"\0" * 7, b"\0" * 8 * (_wire.MAX_PROBE_IDS + 1)):
+        with pytest.raises(ProtocolError, match="malformed ONCE_PROBE"):
+            _wire.parse_probe(bad)
+    for bad in (b"", b"\0" * 10):
+        with pytest.raises(ProtocolError, match="malformed ONCE_STATUS"):
+            _wire.parse_status(bad)
+    with pytest.raises(ProtocolError, match="unknown ONCE_STATUS status 9"):
+        _wire.parse_status(struct.pack("<QB", 5, 9))
+    with pytest.raises(ValueError, match="1 to"):
+        _wire.pack_probe([])
+    # The probe kinds are known to the frame layer, with fixed ids.
+    assert (Kind.ONCE_PROBE, Kind.ONCE_STATUS) == (7, 8)
+    h = _wire.parse_header(_wire.pack_header(Kind.ONCE_PROBE, _wire.FLAG_ONEWAY, 0, 16, []),
+                           _wire.Limits())
+    assert h.kind == Kind.ONCE_PROBE and h.oneway

@@ -47,6 +47,7 @@ from .._transport import Connection, Releasable, Transport, handshake, shm
 from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
+from .._wire.probe import MISSING, REPLIED, RUNNING
 from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
                       NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
@@ -239,14 +240,16 @@ class _Once:
 class _Resend:
     """What a request with a retry policy needs to be sent again: the same frame."""
 
-    __slots__ = ("policy", "attempt", "scheduled", "deadline", "kind", "flags", "env", "bufs",
-                 "keep")
+    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "deadline", "kind",
+                 "flags", "env", "bufs", "keep")
 
     def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
                  env: bytes, bufs: Any, keep: Any) -> None:
         self.policy = policy
         self.attempt = 1
         self.scheduled = False  # the next attempt is due (a second failure must not add one)
+        self.sent = False  # a send of it may have reached the callee (so ask before a resend)
+        self.probing = False  # a probe asks the callee about it, unanswered (see _probe_peer)
         self.deadline = deadline
         self.kind = kind
         self.flags = flags
@@ -399,6 +402,13 @@ class Agent:
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
         self._duplicates = 0  # requests that arrived again and were not run again
+        # Caller side: rank -> ids of requests whose next attempt asks that peer first
+        # (one probe for all of them; see _probe_later), and what the probes did.
+        self._probe_due: Dict[int, List[int]] = {}
+        self._probe_lock = threading.Lock()
+        self._probes = 0  # probe frames sent
+        self._resends_avoided = 0  # requests a probe found delivered, not sent again
+        self._resends_after_probe = 0  # requests a probe found missing, sent again
         # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
         self._peer_stats: Dict[int, PeerStats] = {}
         # log_debug_info_on_timeout: ranks whose debug info is being fetched after a timeout.
@@ -800,6 +810,9 @@ class Agent:
             "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
             "agent.num_duplicate_requests": self._duplicates,
             "agent.num_remembered_requests": len(self._once),
+            "agent.num_once_probes": self._probes,
+            "agent.num_resends_avoided": self._resends_avoided,
+            "agent.num_resends_after_probe": self._resends_after_probe,
             "agent.max_outbox_bytes_queued": max(
                 (c.outbox_bytes for c in self._transport.connections()), default=0)
             if self._transport is not None else 0,
@@ -1042,9 +1055,15 @@ class Agent:
         except BaseException:
             self._release_private(dst, conn, also)
             raise
+        r = p.resend
+        was_sent = r is not None and r.sent
+        if r is not None:
+            r.sent = True  # from here the frame may arrive, even if the connection breaks
         try:
             conn.send(kind, flags, rid, env, bufs, keep)
-        except RpcError as exc:
+        except RpcError as exc:  # raised before the frame was queued: it did not go
+            if r is not None:
+                r.sent = was_sent
             self.send_failed(kind, rid, dst, exc)
             self._release_private(dst, conn, also)
             return rid, p, False
@@ -1201,9 +1220,15 @@ class Agent:
 
     def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
+        r = p.resend
+        was_sent = r is not None and r.sent
+        if r is not None:
+            r.sent = True  # from here the frame may arrive, even if the connection breaks
         try:
             self._send(p.dst, kind, flags, rid, env, bufs, keep)
-        except RpcError as exc:
+        except RpcError as exc:  # raised before the frame was queued: it did not go
+            if r is not None:
+                r.sent = was_sent
             if flags & _wire.FLAG_ONEWAY and p.resend is None:
                 p.set_exception(self._lost_error(p.dst, exc))
             else:
@@ -1250,11 +1275,15 @@ class Agent:
                 if r.deadline is None or time.monotonic() + delay < r.deadline:
                     r.attempt += 1
                     r.scheduled = True
+                    r.probing = False
                     self._pending[rid] = p
                     log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
                              self.name, describe(p.what) if p.what else Kind(r.kind).name,
                              p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
-                    self.call_later(delay, self._resend, rid)
+                    if r.sent and r.flags & _wire.FLAG_ONCE:
+                        self._probe_later(p.dst, rid, delay)
+                    else:
+                        self.call_later(delay, self._resend, rid)
                     return
             if r.attempt > 1:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
@@ -1268,6 +1297,100 @@ class Agent:
         r = p.resend
         r.scheduled = False
         self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    # Resending only what did not arrive. An attempt of a request with the ONCE flag that
+    # may have reached the callee (its send returned: the frame was queued, and the
+    # connection broke after) is not sent again blindly: the attempt asks the callee first,
+    # with one small probe for all such requests to that peer (ids only, see
+    # _wire/probe.py), and sends the frame again only for the ids the callee never got.
+    # For the others it keeps waiting for the reply, under the same deadline. A probe that
+    # cannot be sent, or whose connection breaks before the answer, fails the attempt like
+    # a failed send: the next one, after the policy's backoff, probes again. The callee's
+    # dedup (_first_time) stays the safety net: a frame still in the old connection's
+    # buffers may reach it after the probe said it was missing.
+
+    def _probe_later(self, dst: WorkerInfo, rid: int, delay: float) -> None:
+        """Let the next attempt of request ``rid`` ask ``dst`` first, in ``delay`` seconds
+        (or with the probe already due for ``dst``)."""
+        with self._probe_lock:
+            due = self._probe_due.get(dst.id)
+            if due is not None:
+                due.append(rid)
+                return
+            self._probe_due[dst.id] = [rid]
+        self.call_later(delay, self._probe_peer, dst)
+
+    def _probe_peer(self, dst: WorkerInfo) -> None:
+        """Ask ``dst`` which of the requests due to be probed it has."""
+        with self._probe_lock:
+            due = self._probe_due.pop(dst.id, [])
+        asking = []
+        for rid in due:
+            p = self._pending.get(rid)
+            r = p.resend if p is not None else None
+            if r is None or not r.scheduled:
+                continue  # answered, timed out or failed meanwhile
+            r.scheduled = False
+            r.probing = True
+            asking.append(rid)
+        for i in range(0, len(asking), _wire.MAX_PROBE_IDS):
+            ids = asking[i:i + _wire.MAX_PROBE_IDS]
+            try:
+                self._send(dst, Kind.ONCE_PROBE, _wire.FLAG_ONEWAY, 0, _wire.pack_probe(ids),
+                           [], None)
+            except RpcError as exc:  # not sent: this attempt failed
+                for rid in ids:
+                    self._request_lost(rid, dst, exc)
+                continue
+            with self._probe_lock:
+                self._probes += 1
+            log.info("%s asks %s whether it has %d request(s) before sending them again",
+                     self.name, dst.name, len(ids))
+
+    def _on_once_status(self, conn: Connection, envelope: bytes) -> None:
+        """The answer to a probe: send again what the callee never got; wait for the rest."""
+        missing = []
+        for rid, status in _wire.parse_status(envelope):
+            p = self._pending.get(rid)
+            r = p.resend if p is not None else None
+            if r is None or p.dst.id != conn.peer_rank:
+                continue  # answered (the kept reply came just before), timed out or failed
+            with self._probe_lock:  # one answer acts once
+                if not r.probing:
+                    continue  # an answer to an earlier attempt's probe
+                r.probing = False
+                if status == MISSING:
+                    self._resends_after_probe += 1
+                    missing.append((rid, p))
+                else:
+                    self._resends_avoided += 1
+        for rid, p in missing:
+            r = p.resend
+            self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    def _answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
+        """Callee: tell ``src`` which of the probed requests arrived here; send the kept
+        reply again, ahead of the answer, for those answered already."""
+        answers = []
+        replies = []
+        with self._once_lock:
+            for rid in _wire.parse_probe(envelope):
+                once = self._once.get((src.id, rid))
+                if once is None:
+                    answers.append((rid, MISSING))
+                elif once.reply is None:
+                    answers.append((rid, RUNNING))
+                else:
+                    answers.append((rid, REPLIED))
+                    replies.append((rid, once.reply))
+        # On the probe's connection, the one known to reach the caller now.
+        for rid, (kind, env, bufs, keep) in replies:
+            self._send_reply(src, kind, rid, env, bufs, keep, conn)
+        try:
+            self._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
+                       _wire.pack_status(answers), [], None, conn)
+        except RpcError as exc:  # the caller's next attempt asks again
+            log.info("%s could not answer a probe of %s: %s", self.name, src.name, exc)
 
     def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
                  settled: torch.futures.Future) -> RpcFuture:
@@ -1584,6 +1707,12 @@ class Agent:
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)
             return self._reading_to_pool(conn)
+        if kind == Kind.ONCE_PROBE:
+            self._answer_probe(conn, src, envelope)
+            return self._reading_to_pool(conn)
+        if kind == Kind.ONCE_STATUS:
+            self._on_once_status(conn, envelope)
+            return self._reading_to_pool(conn)
         stats = self._peer_stats.get(src.id) or self._new_stats(src.id)
         stats.calls_in += 1
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
@@ -1769,6 +1898,11 @@ class Agent:
             return
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
+        if p.resend is not None and p.resend.probing:
+            with self._probe_lock:  # the reply came before the probe's answer
+                if p.resend.probing:
+                    p.resend.probing = False
+                    self._resends_avoided += 1
         stats = p.stats
         if stats is not None:
             stats.latency(time.monotonic() - p.sent)

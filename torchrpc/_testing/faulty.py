@@ -18,7 +18,10 @@ Import this module on every process that uses the backend::
                  rpc_backend_options=faulty.FaultyTensorPipeRpcBackendOptions(
                      messages_to_fail=["CALL"], num_fail_sends=2))
 
-Tests may change the plan of a running agent with :meth:`FaultyAgent.inject`.
+Tests may change the plan of a running agent with :meth:`FaultyAgent.inject`, which
+can also drop sends: the first ``num_drop_sends`` sends of each kind in ``drop`` are
+discarded while the sender believes them sent, as frames lost with a connection that
+breaks later (the test breaks it).
 """
 
 from __future__ import annotations
@@ -63,12 +66,14 @@ class FaultPlan:
     """Which sends fail and which are delayed; counts what it did. Thread-safe."""
 
     def __init__(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
-                 delay: Optional[Dict[Any, float]] = None) -> None:
-        if isinstance(num_fail_sends, bool) or not isinstance(num_fail_sends, int) \
-                or num_fail_sends < 0:
-            raise ValueError(f"num_fail_sends must be an int >= 0, got {num_fail_sends!r}")
+                 delay: Optional[Dict[Any, float]] = None, drop: Iterable[Any] = (),
+                 num_drop_sends: int = 0) -> None:
+        for name, n in (("num_fail_sends", num_fail_sends), ("num_drop_sends", num_drop_sends)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
         self._lock = threading.Lock()
         self._to_fail = {int(kind_of(k)): num_fail_sends for k in fail}
+        self._to_drop = {int(kind_of(k)): num_drop_sends for k in drop}
         self._delay: Dict[int, float] = {}
         for k, seconds in (delay or {}).items():
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
@@ -76,15 +81,23 @@ class FaultPlan:
             self._delay[int(kind_of(k))] = float(seconds)
         self.failed: Dict[str, int] = {}
         self.delayed: Dict[str, int] = {}
+        self.dropped: Dict[str, int] = {}
 
     def should_fail(self, kind: int) -> bool:
+        return self._take(self._to_fail, self.failed, kind)
+
+    def should_drop(self, kind: int) -> bool:
+        return self._take(self._to_drop, self.dropped, kind)
+
+    def _take(self, budget: Dict[int, int], done: Dict[str, int], kind: int) -> bool:
+        """Whether this send of ``kind`` is one of the faults left in ``budget``."""
         with self._lock:
-            left = self._to_fail.get(kind, 0)
+            left = budget.get(kind, 0)
             if left <= 0:
                 return False
-            self._to_fail[kind] = left - 1
+            budget[kind] = left - 1
             name = Kind(kind).name
-            self.failed[name] = self.failed.get(name, 0) + 1
+            done[name] = done.get(name, 0) + 1
             return True
 
     def delay_for(self, kind: int) -> float:
@@ -128,9 +141,10 @@ class FaultyAgent(Agent):
                                 getattr(options, "messages_to_delay", None))
 
     def inject(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
-               delay: Optional[Dict[Any, float]] = None) -> FaultPlan:
+               delay: Optional[Dict[Any, float]] = None, drop: Iterable[Any] = (),
+               num_drop_sends: int = 0) -> FaultPlan:
         """Replace the fault plan (counters restart); return the new plan."""
-        self.faults = FaultPlan(fail, num_fail_sends, delay)
+        self.faults = FaultPlan(fail, num_fail_sends, delay, drop, num_drop_sends)
         return self.faults
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
@@ -140,6 +154,8 @@ class FaultyAgent(Agent):
             raise ConnectionLostError(
                 f"injected fault: a send of {Kind(kind).name} to worker {dst.name} failed "
                 f"({BACKEND_NAME} messages_to_fail)", worker=dst.name)
+        if plan.should_drop(kind):
+            return  # lost on the way, as if in the buffers of a connection that breaks
         seconds = plan.delay_for(kind)
         if seconds > 0:
             self.call_later(seconds, self._send_late, dst, kind, flags, rid, env, bufs, keep,

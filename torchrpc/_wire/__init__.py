@@ -4,6 +4,7 @@ from .frame import (FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_
                     FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
                     parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
+from .probe import MAX_PROBE_IDS, pack_probe, pack_status, parse_probe, parse_status
 from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, current_context, decode, encode,
                         memoryview_of, new_buffer, tensor_bytes)
 
@@ -14,4 +15,5 @@ __all__ = [
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "current_context", "decode", "encode",
     "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
     "parse_header", "parse_lengths", "tensor_bytes",
+    "MAX_PROBE_IDS", "pack_probe", "pack_status", "parse_probe", "parse_status",
 ]

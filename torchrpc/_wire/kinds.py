@@ -2,7 +2,8 @@
 
 A kind says what the envelope of a frame means. ``CALL`` and the upper-layer
 request kinds are answered by a ``RESPONSE`` or an ``ERROR`` frame carrying the
-same request id; frames with the ``ONEWAY`` flag are not answered.
+same request id; frames with the ``ONEWAY`` flag are not answered. ``ONCE_PROBE`` is
+one-way and answered by a one-way ``ONCE_STATUS`` (see :mod:`torchrpc._wire.probe`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class Kind(enum.IntEnum):
     GOODBYE = 4
     HEARTBEAT = 5
     SHUTDOWN_SYNC = 6
+    ONCE_PROBE = 7  # which of these requests (ONCE flag) do you have? (see probe.py)
+    ONCE_STATUS = 8  # the answer: a status per request id
     # RRef protocol (see torchrpc._rref)
     RREF_REMOTE_CALL = 16
     RREF_FETCH = 17

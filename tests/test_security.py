@@ -14,7 +14,9 @@ import pytest
 import torchrpc.rpc as rpc
 from torchrpc import _wire
 from torchrpc._agent import rendezvous
+from torchrpc._agent.current import current_agent
 from torchrpc._transport import handshake
+from torchrpc._transport.tcp import LogBudget
 from torchrpc._wire import Kind
 from torchrpc.rpc import api
 
@@ -40,6 +42,13 @@ class CreatesFile:
 
     def __reduce__(self):
         return open, (self.path, "w")
+
+
+@pytest.fixture(autouse=True)
+def fresh_log_budget():
+    # The tests read the reasons this worker logs; earlier tests' rejections must not have
+    # used up the budget that keeps a flood out of the log (LogBudget: 20 a minute).
+    current_agent()._transport._rejects = LogBudget()
 
 
 def _address(rank: int):

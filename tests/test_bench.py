@@ -18,7 +18,7 @@ import pytest
 import torch.distributed
 
 from torchrpc.bench.metrics import metric_specs
-from torchrpc.bench.options import PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from torchrpc.bench.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess
 def quick_metric_names() -> list[str]:
     """Every metric a ``--quick`` run of the default workloads reports."""
     options = BenchOptions(**QUICK_OVERRIDES)
-    return [spec.name for w in PAIR_WORKLOADS for spec in metric_specs(w, options)]
+    return [spec.name for w in DEFAULT_WORKLOADS for spec in metric_specs(w, options)]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +203,28 @@ def test_fanout_reports_both_systems_and_the_group_call_used() -> None:
             assert isinstance(value, (int, float)) and value > 0, (name, system, entry)
         assert entry["ratios"]["torchrpc"] == pytest.approx(
             entry["values"]["torchrpc"] / entry["values"]["torch"])
-    assert "fanout" not in PAIR_WORKLOADS  # not in the default run: it spawns more workers
+    assert "fanout" not in DEFAULT_WORKLOADS  # not in the default run: it spawns more workers
     text = json.dumps(report)
     assert "rpc_async_many" in text and "rpc_async + wait_all" in text
+
+
+def test_ps_trains_four_trainers_against_a_parameter_server() -> None:
+    proc = run_bench("--quick", "--workloads", "ps", "--systems", "torch,torchrpc", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    metrics = report["metrics"]
+    assert sorted(metrics) == ["ps_step_p50_ms", "ps_steps_per_s"]
+    assert metrics["ps_steps_per_s"]["better"] == "higher"
+    assert metrics["ps_steps_per_s"]["target"]["value"] == 2.0
+    for name, entry in metrics.items():
+        for system in ("torch", "torchrpc"):
+            value = entry["values"][system]
+            assert isinstance(value, (int, float)) and value > 0, (name, system, entry)
+    for system in ("torch", "torchrpc"):
+        (ps,) = report["details"][system]["ps"]
+        assert ps["trainers"] == BenchOptions().ps_trainers == 4, ps
+        assert len(ps["trainer_p50_ms"]) == 4
+        assert ps["steps_per_trainer"] == QUICK_OVERRIDES["ps_steps"]
+        assert ps["last_loss_mean"] < ps["first_loss_mean"], ps
+    (session,) = [s for s in report["sessions"] if s["system"] == "torchrpc"]
+    assert session["world_size"] == 5 and session["workloads"] == ["ps"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .options import ALL_WORKLOADS, PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from .options import ALL_WORKLOADS, DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 from .report import build_report, render_markdown
 from .runner import run_benchmark
 from .systems import BASELINE, SYSTEMS, parse_system_definition, resolve_systems
@@ -53,6 +53,14 @@ _HELP = {
     "fanout_callees": "callees of the fanout workload (one caller calls all of them)",
     "fanout_rounds": "timed fan-out rounds (one small call to every callee, then wait)",
     "fanout_warmup": "untimed fan-out rounds first",
+    "ps_trainers": "trainers of the ps workload (one more worker is the parameter server)",
+    "ps_dims": "comma-separated sizes: the parameter server's embedding table (rows, "
+               "width), then the trainers' MLP layers on top of it (the last: classes)",
+    "ps_bag": "table rows averaged into one sample (nn.EmbeddingBag, mode 'mean')",
+    "ps_batch": "samples per trainer step",
+    "ps_steps": "timed steps of every trainer, all trainers at once",
+    "ps_warmup": "untimed steps of every trainer first",
+    "ps_lr": "SGD learning rate of the ps workload",
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
@@ -89,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Workloads: latency (small rpc_sync p50/p99), throughput (concurrent "
                "rpc_async), remote (remote()+to_here()), echo (1/64/256 MB tensors and "
                "peak RSS), echo_numpy (a 64 MB numpy array), train (MLP split over two "
-               "workers), fanout (one caller to 8 callees: rpc_async_many where a system "
+               "workers), ps (a parameter server holding an embedding table and 4 "
+               "trainers training at once with distributed autograd and "
+               "DistributedOptimizer: steps/s of all), fanout (one caller to 8 callees: rpc_async_many where a system "
                "has it, else rpc_async + wait_all; only when asked for), scale (init, "
                "all-to-all and shutdown of 4..32 workers; only when asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
@@ -102,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", type=_names, default=None,
                         help=f"comma-separated workloads or 'all' (choices: "
                              f"{', '.join(ALL_WORKLOADS)}; default: "
-                             f"{','.join(PAIR_WORKLOADS)})")
+                             f"{','.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--scale", action="store_true",
                         help="scale mode: run the scale workload (alone, unless "
                              "--workloads is given too)")
@@ -162,7 +172,7 @@ def workloads_from_args(args: argparse.Namespace) -> list[str]:
     """The workloads to run, in canonical order."""
     chosen = args.workloads
     if chosen is None:
-        chosen = ["scale"] if args.scale else list(PAIR_WORKLOADS)
+        chosen = ["scale"] if args.scale else list(DEFAULT_WORKLOADS)
     elif args.scale and "scale" not in chosen:
         chosen = chosen + ["scale"]
     if "all" in chosen:

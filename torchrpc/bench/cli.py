@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                "peak RSS), echo_numpy (a 64 MB numpy array), train (MLP split over two "
                "workers), ps (a parameter server holding an embedding table and 4 "
                "trainers training at once with distributed autograd and "
-               "DistributedOptimizer: steps/s of all), fanout (one caller to 8 callees: rpc_async_many where a system "
-               "has it, else rpc_async + wait_all; only when asked for), scale (init, "
+               "DistributedOptimizer: steps/s of all), fanout (one caller to 8 callees: "
+               "rpc_async_many where a system has it, else rpc_async + wait_all; only "
+               "when asked for), scale (init, "
                "all-to-all and shutdown of 4..32 workers; only when asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
                         help=f"comma-separated systems to run, in order; ratios are "

@@ -28,7 +28,8 @@ from torch import nn
 from .metrics import echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
-__all__ = ["PAIR_RUNNERS", "PSTrainer", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "PSTrainer", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb",
+           "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 

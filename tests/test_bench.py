@@ -146,6 +146,15 @@ def test_bad_arguments_are_refused() -> None:
     proc = run_bench("--train-steps", "4", "--train-turns", "5", timeout=60)
     assert proc.returncode == 2
     assert "--train-turns" in proc.stderr
+    proc = run_bench("--threads", "default,1", "--torch-threads", "2", timeout=60)
+    assert proc.returncode == 2
+    assert "--threads or --torch-threads, not both" in proc.stderr
+    proc = run_bench("--threads", "1,many", timeout=60)
+    assert proc.returncode == 2
+    assert "'many'" in proc.stderr
+    proc = run_bench("--ps-dims", "10,4", timeout=60)
+    assert proc.returncode == 2
+    assert "--ps-dims" in proc.stderr
 
 
 def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
@@ -228,3 +237,38 @@ def test_ps_trains_four_trainers_against_a_parameter_server() -> None:
         assert ps["last_loss_mean"] < ps["first_loss_mean"], ps
     (session,) = [s for s in report["sessions"] if s["system"] == "torchrpc"]
     assert session["world_size"] == 5 and session["workloads"] == ["ps"]
+
+
+def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
+    table = tmp_path / "table.md"
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,torchrpc",
+                     "--threads", "default,1", "--json", "--markdown-out", str(table))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["threads"] == ["default", "1"]
+    assert "torch_threads" not in report["options"]  # "threads" says it, per setting
+    names = ["rpc_sync_p50_us", "rpc_sync_p99_us"]
+    assert sorted(report["metrics"]) == sorted(f"{name}@threads={label}" for name in names
+                                               for label in ("default", "1"))
+    for key, entry in report["metrics"].items():
+        assert key == f"{entry['metric']}@threads={entry['threads']}"
+        for system in ("torch", "torchrpc"):
+            value = entry["values"][system]
+            assert isinstance(value, (int, float)) and value > 0, (key, system, entry)
+    for system in ("torch", "torchrpc"):
+        runs = report["details"][system]["latency"]
+        assert [run["threads"] for run in runs] == ["default", "1"]
+        assert runs[1]["torch_threads"] == 1  # what torch.get_num_threads() said
+        assert runs[0]["torch_threads"] >= 1
+    assert sorted(s["threads"] for s in report["sessions"]) == ["1", "1", "default", "default"]
+    markdown = table.read_text(encoding="utf-8")
+    assert "## torch intra-op threads per worker: default (torch's own: " in markdown
+    assert "## torch intra-op threads per worker: 1\n" in markdown
+    # One setting (--torch-threads, or nothing): the report keeps its plain metric names.
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
+                     "--torch-threads", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single = json.loads(proc.stdout)
+    assert single["threads"] == ["1"] and single["options"]["torch_threads"] == 1
+    assert sorted(single["metrics"]) == names
+    assert all(entry["threads"] == "1" for entry in single["metrics"].values())

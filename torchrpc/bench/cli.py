@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .options import ALL_WORKLOADS, DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
-from .report import build_report, render_markdown
+from .report import build_report, combine_reports, render_markdown, threads_label
 from .runner import run_benchmark
 from .systems import BASELINE, SYSTEMS, parse_system_definition, resolve_systems
 
@@ -28,7 +28,7 @@ _HELP = {
                           "workloads",
     "rpc_timeout": "TensorPipeRpcBackendOptions(rpc_timeout=...), seconds",
     "torch_threads": "torch's intra-op threads in every worker; 0 keeps torch's default "
-                     "(one per core)",
+                     "(one per core); the same as --threads with one setting",
     "small_call": "the small call: 'add' = torch.add(torch.ones(2), 1), 'python' = a "
                   "module-level Python function doing the same",
     "latency_calls": "timed rpc_sync calls",
@@ -87,6 +87,31 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _thread_settings(text: str) -> tuple[int, ...]:
+    """``default,1`` -> ``(0, 1)``: torch's intra-op threads per worker, 0 for torch's
+    default."""
+    settings = []
+    for part in _names(text):
+        if part == "default":
+            settings.append(0)
+            continue
+        try:
+            count = int(part)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of 'default' and thread counts (e.g. "
+                f"default,1), got {part!r} in {text!r}")
+        settings.append(count)
+    if not settings:
+        raise argparse.ArgumentTypeError("--threads needs at least one setting, e.g. default,1")
+    if len(set(settings)) != len(settings):
+        raise argparse.ArgumentTypeError(
+            f"--threads lists a setting twice: {text!r} (0 is the same as 'default')")
+    return tuple(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; every :class:`BenchOptions` field is a ``--flag``."""
     parser = argparse.ArgumentParser(
@@ -114,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated workloads or 'all' (choices: "
                              f"{', '.join(ALL_WORKLOADS)}; default: "
                              f"{','.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--threads", type=_thread_settings, default=None,
+                        metavar="SETTING[,SETTING...]",
+                        help="run every selected workload under each setting of torch's "
+                             "intra-op threads per worker, one after the other, and report "
+                             "a table per setting: 'default' is torch's own (one per core), "
+                             "a number that many (torch.set_num_threads and "
+                             "OMP_NUM_THREADS); e.g. default,1. --torch-threads N is the "
+                             "same as --threads N (default: 1)")
     parser.add_argument("--scale", action="store_true",
                         help="scale mode: run the scale workload (alone, unless "
                              "--workloads is given too)")
@@ -169,6 +202,18 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return options
 
 
+def threads_from_args(args: argparse.Namespace, options: BenchOptions) -> tuple[int, ...]:
+    """The thread settings to run under: ``--threads``, else ``--torch-threads`` (or its
+    default) as the one setting."""
+    if args.threads is None:
+        return (options.torch_threads,)
+    if args.torch_threads is not None:
+        raise ValueError(f"give --threads or --torch-threads, not both (--torch-threads "
+                         f"{args.torch_threads} is --threads "
+                         f"{threads_label(args.torch_threads)})")
+    return args.threads
+
+
 def workloads_from_args(args: argparse.Namespace) -> list[str]:
     """The workloads to run, in canonical order."""
     chosen = args.workloads
@@ -222,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         options = options_from_args(args)
+        settings = threads_from_args(args, options)
         workloads = workloads_from_args(args)
         extra = [parse_system_definition(text) for text in args.define_system]
         systems = resolve_systems(args.systems, extra)
@@ -236,26 +282,39 @@ def main(argv: list[str] | None = None) -> int:
 
     sessions = args.sessions or ("shared" if args.quick else "per-workload")
     shared = sessions == "shared"
+    labels = [threads_label(n) for n in settings]
     log(f"torchrpc.bench: systems {', '.join(s.name for s in systems)}; workloads "
-        f"{', '.join(workloads)}")
-    if args.keep_logs is not None:
-        args.keep_logs.mkdir(parents=True, exist_ok=True)
-        result = run_benchmark(systems, workloads, options, args.keep_logs, log,
-                               args.rounds, shared)
-    else:
-        with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
-            result = run_benchmark(systems, workloads, options, Path(tmp), log, args.rounds,
-                                   shared)
-
+        f"{', '.join(workloads)}; torch threads per worker {', '.join(labels)}")
     names = [s.name for s in systems]
-    cells = result.cells()
-    report = build_report(
-        specs=result.specs, systems={s.name: s.modules() for s in systems},
-        baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
-        cells=cells, details=result.details, sessions=result.sessions,
-        machine=machine_info(), options=options.to_json(),
-        command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads,
-        rounds=args.rounds, samples=result.values, warnings=result.partial_failures())
+    machine = machine_info()
+    reports = []
+    failed = False
+    for threads, label in zip(settings, labels):
+        if len(settings) > 1:
+            log(f"torch threads per worker: {label}")
+        setting = dataclasses.replace(options, torch_threads=threads)
+        if args.keep_logs is not None:
+            workdir = args.keep_logs / f"threads-{label}" if len(settings) > 1 \
+                else args.keep_logs
+            workdir.mkdir(parents=True, exist_ok=True)
+            result = run_benchmark(systems, workloads, setting, workdir, log, args.rounds,
+                                   shared)
+        else:
+            with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
+                result = run_benchmark(systems, workloads, setting, Path(tmp), log,
+                                       args.rounds, shared)
+        cells = result.cells()
+        failed = failed or any(cell.error is not None for per_system in cells.values()
+                               for cell in per_system.values())
+        reports.append(build_report(
+            specs=result.specs, systems={s.name: s.modules() for s in systems},
+            baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
+            cells=cells, details=result.details, sessions=result.sessions,
+            machine=machine, options=setting.to_json(),
+            command=shlex.join(["python", "-m", "torchrpc.bench", *argv]),
+            workloads=workloads, rounds=args.rounds, samples=result.values,
+            warnings=result.partial_failures(), threads=label))
+    report = combine_reports(reports)
     markdown = render_markdown(report)
     document = json.dumps(report, indent=2)
     if args.json_out is not None:
@@ -263,6 +322,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown_out is not None:
         args.markdown_out.write_text(markdown, encoding="utf-8")
     print(document if args.json else markdown, end="\n" if args.json else "")
-    failed = any(cell.error is not None for per_system in cells.values()
-                 for cell in per_system.values())
     return 1 if args.strict and failed else 0

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed
 
 from torchrpc.bench.metrics import metric_specs
-from torchrpc.bench.options import PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from torchrpc.bench.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess
 def quick_metric_names() -> list[str]:
     """Every metric a ``--quick`` run of the default workloads reports."""
     options = BenchOptions(**QUICK_OVERRIDES)
-    return [spec.name for w in PAIR_WORKLOADS for spec in metric_specs(w, options)]
+    return [spec.name for w in DEFAULT_WORKLOADS for spec in metric_specs(w, options)]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,15 @@ def test_bad_arguments_are_refused() -> None:
     proc = run_bench("--train-steps", "4", "--train-turns", "5", timeout=60)
     assert proc.returncode == 2
     assert "--train-turns" in proc.stderr
+    proc = run_bench("--threads", "default,1", "--torch-threads", "2", timeout=60)
+    assert proc.returncode == 2
+    assert "--threads or --torch-threads, not both" in proc.stderr
+    proc = run_bench("--threads", "1,many", timeout=60)
+    assert proc.returncode == 2
+    assert "'many'" in proc.stderr
+    proc = run_bench("--ps-dims", "10,4", timeout=60)
+    assert proc.returncode == 2
+    assert "--ps-dims" in proc.stderr
 
 
 def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
@@ -203,6 +212,63 @@ def test_fanout_reports_both_systems_and_the_group_call_used() -> None:
             assert isinstance(value, (int, float)) and value > 0, (name, system, entry)
         assert entry["ratios"]["torchrpc"] == pytest.approx(
             entry["values"]["torchrpc"] / entry["values"]["torch"])
-    assert "fanout" not in PAIR_WORKLOADS  # not in the default run: it spawns more workers
+    assert "fanout" not in DEFAULT_WORKLOADS  # not in the default run: it spawns more workers
     text = json.dumps(report)
     assert "rpc_async_many" in text and "rpc_async + wait_all" in text
+
+
+def test_ps_trains_four_trainers_against_a_parameter_server() -> None:
+    proc = run_bench("--quick", "--workloads", "ps", "--systems", "torch,torchrpc", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    metrics = report["metrics"]
+    assert sorted(metrics) == ["ps_step_p50_ms", "ps_steps_per_s"]
+    assert metrics["ps_steps_per_s"]["better"] == "higher"
+    assert metrics["ps_steps_per_s"]["target"]["value"] == 2.0
+    for name, entry in metrics.items():
+        for system in ("torch", "torchrpc"):
+            value = entry["values"][system]
+            assert isinstance(value, (int, float)) and value > 0, (name, system, entry)
+    for system in ("torch", "torchrpc"):
+        (ps,) = report["details"][system]["ps"]
+        assert ps["trainers"] == BenchOptions().ps_trainers == 4, ps
+        assert len(ps["trainer_p50_ms"]) == 4
+        assert ps["steps_per_trainer"] == QUICK_OVERRIDES["ps_steps"]
+        assert ps["last_loss_mean"] < ps["first_loss_mean"], ps
+    (session,) = [s for s in report["sessions"] if s["system"] == "torchrpc"]
+    assert session["world_size"] == 5 and session["workloads"] == ["ps"]
+
+
+def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
+    table = tmp_path / "table.md"
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,torchrpc",
+                     "--threads", "default,1", "--json", "--markdown-out", str(table))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["threads"] == ["default", "1"]
+    assert "torch_threads" not in report["options"]  # "threads" says it, per setting
+    names = ["rpc_sync_p50_us", "rpc_sync_p99_us"]
+    assert sorted(report["metrics"]) == sorted(f"{name}@threads={label}" for name in names
+                                               for label in ("default", "1"))
+    for key, entry in report["metrics"].items():
+        assert key == f"{entry['metric']}@threads={entry['threads']}"
+        for system in ("torch", "torchrpc"):
+            value = entry["values"][system]
+            assert isinstance(value, (int, float)) and value > 0, (key, system, entry)
+    for system in ("torch", "torchrpc"):
+        runs = report["details"][system]["latency"]
+        assert [run["threads"] for run in runs] == ["default", "1"]
+        assert runs[1]["torch_threads"] == 1  # what torch.get_num_threads() said
+        assert runs[0]["torch_threads"] >= 1
+    assert sorted(s["threads"] for s in report["sessions"]) == ["1", "1", "default", "default"]
+    markdown = table.read_text(encoding="utf-8")
+    assert "## torch intra-op threads per worker: default (torch's own: " in markdown
+    assert "## torch intra-op threads per worker: 1\n" in markdown
+    # One setting (--torch-threads, or nothing): the report keeps its plain metric names.
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
+                     "--torch-threads", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single = json.loads(proc.stdout)
+    assert single["threads"] == ["1"] and single["options"]["torch_threads"] == 1
+    assert sorted(single["metrics"]) == names
+    assert all(entry["threads"] == "1" for entry in single["metrics"].values())

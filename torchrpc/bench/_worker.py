@@ -5,7 +5,8 @@ worker imports its system's modules by name, joins the RPC group and plays its p
 
 * ``pair`` sessions: rank 0 ("caller") runs the session's workloads, one after the other,
   against rank 1 ("callee"), which only serves (the fanout workload: against ranks 1..N,
-  "callee", "callee2", ...). The caller records each workload's metrics
+  "callee", "callee2", ...; the ps workload: rank 0 is the parameter server, and ranks
+  1..N the trainers, which it starts and waits for). The caller records each workload's metrics
   (or error) as soon as it has them, so a later hang or crash loses nothing measured.
 * ``scale`` sessions: every rank times ``init_rpc``, an all-to-all round of calls and a
   graceful ``shutdown``, with barriers (on the launcher's TCPStore) between the phases.
@@ -144,7 +145,8 @@ def run_pair(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOptio
         ctx = WorkerContext(rpc=rpc, autograd=mods["autograd"], optim=mods["optim"],
                             rpc_module_name=spec["system"]["rpc"], peer="callee",
                             options=opts, turns=Turns(turns) if turns else None,
-                            peers=[_callee_name(r) for r in range(1, world_size)])
+                            peers=[_callee_name(r) for r in range(1, world_size)],
+                            module_names=dict(spec["system"]["modules"]))
         results = record.data.setdefault("results", {})
         for workload in spec["workloads"]:
             record.data["workload"] = workload
@@ -218,6 +220,7 @@ def main(argv: list[str]) -> int:
     opts = BenchOptions.from_json(spec["options"])
     if opts.torch_threads:
         torch.set_num_threads(opts.torch_threads)
+    record.data["torch_threads"] = torch.get_num_threads()
     try:
         record.phase("import")
         mods = {role: importlib.import_module(name)

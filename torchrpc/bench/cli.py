@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .options import ALL_WORKLOADS, PAIR_WORKLOADS, QUICK_OVERRIDES, BenchOptions
-from .report import build_report, render_markdown
+from .options import ALL_WORKLOADS, DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from .report import build_report, combine_reports, render_markdown, threads_label
 from .runner import run_benchmark
 from .systems import BASELINE, SYSTEMS, parse_system_definition, resolve_systems
 
@@ -28,7 +28,7 @@ _HELP = {
                           "workloads",
     "rpc_timeout": "TensorPipeRpcBackendOptions(rpc_timeout=...), seconds",
     "torch_threads": "torch's intra-op threads in every worker; 0 keeps torch's default "
-                     "(one per core)",
+                     "(one per core); the same as --threads with one setting",
     "small_call": "the small call: 'add' = torch.add(torch.ones(2), 1), 'python' = a "
                   "module-level Python function doing the same",
     "latency_calls": "timed rpc_sync calls",
@@ -53,6 +53,14 @@ _HELP = {
     "fanout_callees": "callees of the fanout workload (one caller calls all of them)",
     "fanout_rounds": "timed fan-out rounds (one small call to every callee, then wait)",
     "fanout_warmup": "untimed fan-out rounds first",
+    "ps_trainers": "trainers of the ps workload (one more worker is the parameter server)",
+    "ps_dims": "comma-separated sizes: the parameter server's embedding table (rows, "
+               "width), then the trainers' MLP layers on top of it (the last: classes)",
+    "ps_bag": "table rows averaged into one sample (nn.EmbeddingBag, mode 'mean')",
+    "ps_batch": "samples per trainer step",
+    "ps_steps": "timed steps of every trainer, all trainers at once",
+    "ps_warmup": "untimed steps of every trainer first",
+    "ps_lr": "SGD learning rate of the ps workload",
     "scale_sizes": "comma-separated worker counts for the scale workload",
     "scale_threads": "num_worker_threads of each worker in the scale workload",
     "scale_time_limit": "hard limit for one scale step (spawn to exit), seconds",
@@ -79,6 +87,31 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _thread_settings(text: str) -> tuple[int, ...]:
+    """``default,1`` -> ``(0, 1)``: torch's intra-op threads per worker, 0 for torch's
+    default."""
+    settings = []
+    for part in _names(text):
+        if part == "default":
+            settings.append(0)
+            continue
+        try:
+            count = int(part)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of 'default' and thread counts (e.g. "
+                f"default,1), got {part!r} in {text!r}")
+        settings.append(count)
+    if not settings:
+        raise argparse.ArgumentTypeError("--threads needs at least one setting, e.g. default,1")
+    if len(set(settings)) != len(settings):
+        raise argparse.ArgumentTypeError(
+            f"--threads lists a setting twice: {text!r} (0 is the same as 'default')")
+    return tuple(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; every :class:`BenchOptions` field is a ``--flag``."""
     parser = argparse.ArgumentParser(
@@ -89,8 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Workloads: latency (small rpc_sync p50/p99), throughput (concurrent "
                "rpc_async), remote (remote()+to_here()), echo (1/64/256 MB tensors and "
                "peak RSS), echo_numpy (a 64 MB numpy array), train (MLP split over two "
-               "workers), fanout (one caller to 8 callees: rpc_async_many where a system "
-               "has it, else rpc_async + wait_all; only when asked for), scale (init, "
+               "workers), ps (a parameter server holding an embedding table and 4 "
+               "trainers training at once with distributed autograd and "
+               "DistributedOptimizer: steps/s of all), fanout (one caller to 8 callees: "
+               "rpc_async_many where a system has it, else rpc_async + wait_all; only "
+               "when asked for), scale (init, "
                "all-to-all and shutdown of 4..32 workers; only when asked for).")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
                         help=f"comma-separated systems to run, in order; ratios are "
@@ -102,7 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", type=_names, default=None,
                         help=f"comma-separated workloads or 'all' (choices: "
                              f"{', '.join(ALL_WORKLOADS)}; default: "
-                             f"{','.join(PAIR_WORKLOADS)})")
+                             f"{','.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--threads", type=_thread_settings, default=None,
+                        metavar="SETTING[,SETTING...]",
+                        help="run every selected workload under each setting of torch's "
+                             "intra-op threads per worker, one after the other, and report "
+                             "a table per setting: 'default' is torch's own (one per core), "
+                             "a number that many (torch.set_num_threads and "
+                             "OMP_NUM_THREADS); e.g. default,1. --torch-threads N is the "
+                             "same as --threads N (default: 1)")
     parser.add_argument("--scale", action="store_true",
                         help="scale mode: run the scale workload (alone, unless "
                              "--workloads is given too)")
@@ -158,11 +202,23 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return options
 
 
+def threads_from_args(args: argparse.Namespace, options: BenchOptions) -> tuple[int, ...]:
+    """The thread settings to run under: ``--threads``, else ``--torch-threads`` (or its
+    default) as the one setting."""
+    if args.threads is None:
+        return (options.torch_threads,)
+    if args.torch_threads is not None:
+        raise ValueError(f"give --threads or --torch-threads, not both (--torch-threads "
+                         f"{args.torch_threads} is --threads "
+                         f"{threads_label(args.torch_threads)})")
+    return args.threads
+
+
 def workloads_from_args(args: argparse.Namespace) -> list[str]:
     """The workloads to run, in canonical order."""
     chosen = args.workloads
     if chosen is None:
-        chosen = ["scale"] if args.scale else list(PAIR_WORKLOADS)
+        chosen = ["scale"] if args.scale else list(DEFAULT_WORKLOADS)
     elif args.scale and "scale" not in chosen:
         chosen = chosen + ["scale"]
     if "all" in chosen:
@@ -211,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         options = options_from_args(args)
+        settings = threads_from_args(args, options)
         workloads = workloads_from_args(args)
         extra = [parse_system_definition(text) for text in args.define_system]
         systems = resolve_systems(args.systems, extra)
@@ -225,26 +282,39 @@ def main(argv: list[str] | None = None) -> int:
 
     sessions = args.sessions or ("shared" if args.quick else "per-workload")
     shared = sessions == "shared"
+    labels = [threads_label(n) for n in settings]
     log(f"torchrpc.bench: systems {', '.join(s.name for s in systems)}; workloads "
-        f"{', '.join(workloads)}")
-    if args.keep_logs is not None:
-        args.keep_logs.mkdir(parents=True, exist_ok=True)
-        result = run_benchmark(systems, workloads, options, args.keep_logs, log,
-                               args.rounds, shared)
-    else:
-        with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
-            result = run_benchmark(systems, workloads, options, Path(tmp), log, args.rounds,
-                                   shared)
-
+        f"{', '.join(workloads)}; torch threads per worker {', '.join(labels)}")
     names = [s.name for s in systems]
-    cells = result.cells()
-    report = build_report(
-        specs=result.specs, systems={s.name: s.modules() for s in systems},
-        baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
-        cells=cells, details=result.details, sessions=result.sessions,
-        machine=machine_info(), options=options.to_json(),
-        command=shlex.join(["python", "-m", "torchrpc.bench", *argv]), workloads=workloads,
-        rounds=args.rounds, samples=result.values, warnings=result.partial_failures())
+    machine = machine_info()
+    reports = []
+    failed = False
+    for threads, label in zip(settings, labels):
+        if len(settings) > 1:
+            log(f"torch threads per worker: {label}")
+        setting = dataclasses.replace(options, torch_threads=threads)
+        if args.keep_logs is not None:
+            workdir = args.keep_logs / f"threads-{label}" if len(settings) > 1 \
+                else args.keep_logs
+            workdir.mkdir(parents=True, exist_ok=True)
+            result = run_benchmark(systems, workloads, setting, workdir, log, args.rounds,
+                                   shared)
+        else:
+            with tempfile.TemporaryDirectory(prefix="torchrpc-bench-") as tmp:
+                result = run_benchmark(systems, workloads, setting, Path(tmp), log,
+                                       args.rounds, shared)
+        cells = result.cells()
+        failed = failed or any(cell.error is not None for per_system in cells.values()
+                               for cell in per_system.values())
+        reports.append(build_report(
+            specs=result.specs, systems={s.name: s.modules() for s in systems},
+            baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
+            cells=cells, details=result.details, sessions=result.sessions,
+            machine=machine, options=setting.to_json(),
+            command=shlex.join(["python", "-m", "torchrpc.bench", *argv]),
+            workloads=workloads, rounds=args.rounds, samples=result.values,
+            warnings=result.partial_failures(), threads=label))
+    report = combine_reports(reports)
     markdown = render_markdown(report)
     document = json.dumps(report, indent=2)
     if args.json_out is not None:
@@ -252,6 +322,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown_out is not None:
         args.markdown_out.write_text(markdown, encoding="utf-8")
     print(document if args.json else markdown, end="\n" if args.json else "")
-    failed = any(cell.error is not None for per_system in cells.values()
-                 for cell in per_system.values())
     return 1 if args.strict and failed else 0

@@ -157,6 +157,7 @@ class SessionOutcome:
         details["workload_s"] = result.get("seconds")
         details["init_s"] = record.get("init_s")
         details["rss_after_init_MB"] = record.get("rss_after_init_MB")
+        details["torch_threads"] = record.get("torch_threads")
         return details
 
     def warnings(self) -> list[str]:

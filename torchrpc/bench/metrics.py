@@ -141,6 +141,17 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
             MetricSpec("fanout_round_p50_us", f"fan-out round to {n} callees p50", "us",
                        "lower", workload),
         ]
+    if workload == "ps":
+        table = "x".join(str(d) for d in options.ps_dims[:2])
+        mlp = "-".join(str(d) for d in options.ps_dims[1:])
+        n = options.ps_trainers
+        return [
+            MetricSpec("ps_steps_per_s", f"parameter server, {n} trainers: steps of all "
+                       f"(table {table}, MLP {mlp}, batch {options.ps_batch})", "steps/s",
+                       "higher", workload, Target("ratio", ">=", 2.0, "issue 20")),
+            MetricSpec("ps_step_p50_ms", f"parameter server, {n} trainers: one step p50",
+                       "ms", "lower", workload),
+        ]
     if workload == "scale":
         specs = []
         for n in options.scale_sizes:

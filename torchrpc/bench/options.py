@@ -5,12 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["ALL_WORKLOADS", "PAIR_WORKLOADS", "QUICK_OVERRIDES", "BenchOptions"]
+__all__ = ["ALL_WORKLOADS", "DEFAULT_WORKLOADS", "PAIR_WORKLOADS", "QUICK_OVERRIDES",
+           "BenchOptions"]
 
 PAIR_WORKLOADS = ("latency", "throughput", "remote", "echo", "echo_numpy", "train")
 """Workloads that run on a caller (rank 0) and a callee (rank 1)."""
 
-ALL_WORKLOADS = (*PAIR_WORKLOADS, "fanout", "scale")
+DEFAULT_WORKLOADS = (*PAIR_WORKLOADS, "ps")
+"""What runs when ``--workloads`` is not given: the pair workloads and ``ps`` (a parameter
+server and ``ps_trainers`` trainers, in a session of its own)."""
+
+ALL_WORKLOADS = (*DEFAULT_WORKLOADS, "fanout", "scale")
 """Every workload; ``fanout`` (a caller and ``fanout_callees`` callees) and ``scale`` (4 to
 32 workers) spawn more processes and only run when asked for."""
 
@@ -58,7 +63,17 @@ class BenchOptions:
     fanout_callees: int = 8
     fanout_rounds: int = 2000
     fanout_warmup: int = 100
-    # 8. scale mode
+    # 8. parameter server: rank 0 holds an embedding table (nn.EmbeddingBag, mean of
+    # ps_bag rows per sample), each of ps_trainers trainers an MLP on top of it. The
+    # first two ps_dims are the table (rows, width), the rest the trainers' layers.
+    ps_trainers: int = 4
+    ps_dims: tuple[int, ...] = (1024, 32, 64, 10)
+    ps_bag: int = 8
+    ps_batch: int = 32
+    ps_steps: int = 100
+    ps_warmup: int = 10
+    ps_lr: float = 0.05
+    # 9. scale mode
     scale_sizes: tuple[int, ...] = (4, 8, 16, 32)
     scale_threads: int = 2
     scale_time_limit: float = 150.0
@@ -72,20 +87,21 @@ class BenchOptions:
         positive_ints = ("num_worker_threads", "latency_calls", "throughput_calls",
                          "throughput_repeats", "remote_calls", "echo_iters", "train_batch",
                          "train_steps", "train_turns", "scale_threads", "fanout_callees",
-                         "fanout_rounds")
+                         "fanout_rounds", "ps_trainers", "ps_bag", "ps_batch", "ps_steps")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
         for name in ("latency_warmup", "remote_warmup", "echo_warmup", "train_warmup",
-                     "fanout_warmup"):
+                     "fanout_warmup", "ps_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
                                  f"got {getattr(self, name)}")
         if self.min_available_gib < 0:
             raise ValueError(f"--min-available-gib must be >= 0 (0: never stop), "
                              f"got {self.min_available_gib}")
-        for name in ("rpc_timeout", "time_limit", "scale_time_limit", "train_lr"):
+        for name in ("rpc_timeout", "time_limit", "scale_time_limit", "train_lr",
+                     "ps_lr"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
@@ -100,6 +116,12 @@ class BenchOptions:
         if len(self.train_dims) < 3 or any(d < 1 for d in self.train_dims):
             raise ValueError(f"--train-dims needs at least 3 positive sizes (two layers), "
                              f"got {self.train_dims}")
+        if len(self.ps_dims) < 3 or any(d < 1 for d in self.ps_dims):
+            raise ValueError(f"--ps-dims needs at least 3 positive sizes (table rows, table "
+                             f"width, classes), got {self.ps_dims}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0 (0: torch's default), "
+                             f"got {self.torch_threads}")
         if self.train_turns > self.train_steps:
             raise ValueError(f"--train-turns ({self.train_turns}) can't exceed --train-steps "
                              f"({self.train_steps}): each turn times at least one step")
@@ -141,6 +163,10 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "fanout_callees": 3,
     "fanout_rounds": 100,
     "fanout_warmup": 10,
+    "ps_dims": (256, 16, 16, 4),
+    "ps_batch": 8,
+    "ps_steps": 5,
+    "ps_warmup": 1,
     "scale_sizes": (3, 4),
     "scale_time_limit": 60.0,
     "time_limit": 60.0,

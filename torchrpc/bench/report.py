@@ -8,7 +8,7 @@ from typing import Any
 
 from .metrics import MetricSpec
 
-__all__ = ["Cell", "build_report", "render_markdown"]
+__all__ = ["Cell", "build_report", "combine_reports", "render_markdown", "threads_label"]
 
 
 @dataclasses.dataclass
@@ -34,17 +34,24 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
+def threads_label(torch_threads: int) -> str:
+    """How a thread setting is named in reports: ``"default"`` (0: torch's own choice) or
+    the count of torch's intra-op threads per worker, e.g. ``"1"``."""
+    return "default" if torch_threads == 0 else str(torch_threads)
+
+
 def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
                  baseline: str | None, cells: dict[str, dict[str, Cell]],
                  details: dict[str, dict[str, Any]], sessions: list[dict[str, Any]],
                  machine: dict[str, Any], options: dict[str, Any], command: str,
                  workloads: list[str], rounds: int = 1,
                  samples: dict[str, dict[str, list[float]]] | None = None,
-                 warnings: list[str] | None = None) -> dict[str, Any]:
+                 warnings: list[str] | None = None, threads: str = "1") -> dict[str, Any]:
     """Assemble the JSON document: every metric with every system's value or error.
 
     ``samples`` holds each round's values; with ``rounds > 1`` they are kept beside the
-    medians so the spread can be seen.
+    medians so the spread can be seen. ``threads`` names the thread setting the run had
+    (:func:`threads_label`); every metric, details entry and session carries it.
     """
     metrics: dict[str, Any] = {}
     for spec in specs:
@@ -52,6 +59,7 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
         errors = {name: cells[name][spec.name].error for name in systems
                   if cells[name][spec.name].error is not None}
         entry: dict[str, Any] = {
+            "metric": spec.name, "threads": threads,
             "label": spec.label, "unit": spec.unit, "better": spec.better,
             "workload": spec.workload, "values": values, "errors": errors,
         }
@@ -77,15 +85,63 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
         "command": command,
         "machine": machine,
         "options": options,
+        "threads": [threads],
         "workloads": workloads,
         "rounds": rounds,
         "systems": systems,
         "baseline": baseline,
         "metrics": metrics,
-        "details": details,
+        "details": {system: {key: [_with_threads(item, threads) for item in items]
+                             for key, items in per_system.items()}
+                    for system, per_system in details.items()},
         "warnings": notes,
-        "sessions": sessions,
+        "sessions": [_with_threads(session, threads) for session in sessions],
     }
+
+
+def _with_threads(item: Any, threads: str) -> Any:
+    return {**item, "threads": threads} if isinstance(item, dict) else item
+
+
+def combine_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document from the reports of the same run under several thread settings.
+
+    A single report is returned as it is. Otherwise each metric's key gets its setting,
+    ``NAME@threads=SETTING`` (the entry keeps ``metric`` and ``threads``); details and
+    sessions (each entry tagged with its setting) and warnings are joined, in the order of
+    the settings; ``options`` lose ``torch_threads``, which the top-level ``threads`` list
+    replaces.
+    """
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    combined = dict(first)
+    combined["options"] = {k: v for k, v in first["options"].items() if k != "torch_threads"}
+    combined["threads"] = [label for report in reports for label in report["threads"]]
+    combined["metrics"] = {f"{name}@threads={entry['threads']}": entry
+                           for report in reports for name, entry in report["metrics"].items()}
+    details: dict[str, dict[str, list[Any]]] = {}
+    for report in reports:
+        for system, per_system in report["details"].items():
+            for key, items in per_system.items():
+                details.setdefault(system, {}).setdefault(key, []).extend(items)
+    combined["details"] = details
+    combined["warnings"] = [f"threads={report['threads'][0]}: {warning}"
+                            for report in reports for warning in report["warnings"]]
+    combined["sessions"] = [session for report in reports for session in report["sessions"]]
+    return combined
+
+
+def _threads_heading(report: dict[str, Any], label: str) -> str:
+    """``1``, or ``default`` with the count torch chose in the workers, where they said."""
+    if label != "default":
+        return label
+    counts = sorted({item.get("torch_threads") for per_system in report["details"].values()
+                     for items in per_system.values() for item in items
+                     if isinstance(item, dict) and item.get("threads") == label
+                     and isinstance(item.get("torch_threads"), int)})
+    return (f"default (torch's own: {', '.join(map(str, counts))} per worker)" if counts
+            else "default (torch's own)")
 
 
 def _fmt(value: float) -> str:
@@ -168,13 +224,19 @@ def render_markdown(report: dict[str, Any]) -> str:
            f"{machine.get('memory_GiB', '?')} GiB, {machine.get('platform', '?')}, "
            f"Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}; "
            f"{machine.get('date_utc', '')}", ""]
-    entries = list(report["metrics"].values())
-    pair = [e for e in entries if e["workload"] != "scale"]
-    scale = [e for e in entries if e["workload"] == "scale"]
-    if pair:
-        out += table(pair) + [""]
-    if scale:
-        out += ["## Scale: init_rpc, all-to-all, graceful shutdown", ""] + table(scale) + [""]
+    settings = report.get("threads") or ["?"]
+    several = len(settings) > 1
+    for label in settings:
+        entries = [e for e in report["metrics"].values() if e.get("threads", label) == label]
+        heading = f"torch intra-op threads per worker: {_threads_heading(report, label)}"
+        out += [f"## {heading}" if several else f"{heading}.", ""]
+        pair = [e for e in entries if e["workload"] != "scale"]
+        scale = [e for e in entries if e["workload"] == "scale"]
+        if pair:
+            out += table(pair) + [""]
+        if scale:
+            out += [f"{'###' if several else '##'} Scale: init_rpc, all-to-all, graceful "
+                    f"shutdown", ""] + table(scale) + [""]
     if footnotes:
         out += ["Errors:", ""]
         out += [f"{number}. {message}" for message, number in footnotes.items()]

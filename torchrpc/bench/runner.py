@@ -183,8 +183,10 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
     """
     specs = [spec for w in workloads for spec in metric_specs(w, options)]
     result = RunResult(specs, systems)
-    pair = [w for w in workloads if w not in ("scale", "fanout")]
+    pair = [w for w in workloads if w not in ("scale", "fanout", "ps")]
     groups = ([pair] if shared_session else [[w] for w in pair]) if pair else []
+    if "ps" in workloads:  # a session of its own: the server and ps_trainers trainers
+        groups.append(["ps"])
     if "fanout" in workloads:  # a session of its own: one caller, fanout_callees callees
         groups.append(["fanout"])
     if "scale" in workloads:
@@ -229,9 +231,10 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
 
 def _run_pair(result: RunResult, system: SystemSpec, workloads: list[str],
               options: BenchOptions, workdir: Path, log: Log) -> str | None:
-    """Run pair workloads (or the fanout workload, with its callees) in one session; return
-    an error if the system cannot be imported."""
-    world_size = options.fanout_callees + 1 if workloads == ["fanout"] else 2
+    """Run pair workloads (or the fanout workload with its callees, or the ps workload
+    with its trainers) in one session; return an error if the system cannot be imported."""
+    world_size = (options.fanout_callees + 1 if workloads == ["fanout"]
+                  else options.ps_trainers + 1 if workloads == ["ps"] else 2)
     outcome = run_session(system, workloads, "pair", world_size, options, options.time_limit,
                           workdir)
     return _take_pair(result, outcome, log)

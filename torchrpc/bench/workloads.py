@@ -28,7 +28,8 @@ from torch import nn
 from .metrics import echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
-__all__ = ["PAIR_RUNNERS", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb", "percentile"]
+__all__ = ["PAIR_RUNNERS", "PSTrainer", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb",
+           "percentile"]
 
 Result = tuple[dict[str, float], dict[str, Any]]
 
@@ -44,7 +45,9 @@ class WorkerContext:
     peer: str
     options: BenchOptions
     turns: Turns | None = None
-    peers: list[str] = dataclasses.field(default_factory=list)  # every callee (fanout)
+    peers: list[str] = dataclasses.field(default_factory=list)  # every callee (fanout, ps)
+    # role -> module name of the system (rpc, autograd, optim), for code run on the callees
+    module_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Turns:
@@ -204,6 +207,62 @@ def stage_param_rrefs(stage_rref: Any, rpc_module_name: str) -> list[Any]:
     """
     rref_cls = importlib.import_module(rpc_module_name).RRef
     return [rref_cls(p) for p in stage_rref.local_value().parameters()]
+
+
+class PSTrainer:
+    """One trainer of the ``ps`` workload, built on its worker with ``rpc.remote``.
+
+    The model is an embedding table on the parameter server (``table``, an RRef to the
+    server's ``nn.EmbeddingBag``) under a small MLP of the trainer's own. Each step looks
+    up the batch's rows on the server, runs the MLP, and inside a distributed autograd
+    context runs ``backward`` and a ``DistributedOptimizer`` (SGD) step over the table's
+    parameters and the MLP's. Uses only the system's public API, found by module name.
+    """
+
+    def __init__(self, table: Any, modules: dict[str, str], dims: list[int], bag: int,
+                 batch: int, lr: float, seed: int) -> None:
+        self.rpc = importlib.import_module(modules["rpc"])
+        self.autograd = importlib.import_module(modules["autograd"])
+        optim = importlib.import_module(modules["optim"])
+        self.table = table
+        self.server = table.owner()
+        torch.manual_seed(seed)
+        self.head = _mlp(dims[1:], final_relu=False)
+        params = self.rpc.rpc_sync(self.server, stage_param_rrefs,
+                                   args=(table, modules["rpc"]))
+        params += [self.rpc.RRef(p) for p in self.head.parameters()]
+        self.optimizer = optim.DistributedOptimizer(torch.optim.SGD, params, lr=lr)
+        # A fixed batch whose class is a function of its rows, so the loss can fall.
+        self.rows = torch.randint(0, dims[0], (batch, bag))
+        self.targets = self.rows[:, 0] % dims[-1]
+
+    def step(self) -> float:
+        """One training step; returns the loss."""
+        with self.autograd.context() as context_id:
+            embedded = self.rpc.rpc_sync(self.server, stage_forward,
+                                         args=(self.table, self.rows))
+            loss = F.cross_entropy(self.head(embedded), self.targets)
+            self.autograd.backward(context_id, [loss])
+            self.optimizer.step(context_id)
+        return float(loss)
+
+
+def make_ps_table(rows: int, width: int, seed: int) -> nn.Module:
+    """The parameter server's embedding table: each sample is the mean of its rows."""
+    torch.manual_seed(seed)
+    return nn.EmbeddingBag(rows, width, mode="mean")
+
+
+def ps_train(trainer: Any, steps: int) -> dict[str, list[float]]:
+    """Run ``steps`` steps of the trainer ``trainer`` (an RRef this worker owns): the
+    milliseconds and the loss of each."""
+    local = trainer.local_value()
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses.append(local.step())
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"ms": times, "losses": losses}
 
 
 # ----------------------------------------------------------------------------------------
@@ -429,6 +488,57 @@ def run_fanout(ctx: WorkerContext) -> Result:
     return metrics, details
 
 
+def run_ps(ctx: WorkerContext) -> Result:
+    """A parameter server (this worker) and one trainer on every callee, all training at
+    once: steps/s of all trainers together and the p50 of one trainer's step.
+
+    The server owns the embedding table; each trainer is an object built on its worker
+    with ``rpc.remote`` (see :class:`PSTrainer`). The server starts every trainer's warmup
+    steps and waits for all of them, then their timed steps, timing from the first start
+    to the last finish.
+    """
+    opts = ctx.options
+    rpc = ctx.rpc
+    trainers = list(ctx.peers)
+    if not trainers:
+        raise AssertionError("the ps workload needs trainers")
+    dims = list(opts.ps_dims)
+    begin = time.perf_counter()
+    table = rpc.RRef(make_ps_table(dims[0], dims[1], 0))
+    handles = [rpc.remote(peer, PSTrainer,
+                          args=(table, ctx.module_names, dims, opts.ps_bag, opts.ps_batch,
+                                opts.ps_lr, rank + 1))
+               for rank, peer in enumerate(trainers)]
+    limit = opts.time_limit
+
+    def all_train(steps: int) -> list[dict[str, list[float]]]:
+        futs = [rpc.rpc_async(peer, ps_train, args=(handle, steps), timeout=limit)
+                for peer, handle in zip(trainers, handles)]
+        return [fut.wait() for fut in futs]
+
+    warm = all_train(opts.ps_warmup) if opts.ps_warmup else []
+    start = time.perf_counter()
+    setup_s = start - begin  # building the trainers (their optimizers) and the warmup
+    timed = all_train(opts.ps_steps)
+    elapsed = time.perf_counter() - start
+    times = [ms for run in timed for ms in run["ms"]]
+    first = [run["losses"][0] for run in warm or timed]
+    last = [run["losses"][-1] for run in timed]
+    if not sum(last) < sum(first):
+        raise AssertionError(f"training did not reduce the trainers' mean loss: "
+                             f"{sum(first) / len(first):.4f} -> {sum(last) / len(last):.4f}")
+    metrics = {"ps_steps_per_s": len(times) / elapsed, "ps_step_p50_ms": percentile(times, 50)}
+    details = {"trainers": len(trainers), "steps_per_trainer": opts.ps_steps,
+               "warmup_steps": opts.ps_warmup, "setup_and_warmup_s": setup_s,
+               "elapsed_s": elapsed,
+               "step_p99_ms": percentile(times, 99), "min_ms": min(times),
+               "trainer_p50_ms": [percentile(run["ms"], 50) for run in timed],
+               "first_loss_mean": sum(first) / len(first),
+               "last_loss_mean": sum(last) / len(last),
+               "table": dims[:2], "trainer_mlp": dims[1:]}
+    return metrics, details
+
+
 def _split(total: int, parts: int) -> list[int]:
     """``total`` as ``parts`` near-equal positive counts."""
     return [total // parts + (k < total % parts) for k in range(parts)]
@@ -442,6 +552,8 @@ PAIR_RUNNERS: dict[str, Callable[[WorkerContext], Result]] = {
     "echo_numpy": run_echo_numpy,
     "train": run_train,
     "fanout": run_fanout,
+    "ps": run_ps,
 }
 """Caller-side entry point of each workload with one caller (two workers; ``fanout``:
-one caller and ``fanout_callees`` callees)."""
+one caller and ``fanout_callees`` callees; ``ps``: the parameter server and
+``ps_trainers`` trainers)."""

@@ -1,10 +1,10 @@
-"""Connections churn under load: 8 workers call each other for 20 s while every worker
+"""Connections churn under load: 8 workers call each other for 10 s while every worker
 closes its connections at random (either side, cleanly or broken) and the fault-injecting
 ones fail and delay sends, with heartbeats every 0.1 s and calls that time out. No thread
 of any worker may raise or log an error, no healthy worker may be timed out as silent,
 and the group must still shut down gracefully.
 
-``TORCHRPC_CHURN_SECONDS`` changes the 20 s.
+``TORCHRPC_CHURN_SECONDS`` changes the 10 s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from . import robust_helpers as rh
 from .group import running_group
 from .thread_watch import WATCH_ENV, ThreadWatch
 
-SECONDS = float(os.environ.get("TORCHRPC_CHURN_SECONDS", "20"))
+SECONDS = float(os.environ.get("TORCHRPC_CHURN_SECONDS", "10"))
 WORLD = 8
 OPTIONS = {"heartbeat_interval": 0.1, "heartbeat_timeout": 5.0}
 

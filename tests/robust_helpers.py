@@ -386,7 +386,14 @@ _once_results: Dict[str, Any] = {}
 def serve_once_kind() -> None:
     """Serve ONCE_KIND here: ``bump(payload)``."""
     from torchrpc._agent.current import current_agent
-    current_agent().register_handler(ONCE_KIND, lambda src, key: bump(key))
+    current_agent().register_handler(ONCE_KIND, _serve_once)
+
+
+def _serve_once(src: Any, key: str) -> int:
+    """ONCE_KIND's handler: a key that starts with "slow" runs for a second first."""
+    if key.startswith("slow"):
+        time.sleep(1.0)
+    return bump(key)
 
 
 def start_once_request(to: str, key: str, timeout: float) -> None:

@@ -310,3 +310,47 @@ def test_a_once_reply_lost_with_its_connection_comes_again_on_the_probe(agent, o
     assert rh.count("replied") == 1 and _duplicates("here") == dups
     probes, avoided, after = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
     assert (probes - theirs[0], avoided - theirs[1], after - theirs[2]) == (1, 1, 0)
+
+
+def test_a_once_reply_lost_after_the_probe_found_it_running_comes_on_the_next_probe(
+        agent, once_kind):
+    # worker1's request runs here for a second; the connection breaks meanwhile, worker1's
+    # probe finds it running, and then its reply is lost too: worker1 asks again a second
+    # later and gets the kept reply, long before its 20 s deadline, without a rerun.
+    dups = _duplicates("here")
+    theirs = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
+    plan = agent.inject(drop=["RESPONSE"], num_drop_sends=1)
+    rpc.rpc_sync("worker1", rh.start_once_request, args=("worker0", "slow-rerun", 20.0))
+    time.sleep(0.3)  # it runs here now
+    _cut(agent)
+    start = time.monotonic()
+    wait_for("the reply reaches worker1",
+             lambda: rpc.rpc_sync("worker1", rh.once_result, args=("slow-rerun",)) is not None,
+             10.0)
+    assert time.monotonic() - start < 6.0
+    assert plan.dropped == {"RESPONSE": 1}
+    assert rpc.rpc_sync("worker1", rh.once_result, args=("slow-rerun",)) == 1
+    assert rh.count("slow-rerun") == 1 and _duplicates("here") == dups
+    probes, avoided, after = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
+    assert probes - theirs[0] >= 2 and (avoided - theirs[1], after - theirs[2]) == (1, 0)
+
+
+def test_the_requests_of_one_peer_are_asked_about_in_one_probe(agent, once_kind):
+    # Three requests: the first one's frame is lost, the others arrive and run slowly.
+    # After the break, one probe asks about all three; only the lost one is sent again.
+    dups, mine = _duplicates("worker1"), _probe_counters(agent.debug_info())
+    rpc.rpc_sync("worker1", rh.serve_once_kind)
+    plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1)
+    keys = ["batch-lost", "slow-batch-1", "slow-batch-2"]
+    futs = [agent.request(once_kind, rh.ONCE_KIND, key, 20.0, what="once",
+                          retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
+            for key in keys]
+    time.sleep(0.3)
+    assert plan.dropped == {"PROFILED_CALL": 1}
+    _cut(agent)
+    assert [f.wait() for f in futs] == [1, 1, 1]
+    assert [_count(key) for key in keys] == [1, 1, 1]
+    probes, avoided, after = _probe_counters(agent.debug_info())
+    assert (avoided - mine[1], after - mine[2]) == (2, 1)
+    assert probes - mine[0] <= 3  # one for all three, then at most a recheck or two
+    assert _duplicates("worker1") == dups

@@ -72,6 +72,9 @@ _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection 
 _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
+# How long a caller waits to ask again about an at-most-once request that the callee
+# said it has (its reply may have been lost with the connection it left on).
+_RECHECK = 1.0
 _ONCE_KEEP = 60.0
 _ONCE_MAX = 8192
 _REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
@@ -240,8 +243,8 @@ class _Once:
 class _Resend:
     """What a request with a retry policy needs to be sent again: the same frame."""
 
-    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "deadline", "kind",
-                 "flags", "env", "bufs", "keep")
+    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "known", "deadline",
+                 "kind", "flags", "env", "bufs", "keep")
 
     def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
                  env: bytes, bufs: Any, keep: Any) -> None:
@@ -250,6 +253,7 @@ class _Resend:
         self.scheduled = False  # the next attempt is due (a second failure must not add one)
         self.sent = False  # a send of it may have reached the callee (so ask before a resend)
         self.probing = False  # a probe asks the callee about it, unanswered (see _probe_peer)
+        self.known = False  # a probe's answer said the callee has it
         self.deadline = deadline
         self.kind = kind
         self.flags = flags
@@ -1362,8 +1366,14 @@ class Agent:
                 if status == MISSING:
                     self._resends_after_probe += 1
                     missing.append((rid, p))
-                else:
+                    continue
+                if not r.known:
+                    r.known = True
                     self._resends_avoided += 1
+                # Its reply may yet be lost (sent on the broken connection before the
+                # callee saw it break): ask again later, while it is still unanswered.
+                r.scheduled = True
+            self._probe_later(p.dst, rid, _RECHECK)
         for rid, p in missing:
             r = p.resend
             self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
@@ -1902,7 +1912,8 @@ class Agent:
             with self._probe_lock:  # the reply came before the probe's answer
                 if p.resend.probing:
                     p.resend.probing = False
-                    self._resends_avoided += 1
+                    if not p.resend.known:
+                        self._resends_avoided += 1
         stats = p.stats
         if stats is not None:
             stats.latency(time.monotonic() - p.sent)

@@ -282,3 +282,8 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
     assert single["threads"] == ["1"] and single["options"]["torch_threads"] == 1
     assert sorted(single["metrics"]) == names
     assert all(entry["threads"] == "1" for entry in single["metrics"].values())
+
+
+def test_echo_of_64_mb_and_more_is_also_reported_against_one_memcpy() -> None:
+    names = [spec.name for spec in metric_specs("echo", BenchOptions(echo_sizes_mb=(1.0, 64.0)))]
+    assert "echo_64MB_per_memcpy" in names and "echo_1MB_per_memcpy" not in names

@@ -10,7 +10,7 @@ import dataclasses
 
 from .options import BenchOptions
 
-__all__ = ["MetricSpec", "Target", "echo_metric", "echo_numpy_metric", "metric_specs",
+__all__ = ["MetricSpec", "Target", "echo_memcpy_metric", "echo_metric", "echo_numpy_metric", "metric_specs",
            "scale_memory_metric", "scale_metric", "size_label"]
 
 
@@ -59,6 +59,11 @@ def size_label(size_mb: float) -> str:
 def echo_metric(size_mb: float) -> str:
     """Name of the echo-throughput metric for one tensor size."""
     return f"echo_{size_label(size_mb)}MB_GBps"
+
+
+def echo_memcpy_metric(size_mb: float) -> str:
+    """Name of the metric: echo rate over one memcpy's rate, for one tensor size."""
+    return f"echo_{size_label(size_mb)}MB_per_memcpy"
 
 
 def echo_numpy_metric(size_mb: float) -> str:
@@ -112,6 +117,12 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
         specs = [MetricSpec(echo_metric(s), f"echo {size_label(s)} MB float32", "GB/s",
                             "higher", workload, _ECHO_TARGETS.get(s))
                  for s in options.echo_sizes_mb]
+        # How close a round trip (two crossings) comes to copying the payload once, in
+        # the same process and run; for the sizes where bulk copying dominates.
+        specs += [MetricSpec(echo_memcpy_metric(s), f"echo {size_label(s)} MB / one memcpy",
+                             "x", "higher", workload,
+                             Target("absolute", ">=", 0.8, "issue 20: one copy"))
+                  for s in options.echo_sizes_mb if s >= 64]
         largest = max(options.echo_sizes_mb)
         # The bound is about big payloads; below 64 MB the process's own footprint
         # (torch alone is ~300 MB) dominates and a 3x bound means nothing.

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .metrics import echo_metric, echo_numpy_metric
+from .metrics import echo_memcpy_metric, echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
 __all__ = ["PAIR_RUNNERS", "PSTrainer", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb",
@@ -344,6 +344,12 @@ def run_echo(ctx: WorkerContext) -> Result:
         del x
     metrics["peak_rss_caller_MB"] = peak_rss_mb()
     metrics["peak_rss_callee_MB"] = ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)
+    # After the peak RSS is read: the copy's second tensor must not count in it.
+    for size_mb in opts.echo_sizes_mb:
+        if size_mb >= 64:
+            copy_rate = _memcpy_rate(max(1, int(size_mb * 2**20) // 4), opts.echo_iters)
+            details[echo_memcpy_metric(size_mb)] = {"memcpy_GBps": copy_rate}
+            metrics[echo_memcpy_metric(size_mb)] = metrics[echo_metric(size_mb)] / copy_rate
     return metrics, details
 
 
@@ -359,6 +365,20 @@ def run_echo_numpy(ctx: WorkerContext) -> Result:
         ctx, x, x.nbytes, lambda back: isinstance(back, np.ndarray) and back.dtype == x.dtype
         and np.array_equal(back, x), f"numpy {size_mb:g} MB")
     return {name: rate}, {name: details}
+
+
+def _memcpy_rate(numel: int, iters: int) -> float:
+    """GB/s of copying ``numel`` float32 once into memory already touched (the median of
+    ``iters``)."""
+    x = torch.rand(numel)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(max(3, iters)):
+        start = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - start)
+    return x.numel() * x.element_size() / percentile(times, 50) / 1e9
 
 
 def _echo_rate(ctx: WorkerContext, x: Any, nbytes: int, same: Callable[[Any], bool],

@@ -61,6 +61,7 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
     info = rpc.rpc_sync("worker1", helpers.debug_info)
     assert info["agent.num_duplicate_requests"] == before, info
     now = rpc.get_debug_info()
-    assert now["agent.num_once_probes"] == mine["agent.num_once_probes"] + 1, now
+    # One probe, then one a second later for each second the part still ran (see _RECHECK).
+    assert now["agent.num_once_probes"] >= mine["agent.num_once_probes"] + 1, now
     assert now["agent.num_resends_avoided"] == mine["agent.num_resends_avoided"] + 1, now
     assert now["agent.num_resends_after_probe"] == mine["agent.num_resends_after_probe"], now

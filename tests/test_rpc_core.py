@@ -153,6 +153,29 @@ def test_timeout_names_callee_function_and_limit():
         fut.wait()
 
 
+def test_a_reply_after_the_deadline_fails_even_when_the_timer_is_late():
+    # The timer thread is held up for a second (as on a starved machine); the reply comes
+    # at 0.3 s, after the call's 0.1 s deadline but before the timer could expire it.
+    agent = api.current_agent()
+    held = threading.Event()
+
+    def hold_timer() -> None:
+        if not held.is_set():
+            held.set()
+            time.sleep(1.0)
+    agent.add_tick_hook(hold_timer)
+    try:
+        assert held.wait(5.0)
+        for call in (rpc.rpc_sync, lambda *a, **k: rpc.rpc_async(*a, **k).wait()):
+            with pytest.raises(RpcTimeoutError, match="ran for more than set timeout"):
+                call("worker1", helpers.sleep_then, args=(0.3, 1), timeout=0.1)
+            held.clear()
+            assert held.wait(5.0)
+    finally:
+        agent._tick_hooks.remove(hold_timer)
+    assert rpc.rpc_sync("worker1", helpers.sleep_then, args=(0.0, 2), timeout=5) == 2
+
+
 def test_zero_timeout_means_none_and_default_timeout():
     assert rpc.rpc_sync("worker1", helpers.sleep_then, args=(0.3, "ok"), timeout=0) == "ok"
     assert rpc.get_rpc_timeout() == 30.0

@@ -1908,6 +1908,12 @@ class Agent:
             return
         if self._pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
+        now = time.monotonic()
+        if p.timeout > 0 and now - p.sent > p.timeout:
+            # Past its deadline, before the timer got to it (a loaded machine): the
+            # deadline holds all the same, as the caller was promised.
+            self._time_out(p)
+            return
         if p.resend is not None and p.resend.probing:
             with self._probe_lock:  # the reply came before the probe's answer
                 if p.resend.probing:
@@ -1916,7 +1922,7 @@ class Agent:
                         self._resends_avoided += 1
         stats = p.stats
         if stats is not None:
-            stats.latency(time.monotonic() - p.sent)
+            stats.latency(now - p.sent)
             stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
             if header.kind == Kind.ERROR:
                 stats.errors_out += 1
@@ -2177,15 +2183,19 @@ class Agent:
     def _expire(self, rid: int) -> None:
         p = self._pending.pop(rid, None)
         if p is not None:
-            if p.stats is not None:
-                p.stats.timeouts += 1
-            if self._log_on_timeout and p.dst.id != self.rank:
-                self._report_timeout(p.dst, p.what, p.timeout)
-            p.set_exception(RpcTimeoutError(
-                f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
-                f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
-                f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
-                f"or raise the options' rpc_timeout"))
+            self._time_out(p)
+
+    def _time_out(self, p: _Pending) -> None:
+        """Fail request ``p`` (already out of the table) with the timeout error."""
+        if p.stats is not None:
+            p.stats.timeouts += 1
+        if self._log_on_timeout and p.dst.id != self.rank:
+            self._report_timeout(p.dst, p.what, p.timeout)
+        p.set_exception(RpcTimeoutError(
+            f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
+            f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
+            f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
+            f"or raise the options' rpc_timeout"))
 
     # -- failure detection -------------------------------------------------------------------------
     #

@@ -202,6 +202,14 @@ def test_small_tensors_travel_inside_the_envelope():
     assert len(_wire.encode(big)[1]) == 1  # one element more: out of band
 
 
+def test_a_small_tensor_with_strides_of_its_own_keeps_them():
+    # Contiguous by torch's rule (dims of size 1 may have any stride), not by its strides.
+    for t in (torch.tensor([[True, False]]).t(), torch.arange(3.0).view(3, 1).expand(3, 1)):
+        assert t.is_contiguous()
+        out = round_trip(t)
+        assert out.stride() == t.stride() and torch.equal(out, t)
+
+
 def test_small_views_of_one_storage_still_arrive_shared():
     x = torch.arange(8.0)
     env, bufs, _ = _wire.encode((x[:2], x[2:4], x))

@@ -177,6 +177,14 @@ def _owning_view(t: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B")
 
 
+def _received_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor that requires grad, after the receive hook saw it, so that
+    distributed autograd records it (every rebuilder of a tensor with grad ends here)."""
+    t.requires_grad_(True)
+    hook = getattr(_local, "recv_hook", None)
+    return hook(t) if hook is not None else t
+
+
 def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tuple[int, ...],
                     stride: Tuple[int, ...], requires_grad: bool) -> torch.Tensor:
     if type(dtype) is int:
@@ -193,12 +201,7 @@ def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tup
         _check_extent(slot.numel(), byte_offset, itemsize, shape, stride)
         t = torch.empty((0,), dtype=dtype).set_(slot.untyped_storage(), byte_offset // itemsize,
                                                 shape, stride)
-    if requires_grad:
-        t.requires_grad_(True)
-        hook = getattr(_local, "recv_hook", None)
-        if hook is not None:
-            t = hook(t)
-    return t
+    return _received_with_grad(t) if requires_grad else t
 
 
 def _rebuild_empty(dtype: Any, shape: Tuple[int, ...], stride: Tuple[int, ...],
@@ -261,30 +264,17 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
                     requires_grad: bool) -> torch.Tensor:
     if type(dtype) is int:
         dtype = _DTYPES[dtype]
-    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    t = torch.frombuffer(bytearray(data), dtype=dtype)  # contiguous strides: see the encoder
     if len(shape) != 1:
         t = t.view(shape)
     elif shape[0] != t.numel():
         raise ValueError(f"malformed inline tensor: {len(data)} bytes for shape {shape}")
-    if requires_grad:
-        t.requires_grad_(True)
-        hook = getattr(_local, "recv_hook", None)
-        if hook is not None:
-            t = hook(t)
-    return t
+    return _received_with_grad(t) if requires_grad else t
 
 
 _SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES, _INLINE = 0, 1, 2, 3, 4, 5
 _REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes,
                _rebuild_inline)
-
-
-def _received_with_grad(t: torch.Tensor) -> torch.Tensor:
-    """A received tensor that requires grad, after the receive hook saw it (as in
-    :func:`_rebuild_tensor`), so distributed autograd records sparse tensors too."""
-    t.requires_grad_(True)
-    hook = getattr(_local, "recv_hook", None)
-    return hook(t) if hook is not None else t
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
@@ -385,7 +375,8 @@ class _Encoder:
         if data.is_contiguous():
             nbytes = numel * itemsize
             key = data.data_ptr() - lo
-            if nbytes <= INLINE_MAX and key not in self.retry_ranges:
+            if nbytes <= INLINE_MAX and key not in self.retry_ranges \
+                    and data.stride() == _contiguous_strides(tuple(data.shape)):
                 # Inline, unless another tensor of the message shares the storage: then
                 # encode() runs again and that storage travels as one slot for both.
                 seen = self.inlined.get(key)

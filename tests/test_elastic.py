@@ -119,6 +119,15 @@ def _removed(name: str, since: float) -> float:
     return took
 
 
+def _stop_member(name: str, proc: subprocess.Popen) -> None:
+    """Let member ``name`` (``proc``, a rejoin_member worker) leave gracefully; the group is
+    w0 and w1 again."""
+    open(os.path.join(STOP, f"stop-{name}"), "w").close()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and f"OK rejoin member {name}" in out, out
+    names_everywhere(["w0", "w1"])
+
+
 def test_a_killed_member_is_removed_and_its_name_and_rank_taken_again(group):
     first = spawn("w5", 5, "stop-w5", "rejoin_member")
     second = None
@@ -130,10 +139,7 @@ def test_a_killed_member_is_removed_and_its_name_and_rank_taken_again(group):
         print(f"killed member removed after {took:.2f} s", file=sys.stderr)
         second = spawn("w5", 5, "stop-w5", "rejoin_member")
         _joined("w5", 5, second)
-        open(os.path.join(STOP, "stop-w5"), "w").close()
-        out, _ = second.communicate(timeout=120)
-        assert second.returncode == 0 and "OK rejoin member w5" in out, out
-        names_everywhere(["w0", "w1"])
+        _stop_member("w5", second)
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:
@@ -163,10 +169,7 @@ def test_a_stopped_member_removed_as_lost_finds_out_when_continued(group):
         assert "REMOVED" in out and "declared lost by the group and removed" in out, out
         # The group still knows only the new w6, which still works.
         _joined("w6", 6, fresh)
-        open(os.path.join(STOP, "stop-w6"), "w").close()
-        out, _ = fresh.communicate(timeout=120)
-        assert fresh.returncode == 0 and "OK rejoin member w6" in out, out
-        names_everywhere(["w0", "w1"])
+        _stop_member("w6", fresh)
     finally:
         for p in (stale, fresh):
             if p is not None and p.poll() is None:
@@ -197,10 +200,7 @@ def test_a_survivor_that_never_talked_to_a_lost_member_learns_its_removal_from_t
         second = spawn("w7", 7, "stop-w7", "rejoin_member")
         _joined("w7", 7, second)
         assert rpc.rpc_sync("w1", helpers.call_outcome, args=("w7",)) == "w7"
-        open(os.path.join(STOP, "stop-w7"), "w").close()
-        out, _ = second.communicate(timeout=120)
-        assert second.returncode == 0 and "OK rejoin member w7" in out, out
-        names_everywhere(["w0", "w1"])
+        _stop_member("w7", second)
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:

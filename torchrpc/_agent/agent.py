@@ -413,6 +413,9 @@ class Agent:
         self._probes = 0  # probe frames sent
         self._resends_avoided = 0  # requests a probe found delivered, not sent again
         self._resends_after_probe = 0  # requests a probe found missing, sent again
+        # rank -> request id -> one-way at-most-once requests sent to that peer whose
+        # arrival it has not confirmed yet (see _confirm_oneway).
+        self._unconfirmed: Dict[int, Dict[int, _Pending]] = {}
         # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
         self._peer_stats: Dict[int, PeerStats] = {}
         # log_debug_info_on_timeout: ranks whose debug info is being fetched after a timeout.
@@ -817,6 +820,7 @@ class Agent:
             "agent.num_once_probes": self._probes,
             "agent.num_resends_avoided": self._resends_avoided,
             "agent.num_resends_after_probe": self._resends_after_probe,
+            "agent.num_unconfirmed_oneway": sum(len(t) for t in list(self._unconfirmed.values())),
             "agent.max_outbox_bytes_queued": max(
                 (c.outbox_bytes for c in self._transport.connections()), default=0)
             if self._transport is not None else 0,
@@ -1239,7 +1243,11 @@ class Agent:
                 self.send_failed(kind, rid, p.dst, exc)
             return
         if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
-            p.future.set_result(None)
+            if flags & _wire.FLAG_ONCE:
+                with self._probe_lock:  # kept until the callee confirms it arrived
+                    self._unconfirmed.setdefault(p.dst.id, {})[rid] = p
+            if not p.future.done():  # a resend after a probe: done since the first send
+                p.future.set_result(None)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
@@ -1292,6 +1300,10 @@ class Agent:
             if r.attempt > 1:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
                                             worker=getattr(error, "worker", None))
+        if p.future.done():  # a one-way request, done when first sent: nobody to tell
+            log.warning("%s may have lost a one-way %s to %s: %s", self.name,
+                        describe(p.what) if p.what else "request", p.dst.name, error)
+            return
         p.set_exception(error)
 
     def _resend(self, rid: int) -> None:
@@ -1355,6 +1367,8 @@ class Agent:
         """The answer to a probe: send again what the callee never got; wait for the rest."""
         missing = []
         for rid, status in _wire.parse_status(envelope):
+            if self._unconfirmed and self._confirm_oneway(conn.peer_rank, rid):
+                continue
             p = self._pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or p.dst.id != conn.peer_rank:
@@ -1370,6 +1384,9 @@ class Agent:
                 if not r.known:
                     r.known = True
                     self._resends_avoided += 1
+                if r.flags & _wire.FLAG_ONEWAY:  # it arrived: no reply to wait for
+                    self._pending.pop(rid, None)
+                    continue
                 # Its reply may yet be lost (sent on the broken connection before the
                 # callee saw it break): ask again later, while it is still unanswered.
                 r.scheduled = True
@@ -1377,6 +1394,26 @@ class Agent:
         for rid, p in missing:
             r = p.resend
             self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    def _confirm_oneway(self, rank: int, rid: int) -> bool:
+        """Whether ``rid`` is a one-way request to ``rank`` awaiting confirmation, which
+        has now come; it is forgotten."""
+        with self._probe_lock:
+            table = self._unconfirmed.get(rank)
+            if table is None or table.pop(rid, None) is None:
+                return False
+            if not table:
+                del self._unconfirmed[rank]
+        return True
+
+    def _confirm_arrival(self, conn: Connection, src: WorkerInfo, rid: int) -> None:
+        """Callee: tell ``src`` that its one-way at-most-once request ``rid`` arrived."""
+        try:
+            self._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
+                       _wire.pack_status([(rid, RUNNING)]), [], None, conn)
+        except RpcError as exc:  # its connection broke: the caller's probe asks again
+            log.info("%s could not confirm request %d of %s: %s", self.name, rid, src.name,
+                     exc)
 
     def _answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
         """Callee: tell ``src`` which of the probed requests arrived here; send the kept
@@ -1663,6 +1700,13 @@ class Agent:
             p = self._pending.get(rid)
             if p is not None and p.dst.id == rank and self._pending.pop(rid, None) is not None:
                 self._fail(rid, p, error)
+        if self._unconfirmed:
+            # Unconfirmed one-way requests may not have arrived: they go the way of a
+            # request whose connection broke (a probe, then a resend if missing).
+            with self._probe_lock:
+                unconfirmed = self._unconfirmed.pop(rank, {})
+            for rid, p in unconfirmed.items():
+                self._fail(rid, p, error)
 
     # -- frames ------------------------------------------------------------------------------------
 
@@ -1728,8 +1772,11 @@ class Agent:
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
-        if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
-            return self._reading_to_pool(conn)
+        if header.flags & _wire.FLAG_ONCE:
+            if header.oneway:  # no reply will say it arrived: this does
+                self._confirm_arrival(conn, src, header.request_id)
+            if not self._first_time(src, header.request_id, via):
+                return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state == "running":
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the

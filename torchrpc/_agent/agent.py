@@ -1301,8 +1301,10 @@ class Agent:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
                                             worker=getattr(error, "worker", None))
         if p.future.done():  # a one-way request, done when first sent: nobody to tell
-            log.warning("%s may have lost a one-way %s to %s: %s", self.name,
-                        describe(p.what) if p.what else "request", p.dst.name, error)
+            # Expected of a peer that is gone; a warning where the peer may still be there.
+            level = logging.INFO if p.dst.id in self._declared else logging.WARNING
+            log.log(level, "%s may have lost a one-way %s to %s: %s", self.name,
+                    describe(p.what) if p.what else "request", p.dst.name, error)
             return
         p.set_exception(error)
 

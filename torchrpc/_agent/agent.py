@@ -1230,11 +1230,19 @@ class Agent:
                  keep: Any) -> None:
         r = p.resend
         was_sent = r is not None and r.sent
+        confirm = r is not None and flags & _wire.FLAG_ONEWAY and flags & _wire.FLAG_ONCE
         if r is not None:
             r.sent = True  # from here the frame may arrive, even if the connection breaks
+        if confirm:
+            # Kept until the callee confirms it arrived; before the send, since the
+            # confirmation may come before this thread returns from it.
+            with self._probe_lock:
+                self._unconfirmed.setdefault(p.dst.id, {})[rid] = p
         try:
             self._send(p.dst, kind, flags, rid, env, bufs, keep)
         except RpcError as exc:  # raised before the frame was queued: it did not go
+            if confirm:
+                self._confirm_oneway(p.dst.id, rid)
             if r is not None:
                 r.sent = was_sent
             if flags & _wire.FLAG_ONEWAY and p.resend is None:
@@ -1243,9 +1251,6 @@ class Agent:
                 self.send_failed(kind, rid, p.dst, exc)
             return
         if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
-            if flags & _wire.FLAG_ONCE:
-                with self._probe_lock:  # kept until the callee confirms it arrived
-                    self._unconfirmed.setdefault(p.dst.id, {})[rid] = p
             if not p.future.done():  # a resend after a probe: done since the first send
                 p.future.set_result(None)
 

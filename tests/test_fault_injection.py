@@ -224,6 +224,13 @@ def _cut(agent) -> None:
         conn.close(ConnectionLostError("cut by the test"))
 
 
+def _settle() -> None:
+    # Let worker1 see the cut before this worker calls it again: a reply that worker1
+    # writes on its side of a cut connection it has not noticed yet is lost, and a plain
+    # call waits for its timeout (a limit of plain calls; the ONCE probe covers its own).
+    time.sleep(0.5)
+
+
 def _probe_counters(info) -> tuple:
     return (info["agent.num_once_probes"], info["agent.num_resends_avoided"],
             info["agent.num_resends_after_probe"])
@@ -303,6 +310,7 @@ def test_a_once_reply_lost_with_its_connection_comes_again_on_the_probe(agent, o
     assert rh.count("replied") == 1
     assert rpc.rpc_sync("worker1", rh.once_result, args=("replied",)) is None
     _cut(agent)
+    _settle()
     wait_for("the reply reaches worker1",
              lambda: rpc.rpc_sync("worker1", rh.once_result, args=("replied",)) is not None,
              15.0)
@@ -324,6 +332,7 @@ def test_a_once_reply_lost_after_the_probe_found_it_running_comes_on_the_next_pr
     time.sleep(0.3)  # it runs here now
     _cut(agent)
     start = time.monotonic()
+    _settle()
     wait_for("the reply reaches worker1",
              lambda: rpc.rpc_sync("worker1", rh.once_result, args=("slow-rerun",)) is not None,
              10.0)
@@ -354,35 +363,3 @@ def test_the_requests_of_one_peer_are_asked_about_in_one_probe(agent, once_kind)
     assert (avoided - mine[1], after - mine[2]) == (2, 1)
     assert probes - mine[0] <= 3  # one for all three, then at most a recheck or two
     assert _duplicates("worker1") == dups
-
-
-def _unconfirmed(agent) -> int:
-    return agent.debug_info()["agent.num_unconfirmed_oneway"]
-
-
-def test_a_one_way_once_request_is_confirmed_and_one_lost_is_sent_again(agent, once_kind):
-    # Delivered: worker1 confirms it, and a later break sends nothing again.
-    dups, mine = _duplicates("worker1"), _probe_counters(agent.debug_info())
-    fut = agent.request(once_kind, rh.ONCE_KIND, "oneway-ok", 0, what="once", oneway=True,
-                        retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
-    assert fut.wait() is None
-    wait_for("worker1 runs it", lambda: _count("oneway-ok") == 1, 10.0)
-    wait_for("worker1 confirms it", lambda: _unconfirmed(agent) == 0, 10.0)
-    _cut(agent)
-    time.sleep(0.5)
-    assert _count("oneway-ok") == 1 and _probe_counters(agent.debug_info()) == mine
-    # Lost on the way (its send returned): the break sends it again after a probe.
-    plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1)
-    fut = agent.request(once_kind, rh.ONCE_KIND, "oneway-lost", 0, what="once", oneway=True,
-                        retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
-    assert fut.wait() is None
-    time.sleep(0.3)
-    assert plan.dropped == {"PROFILED_CALL": 1} and _count("oneway-lost") == 0
-    assert _unconfirmed(agent) == 1
-    _cut(agent)
-    wait_for("it runs on worker1", lambda: _count("oneway-lost") == 1, 10.0)
-    wait_for("worker1 confirms it", lambda: _unconfirmed(agent) == 0, 10.0)
-    probes, avoided, after = _probe_counters(agent.debug_info())
-    assert (probes - mine[0], after - mine[2]) == (1, 1)
-    time.sleep(0.3)
-    assert _count("oneway-lost") == 1 and _duplicates("worker1") == dups

@@ -179,7 +179,7 @@ class CallHook:
 
 class _Pending:
     __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
-                 "stats", "sent")
+                 "stats", "sent", "conn")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
@@ -194,6 +194,9 @@ class _Pending:
         self.resend: Optional[_Resend] = None
         # The private connection whose caller reads the reply itself (see request_sync).
         self.private: Optional[Connection] = None
+        # The shared connection its last attempt went out on: if that one breaks, the
+        # request may be lost even while other connections to the peer stay open.
+        self.conn: Optional[Connection] = None
         # Tells the call hooks with a state that the request failed here (see set_exception).
         self.on_failure: Optional[Callable[[], None]] = None
 
@@ -413,9 +416,6 @@ class Agent:
         self._probes = 0  # probe frames sent
         self._resends_avoided = 0  # requests a probe found delivered, not sent again
         self._resends_after_probe = 0  # requests a probe found missing, sent again
-        # rank -> request id -> one-way at-most-once requests sent to that peer whose
-        # arrival it has not confirmed yet (see _confirm_oneway).
-        self._unconfirmed: Dict[int, Dict[int, _Pending]] = {}
         # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
         self._peer_stats: Dict[int, PeerStats] = {}
         # log_debug_info_on_timeout: ranks whose debug info is being fetched after a timeout.
@@ -820,7 +820,6 @@ class Agent:
             "agent.num_once_probes": self._probes,
             "agent.num_resends_avoided": self._resends_avoided,
             "agent.num_resends_after_probe": self._resends_after_probe,
-            "agent.num_unconfirmed_oneway": sum(len(t) for t in list(self._unconfirmed.values())),
             "agent.max_outbox_bytes_queued": max(
                 (c.outbox_bytes for c in self._transport.connections()), default=0)
             if self._transport is not None else 0,
@@ -1230,19 +1229,12 @@ class Agent:
                  keep: Any) -> None:
         r = p.resend
         was_sent = r is not None and r.sent
-        confirm = r is not None and flags & _wire.FLAG_ONEWAY and flags & _wire.FLAG_ONCE
         if r is not None:
             r.sent = True  # from here the frame may arrive, even if the connection breaks
-        if confirm:
-            # Kept until the callee confirms it arrived; before the send, since the
-            # confirmation may come before this thread returns from it.
-            with self._probe_lock:
-                self._unconfirmed.setdefault(p.dst.id, {})[rid] = p
         try:
-            self._send(p.dst, kind, flags, rid, env, bufs, keep)
+            conn = p.conn = self._connection(p.dst)
+            self._send(p.dst, kind, flags, rid, env, bufs, keep, conn)
         except RpcError as exc:  # raised before the frame was queued: it did not go
-            if confirm:
-                self._confirm_oneway(p.dst.id, rid)
             if r is not None:
                 r.sent = was_sent
             if flags & _wire.FLAG_ONEWAY and p.resend is None:
@@ -1251,8 +1243,7 @@ class Agent:
                 self.send_failed(kind, rid, p.dst, exc)
             return
         if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
-            if not p.future.done():  # a resend after a probe: done since the first send
-                p.future.set_result(None)
+            p.future.set_result(None)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
@@ -1305,12 +1296,6 @@ class Agent:
             if r.attempt > 1:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
                                             worker=getattr(error, "worker", None))
-        if p.future.done():  # a one-way request, done when first sent: nobody to tell
-            # Expected of a peer that is gone; a warning where the peer may still be there.
-            level = logging.INFO if p.dst.id in self._declared else logging.WARNING
-            log.log(level, "%s may have lost a one-way %s to %s: %s", self.name,
-                    describe(p.what) if p.what else "request", p.dst.name, error)
-            return
         p.set_exception(error)
 
     def _resend(self, rid: int) -> None:
@@ -1358,15 +1343,17 @@ class Agent:
             asking.append(rid)
         for i in range(0, len(asking), _wire.MAX_PROBE_IDS):
             ids = asking[i:i + _wire.MAX_PROBE_IDS]
+            with self._probe_lock:  # counted first: the answer may come before send returns
+                self._probes += 1
             try:
                 self._send(dst, Kind.ONCE_PROBE, _wire.FLAG_ONEWAY, 0, _wire.pack_probe(ids),
                            [], None)
             except RpcError as exc:  # not sent: this attempt failed
+                with self._probe_lock:
+                    self._probes -= 1
                 for rid in ids:
                     self._request_lost(rid, dst, exc)
                 continue
-            with self._probe_lock:
-                self._probes += 1
             log.info("%s asks %s whether it has %d request(s) before sending them again",
                      self.name, dst.name, len(ids))
 
@@ -1374,8 +1361,6 @@ class Agent:
         """The answer to a probe: send again what the callee never got; wait for the rest."""
         missing = []
         for rid, status in _wire.parse_status(envelope):
-            if self._unconfirmed and self._confirm_oneway(conn.peer_rank, rid):
-                continue
             p = self._pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or p.dst.id != conn.peer_rank:
@@ -1391,9 +1376,6 @@ class Agent:
                 if not r.known:
                     r.known = True
                     self._resends_avoided += 1
-                if r.flags & _wire.FLAG_ONEWAY:  # it arrived: no reply to wait for
-                    self._pending.pop(rid, None)
-                    continue
                 # Its reply may yet be lost (sent on the broken connection before the
                 # callee saw it break): ask again later, while it is still unanswered.
                 r.scheduled = True
@@ -1401,26 +1383,6 @@ class Agent:
         for rid, p in missing:
             r = p.resend
             self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
-
-    def _confirm_oneway(self, rank: int, rid: int) -> bool:
-        """Whether ``rid`` is a one-way request to ``rank`` awaiting confirmation, which
-        has now come; it is forgotten."""
-        with self._probe_lock:
-            table = self._unconfirmed.get(rank)
-            if table is None or table.pop(rid, None) is None:
-                return False
-            if not table:
-                del self._unconfirmed[rank]
-        return True
-
-    def _confirm_arrival(self, conn: Connection, src: WorkerInfo, rid: int) -> None:
-        """Callee: tell ``src`` that its one-way at-most-once request ``rid`` arrived."""
-        try:
-            self._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
-                       _wire.pack_status([(rid, RUNNING)]), [], None, conn)
-        except RpcError as exc:  # its connection broke: the caller's probe asks again
-            log.info("%s could not confirm request %d of %s: %s", self.name, rid, src.name,
-                     exc)
 
     def _answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
         """Callee: tell ``src`` which of the probed requests arrived here; send the kept
@@ -1605,7 +1567,15 @@ class Agent:
                     self._conns[rank] = open_conns[0]
                 else:
                     del self._conns[rank]
-        if self._state != "running" or rank in self._left or reason is None or open_conns:
+        if self._state != "running" or rank in self._left or reason is None:
+            return
+        if open_conns:
+            # The peer is still reachable, but what went out on this connection may be lost.
+            w = self._workers.get(rank)
+            name = w.name if w else f"rank{rank}"
+            self._fail_sent_on(conn, ConnectionLostError(
+                f"a connection to worker {name} (rank {rank}) broke with this request on it: "
+                f"{reason}", worker=name))
             return
         w = self._workers.get(rank)
         name = w.name if w else f"rank{rank}"
@@ -1702,17 +1672,17 @@ class Agent:
         for conn in idle:
             conn.close(reason)
 
+    def _fail_sent_on(self, conn: Connection, error: RpcError) -> None:
+        """Fail (or retry) the pending requests whose last attempt went out on ``conn``."""
+        for rid in list(self._pending):
+            p = self._pending.get(rid)
+            if p is not None and p.conn is conn and self._pending.pop(rid, None) is not None:
+                self._fail(rid, p, error)
+
     def _fail_pending(self, rank: int, error: RpcError) -> None:
         for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
             p = self._pending.get(rid)
             if p is not None and p.dst.id == rank and self._pending.pop(rid, None) is not None:
-                self._fail(rid, p, error)
-        if self._unconfirmed:
-            # Unconfirmed one-way requests may not have arrived: they go the way of a
-            # request whose connection broke (a probe, then a resend if missing).
-            with self._probe_lock:
-                unconfirmed = self._unconfirmed.pop(rank, {})
-            for rid, p in unconfirmed.items():
                 self._fail(rid, p, error)
 
     # -- frames ------------------------------------------------------------------------------------
@@ -1779,11 +1749,8 @@ class Agent:
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
         handler = self._handlers.get(kind)
         via = conn if conn.private else None
-        if header.flags & _wire.FLAG_ONCE:
-            if header.oneway:  # no reply will say it arrived: this does
-                self._confirm_arrival(conn, src, header.request_id)
-            if not self._first_time(src, header.request_id, via):
-                return self._reading_to_pool(conn)
+        if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
+            return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state == "running":
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the

@@ -72,11 +72,11 @@ _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection 
 _STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
+_ONCE_KEEP = 60.0
+_ONCE_MAX = 8192
 # How long a caller waits to ask again about an at-most-once request that the callee
 # said it has (its reply may have been lost with the connection it left on).
 _RECHECK = 1.0
-_ONCE_KEEP = 60.0
-_ONCE_MAX = 8192
 _REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
 
@@ -1569,16 +1569,14 @@ class Agent:
                     del self._conns[rank]
         if self._state != "running" or rank in self._left or reason is None:
             return
+        w = self._workers.get(rank)
+        name = w.name if w else f"rank{rank}"
         if open_conns:
             # The peer is still reachable, but what went out on this connection may be lost.
-            w = self._workers.get(rank)
-            name = w.name if w else f"rank{rank}"
-            self._fail_sent_on(conn, ConnectionLostError(
+            self._fail_matching(lambda p: p.conn is conn, ConnectionLostError(
                 f"a connection to worker {name} (rank {rank}) broke with this request on it: "
                 f"{reason}", worker=name))
             return
-        w = self._workers.get(rank)
-        name = w.name if w else f"rank{rank}"
         with self._lock:
             self._lost[rank] = str(reason)
         log.warning("%s lost its connection to worker %s (rank %d): %s", self.name,
@@ -1672,18 +1670,15 @@ class Agent:
         for conn in idle:
             conn.close(reason)
 
-    def _fail_sent_on(self, conn: Connection, error: RpcError) -> None:
-        """Fail (or retry) the pending requests whose last attempt went out on ``conn``."""
-        for rid in list(self._pending):
+    def _fail_matching(self, match: Callable[[_Pending], bool], error: RpcError) -> None:
+        """Fail (or retry) the pending requests for which ``match`` is true."""
+        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
             p = self._pending.get(rid)
-            if p is not None and p.conn is conn and self._pending.pop(rid, None) is not None:
+            if p is not None and match(p) and self._pending.pop(rid, None) is not None:
                 self._fail(rid, p, error)
 
     def _fail_pending(self, rank: int, error: RpcError) -> None:
-        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
-            p = self._pending.get(rid)
-            if p is not None and p.dst.id == rank and self._pending.pop(rid, None) is not None:
-                self._fail(rid, p, error)
+        self._fail_matching(lambda p: p.dst.id == rank, error)
 
     # -- frames ------------------------------------------------------------------------------------
 

@@ -319,6 +319,16 @@ def stop_heartbeats() -> bool:
     return True
 
 
+def goodbye_to(rank: int) -> bool:
+    """Send GOODBYE to ``rank`` on every connection to it, as a stopping worker does, but
+    keep running and serving: the window between a peer's GOODBYE and its closed socket."""
+    from torchrpc._agent.current import current_agent
+    agent = current_agent()
+    for conn in list(agent._all_conns.get(rank, [])):
+        agent._goodbye(conn)
+    return True
+
+
 def flood(to: str, n: int, seconds: float) -> Tuple[int, List[str]]:
     """Start ``n`` calls of ``sleep_then(seconds)`` on ``to`` at once; return how many
     succeeded and the errors of the others as ``"Type: message"``."""

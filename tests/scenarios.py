@@ -221,6 +221,39 @@ def rejoin_member(rank: int) -> None:
     print(f"OK rejoin member {name}", flush=True)
 
 
+def goodbye_window(rank: int) -> None:
+    """Rank 1 says GOODBYE to rank 0 and serves on: rank 0's calls to it fail at once as
+    having left (they would never be answered by a worker that really stops)."""
+    import time
+    from torchrpc.errors import WorkerLeftError
+    stopfile = os.environ["SCENARIO_STOPFILE"]
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=30)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 1:
+        while not os.path.exists(stopfile):
+            time.sleep(0.05)
+        rpc.shutdown(graceful=False)
+        print("OK served", flush=True)
+        return
+    try:
+        rpc.rpc_sync("w1", helpers.goodbye_to, args=(0,))
+    except WorkerLeftError:
+        pass  # the GOODBYE may come before the reply
+    outcomes = []
+    for _ in range(3):
+        start = time.monotonic()
+        try:
+            rpc.rpc_sync("w1", helpers.sleep_then, args=(1.0, "answered"))
+            outcomes.append("answered")
+        except WorkerLeftError as exc:
+            assert "has shut down" in str(exc), exc
+            outcomes.append(time.monotonic() - start)
+    open(stopfile, "w").close()
+    rpc.shutdown(graceful=False)
+    assert all(isinstance(o, float) and o < 0.5 for o in outcomes), outcomes
+    print(f"OK calls failed within {max(outcomes):.3f} s", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     globals()[sys.argv[1]](int(sys.argv[2]))

@@ -106,3 +106,10 @@ def test_invalid_names_are_rejected_before_rendezvous():
         assert isinstance(e.value, RuntimeError)  # torch's type too
     with pytest.raises(TypeError):
         rpc.init_rpc(5, rank=0, world_size=1)
+
+
+def test_calls_to_a_worker_that_said_goodbye_fail_at_once(tmp_path):
+    # A stopping worker's socket closes a moment after its GOODBYE; a call sent in
+    # between would wait for its whole timeout, so it must not be sent.
+    stopfile = str(tmp_path / "stop")
+    assert_ok(launch("goodbye_window", 2, {"SCENARIO_STOPFILE": stopfile}))

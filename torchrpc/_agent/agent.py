@@ -1462,10 +1462,14 @@ class Agent:
         if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
             return exc
         if dst.id in self._left:
-            return WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and left "
-                                   f"the group", worker=dst.name)
+            return self._left_error(dst)
         return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
                                    worker=dst.name)
+
+    @staticmethod
+    def _left_error(dst: WorkerInfo) -> WorkerLeftError:
+        return WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and left the "
+                               f"group", worker=dst.name)
 
     def _check_running(self) -> None:
         self.check_failure()
@@ -1476,6 +1480,8 @@ class Agent:
     def _connection(self, dst: WorkerInfo, patient: bool = False) -> Connection:
         conn = self._conns.get(dst.id)
         if conn is not None and not conn.closed:
+            if dst.id in self._left:  # it said GOODBYE: nothing sent now would be answered
+                raise self._left_error(dst)
             return conn
         with self._lock:
             lock = self._connect_locks.setdefault(dst.id, threading.Lock())
@@ -1484,8 +1490,7 @@ class Agent:
             if conn is not None and not conn.closed:
                 return conn
             if dst.id in self._left:
-                raise WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and "
-                                      f"left the group", worker=dst.name)
+                raise self._left_error(dst)
             if self._state != "running" and self._state != "stopping":
                 raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state}")
             host, port = self._addresses[dst.id]
@@ -1567,9 +1572,14 @@ class Agent:
                     self._conns[rank] = open_conns[0]
                 else:
                     del self._conns[rank]
-        if self._state != "running" or rank in self._left or reason is None:
+        if self._state != "running" or reason is None:
             return
         w = self._workers.get(rank)
+        if rank in self._left:
+            # A request sent while the GOODBYE was on its way was on this connection.
+            if w is not None:
+                self._fail_pending(rank, self._left_error(w))
+            return
         name = w.name if w else f"rank{rank}"
         if open_conns:
             # The peer is still reachable, but what went out on this connection may be lost.
@@ -1726,9 +1736,7 @@ class Agent:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
             self._left.add(src.id)
-            self._fail_pending(src.id, WorkerLeftError(
-                f"worker {src.name} (rank {src.id}) has shut down and left the group",
-                worker=src.name))
+            self._fail_pending(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
             self._beating.add(src.id)

@@ -416,3 +416,28 @@ def start_once_request(to: str, key: str, timeout: float) -> None:
 def once_result(key: str) -> Any:
     """The reply to :func:`start_once_request` of ``key``; None while it waits."""
     return _once_results.get(key)
+
+
+_black_holes: List[Any] = []
+
+
+def black_hole_current_connection(rank: int) -> bool:
+    """Open one more shared connection to ``rank`` and make it this worker's current one,
+    with writes that vanish: the state of a link that broke while this side has not
+    noticed yet."""
+    from torchrpc._agent.current import current_agent
+    agent = current_agent()
+    host, port = agent._addresses[rank]
+    conn = agent._open(agent._workers[rank], host, port, 10.0)
+    conn.send = lambda *args, **kwargs: None
+    agent._conns[rank] = conn
+    _black_holes.append(conn)
+    return True
+
+
+def close_black_holes() -> int:
+    from torchrpc.errors import ConnectionLostError
+    n = len(_black_holes)
+    while _black_holes:
+        _black_holes.pop().close(ConnectionLostError("black hole closed by the test"))
+    return n

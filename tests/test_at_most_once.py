@@ -1,6 +1,7 @@
 """At most once: a request whose connection broke after it was delivered does not run
 again on the callee (here a part of a backward pass, which would add its gradients
-twice): the caller asks the callee first (a probe) and does not send it again."""
+twice): the caller asks the callee first (a probe) and does not send it again. And a
+reply goes back on the connection its request came on, the one the caller watches."""
 
 from __future__ import annotations
 
@@ -65,3 +66,17 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
     assert now["agent.num_once_probes"] >= mine["agent.num_once_probes"] + 1, now
     assert now["agent.num_resends_avoided"] == mine["agent.num_resends_avoided"] + 1, now
     assert now["agent.num_resends_after_probe"] == mine["agent.num_resends_after_probe"], now
+
+
+def test_a_reply_goes_back_on_the_connection_its_request_came_on():
+    # worker1's current connection to this worker swallows what it writes (a link that
+    # broke while worker1 has not noticed); a reply sent there would never arrive.
+    assert rpc.rpc_sync("worker1", robust_helpers.black_hole_current_connection, args=(0,))
+    try:
+        # rpc_async: on the shared connection (an rpc_sync may take a private one).
+        for _ in range(3):
+            assert rpc.rpc_async("worker1", helpers.whoami, timeout=5).wait() == "worker1"
+        assert rpc.rpc_async("worker1", helpers.add, args=(torch.ones(2), 1),
+                             timeout=5).wait().tolist() == [2.0, 2.0]
+    finally:
+        assert rpc.rpc_sync("worker1", robust_helpers.close_black_holes, timeout=10) == 1

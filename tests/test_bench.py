@@ -88,12 +88,28 @@ def test_quick_run_ratios_are_torchrpc_over_torch(quick_report: dict[str, Any]) 
         assert entry["ratios"]["torchrpc"] == pytest.approx(ours / torch_value), name
 
 
-def test_training_sessions_take_turns() -> None:
-    proc = run_bench("--quick", "--workloads", "train", "--systems", "torch,torchrpc",
-                     "--json", timeout=180)
+# Broken systems beside the two that train: "mixed" is torch's autograd with torchrpc's
+# RPC, whose first training step fails (no torch RPC agent) before it is ready to take
+# turns; "crashy"'s caller exits in its 4th step, in the middle of its first turn (its
+# callee reports the lost caller).
+BROKEN = {"mixed": "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
+          "crashy": "torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim"}
+
+
+@pytest.fixture(scope="module")
+def train_run() -> subprocess.CompletedProcess:
+    """One quick run of ``train`` alone (its sessions take turns), with BROKEN beside."""
+    defines = [arg for name, modules in BROKEN.items()
+               for arg in ("--define-system", f"{name}={modules}")]
+    proc = run_bench("--quick", "--workloads", "train", "--systems",
+                     ",".join(["torch", "torchrpc", *BROKEN]), *defines, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "train (in turns): ok" in proc.stderr
-    report = json.loads(proc.stdout)
+    return proc
+
+
+def test_training_sessions_take_turns(train_run: subprocess.CompletedProcess) -> None:
+    assert "train (in turns): ok" in train_run.stderr
+    report = json.loads(train_run.stdout)
     turns = QUICK_OVERRIDES["train_turns"]
     for system in ("torch", "torchrpc"):
         assert report["metrics"]["train_step_ms"]["values"][system] > 0
@@ -103,30 +119,12 @@ def test_training_sessions_take_turns() -> None:
         assert train["steps"] == QUICK_OVERRIDES["train_steps"]
 
 
-def assert_trains_beside_a_broken_system(name: str, modules: str) -> None:
-    """torchrpc's training takes turns with system ``name`` (``modules``), which fails:
-    torchrpc still gets its number, ``name`` an error."""
-    proc = run_bench("--quick", "--workloads", "train", "--systems", f"torchrpc,{name}",
-                     "--define-system", f"{name}={modules}", "--json", timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    entry = json.loads(proc.stdout)["metrics"]["train_step_ms"]
+def test_broken_systems_do_not_hold_up_the_turns(train_run: subprocess.CompletedProcess) -> None:
+    entry = json.loads(train_run.stdout)["metrics"]["train_step_ms"]
     assert entry["values"]["torchrpc"] > 0, entry
-    assert entry["values"][name] is None
-    assert entry["errors"][name], entry
-
-
-def test_a_failing_system_does_not_hold_up_the_turns() -> None:
-    # torch's autograd with torchrpc's RPC: its first training step fails (no torch RPC
-    # agent), before it is ready to take turns; torchrpc still trains, alone.
-    assert_trains_beside_a_broken_system(
-        "mixed", "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim")
-
-
-def test_a_system_dying_in_its_turn_does_not_hold_up_the_others() -> None:
-    # Its caller exits in its 4th step, in the middle of its first turn; its callee
-    # reports the lost caller.
-    assert_trains_beside_a_broken_system(
-        "crashy", "torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim")
+    for name in BROKEN:
+        assert entry["values"][name] is None, (name, entry)
+        assert entry["errors"][name], (name, entry)
 
 
 def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
@@ -148,25 +146,22 @@ def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
     assert "torchrpc_bench_no_such_package" in markdown
 
 
-def test_bad_arguments_are_refused() -> None:
-    proc = run_bench("--systems", "torch,nonesuch", timeout=60)
-    assert proc.returncode == 2
-    assert "nonesuch" in proc.stderr
-    proc = run_bench("--echo-sizes-mb", "1,-4", timeout=60)
-    assert proc.returncode == 2
-    assert "--echo-sizes-mb" in proc.stderr
-    proc = run_bench("--train-steps", "4", "--train-turns", "5", timeout=60)
-    assert proc.returncode == 2
-    assert "--train-turns" in proc.stderr
-    proc = run_bench("--threads", "default,1", "--torch-threads", "2", timeout=60)
-    assert proc.returncode == 2
-    assert "--threads or --torch-threads, not both" in proc.stderr
-    proc = run_bench("--threads", "1,many", timeout=60)
-    assert proc.returncode == 2
-    assert "'many'" in proc.stderr
-    proc = run_bench("--ps-dims", "10,4", timeout=60)
-    assert proc.returncode == 2
-    assert "--ps-dims" in proc.stderr
+@pytest.mark.parametrize("args, said", [
+    (["--systems", "torch,nonesuch"], "nonesuch"),
+    (["--echo-sizes-mb", "1,-4"], "--echo-sizes-mb"),
+    (["--train-steps", "4", "--train-turns", "5"], "--train-turns"),
+    (["--threads", "default,1", "--torch-threads", "2"], "--threads or --torch-threads, not both"),
+    (["--threads", "1,many"], "'many'"),
+    (["--ps-dims", "10,4"], "--ps-dims"),
+])
+def test_bad_arguments_are_refused(args: list[str], said: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused while the arguments are read, before any worker starts: in this process.
+    from torchrpc.bench.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert said in capsys.readouterr().err
 
 
 def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:

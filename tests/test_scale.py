@@ -18,11 +18,15 @@ NS = ("trpc_ns_a", "trpc_ns_b")
 ADDRS = ("10.231.7.1", "10.231.7.2")
 
 
-def test_thirty_two_workers_init_call_everyone_and_shut_down(monkeypatch):
-    monkeypatch.setenv("TORCHRPC_SCENARIO_TIMEOUT", "600")
-    import tests.test_lifecycle as lifecycle
-    monkeypatch.setattr(lifecycle, "TIMEOUT", 600)
-    outs = launch("all_to_all", 32)
+def test_thirty_two_workers_init_call_everyone_and_shut_down(tmp_path):
+    # 32 processes forked from one that imported torch and torchrpc (see scenarios.forked).
+    world = 32
+    proc = subprocess.run([sys.executable, "-m", "tests.scenarios", "forked", "all_to_all",
+                           str(world), str(tmp_path)], cwd=ROOT, timeout=600,
+                          env=worker_env(free_port(), world), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [(int((tmp_path / f"{r}.status").read_text()), (tmp_path / str(r)).read_text())
+            for r in range(world)]
     assert_ok(outs)
     inits = [float(re.search(r"init=([\d.]+)", out).group(1)) for _, out in outs]
     print(f"32 workers: slowest init_rpc {max(inits):.2f} s")

@@ -1247,7 +1247,7 @@ class Agent:
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
-        """Send one frame to ``dst`` (on ``via``, a private connection, if given); raise
+        """Send one frame to ``dst`` (on ``via``, if given); raise
         :class:`RpcError` when it cannot.
 
         Every frame of a reply, and of a request not sent privately, leaves through
@@ -1751,7 +1751,7 @@ class Agent:
         stats.calls_in += 1
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
         handler = self._handlers.get(kind)
-        via = conn if conn.private else None
+        via = conn  # the reply goes back on it: the caller watches that connection for it
         if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
             return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state == "running":
@@ -1986,8 +1986,7 @@ class Agent:
     def _serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
                buffers: List[torch.Tensor], handler: Optional[Callable],
                via: Optional[Connection] = None) -> None:
-        """Run a request and send the reply (on ``via``, the private connection it came
-        on, if any)."""
+        """Run a request and send the reply (on ``via``, the connection it came on)."""
         rid, oneway, kind = header.request_id, header.oneway, header.kind
         scopes: List[CallScope] = []
 
@@ -2122,8 +2121,9 @@ class Agent:
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
-            if via is not None and (dst.id, rid) in self._once:
-                # The caller sends it again on another connection: answer there.
+            if via is not None and (not via.private or (dst.id, rid) in self._once):
+                # Broken: answer on the current connection (the caller ignores a reply it
+                # no longer waits for; an at-most-once one is resent on another).
                 self._send_reply(dst, kind, rid, env, bufs, keep)
                 return
             self.send_failed(kind, rid, dst, exc)

@@ -441,3 +441,32 @@ def close_black_holes() -> int:
     while _black_holes:
         _black_holes.pop().close(ConnectionLostError("black hole closed by the test"))
     return n
+
+
+_backward_results: Dict[str, Any] = {}
+
+
+def start_backward_through(to: str, key: str) -> bool:
+    """Start, in a thread, a distributed backward pass rooted here whose one part runs
+    on ``to`` and ends there (at a weight of ``to``: its credit comes back in a report);
+    :func:`backward_result` gives the weight's gradient (or the error) and how long it
+    took."""
+    import torchrpc.autograd as dist_autograd
+    from . import helpers
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            with dist_autograd.context() as ctx:
+                y = rpc.rpc_sync(to, helpers.times_weight, args=(torch.full((4,), 2.0),))
+                dist_autograd.backward(ctx, [y.sum()])
+                out: Any = rpc.rpc_sync(to, helpers.weight_gradient, args=(ctx,))
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out = exc
+        _backward_results[key] = (out, time.monotonic() - start)
+    threading.Thread(target=run, daemon=True).start()
+    return True
+
+
+def backward_result(key: str) -> Any:
+    return _backward_results.get(key)

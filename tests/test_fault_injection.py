@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import torchrpc.rpc as rpc
 from torchrpc._agent.retry import RetryPolicy
@@ -363,3 +364,21 @@ def test_the_requests_of_one_peer_are_asked_about_in_one_probe(agent, once_kind)
     assert (avoided - mine[1], after - mine[2]) == (2, 1)
     assert probes - mine[0] <= 3  # one for all three, then at most a recheck or two
     assert _duplicates("worker1") == dups
+
+
+def test_a_backward_report_lost_with_its_connection_is_sent_again(agent):
+    # worker1 roots a backward pass whose remote part runs here; this worker's report of
+    # its credit to worker1 is lost with a connection that then breaks. The report is
+    # asked about and sent again, so the pass ends now rather than at its RPC timeout.
+    plan = agent.inject(drop=["AUTOGRAD_DONE"], num_drop_sends=1)
+    assert rpc.rpc_sync("worker1", rh.start_backward_through, args=("worker0", "lost report"))
+    wait_for("the report to be dropped", lambda: plan.dropped.get("AUTOGRAD_DONE") == 1, 10)
+    time.sleep(0.2)
+    cut = time.monotonic()
+    _cut(agent)
+    _settle()
+    wait_for("the backward pass to end", lambda: rpc.rpc_sync(
+        "worker1", rh.backward_result, args=("lost report",)), 20)
+    grad, _ = rpc.rpc_sync("worker1", rh.backward_result, args=("lost report",))
+    assert torch.equal(grad, torch.full((4,), 2.0)), grad
+    assert time.monotonic() - cut < 10

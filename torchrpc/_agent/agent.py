@@ -958,7 +958,10 @@ class Agent:
         a call hook has something to add for this one. ``share``: a list that gets this
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
         """
-        if self._max_pending and len(self._pending) >= self._max_pending and not oneway:
+        # The protocols' at-most-once messages are not refused: losing them would lose state.
+        once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
+        if self._max_pending and len(self._pending) >= self._max_pending and not oneway \
+                and not once:
             raise RpcError(
                 f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
                 f"for replies (max_pending_requests is {self._max_pending}); wait for some "
@@ -996,7 +999,7 @@ class Agent:
         p.private = private
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
-            if kind != Kind.CALL:  # internal: the callee runs it once; @idempotent may rerun
+            if once:  # internal: the callee runs it once; @idempotent may rerun
                 flags |= _wire.FLAG_ONCE
             p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:

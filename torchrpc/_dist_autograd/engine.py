@@ -24,9 +24,13 @@ the local graph is therefore retained until the context is released, whatever
 The root learns that the pass is over by *credit recovery* (weight-throwing
 termination detection): the pass starts with credit 1 at the root; a worker splits
 the credit it received among the requests it sends on, and a worker that sends
-nothing on returns its credit to the root in a one-way ``AUTOGRAD_DONE``. Credit
+nothing on returns its credit to the root in an ``AUTOGRAD_DONE``. Credit
 is never created, so the pass is over exactly when all of it is back, whatever
-order the reports arrive in; a chain A -> B -> A costs two one-way messages.
+order the reports arrive in; a chain A -> B -> A costs two reports. A report (like a
+release, below) is a request with a small reply, not a one-way message: one lost with
+a connection that broke between two live workers is asked about and sent again (the
+agent's at-most-once probes), where a one-way one would leave the root waiting for
+its credit until the RPC timeout, or forever without one.
 A failure anywhere (in the local engine, or a request that could not be
 delivered, seen by its sender) returns the credit involved together with the
 error, which names the worker; the root raises the first error once all the
@@ -88,6 +92,7 @@ _ALL_CREDIT = Fraction(1)
 # Control messages are resent only when sending them failed (they did not arrive), as the
 # design note prescribes for internal messages.
 _CONTROL_RETRY = RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=1.0)
+_CONTROL_TIMEOUT = 60.0  # seconds for a report or a release when the RPC timeout is none
 _TOMBSTONES = 16384
 _BACKWARD = "distributed autograd backward"
 _profiling = torch.autograd._profiler_enabled
@@ -317,17 +322,30 @@ class DistAutogradEngine(CallHook):
         agent = self._agent
         guard = Guard(f"sending autograd context releases from {agent.name}", limit=None)
         for rank, ids in releases.items():
-            # One-way: nothing waits for a release. It is written to the connection before
-            # this call returns, so a later shutdown of this worker still delivers it.
+            # Nothing here waits for the reply; a later shutdown of this worker does.
             with guard:  # an unexpected failure for one worker spares the others
                 try:
-                    agent.request(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
-                                  ReleaseRequest(tuple(ids)), 0, oneway=True,
-                                  what="distributed autograd context release",
-                                  retry=_CONTROL_RETRY)
+                    self._control(agent.resolve(rank), Kind.AUTOGRAD_RELEASE,
+                                  ReleaseRequest(tuple(ids)),
+                                  "distributed autograd context release", logging.DEBUG)
                 except (RpcError, ValueError) as exc:
                     log.debug("%s could not release autograd contexts %s on rank "
                               "%d: %s", agent.name, ids, rank, exc)
+
+    def _control(self, dst: WorkerInfo, kind: int, payload: Any, what: str,
+                 level: int) -> None:
+        """Send a message of the protocol that must arrive (a report, a release), with
+        retries under the RPC timeout; a failure is logged at ``level``."""
+        agent = self._agent
+        fut = agent.request(dst, kind, payload, agent.default_timeout or _CONTROL_TIMEOUT,
+                            what=what, retry=_CONTROL_RETRY)
+
+        def settled(f: torch.futures.Future) -> None:
+            try:
+                f.wait()
+            except Exception as exc:  # noqa: BLE001 - nothing else waits for it
+                log.log(level, "%s: %s to %s failed: %s", agent.name, what, dst.name, exc)
+        fut.add_done_callback(settled)
 
     def gradients(self, context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return self.retrieve(context_id).gradients()
@@ -572,18 +590,17 @@ class DistAutogradEngine(CallHook):
         agent = self._agent
         info = _error_info(error, agent.name) if error is not None else None
         try:
+            report = DoneReport(pass_id, credit, info)
             try:
-                report = DoneReport(pass_id, credit, info)
-                agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
-                              what="distributed autograd report", oneway=True,
-                              retry=_CONTROL_RETRY)
+                self._control(agent.resolve(root), Kind.AUTOGRAD_DONE, report,
+                              "distributed autograd report", logging.WARNING)
             except SerializationError:
                 if info is None:
                     raise
                 # the error's type does not pickle: send its text as an RpcError
                 info.exc_type, info.original = RpcError, None
-                agent.request(agent.resolve(root), Kind.AUTOGRAD_DONE, report, 0,
-                              what="distributed autograd report", oneway=True)
+                self._control(agent.resolve(root), Kind.AUTOGRAD_DONE, report,
+                              "distributed autograd report", logging.WARNING)
         except BaseException as exc:  # noqa: BLE001 - the root times out and says so
             log.warning("%s could not report to the root of distributed backward "
                         "pass %s: %s", agent.name, pass_id, exc)

@@ -139,6 +139,27 @@ def running_group(world_size: int, **kwargs: object) -> Iterator[Group]:
         assert all(c == 0 for c in codes.values()), f"workers exited with {codes}"
 
 
+def sigstop(pid: int, limit: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and return once every thread of it is stopped: ``kill()``
+    returns before a thread running on another CPU has stopped, and a request sent in
+    between could still be answered."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + limit
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        if all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped after {limit:g} s: {states}")
+        time.sleep(0.001)
+
+
 def wait_for(what: str, check: Callable[[], Any], limit: float) -> float:
     """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``."""
     start = time.monotonic()

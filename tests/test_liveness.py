@@ -24,7 +24,7 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
 from . import helpers
-from .group import running_group
+from .group import running_group, sigstop
 
 HB_TIMEOUT = 2.0
 # Calls that are running when their callee stops: longer than it takes to detect it, and
@@ -45,7 +45,7 @@ def group():
 
 
 def _stop(group, rank: int) -> float:
-    group.procs[rank].send_signal(signal.SIGSTOP)
+    sigstop(group.procs[rank].pid)
     return time.monotonic()
 
 

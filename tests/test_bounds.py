@@ -22,7 +22,7 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError, RpcError
 
 from . import helpers
-from .group import running_group
+from .group import running_group, sigstop
 
 SEND_TIMEOUT = 1.5
 OUTBOX = 8 << 20
@@ -115,7 +115,7 @@ def test_private_connections_a_peer_dials_here_are_bounded():
 def test_a_peer_that_does_not_read_fails_sends_in_time_and_the_outbox_stays_bounded(group):
     assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
     conn = current_agent()._conns[2]
-    group.procs[2].send_signal(signal.SIGSTOP)
+    sigstop(group.procs[2].pid)
     try:
         outcomes: List = []
         lock = threading.Lock()

@@ -18,7 +18,7 @@ from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.optim import DistributedOptimizer
 
 from . import helpers
-from .group import Group, running_group
+from .group import Group, running_group, sigstop
 
 
 def _fail_times(futs: List, start: float) -> List[float]:
@@ -130,7 +130,7 @@ def test_heartbeat_detects_a_silent_worker():
         futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0, 1)) for _ in range(4)]
         time.sleep(0.2)
         start = time.monotonic()
-        group.procs[2].send_signal(signal.SIGSTOP)
+        sigstop(group.procs[2].pid)
         times = _fail_times(futs, start)
         assert max(times) < 2.0, times
         assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import torchrpc.rpc as rpc
 
 from . import helpers
 from . import transport_helpers as th
-from .group import ROOT, Group, free_port, worker_env
+from .group import ROOT, Group, free_port, sigstop, worker_env
 from .test_transport import LARGE, THRESHOLD, torchrpc_segments
 
 
@@ -48,7 +47,7 @@ def test_no_segment_files_left_after_sigkill():
         # worker2 talks to worker1 already; then worker1 stops reading, and worker0 and
         # worker2 each send it a large tensor: two segments exist that nobody will map.
         assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 1)) == "worker2>worker1"
-        os.kill(group.procs[1].pid, signal.SIGSTOP)
+        sigstop(group.procs[1].pid)
         fut = rpc.rpc_async("worker1", th.hold, args=("x", torch.ones(LARGE)), timeout=0)
         rpc.rpc_sync("worker2", th.fire, args=("worker1", LARGE))
         deadline = time.monotonic() + 10

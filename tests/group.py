@@ -37,6 +37,23 @@ def worker_env(port: int, world_size: int, extra: Optional[Dict[str, str]] = Non
     return env
 
 
+FORK_ENV = "TORCHRPC_TEST_FORK"  # "0": start group members as new interpreters
+
+
+def start_module(module: str, args: List[str], env: Dict[str, str], capture: bool = False) -> Any:
+    """``python -m module *args`` with environment ``env``: forked from the test zygote
+    (``tests.zygote``, which has imported torch once for all), or a new interpreter where
+    ``TORCHRPC_TEST_FORK=0``. Either answers ``subprocess.Popen``'s pid, poll, wait,
+    send_signal and kill; with ``capture``, also ``stdout`` (text, stderr merged in) and
+    ``communicate``."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        pipes: Dict[str, Any] = (dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                 if capture else {})
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, **pipes)
+    from tests import zygote
+    return zygote.spawn(module, args, env, ROOT, capture)
+
+
 OPTIONS_ENV = "TORCHRPC_TEST_OPTIONS"  # JSON: extra keyword arguments of the options
 BACKEND_ENV = "TORCHRPC_TEST_BACKEND"  # a backend name, e.g. FAULTY_TENSORPIPE
 
@@ -82,12 +99,10 @@ class Group:
         self.self_env = {OPTIONS_ENV: json.dumps(options if self_options is None else self_options),
                          BACKEND_ENV: (self_backend or backend or "")}
         env = worker_env(self.port, world_size, extra_env)
-        self.procs: Dict[int, subprocess.Popen] = {}
+        self.procs: Dict[int, Any] = {}
         for r in range(1, world_size):
-            self.procs[r] = subprocess.Popen(
-                [sys.executable, "-m", "tests.worker_main", self.names[r], str(r), str(world_size),
-                 str(threads), str(timeout)],
-                cwd=ROOT, env=env)
+            self.procs[r] = start_module("tests.worker_main", [self.names[r], str(r), str(world_size),
+                                                               str(threads), str(timeout)], env)
 
     def init_self(self) -> None:
         import torchrpc.rpc as rpc

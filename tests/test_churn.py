@@ -48,7 +48,7 @@ def test_connection_churn_with_faults_kills_no_thread_and_loses_no_worker(tmp_pa
                            self_backend="TENSORPIPE", options=OPTIONS,
                            extra_env={WATCH_ENV: str(tmp_path)}):
             names = [w.name for w in rpc.get_worker_infos()]
-            start_at = time.time() + 5.0  # every drive is started before any churn
+            start_at = time.time() + 2.0  # every drive is started before any churn
             for rank, name in list(enumerate(names))[1:]:
                 assert _retry(rpc.rpc_sync, name, rh.start_churn, args=(start_at, SECONDS, rank))
             rh.start_churn(start_at, SECONDS, 0)

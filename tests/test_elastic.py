@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import pytest
 
@@ -22,19 +22,17 @@ from torchrpc.errors import WorkerLeftError
 
 from . import helpers
 from .handshake_helpers import authenticate
-from .group import ROOT, free_port, worker_env
+from .group import free_port, start_module, worker_env
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-elastic-")
 
 
 def spawn(name: str, rank: int, stop: str, scenario: str = "elastic_member"
-          ) -> subprocess.Popen:
+          ) -> Any:
     env = worker_env(PORT, 0, {"SCENARIO_NAME": name, "SCENARIO_STOPFILE": os.path.join(STOP, stop)})
     env.pop("WORLD_SIZE")
-    return subprocess.Popen([sys.executable, "-m", "tests.scenarios", scenario, str(rank),
-                             "0", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return start_module("tests.scenarios", [scenario, str(rank), "0", "0"], env, capture=True)
 
 
 def names_everywhere(expected, who=("w0", "w1"), timeout=60.0):
@@ -101,7 +99,7 @@ def test_joining_with_a_name_in_use_is_refused(group):
 HB_TIMEOUT = 5.0  # the default heartbeat_timeout of every member here
 
 
-def _joined(name: str, rank: int, proc: subprocess.Popen) -> None:
+def _joined(name: str, rank: int, proc: Any) -> None:
     """``name`` (rank ``rank``) is served by ``proc`` for w0 and w1, and in both tables."""
     names_everywhere(["w0", "w1", name], timeout=120)
     assert rpc.rpc_sync(name, helpers.pid, timeout=30) == proc.pid
@@ -119,7 +117,7 @@ def _removed(name: str, since: float) -> float:
     return took
 
 
-def _stop_member(name: str, proc: subprocess.Popen) -> None:
+def _stop_member(name: str, proc: Any) -> None:
     """Let member ``name`` (``proc``, a rejoin_member worker) leave gracefully; the group is
     w0 and w1 again."""
     open(os.path.join(STOP, f"stop-{name}"), "w").close()

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from .group import ROOT, free_port, worker_env
+from .group import ROOT, free_port, start_module, worker_env
 
 TIMEOUT = int(os.environ.get("TORCHRPC_SCENARIO_TIMEOUT", "90"))
 
@@ -22,9 +22,8 @@ def launch(scenario: str, world: int, extra=None, ranks=None, env_per_rank=None)
         env = worker_env(port, world, extra)
         if env_per_rank:
             env.update(env_per_rank(r))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.scenarios", scenario, str(r), str(world), str(free_port())],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(start_module("tests.scenarios", [scenario, str(r), str(world), str(free_port())],
+                                  env, capture=True))
     outs = []
     for p in procs:
         try:

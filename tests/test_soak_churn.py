@@ -19,12 +19,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torchrpc.rpc as rpc
 
 from . import robust_helpers as rh
-from .group import ROOT, free_port, worker_env
+from .group import free_port, start_module, worker_env
 
 SECONDS = float(os.environ.get("TORCHRPC_SOAK_CHURN_SECONDS", "12"))
 EVERY = float(os.environ.get("TORCHRPC_SOAK_CHURN_EVERY", "4"))
@@ -34,12 +34,11 @@ SURVIVORS = ["s0", "s1", "s2"]
 VICTIM, VICTIM_RANK = "v", 10
 
 
-def _spawn(port: int, name: str, rank: int, stopfile: str) -> subprocess.Popen:
+def _spawn(port: int, name: str, rank: int, stopfile: str) -> Any:
     env = worker_env(port, 0, {"SCENARIO_NAME": name, "SCENARIO_STOPFILE": stopfile})
     env.pop("WORLD_SIZE")
-    return subprocess.Popen([sys.executable, "-m", "tests.scenarios", "soak_member", str(rank),
-                             "0", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return start_module("tests.scenarios", ["soak_member", str(rank), "0", "0"], env,
+                        capture=True)
 
 
 def _members() -> List[str]:
@@ -75,7 +74,7 @@ def test_mixed_load_survives_a_member_killed_and_replaced():
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=POOL))
     stopfile = os.path.join(stop, "stop")
     procs = {n: _spawn(port, n, r, stopfile) for r, n in enumerate(SURVIVORS) if r}
-    victims: List[subprocess.Popen] = []
+    victims: List[Any] = []
     try:
         _wait_joined(SURVIVORS)
         victims.append(_spawn(port, VICTIM, VICTIM_RANK, stopfile))

@@ -88,6 +88,11 @@ class DestinationTypeError(RpcError, ValueError, TypeError):
     """``to`` is neither a worker name, a rank nor a WorkerInfo (torch: ``ValueError``)."""
 
 
+class DeviceMapError(RpcError):
+    """A CUDA tensor was to travel to a worker without a device map entry for its device
+    (torch: ``RuntimeError``)."""
+
+
 class GroupCallError(RpcError):
     """Some calls of a group call (``rpc_async_many``) failed.
 

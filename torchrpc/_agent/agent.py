@@ -48,7 +48,7 @@ from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING
-from ..errors import (ConnectionLostError, DestinationTypeError, InvalidArgumentError,
+from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError, InvalidArgumentError,
                       NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError, as_runtime_error)
@@ -118,6 +118,11 @@ class MessageContext:
         if self.on_settled is None:
             self.on_settled = []
         self.on_settled.append(action)
+
+    def target_device(self, device: torch.device) -> torch.device:
+        """The device a CUDA tensor on ``device`` lands on at the peer (see
+        :meth:`Agent.target_device`)."""
+        return self.agent.target_device(self.peer, device, self.kind == Kind.RESPONSE)
 
     def __repr__(self) -> str:
         return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"
@@ -381,6 +386,10 @@ class Agent:
         # callbacks due later, run on the pool: (when, seq, fn, args)
         self._later: List[Tuple[float, int, Callable[..., None], Tuple[Any, ...]]] = []
         self._later_seq = itertools.count()
+        # device maps: this worker's, by callee name, and each peer's as it published them
+        self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
+            getattr(options, "device_maps", None) or {})
+        self._peer_maps: Dict[int, Dict[str, Dict[str, str]]] = {}
         # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
         self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
@@ -461,7 +470,10 @@ class Agent:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
             # Peers watch this worker for silence only if they know it sends heartbeats.
-            facts = {"heartbeat_interval": self._hb_interval}
+            facts: Dict[str, Any] = {"heartbeat_interval": self._hb_interval}
+            if self._device_maps:  # each callee answers through the inverse of its map
+                facts["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
+                                        for to, m in self._device_maps.items()}
             if self.elastic:
                 membership.announce(store, self.name, rank, self._transport.address, facts,
                                     self.incarnation)
@@ -569,6 +581,11 @@ class Agent:
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
             self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
+            maps = info.get("device_maps")
+            if isinstance(maps, dict) and maps:
+                self._peer_maps[rank] = maps
+            else:
+                self._peer_maps.pop(rank, None)
         if self._once:  # request ids of an earlier worker under this rank mean nothing now
             with self._once_lock:
                 for key in [k for k in self._once if k[0] == rank]:
@@ -615,6 +632,34 @@ class Agent:
                 with self._lock:
                     self._declared.add(rank)
                 self._run_loss_hooks(w, error)
+
+    def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
+        """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
+        map for ``peer`` (a request), or through the inverse of ``peer``'s map for this
+        worker (a reply); on the same device when ``peer`` is this worker. Raises
+        :class:`DeviceMapError` (torch's error) where the map has no entry for ``device``."""
+        if peer.id == self.rank:
+            return device
+        if reply:
+            theirs = self._peer_maps.get(peer.id, {}).get(self.name, {})
+            for src, dst in theirs.items():
+                if dst == str(device):
+                    return torch.device(src)
+            what, fix = "Response", (f"add {device} as a target to the device map that "
+                                     f"{peer.name} sets for {self.name}, or return CPU tensors")
+        else:
+            target = self._device_maps.get(peer.name, {}).get(device)
+            if target is not None:
+                return target
+            what, fix = "Request", (f"call options.set_device_map({peer.name!r}, "
+                                    f"{{{str(device)!r}: ...}}) before init_rpc, or send "
+                                    f"the tensor's .cpu() copy")
+        raise DeviceMapError(
+            "TensorPipe RPC backend only supports CPU tensors by default, please move your "
+            "tensors to CPU before sending them over RPC, or call `set_device_map` on "
+            "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+            f"{what} device mapping is not available for destination {peer.name}: a tensor "
+            f"on {device} has no entry in the device map; {fix}")
 
     def _departure(self, name: str, rank: int) -> str:
         """Why worker ``name`` (rank ``rank``), no longer a member, is gone."""

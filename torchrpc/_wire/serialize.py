@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from ..errors import MissingDefinitionError, SerializationError
+from ..errors import MissingDefinitionError, RpcError, SerializationError
 
 TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
@@ -272,9 +272,26 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
     return _received_with_grad(t) if requires_grad else t
 
 
-_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES, _INLINE = 0, 1, 2, 3, 4, 5
+def _rebuild_on_device(target: str, fn: Callable[..., torch.Tensor], args: Tuple[Any, ...]
+                       ) -> torch.Tensor:
+    """A CUDA tensor: its bytes travel as a CPU tensor (``fn(*args)``) and land on
+    ``target``, the device its sender's device map names."""
+    device = torch.device(target)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"malformed tensor: target device {target!r} is not a CUDA device")
+    t = fn(*args)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"malformed tensor: {type(t).__name__} sent for device {target}")
+    if t.is_leaf:
+        with torch.no_grad():
+            moved = t.to(device)
+        return moved.requires_grad_(t.requires_grad)
+    return t.to(device)  # received by a distributed autograd pass: the copy is in its graph
+
+
+_SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES, _INLINE, _DEVICE = 0, 1, 2, 3, 4, 5, 6
 _REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, _rebuild_bytes,
-               _rebuild_inline)
+               _rebuild_inline, _rebuild_on_device)
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
@@ -353,7 +370,10 @@ class _Encoder:
         if not t.is_cpu:
             if not t.is_cuda:
                 return _plain_reduce(t)
-            data = t.detach().cpu()
+            target = self.cuda_target(t)
+            if target is not None:
+                return self.reduce_cuda(t, target)
+            data = t.detach().cpu()  # no RPC peer (a local tool's encode): to CPU
         if (dtype.is_complex and data.is_conj()) or data.is_neg():
             if not requires_grad:
                 # Keep the lazy bit, as pickle does: send the memory as it lies, and set
@@ -415,6 +435,34 @@ class _Encoder:
             self.keepalive.append(data)
         return _rebuild, (_TENSOR, slot, lo - slot.lo, dtype_ref, tuple(data.shape),
                           data.stride(), requires_grad)
+
+    @staticmethod
+    def cuda_target(t: torch.Tensor) -> Optional[str]:
+        """The device CUDA tensor ``t`` lands on at the peer of the message being encoded
+        (its context's ``target_device``, which raises where no device map covers it), or
+        None outside an RPC message."""
+        where = getattr(current_context(), "target_device", None)
+        if where is None:
+            return None
+        try:
+            return str(where(t.device))
+        except RpcError as exc:
+            raise PassThrough(exc) from None
+
+    def reduce_cuda(self, t: torch.Tensor, target: str) -> Tuple[Any, ...]:
+        """Send CUDA tensor ``t`` as its CPU copy, to be moved to ``target`` on arrival."""
+        hook = self.send_hook
+        if hook is not None and t.requires_grad and t.numel():
+            hook(t)  # recorded as itself; the copy below only carries the bytes
+        data = t.detach().cpu()
+        if t.requires_grad:
+            data.requires_grad_(True)
+        self.send_hook = None
+        try:
+            fn, args = self.reduce_tensor(data)[:2]
+        finally:
+            self.send_hook = hook
+        return _rebuild, (_DEVICE, target, fn, args)
 
     def widen(self, key: int, sent: Tuple[int, int], lo: int, hi: int) -> None:
         """Storage ``key``, of which bytes ``sent`` are already pickled, is needed over

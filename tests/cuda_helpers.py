@@ -1,0 +1,79 @@
+"""A stand-in for CUDA tensors on machines without a GPU, for the serialization layer only.
+
+:class:`FakeCuda` is a CPU tensor that answers ``is_cuda``, ``is_cpu`` and ``device`` as a
+tensor on ``cuda:0`` would; every torch operation on it returns a plain CPU tensor, so
+what the encoder sends (the bytes of its ``.cpu()`` copy) is real. Importing this module
+routes it to the encoder's tensor reduction, where a real CUDA tensor goes (a tensor
+subclass would otherwise be pickled by its own reduction): the one mock, at the
+serialization layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchrpc._wire import serialize
+
+
+class FakeCuda(torch.Tensor):
+    index = 0  # the CUDA device it claims
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", type(self).index)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class FakeCuda1(FakeCuda):
+    index = 1
+
+
+serialize._REDUCERS[FakeCuda] = serialize._Encoder.reduce_tensor
+serialize._REDUCERS[FakeCuda1] = serialize._Encoder.reduce_tensor
+
+
+def fake_cuda(t: torch.Tensor, index: int = 0) -> FakeCuda:
+    """``t``'s values, as a tensor that says it lives on cuda:``index`` (0 or 1)."""
+    return t.as_subclass(FakeCuda1 if index else FakeCuda)
+
+
+def make_fake_cuda(n: int, index: int = 0) -> FakeCuda:
+    """Run by RPC: a reply that holds a (fake) CUDA tensor."""
+    return fake_cuda(torch.arange(float(n)), index)
+
+
+def send_fake_cuda(to: str) -> str:
+    """Run by RPC: send a (fake) CUDA tensor on to ``to``; what happened, as text."""
+    import torchrpc.rpc as rpc
+    try:
+        return rpc.rpc_sync(to, where, args=(fake_cuda(torch.ones(2)),))
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def where(t: torch.Tensor) -> str:
+    """Run by RPC: the device and type of the tensor that arrived."""
+    return f"{type(t).__name__} on {t.device}"
+
+
+def send_cuda(to: str) -> str:
+    """Run by RPC on a GPU machine: send a real CUDA tensor on to ``to``."""
+    import torchrpc.rpc as rpc
+    try:
+        return rpc.rpc_sync(to, where, args=(torch.ones(2, device="cuda:0"),))
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"

@@ -322,9 +322,17 @@ def stop_heartbeats() -> bool:
 def goodbye_to(rank: int) -> bool:
     """Send GOODBYE to ``rank`` on every connection to it, as a stopping worker does, but
     keep running and serving: the window between a peer's GOODBYE and its closed socket."""
+    import time
     from torchrpc._agent.current import current_agent
     agent = current_agent()
-    for conn in list(agent._all_conns.get(rank, [])):
+    # The caller's shared connection here may still be registering (its handshake ends
+    # on the caller's side first); a GOODBYE needs it.
+    deadline = time.monotonic() + 10.0
+    while not agent._all_conns.get(rank) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conns = list(agent._all_conns.get(rank, []))
+    assert conns, f"no shared connection to rank {rank} to say GOODBYE on"
+    for conn in conns:
         agent._goodbye(conn)
     return True
 

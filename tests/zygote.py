@@ -5,11 +5,12 @@ torchrpc, instead of starting a new interpreter for each (which spends seconds o
 :func:`spawn` runs ``python -m MODULE ARGS`` with environment ``env`` in a child of the
 forking process (the zygote) and returns a :class:`Forked`, which answers the part of
 ``subprocess.Popen`` the tests use: ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``,
-``terminate``, ``returncode``, and with ``capture`` ``stdout`` and ``communicate``. The child writes to the stdout and stderr the test
-process has when it asks (the descriptors travel over the zygote's socket), so pytest
-captures its output as it captures a subprocess's. The zygote starts on first use, runs
-no thread (a forked child starts from a clean state), reaps its children and reports
-their exit statuses; it exits when the test process closes its socket.
+``terminate``, ``returncode``, and with ``capture`` ``stdout`` and ``communicate``. The
+child writes to the stdout and stderr the test process has when it asks (the descriptors
+travel over the zygote's socket), so pytest captures its output as it captures a
+subprocess's. The zygote starts on first use, runs no thread (a forked child starts from
+a clean state), reaps its children and reports their exit statuses; it exits when the
+test process closes its socket.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import IO, Dict, Mapping, Optional, Sequence, Tuple
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imported once in the zygote, before any fork.
@@ -37,6 +38,8 @@ class Forked:
         self.stdout = stdout  # with ``capture``: the child's stdout and stderr, as text
         self.returncode: Optional[int] = None
         self._done = threading.Event()
+        self._reader: Optional[threading.Thread] = None  # reads stdout for communicate()
+        self._output = ""
 
     def _exited(self, code: int) -> None:
         self.returncode = code
@@ -64,9 +67,6 @@ class Forked:
             raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
         self.wait(timeout)
         return self._output, None
-
-    _reader: Optional[threading.Thread] = None
-    _output = ""
 
     def _read_all(self) -> None:
         assert self.stdout is not None
@@ -101,7 +101,7 @@ class _Client:
         self.lock = threading.Lock()  # one spawn request at a time
         self.children: Dict[int, Forked] = {}
         self.early: Dict[int, int] = {}  # exits reported before the spawn's reply was read
-        self.replies: "list[int]" = []
+        self.replies: List[int] = []
         self.cv = threading.Condition()
         threading.Thread(target=self._read, name="zygote-reports", daemon=True).start()
 

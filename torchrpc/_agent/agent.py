@@ -48,8 +48,9 @@ from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING
-from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError, InvalidArgumentError,
-                      NotInitializedError, OperatorSchemaError, RpcError, RpcTimeoutError,
+from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
+                      InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
+                      RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError, as_runtime_error)
 from . import membership, rendezvous
@@ -386,10 +387,11 @@ class Agent:
         # callbacks due later, run on the pool: (when, seq, fn, args)
         self._later: List[Tuple[float, int, Callable[..., None], Tuple[Any, ...]]] = []
         self._later_seq = itertools.count()
-        # device maps: this worker's, by callee name, and each peer's as it published them
+        # device maps: this worker's, by callee name, and by caller rank the inverse of the
+        # map that caller published for this worker (where its replies' tensors go)
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
             getattr(options, "device_maps", None) or {})
-        self._peer_maps: Dict[int, Dict[str, Dict[str, str]]] = {}
+        self._reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
         # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
         self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
         self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
@@ -582,10 +584,12 @@ class Agent:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
             self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
             maps = info.get("device_maps")
-            if isinstance(maps, dict) and maps:
-                self._peer_maps[rank] = maps
+            mine = maps.get(self.name) if isinstance(maps, dict) else None
+            if isinstance(mine, dict) and mine:
+                self._reply_maps[rank] = {torch.device(dst): torch.device(src)
+                                          for src, dst in mine.items()}
             else:
-                self._peer_maps.pop(rank, None)
+                self._reply_maps.pop(rank, None)
         if self._once:  # request ids of an earlier worker under this rank mean nothing now
             with self._once_lock:
                 for key in [k for k in self._once if k[0] == rank]:
@@ -641,10 +645,9 @@ class Agent:
         if peer.id == self.rank:
             return device
         if reply:
-            theirs = self._peer_maps.get(peer.id, {}).get(self.name, {})
-            for src, dst in theirs.items():
-                if dst == str(device):
-                    return torch.device(src)
+            target = self._reply_maps.get(peer.id, {}).get(device)
+            if target is not None:
+                return target
             what, fix = "Response", (f"add {device} as a target to the device map that "
                                      f"{peer.name} sets for {self.name}, or return CPU tensors")
         else:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from ..errors import MissingDefinitionError, RpcError, SerializationError
+from ..errors import DeviceMapError, MissingDefinitionError, SerializationError
 
 TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
@@ -446,7 +446,7 @@ class _Encoder:
             return None
         try:
             return str(where(t.device))
-        except RpcError as exc:
+        except DeviceMapError as exc:
             raise PassThrough(exc) from None
 
     def reduce_cuda(self, t: torch.Tensor, target: str) -> Tuple[Any, ...]:

@@ -125,7 +125,10 @@ class DoneReport:
 
     def __post_init__(self) -> None:
         _check_pass(self.pass_id)
-        _check_credit(self.credit)
+        # No credit comes back with the error of a worker that lost a part of the pass
+        # (the part's credit went down with the lost worker).
+        if self.error is None or self.credit != 0:
+            _check_credit(self.credit)
 
     def __reduce__(self) -> Tuple[Any, ...]:
         c = self.credit

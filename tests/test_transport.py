@@ -105,7 +105,11 @@ def test_large_buffers_use_shared_memory_only_when_enabled(group):
     conns = [c for c in api.current_agent()._transport.connections() if c.peer_rank == 1]
     if group.shm:
         assert th.is_segment(where), where
-        assert th.is_segment(th.mapping_of(back))
+        # The reply came back in our own segment (copied out of it where the callee had
+        # not freed its tensors on it yet: see shm.py).
+        returned = rpc.rpc_sync("worker1", th.debug_counter,
+                                args=("transport.shm_buffers_returned",))
+        assert returned >= 1, returned
         assert any(c.shm_tx is not None and c.shm_tx.num_segments >= 1 for c in conns)
     else:
         assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
@@ -122,9 +126,8 @@ def test_large_numpy_arrays_take_the_tensors_path(group):
         back, where = rpc.rpc_sync("worker1", th.echo_where, args=(a,))
         assert back.tobytes() == a.tobytes() and back.strides == a.strides
         assert back.flags.writeable == a.flags.writeable
-        if group.shm:
+        if group.shm:  # and it came back through shared memory, as tensors do (above)
             assert th.is_segment(where), where
-            assert th.is_segment(th.mapping_of(back))
         else:
             assert "torchrpc" not in where and "torchrpc" not in th.mapping_of(back)
 
@@ -147,6 +150,32 @@ def test_segments_are_reused_but_never_while_in_use(group):
         remote_tx, _ = rpc.rpc_sync("worker1", th.shm_segments)
         assert 1 <= remote_tx <= 8, remote_tx
     del kept
+
+
+def test_a_tensor_the_callee_keeps_comes_back_as_a_copy(group):
+    # Returned buffers go back into the caller's own segment; one the callee still
+    # holds must arrive as a copy all the same, owned by nobody else.
+    x = torch.full((LARGE // 4,), 7.0)
+    seven = x.clone()
+    rpc.rpc_sync("worker1", th.hold, args=("kept", x))
+    r1 = rpc.rpc_sync("worker1", th.held, args=("kept",))
+    r2 = rpc.rpc_sync("worker1", th.held, args=("kept",))
+    r1 += 1
+    assert torch.equal(r2, seven)
+    assert torch.equal(rpc.rpc_sync("worker1", th.held, args=("kept",)), seven)
+    rpc.rpc_sync("worker1", th.bump_held, args=("kept",))
+    assert torch.equal(r2, seven) and torch.equal(r1, seven + 1)
+    assert torch.equal(rpc.rpc_sync("worker1", th.held, args=("kept",)), seven + 1)
+    # An echo comes back without a copy; changing it changes nothing on the callee.
+    rpc.rpc_sync("worker1", th.drop_all)
+    back = _echo(x)
+    back -= 7
+    assert torch.equal(x, seven) and not back.any()
+    del r1, r2, back
+    if group.shm:
+        returned = rpc.rpc_sync("worker1", th.debug_counter,
+                                args=("transport.shm_buffers_returned",))
+        assert returned >= 4, returned
 
 
 def test_concurrent_large_and_small_calls(group):
@@ -192,8 +221,9 @@ class _Peer:
     """A bare transport that echoes CALL frames and records everything else."""
 
     def __init__(self, rank: int, shm_on: bool = True, same_host: bool = True,
-                 same_pids: bool = True) -> None:
+                 same_pids: bool = True, copy_back: bool = False) -> None:
         self.frames: "queue.Queue" = queue.Queue()
+        self.copy_back = copy_back  # echo copies (else a buffer in shared memory goes back)
         self.closed: List[Any] = []
         self.t = Transport(rank, b"s" * 32, _wire.Limits(), lambda c: None, self._on_frame,
                            lambda c, why: self.closed.append(why), "127.0.0.1",
@@ -203,6 +233,8 @@ class _Peer:
 
     def _on_frame(self, conn, header, envelope, buffers) -> None:
         if header.kind == Kind.CALL:
+            if self.copy_back:
+                buffers = [b.clone() for b in buffers]
             conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
                       [_wire.tensor_bytes(b) for b in buffers], buffers)
         else:
@@ -239,7 +271,8 @@ def test_shared_memory_needs_both_sides_the_same_host_and_pids(a_shm, b_shm, sam
         back = _call(conn, a, data)
         assert torch.equal(back, data)
         assert (conn.shm_tx is not None) == used
-        assert th.is_segment(th.mapping_of(back)) == used
+        # Sent to b in a segment of a's, and back in it (see shm.py: send back).
+        assert (b.t.debug_info()["transport.shm_buffers_returned"] == 1) == used
         assert torchrpc_segments([os.getpid()]) == before == []  # never a file
     finally:
         a.close()
@@ -291,7 +324,7 @@ def test_bad_shared_memory_references_close_only_that_connection():
 
 
 def test_senders_retire_idle_and_outgrown_segments():
-    a, b = _Peer(0), _Peer(1)
+    a, b = _Peer(0), _Peer(1, copy_back=True)
     try:
         conn = a.connect(b)
         for n in (LARGE, 4 * LARGE, 16 * LARGE):
@@ -313,6 +346,77 @@ def test_senders_retire_idle_and_outgrown_segments():
     finally:
         a.close()
         b.close()
+
+
+def test_an_echo_goes_back_in_the_senders_own_segment_which_waits_for_both_sides():
+    a, b = _Peer(0), _Peer(1)
+    n = 16 * LARGE
+    try:
+        conn = a.connect(b)
+        # Sent back, not copied: the reply lies in our own segment. (The sender copies
+        # instead when the peer has not freed its tensors on it within about the time a
+        # copy takes, which a busy machine may make it miss now and then.)
+        for _ in range(10):
+            first = _call(conn, a, torch.full((n,), 1, dtype=torch.uint8))
+            assert torch.equal(first, torch.full((n,), 1, dtype=torch.uint8))
+            (seg,) = conn.shm_tx._segments
+            if seg.wrapped:
+                break
+            del first
+        assert seg.wrapped == 1 and seg.returns.value == seg.released + 1
+        where = th.mapping_of(first)
+        assert th.is_segment(where) and seg.name.split(".")[0] in where, where
+        b_conn = next(iter(b.t._shm_conns))
+        assert b_conn.shm_tx is None or b_conn.shm_tx.num_segments == 0  # the peer made none
+        # While the returned tensor lives, its segment is not reused: the next echo gets
+        # another one, and the first keeps its bytes.
+        second = _call(conn, a, torch.full((n,), 2, dtype=torch.uint8))
+        assert conn.shm_tx.num_segments == 2
+        assert torch.equal(first, torch.full((n,), 1, dtype=torch.uint8))
+        del second
+        assert not seg.free
+        del first
+        _wait(lambda: all(s.free for s in conn.shm_tx._segments), "both segments free")
+        assert b.t.debug_info()["transport.shm_buffers_returned"] >= 2
+        for i in range(5):  # reused from now on
+            x = torch.full((n,), i, dtype=torch.uint8)
+            assert torch.equal(_call(conn, a, x), x)
+        assert conn.shm_tx.num_segments == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forged_return_reference_closes_the_connection():
+    a, b = _Peer(0), _Peer(1)
+    try:
+        for forge in (lambda s: shm.return_ref(s.number + 1, 0),  # no segment of ours
+                      lambda s: shm.return_ref(s.number, s.capacity),  # beyond its end
+                      lambda s: shm.return_ref(s.number, 0)):  # nothing returned is due
+            before = set(b.t._shm_conns)
+            conn = a.connect(b)
+            back = _call(conn, a, torch.zeros(LARGE, dtype=torch.uint8))
+            del back
+            (seg,) = conn.shm_tx._segments
+            _wait(lambda: seg.free, "the echo's segment free again")
+            (peer,) = set(b.t._shm_conns) - before
+            closed = len(a.closed)
+            head = _wire.pack_header(Kind.RESPONSE, _wire.FLAG_SHM, 9, 1,
+                                     [LARGE | _wire.SHM_BIT])
+            peer.sock.sendall(_authentic(peer, head, b"e") + _wire.pack_shm_ref(forge(seg)))
+            _wait(lambda: len(a.closed) > closed, "the connection closed")
+            assert "return reference" in str(a.closed[-1]), a.closed[-1]
+            assert conn.closed
+    finally:
+        a.close()
+        b.close()
+
+
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def test_private_readers_stop_polling_when_polls_keep_missing():
@@ -484,7 +588,7 @@ def test_frames_pass_a_faithful_relay():
 def test_segments_are_sealed_memfds_that_no_one_can_truncate():
     # A segment is no file in /dev/shm (it cannot outlive its processes), and its size is
     # sealed: a sender that truncated a mapped segment would crash the receiver (SIGBUS).
-    a, b = _Peer(0), _Peer(1)
+    a, b = _Peer(0), _Peer(1, copy_back=True)
     try:
         conn = a.connect(b)
         before = torchrpc_segments([os.getpid()])

@@ -56,6 +56,17 @@ def held(key: str) -> Any:
         return _held[key]
 
 
+def bump_held(key: str) -> None:
+    """Add 1 in place to the tensor held under ``key``."""
+    with _lock:
+        _held[key].add_(1)
+
+
+def debug_counter(key: str) -> Any:
+    """One entry of this worker's debug info."""
+    return rpc.get_debug_info()[key]
+
+
 def drop_all() -> None:
     with _lock:
         _held.clear()

@@ -18,8 +18,20 @@ allocation nor a mapping:
 * receive: map the segment the first time its reference arrives; then wrap the data
   as a uint8 tensor, no copy. When the last tensor using that memory is freed, a
   finalizer marks the segment FREE in the shared header, and the sender may reuse it.
+* send back: a buffer that lies in a segment the peer sent on this connection (an echo,
+  or any reply that returns a received tensor or a view of it) is not copied: the
+  frame carries a *return reference* (:func:`return_ref`: the segment's number and the
+  buffer's offset). Before it sends one, the receiver counts the return in the
+  segment's header (``_RETURNS``); the sender counts the returns it is done with, and
+  reuses the segment only when every return it was sent is done and the receiver's
+  own tensors are freed. A returned buffer must arrive as a copy would, owned by
+  nobody else: the sender wraps it only once the receiver has freed its tensors on
+  the segment (it waits for that about as long as copying would take, since the
+  receiver usually frees them right after sending) and no other returned tensor is
+  alive on it; otherwise it copies the bytes out.
 
-The sender never maps the data, so its own memory does not grow with what it sends.
+The sender maps the data of a segment only when one comes back to it, so its own memory
+does not grow with what it sends.
 
 Segment states live in the header page, which both sides map: byte 0 is FREE or BUSY
 (the sender sets BUSY before it sends, the receiver sets FREE when done), byte 1 is
@@ -45,6 +57,7 @@ created in ``/dev/shm``.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -68,14 +81,20 @@ PREFIX = "torchrpc-"
 HEADER = 4096  # the data starts one page into the file, page aligned
 FREE, BUSY = 0, 1
 _STATE, _RETIRED = 0, 1  # header byte offsets
+_RETURNS = 8  # header offset of a uint64: returns sent back by the receiver (aligned)
 IDLE_RETIRE = 10.0  # seconds a free segment is kept for reuse
 MAX_FREE = 8  # free segments kept per connection
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 # A memfd segment's reference: its name, then the sender's descriptor of it.
-_MEMFD_REF = re.compile(r"(torchrpc-(\d+)-(\d+)-[0-9a-f]+-\d+)\.(\d+)")
+_MEMFD_REF = re.compile(r"(torchrpc-(\d+)-(\d+)-[0-9a-f]+-(\d+))\.(\d+)")
+# A return reference: the number of one of the receiver's own segments, and an offset.
+_RETURN_REF = re.compile(r"r-(\d{1,18})-(\d{1,18})")
 MEMFD = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 _SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) if MEMFD else 0
 _PWRITE_MAX = 1 << 30
+# Bytes per second of a copy, roughly: a returned buffer waits about as long as copying it
+# would take for the receiver to free its own tensors on it (see the module docs).
+_COPY_RATE = 5e9
 
 
 def pid_namespace() -> int:
@@ -139,6 +158,7 @@ class Stats:
         self.buffers_received = 0
         self.bytes_received = 0
         self.segments_created = 0
+        self.buffers_returned = 0  # buffers sent back into the peer's own segments
 
     def as_dict(self) -> Dict[str, int]:
         return {f"transport.shm_{k}": v for k, v in vars(self).items()}
@@ -147,11 +167,16 @@ class Stats:
 class _OutSegment:
     """A segment of the sender's pool: its memfd and a mapping of its header page only."""
 
-    __slots__ = ("name", "fd", "capacity", "header", "last_used", "writing")
+    __slots__ = ("name", "number", "fd", "capacity", "header", "last_used", "writing",
+                 "data", "returns", "released", "wrapped")
 
     def __init__(self, capacity: int) -> None:
         name = _names.next()
+        self.number = int(name.rsplit("-", 1)[1])
         self.capacity = capacity
+        self.data: Optional[mmap.mmap] = None  # mapped when a buffer comes back in it
+        self.released = 0  # returns done with here (see the module docs)
+        self.wrapped = 0  # 1 while a returned tensor wraps the segment here
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.name = f"{name}.{self.fd}"
         try:
@@ -163,13 +188,14 @@ class _OutSegment:
         except BaseException:
             os.close(self.fd)
             raise
+        self.returns: Any = ctypes.c_uint64.from_buffer(self.header, _RETURNS)
         self.header[_STATE] = BUSY
         self.last_used = time.monotonic()
         self.writing = True  # a thread is between _take and _written: don't close the fd
 
     @property
     def free(self) -> bool:
-        return self.header[_STATE] == FREE
+        return self.header[_STATE] == FREE and self.returns.value == self.released
 
     def write(self, data: memoryview) -> None:
         pos = 0
@@ -178,12 +204,15 @@ class _OutSegment:
             pos += os.pwrite(self.fd, data[pos:pos + _PWRITE_MAX], HEADER + pos)
 
     def retire(self) -> None:
-        """Tell the receiver to drop its mapping; close our side."""
+        """Tell the receiver to drop its mapping; close our side (a mapping of the data
+        goes when the last tensor that came back in it is freed)."""
+        self.returns = None  # the header's export, which would keep it from closing
         try:
             self.header[_RETIRED] = 1
             self.header.close()
         except (ValueError, BufferError):
             pass
+        self.data = None
         os.close(self.fd)
 
 
@@ -199,6 +228,7 @@ class ShmSender:
         self._closed = False
         self._broken = False
         self._stats = stats or Stats()
+        self._release_lock = threading.Lock()
 
     def stage(self, buffers: Sequence[Any], lengths: List[int]
               ) -> Tuple[List[Any], List[int], List[_OutSegment]]:
@@ -211,7 +241,7 @@ class ShmSender:
         parts = list(buffers)
         used: List[_OutSegment] = []
         for i, n in enumerate(lengths):
-            if n < self.threshold or self._broken:
+            if n < self.threshold or n & _wire.SHM_BIT or self._broken:
                 continue
             seg = self._take(n)
             if seg is None:
@@ -238,6 +268,51 @@ class ShmSender:
                 seg.header[_STATE] = FREE
             except ValueError:
                 pass  # retired meanwhile
+
+    def returned(self, ref: str, size: int) -> torch.Tensor:
+        """The ``size`` bytes that return reference ``ref`` names in one of this sender's
+        segments, as a uint8 tensor on that memory (no copy); ProtocolError if ``ref``
+        names nothing this sender sent back to it."""
+        match = _RETURN_REF.fullmatch(ref)
+        if match is None:
+            raise ProtocolError(f"malformed shared-memory return reference {ref!r}")
+        number, offset = int(match.group(1)), int(match.group(2))
+        with self._lock:
+            seg = next((s for s in self._segments if s.number == number), None)
+            if seg is None or seg.returns is None:
+                raise ProtocolError(f"shared-memory return reference {ref!r} names no segment "
+                                    f"this worker sent on the connection")
+            if not 0 < size <= seg.capacity - offset or seg.returns.value <= seg.released:
+                raise ProtocolError(f"shared-memory return reference {ref!r} of {size} bytes "
+                                    f"does not fit segment {seg.name} of {seg.capacity} bytes, "
+                                    f"or was not counted as returned")
+            if seg.data is None:
+                seg.data = mmap.mmap(seg.fd, HEADER + seg.capacity, flags=_MAP_FLAGS)
+            view = memoryview(seg.data)[HEADER + offset:HEADER + offset + size]
+        self._stats.buffers_received += 1
+        self._stats.bytes_received += size
+        header = seg.header
+        until = time.perf_counter() + size / _COPY_RATE
+        while header[_STATE] != FREE and time.perf_counter() < until:
+            pass  # the receiver frees its tensors right after it sends, mostly
+        tensor = torch.frombuffer(view, dtype=torch.uint8)
+        with self._release_lock:
+            exclusive = header[_STATE] == FREE and not seg.wrapped
+            if exclusive:
+                seg.wrapped = 1
+        if not exclusive:
+            tensor = tensor.clone()
+            del view
+            self._release_return(seg, wrapped=0)
+            return tensor
+        weakref.finalize(view, self._release_return, seg, 1).atexit = False
+        return tensor
+
+    def _release_return(self, seg: _OutSegment, wrapped: int) -> None:
+        # A return is done with: copied out, or the last tensor on it freed (any thread).
+        with self._release_lock:
+            seg.released += 1
+            seg.wrapped -= wrapped
 
     def _take(self, n: int) -> Optional[_OutSegment]:
         now = time.monotonic()
@@ -322,7 +397,7 @@ class ShmSender:
 class _InSegment:
     """A peer's segment as mapped by the receiver (header page and data)."""
 
-    __slots__ = ("name", "map", "capacity", "__weakref__")
+    __slots__ = ("name", "number", "map", "capacity", "base", "returns", "__weakref__")
 
     def __init__(self, name: str) -> None:
         memfd = _MEMFD_REF.fullmatch(name)
@@ -347,7 +422,11 @@ class _InSegment:
         finally:
             os.close(fd)
         self.name = name
+        self.number = int(memfd.group(4))
         self.capacity = st.st_size - HEADER
+        # Where the data lies in this process, to know a buffer sent back in it.
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + HEADER
+        self.returns = ctypes.c_uint64.from_buffer(self.map, _RETURNS)
 
     @property
     def retired(self) -> bool:
@@ -357,7 +436,7 @@ class _InSegment:
 def _open_memfd(ref: "re.Match[str]") -> int:
     """Open the memfd a reference names, through its sender's descriptor table; OSError
     if it is not there, or is not that memfd (the descriptor was reused meanwhile)."""
-    name, ns, pid, fd = ref.group(1), ref.group(2), ref.group(3), ref.group(4)
+    name, ns, pid, fd = ref.group(1), ref.group(2), ref.group(3), ref.group(5)
     if ns != str(pid_namespace()):
         raise OSError(f"the segment's creator is in another pid namespace ({ns})")
     mine = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
@@ -370,6 +449,24 @@ def _open_memfd(ref: "re.Match[str]") -> int:
         os.close(mine)
         raise OSError(f"descriptor {fd} of process {pid} is {target!r}, not that segment")
     return mine
+
+
+def return_ref(number: int, offset: int) -> str:
+    """The name in a return reference: segment ``number`` of the receiver, at ``offset``."""
+    return f"r-{number}-{offset}"
+
+
+def is_return_ref(name: str) -> bool:
+    return name.startswith("r-")
+
+
+def _address(buf: Any) -> Optional[int]:
+    """The address of a buffer that views a whole ctypes array (as the encoder's buffers
+    of tensor storage do), else None."""
+    obj = getattr(buf, "obj", None)
+    if isinstance(obj, ctypes.Array) and buf.nbytes == ctypes.sizeof(obj):
+        return ctypes.addressof(obj)
+    return None
 
 
 def _release(segment: _InSegment) -> None:
@@ -409,6 +506,40 @@ class ShmReceiver:
         # torch holds ``view`` until the storage is freed: then the segment is free again.
         weakref.finalize(view, _release, seg).atexit = False
         return tensor
+
+    def pass_back(self, buffers: Sequence[Any], lengths: List[int], threshold: int
+                  ) -> Tuple[List[Any], List[int], List[_InSegment]]:
+        """Send back without copying each buffer of at least ``threshold`` bytes that lies
+        in a segment the peer sent: its return reference replaces it, and the return is
+        counted in the segment. Returns the parts, the length table and the segments
+        returned into, which go to :meth:`unreturn` if the frame cannot be sent."""
+        parts = list(buffers)
+        used: List[_InSegment] = []
+        if not self._segments:
+            return parts, lengths, used
+        for i, n in enumerate(lengths):
+            if n < threshold or n & _wire.SHM_BIT:
+                continue
+            addr = _address(parts[i])
+            if addr is None:
+                continue
+            with self._lock:
+                seg = next((s for s in self._segments.values()
+                            if s.base <= addr and addr + n <= s.base + s.capacity), None)
+                if seg is None or seg.retired:
+                    continue
+                seg.returns.value += 1
+            parts[i] = _wire.pack_shm_ref(return_ref(seg.number, addr - seg.base))
+            lengths[i] = n | _wire.SHM_BIT
+            used.append(seg)
+            self._stats.buffers_returned += 1
+        return parts, lengths, used
+
+    def unreturn(self, used: Sequence[_InSegment]) -> None:
+        """The frame that would have sent ``used`` back was not sent: uncount the returns."""
+        with self._lock:
+            for seg in used:
+                seg.returns.value -= 1
 
     def housekeeping(self) -> None:
         """Drop the mappings of segments the sender retired."""

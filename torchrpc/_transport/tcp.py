@@ -177,11 +177,17 @@ class Connection:
         staged = None
         if self.shm_decider is not None:
             self.shm_decider(self)
+        returned: List[Any] = []
         if self.shm_tx is not None and buffers:
+            if self.shm_rx is not None:
+                buffers, lengths, returned = self.shm_rx.pass_back(buffers, lengths,
+                                                                   self.shm_tx.threshold)
             buffers, lengths, staged = self.shm_tx.stage(buffers, lengths)
-            if staged:
+            if staged or returned:
                 flags |= _wire.FLAG_SHM
-                if type(keepalive) is Releasable and len(staged) == sum(1 for n in lengths if n):
+                # The frame carries only references now: the tensors need not wait for it.
+                if type(keepalive) is Releasable \
+                        and len(staged) + len(returned) == sum(1 for n in lengths if n):
                     keepalive.clear()
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
@@ -195,10 +201,12 @@ class Connection:
             if self._writing and self.max_outbox and self._outbox \
                     and self._outbox_bytes + size > self.max_outbox \
                     and not getattr(_reading, "depth", 0):
-                self._wait_for_room(size, staged)
+                self._wait_for_room(size, staged, returned)
             if self._closed:
                 if staged:
                     self.shm_tx.unstage(staged)
+                if returned:
+                    self.shm_rx.unreturn(returned)
                 raise ConnectionLostError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
@@ -212,7 +220,7 @@ class Connection:
             self._writing = True
         self._drain()
 
-    def _wait_for_room(self, size: int, staged: Any) -> None:
+    def _wait_for_room(self, size: int, staged: Any, returned: Any) -> None:
         """Under _lock: wait until a frame of ``size`` bytes fits in the outbox (back-
         pressure on a peer that reads slower than we send), or raise after send_timeout."""
         deadline = time.monotonic() + self.send_timeout if self.send_timeout > 0 else None
@@ -222,6 +230,8 @@ class Connection:
             if left is not None and left <= 0:
                 if staged:
                     self.shm_tx.unstage(staged)
+                if returned:
+                    self.shm_rx.unreturn(returned)
                 raise RpcTimeoutError(
                     f"send to rank {self.peer_rank} timed out after {self.send_timeout:g} s "
                     f"waiting for room: {self._outbox_bytes} bytes wait in its outbox "
@@ -490,7 +500,13 @@ class Connection:
                 start = self._rstart
                 name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
                 self._rstart = start + _wire.SHM_REF_SIZE
-                buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
+                if shm.is_return_ref(name):  # a buffer of ours, sent back
+                    if self.shm_tx is None:
+                        raise ProtocolError("a shared-memory buffer sent back on a connection "
+                                            "that sent none")
+                    buffers.append(self.shm_tx.returned(name, size & ~_wire.SHM_BIT))
+                else:
+                    buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
                 continue
             tensor, view = _wire.new_buffer(size)
             if size:

@@ -168,13 +168,14 @@ class _OutSegment:
     """A segment of the sender's pool: its memfd and a mapping of its header page only."""
 
     __slots__ = ("name", "number", "fd", "capacity", "header", "last_used", "writing",
-                 "data", "returns", "released", "wrapped")
+                 "data", "data_address", "returns", "released", "wrapped")
 
     def __init__(self, capacity: int) -> None:
         name = _names.next()
         self.number = int(name.rsplit("-", 1)[1])
         self.capacity = capacity
         self.data: Optional[mmap.mmap] = None  # mapped when a buffer comes back in it
+        self.data_address = 0
         self.released = 0  # returns done with here (see the module docs)
         self.wrapped = 0  # 1 while a returned tensor wraps the segment here
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -198,8 +199,13 @@ class _OutSegment:
         return self.header[_STATE] == FREE and self.returns.value == self.released
 
     def write(self, data: memoryview) -> None:
-        pos = 0
         n = len(data)
+        if self.data is not None:  # mapped here already (a buffer came back in it)
+            addr = _address(data)
+            if addr is not None:
+                ctypes.memmove(self.data_address, addr, n)  # faster than pwrite
+                return
+        pos = 0
         while pos < n:
             pos += os.pwrite(self.fd, data[pos:pos + _PWRITE_MAX], HEADER + pos)
 
@@ -288,6 +294,7 @@ class ShmSender:
                                     f"or was not counted as returned")
             if seg.data is None:
                 seg.data = mmap.mmap(seg.fd, HEADER + seg.capacity, flags=_MAP_FLAGS)
+                seg.data_address = ctypes.addressof(ctypes.c_char.from_buffer(seg.data)) + HEADER
             view = memoryview(seg.data)[HEADER + offset:HEADER + offset + size]
         self._stats.buffers_received += 1
         self._stats.bytes_received += size

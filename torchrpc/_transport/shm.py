@@ -293,8 +293,9 @@ class ShmSender:
                                     f"does not fit segment {seg.name} of {seg.capacity} bytes, "
                                     f"or was not counted as returned")
             if seg.data is None:
-                seg.data = mmap.mmap(seg.fd, HEADER + seg.capacity, flags=_MAP_FLAGS)
-                seg.data_address = ctypes.addressof(ctypes.c_char.from_buffer(seg.data)) + HEADER
+                data = mmap.mmap(seg.fd, HEADER + seg.capacity, flags=_MAP_FLAGS)
+                seg.data_address = ctypes.addressof(ctypes.c_char.from_buffer(data)) + HEADER
+                seg.data = data  # last: write() looks at it, then at the address
             view = memoryview(seg.data)[HEADER + offset:HEADER + offset + size]
         self._stats.buffers_received += 1
         self._stats.bytes_received += size

@@ -422,10 +422,10 @@ def _wait(cond, what: str, timeout: float = 10.0) -> None:
 def test_private_readers_stop_polling_when_polls_keep_missing():
     import socket
 
-    from torchrpc._transport import tcp
+    from torchrpc._transport import connection, reader
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = tcp.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
-                          outbound=True)
+    conn = connection.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
+                                 outbound=True)
     conn.set_private(True)
     assert conn.spin
     frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
@@ -435,7 +435,7 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
 
     try:
         # Each answer comes long after a poll (200 us) has given up: misses pile up.
-        for expected in range(1, tcp._SPIN_MISSES + 1):
+        for expected in range(1, reader._SPIN_MISSES + 1):
             reply_after(0.02)
             header, env, _ = conn.read_frame()
             assert header.request_id == 7 and env == b"ok"
@@ -443,7 +443,7 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
         # Now the reader sleeps at once (no further miss is counted) ...
         reply_after(0.02)
         conn.read_frame()
-        assert conn._misses == tcp._SPIN_MISSES
+        assert conn._misses == reader._SPIN_MISSES
         # ... until a probe (every _SPIN_PROBE-th wait) finds data at once: then it
         # polls again.
         waits = 0
@@ -451,7 +451,7 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
             b.sendall(frame)  # already there when the reader looks
             conn.read_frame()
             waits += 1
-            assert waits <= tcp._SPIN_PROBE
+            assert waits <= reader._SPIN_PROBE
         assert waits > 1  # not the very next wait: only a probe
     finally:
         conn.close()
@@ -461,33 +461,33 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
 def test_private_readers_poll_longer_while_cpus_are_spare(monkeypatch):
     import socket
 
-    from torchrpc._transport import tcp
-    short, long = tcp._SPIN, 1.0  # long enough to be sure under load
+    from torchrpc._transport import connection, reader
+    short, long = reader._SPIN, 1.0  # long enough to be sure under load
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = tcp.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
-                          outbound=True)
+    conn = connection.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
+                                 outbound=True)
     conn.set_private(True)
     frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
-    monkeypatch.setattr(tcp, "_SPIN_SPARE", long)
-    tcp.set_spare_cpus(True)
-    assert tcp._poll == long
-    tcp.set_spare_cpus(False)
-    assert tcp._poll == short
+    monkeypatch.setattr(reader, "_SPIN_SPARE", long)
+    reader.set_spare_cpus(True)
+    assert reader._poll == long
+    reader.set_spare_cpus(False)
+    assert reader._poll == short
     try:
         # An answer 50 ms after the wait began: beyond the short poll, within the long one.
         for spare, missed in ((False, 1), (True, 0)):
             # Both settings the same for this round: an agent left running in this
             # process by another test may call set_spare_cpus from its timer meanwhile.
-            monkeypatch.setattr(tcp, "_SPIN", long if spare else short)
-            monkeypatch.setattr(tcp, "_SPIN_SPARE", long if spare else short)
-            tcp.set_spare_cpus(spare)
+            monkeypatch.setattr(reader, "_SPIN", long if spare else short)
+            monkeypatch.setattr(reader, "_SPIN_SPARE", long if spare else short)
+            reader.set_spare_cpus(spare)
             conn._misses = 0
             threading.Timer(0.05, b.sendall, args=(frame,)).start()
             header, env, _ = conn.read_frame()
             assert env == b"ok"
             assert conn._misses == missed, (spare, conn._misses)
     finally:
-        tcp.set_spare_cpus(False)
+        reader.set_spare_cpus(False)
         conn.close()
         b.close()
 

@@ -1,5 +1,6 @@
 """The transport layer: authenticated TCP connections carrying wire frames."""
 
-from .tcp import Connection, Releasable, Transport
+from .connection import Connection, Releasable
+from .tcp import Transport
 
 __all__ = ["Connection", "Releasable", "Transport"]

@@ -1,0 +1,246 @@
+"""One authenticated socket to a peer worker: sending frames, and closing.
+
+Senders hand the header, envelope and tensor memory to ``sendmsg`` as one scatter/gather
+list. Writes are combined: a thread that finds the connection busy leaves its frame in
+the outbox and returns; the thread that is writing flushes everything queued in one
+``sendmsg``, so many small messages under load cost few system calls while a lone
+message goes out at once.
+
+Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at least
+``shm_threshold`` bytes go through shared memory instead (``shm.py``): the sender copies
+them into a segment, or sends back a buffer that lies in one of the peer's, and the
+frame carries a reference. Reading is :class:`~torchrpc._transport.reader.FrameReader`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+from .. import _wire
+from ..errors import ConnectionLostError, RpcTimeoutError
+from . import handshake, shm
+from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, _reading
+
+_IOV_MAX = 512
+
+
+class Releasable(list):
+    """A keepalive list its sender gives away: :meth:`Connection.send` empties it as
+    soon as the frame no longer needs the memory it keeps alive (every buffer staged
+    into shared memory), so that memory is freed before the frame even leaves."""
+
+    __slots__ = ()
+
+
+class Connection(FrameReader):
+    """One authenticated socket to a peer worker."""
+
+    def __init__(self, sock: socket.socket, peer_rank: int, limits: _wire.Limits,
+                 on_frame: FrameCallback, on_close: CloseCallback, outbound: bool) -> None:
+        self.sock = sock
+        self.peer_rank = peer_rank
+        self.outbound = outbound
+        self._limits = limits
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._outbox: List[Any] = []
+        self._outbox_bytes = 0  # stream bytes of the frames in _outbox
+        self._room = threading.Condition(self._lock)  # _outbox got emptier, or closed
+        self._room_waiters = 0  # threads in _wait_for_room: only they need a notify
+        self._writing = False
+        # Bounds, set by the transport: bytes that may wait in the outbox before a sender
+        # waits for room (0: no bound), and how long it waits (0: as long as it takes).
+        self.max_outbox = 0
+        self.send_timeout = 0.0
+        self._closed = False
+        self._close_reason: Optional[BaseException] = None
+        # Same-host shared memory (see shm.py), set up by the transport after the handshake.
+        self.shm_tx: Optional[shm.ShmSender] = None
+        self.shm_rx: Optional[shm.ShmReceiver] = None
+        # Decides shm_tx on the first send: a connection may be accepted before this
+        # worker knows which peers share its host.
+        self.shm_decider: Optional[Callable[["Connection"], None]] = None
+        # The read buffer and the unconsumed bytes in it, [_rstart, _rend): state of the
+        # reading role, which moves between threads (see read_frames).
+        self._rmv: Optional[memoryview] = None
+        self._rstart = self._rend = 0
+        # A private connection (handshake.FEATURE_PRIVATE) has no reader of its own on the
+        # client side: the thread that made the call reads the reply (read_frame).
+        self.private = False
+        # Whether readers poll a moment before they block (see _spin_recv): on private
+        # connections, where one blocked caller waits for its reply and the callee's
+        # reader for the caller's next request.
+        self.spin = False
+        # Polls that ended without data in a row, and waits so far: a connection whose
+        # polls keep missing (the answer takes longer than the poll, or the next call
+        # comes much later) stops polling, and tries again every _SPIN_PROBE-th wait.
+        self._misses = 0
+        self._waits = 0
+        # When bytes last came in and last went out (monotonic); the agent's heartbeat
+        # sends on idle connections and closes silent ones.
+        self.last_recv = self.last_send = time.monotonic()
+        # The frames' MACs of each direction, on plain TCP (handshake.FEATURE_FRAME_MAC).
+        self.mac_tx: Optional[handshake.FrameMac] = None
+        self.mac_rx: Optional[handshake.FrameMac] = None
+
+    def set_private(self, private: bool) -> None:
+        """Mark the connection private (or not), and so whether its readers poll."""
+        self.private = private
+        self.spin = private and bool(_SPIN and _DONTWAIT) and type(self.sock) is socket.socket
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
+             buffers: Sequence[memoryview], keepalive: Any = None) -> None:
+        """Queue one frame; write it now unless another thread is already writing.
+
+        With shared memory, large buffers are copied into segments here, by the
+        calling thread, and the frame carries their names instead.
+        """
+        lengths = [len(b) for b in buffers]
+        staged = None
+        if self.shm_decider is not None:
+            self.shm_decider(self)
+        returned: List[Any] = []
+        if self.shm_tx is not None and buffers:
+            if self.shm_rx is not None:
+                buffers, lengths, returned = self.shm_rx.pass_back(buffers, lengths,
+                                                                   self.shm_tx.threshold)
+            buffers, lengths, staged = self.shm_tx.stage(buffers, lengths)
+            if staged or returned:
+                flags |= _wire.FLAG_SHM
+                # The frame carries only references now: the tensors need not wait for it.
+                if type(keepalive) is Releasable \
+                        and len(staged) + len(returned) == sum(1 for n in lengths if n):
+                    keepalive.clear()
+        head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
+        parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
+        size = len(head) + len(envelope)
+        if lengths:
+            data = [b for b in buffers if len(b)]
+            size += sum(_wire.SHM_REF_SIZE if n & _wire.SHM_BIT else n for n in lengths)
+        else:
+            data = []
+        with self._lock:
+            if self._writing and self.max_outbox and self._outbox \
+                    and self._outbox_bytes + size > self.max_outbox \
+                    and not getattr(_reading, "depth", 0):
+                self._wait_for_room(size, staged, returned)
+            if self._closed:
+                if staged:
+                    self.shm_tx.unstage(staged)
+                if returned:
+                    self.shm_rx.unreturn(returned)
+                raise ConnectionLostError(
+                    f"connection to rank {self.peer_rank} is closed"
+                    + (f": {self._close_reason}" if self._close_reason else ""))
+            if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
+                parts.append(self.mac_tx.tag(head, envelope))
+            parts.extend(data)
+            self._outbox.append((parts, keepalive))
+            self._outbox_bytes += size
+            if self._writing:
+                return
+            self._writing = True
+        self._drain()
+
+    def _wait_for_room(self, size: int, staged: Any, returned: Any) -> None:
+        """Under _lock: wait until a frame of ``size`` bytes fits in the outbox (back-
+        pressure on a peer that reads slower than we send), or raise after send_timeout."""
+        deadline = time.monotonic() + self.send_timeout if self.send_timeout > 0 else None
+        while not self._closed and self._writing and self._outbox \
+                and self._outbox_bytes + size > self.max_outbox:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if staged:
+                    self.shm_tx.unstage(staged)
+                if returned:
+                    self.shm_rx.unreturn(returned)
+                raise RpcTimeoutError(
+                    f"send to rank {self.peer_rank} timed out after {self.send_timeout:g} s "
+                    f"waiting for room: {self._outbox_bytes} bytes wait in its outbox "
+                    f"(max_outbox_bytes is {self.max_outbox}) while the peer reads slower "
+                    f"than this worker sends; raise send_timeout or max_outbox_bytes")
+            self._room_waiters += 1
+            try:
+                self._room.wait(left)
+            finally:
+                self._room_waiters -= 1
+
+    @property
+    def outbox_bytes(self) -> int:
+        """Bytes of frames waiting in the outbox (for counters and tests)."""
+        return self._outbox_bytes
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch = self._outbox
+                if not batch or self._closed:
+                    self._writing = False
+                    if self._room_waiters:
+                        self._room.notify_all()
+                    return
+                self._outbox = []
+                self._outbox_bytes = 0
+                if self._room_waiters:
+                    self._room.notify_all()
+            iov = [p for parts, _ in batch for p in parts]
+            try:
+                self._sendall(iov)
+                self.last_send = time.monotonic()
+            except OSError as exc:
+                with self._lock:
+                    self._writing = False
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
+                    why = (f"send to rank {self.peer_rank} made no progress for "
+                           f"{self.send_timeout:g} s (send_timeout): the peer does not read")
+                else:
+                    why = f"send to rank {self.peer_rank} failed: {exc}"
+                self.close(ConnectionLostError(why))
+                return
+
+    def _sendall(self, iov: List[Any]) -> None:
+        sock = self.sock
+        i = 0
+        while i < len(iov):
+            sent = sock.sendmsg(iov[i:i + _IOV_MAX])
+            while sent:
+                n = len(iov[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    iov[i] = memoryview(iov[i])[sent:]
+                    sent = 0
+    # -- closing -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, reason: Optional[BaseException] = None) -> None:
+        """Close the socket; report to ``on_close`` once, with ``reason`` if it broke."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close_reason = reason
+            self._outbox = []
+            self._outbox_bytes = 0
+            self._room.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.shm_tx is not None:
+            self.shm_tx.close()
+        if self.shm_rx is not None:
+            self.shm_rx.close()
+        self._on_close(self, reason)

@@ -1,0 +1,309 @@
+"""Reading frames off a connection: the reading role, polling, and zero-copy receives.
+
+Reading is a role, not a thread. Whichever thread runs :meth:`FrameReader.read_frames`
+holds it. The ``on_frame`` callback may return a callable: it has arranged for another
+thread to go on reading (``read_frames()`` again), so this one stops, touches no read
+state any more and runs the callable instead. The agent uses this to run a request on
+the thread that read it, instead of waking a pool thread for it (leader/follower).
+
+Frames are parsed with the wire layer; tensor buffers are read straight into freshly
+allocated tensor memory (``recv_into``), and buffers in shared memory are wrapped where
+they lie (``shm.py``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _wire
+from .._threads import Guard
+from ..errors import ConnectionLostError, ProtocolError
+from . import handshake, shm
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK = 256 * 1024
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+# How many read_frames calls the current thread is in: a thread that serves frames never
+# waits for outbox room (two workers' readers waiting on each other would deadlock).
+_reading = threading.local()
+
+
+def _spin_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        log.warning("TORCHRPC_SPIN_US must be microseconds between 0 and 1e6, "
+                    "got %r; using 200", text)
+        value = 200.0
+    return value / 1e6
+
+
+# How long a private connection's reader polls: _SPIN normally; _SPIN_SPARE while the
+# workers of this host leave CPUs spare (see set_spare_cpus); TORCHRPC_SPIN_US sets both.
+_SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
+_SPIN_SPARE = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "2000"))
+_poll = _SPIN
+
+
+def set_spare_cpus(spare: bool) -> None:
+    """Tell the readers whether the workers on this host leave CPUs idle.
+
+    Polling takes a CPU. Where the workers' compute threads already use every CPU, a
+    poll that waits long slows down the computation it waits for, so the readers poll
+    only briefly; where CPUs are spare, they poll for as long as a typical call takes.
+    """
+    global _poll
+    _poll = _SPIN_SPARE if spare else _SPIN
+
+
+_SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
+_SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pays again
+
+# What a frame callback raises to close its connection; anything else it raises is a bug
+# that costs only the frame (logged, and the reader reads on).
+_CLOSING = (OSError, ProtocolError, ConnectionLostError)
+
+FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
+                         Optional[Callable[[], None]]]
+CloseCallback = Callable[["Connection", Optional[BaseException]], None]
+
+
+class FrameReader:
+    """The reading half of :class:`~torchrpc._transport.connection.Connection`.
+
+    A mixin rather than a part the connection holds: the reader's hot path reads the
+    connection's own attributes (``sock``, ``spin``, the read buffer, ``mac_rx``,
+    ``shm_rx``), which :class:`Connection` sets up, with no indirection.
+    """
+
+
+    def read_loop(self) -> None:
+        """Read frames until the connection ends or the reading role is handed on; in that
+        case, run what the frame callback returned."""
+        work = self.read_frames()
+        if work is not None:
+            work()
+
+    def read_frames(self) -> Optional[Callable[[], None]]:
+        """Hold the reading role: read frames until the connection ends (report the close
+        once and return None) or the frame callback hands the role on (return its work)."""
+        error: Optional[BaseException] = None
+        _reading.depth = getattr(_reading, "depth", 0) + 1
+        try:
+            return self._read_frames()
+        except _CLOSING as exc:
+            error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
+        except Exception as exc:  # noqa: BLE001 - reading itself failed: where the next
+            # frame starts is unknown, so the connection closes
+            log.exception("the reader of the connection to rank %s failed; the "
+                          "connection closes", self.peer_rank)
+            error = exc
+        finally:
+            _reading.depth -= 1
+        self.close(error)
+        return None
+
+    @property
+    def rx_buffered(self) -> int:
+        """Bytes read from the socket that no frame has consumed yet (reader only)."""
+        return self._rend - self._rstart
+
+    def _fill(self, n: int) -> None:
+        # Make n bytes available at self._rstart in the read buffer.
+        start, end, mv = self._rstart, self._rend, self._rmv
+        if end - start >= n:
+            return
+        if start and (len(mv) - start < n):
+            mv[:end - start] = mv[start:end]
+            end -= start
+            start = 0
+        recv_into = self.sock.recv_into
+        spin = 0.0
+        if start == end and self.spin:
+            self._waits += 1
+            if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
+                spin = _poll
+        while end - start < n:
+            if spin:
+                k = self._spin_recv(mv[end:], spin)
+                spin = 0.0
+            else:
+                k = recv_into(mv[end:])
+            if k == 0:
+                self._rstart, self._rend = start, end
+                if end > start:
+                    raise ProtocolError(f"truncated frame: the peer closed the connection "
+                                        f"after {end - start} of {n} bytes")
+                raise ConnectionLostError("peer closed the connection")
+            end += k
+            self.last_recv = time.monotonic()
+        self._rstart, self._rend = start, end
+
+    def _spin_recv(self, dst: memoryview, seconds: float) -> int:
+        # Poll without blocking for a moment before sleeping in recv. A thread that
+        # sleeps leaves its CPU idle, and on virtual machines in particular the first
+        # tens of microseconds after an idle CPU is woken run several times slower;
+        # a reply or next request usually comes within the moment.
+        # Polling costs a CPU that other threads and processes may need, so a connection
+        # whose polls keep missing stops polling (see _fill).
+        recv_into = self.sock.recv_into
+        until = time.perf_counter() + seconds
+        while True:
+            try:
+                k = recv_into(dst, 0, _DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > until:
+                    self._misses += 1
+                    return recv_into(dst)
+            else:
+                self._misses = 0
+                return k
+
+    def _take_into(self, dst: memoryview) -> None:
+        # Fill dst from the read buffer, then straight from the socket.
+        start, mv = self._rstart, self._rmv
+        n = len(dst)
+        have = min(n, self._rend - start)
+        if have:
+            dst[:have] = mv[start:start + have]
+            self._rstart = start + have
+        got = have
+        while got < n:
+            k = self.sock.recv_into(dst[got:])
+            if k == 0:
+                raise ProtocolError("truncated frame: the peer closed the connection "
+                                    "in the middle of a frame")
+            got += k
+            self.last_recv = time.monotonic()
+
+    def _take_bytes(self, n: int) -> bytearray:
+        # Grow with what arrives, so a length claimed in a header allocates nothing
+        # until the peer actually sends the bytes.
+        out = bytearray()
+        while len(out) < n:
+            old = len(out)
+            out.extend(bytes(min(n - old, max(old, _READ_CHUNK))))
+            tail = memoryview(out)[old:]
+            try:
+                self._take_into(tail)
+            finally:
+                tail.release()
+        return out
+
+    def _read_frames(self) -> Optional[Callable[[], None]]:
+        next_frame = self._next_frame
+        on_frame = self._on_frame
+        while True:
+            header, envelope, buffers = next_frame()
+            try:
+                work = on_frame(self, header, envelope, buffers)
+            except _CLOSING:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the frame was read whole: read on
+                Guard(f"the reader of the connection to rank {self.peer_rank}",
+                      limit=None).failed(exc)
+                work = None
+            if work is not None:
+                return work  # another thread reads on: touch nothing here any more
+            # Hold nothing of this frame while waiting for the next: its memory (or its
+            # shared-memory segment) must be free as soon as the receiver is done with it.
+            envelope = buffers = None
+
+    def read_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
+        """Read one frame on the calling thread (private connections, which have no
+        reader: their caller reads its own reply). A broken connection is closed and
+        its error raised."""
+        try:
+            return self._next_frame()
+        except (OSError, ProtocolError, ConnectionLostError) as exc:
+            self.close(exc)
+            raise ConnectionLostError(f"connection to rank {self.peer_rank} broke: {exc}") \
+                from exc
+
+    def _next_frame(self) -> Tuple[_wire.Header, bytes, List[torch.Tensor]]:
+        limits = self._limits
+        if self._rmv is None:
+            # An anonymous mapping, not a bytearray (which zeroes every page): a page costs
+            # memory only once data lands on it, so idle connections cost next to nothing.
+            self._rmv = memoryview(mmap.mmap(-1, _READ_CHUNK))
+        mv = self._rmv
+        fill = self._fill
+        if self._rstart == self._rend:
+            self._rstart = self._rend = 0
+        fill(_wire.HEADER_SIZE)
+        start = self._rstart
+        mac = self.mac_rx
+        header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)
+        # What the MAC covers is copied before later reads may move the buffer's bytes.
+        head = bytes(mv[start:start + _wire.HEADER_SIZE]) if mac is not None else b""
+        self._rstart = start = start + _wire.HEADER_SIZE
+        lengths: Sequence[int] = ()
+        if header.nbuffers:
+            table = 8 * header.nbuffers
+            if table <= len(mv):
+                fill(table)
+                start = self._rstart
+                raw: Any = mv[start:start + table]
+                self._rstart = start + table
+            else:
+                raw = bytearray(table)
+                self._take_into(memoryview(raw))
+            lengths = _wire.parse_lengths(raw, header, limits)
+            if mac is not None:
+                head += bytes(raw)
+        n = header.envelope_len
+        if n <= len(mv):
+            fill(n)
+            start = self._rstart
+            envelope = bytes(mv[start:start + n])
+            self._rstart = start + n
+        else:
+            envelope = self._take_bytes(n)
+        if mac is not None:
+            size = handshake.FRAME_MAC_SIZE
+            fill(size)
+            start = self._rstart
+            tag = bytes(mv[start:start + size])
+            self._rstart = start + size
+            if not hmac.compare_digest(tag, mac.tag(head, envelope)):
+                raise ProtocolError(f"a frame from rank {self.peer_rank} failed authentication "
+                                    f"(altered, replayed, reordered or injected on the way); "
+                                    f"the connection is closed")
+        buffers = []
+        for size in lengths:
+            if size & _wire.SHM_BIT:
+                if self.shm_rx is None:
+                    raise ProtocolError("a shared-memory buffer on a connection that did "
+                                        "not negotiate shared memory")
+                fill(_wire.SHM_REF_SIZE)
+                start = self._rstart
+                name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
+                self._rstart = start + _wire.SHM_REF_SIZE
+                if shm.is_return_ref(name):  # a buffer of ours, sent back
+                    if self.shm_tx is None:
+                        raise ProtocolError("a shared-memory buffer sent back on a connection "
+                                            "that sent none")
+                    buffers.append(self.shm_tx.returned(name, size & ~_wire.SHM_BIT))
+                else:
+                    buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
+                continue
+            tensor, view = _wire.new_buffer(size)
+            if size:
+                self._take_into(view)
+            buffers.append(tensor)
+        return header, envelope, buffers

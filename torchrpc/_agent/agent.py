@@ -24,7 +24,6 @@ request pending on that worker with an error naming it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import contextlib
 import heapq
@@ -35,7 +34,6 @@ import os
 import select
 import threading
 import time
-import traceback
 from types import CoroutineType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -52,13 +50,14 @@ from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
                       InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
                       RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
-                      WorkerLeftError, WrongTypeError, as_runtime_error)
+                      WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
 from .secret import discard_local as discard_local_secret
 from .current import current_agent
 from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
 from .pool import WorkerPool, current_pool
+from .remote_error import capture, rebuild_error
 from .retry import RetryPolicy, retryable
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
@@ -269,17 +268,6 @@ class _Resend:
         self.env = env
         self.bufs = bufs
         self.keep = keep
-
-
-@dataclasses.dataclass
-class RemoteErrorInfo:
-    """How an exception raised on the callee travels back to the caller."""
-
-    exc_type: Any
-    message: str
-    remote_traceback: str
-    worker: str
-    original: Optional[bytes]
 
 
 def describe(what: Any) -> str:
@@ -2148,14 +2136,7 @@ class Agent:
     def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
                     via: Optional[Connection] = None) -> None:
         """Answer request ``rid`` of ``dst`` with ``exc``."""
-        # A coroutine target's error carries its traceback as text (see coroutines.py).
-        text = getattr(exc, "_torchrpc_traceback", None) or "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__))
-        info = RemoteErrorInfo(type(exc), str(exc), text, self.name, None)
-        try:
-            info.original = _wire.encode(exc)[0]
-        except SerializationError:
-            pass
+        info = capture(exc, self.name)
         try:
             env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
         except SerializationError:
@@ -2732,33 +2713,3 @@ def _is_builtin_operator(func: Any) -> bool:
     except Exception:  # noqa: BLE001 - an unhashable callable is no builtin
         return False
 
-
-def rebuild_error(info: Any) -> BaseException:
-    """The caller-side exception for a :class:`RemoteErrorInfo`: same type, remote traceback."""
-    if not isinstance(info, RemoteErrorInfo):
-        return RpcError(f"malformed error reply: {info!r}")
-    text = f"{info.message}\n\nOn worker {info.worker}, remote traceback:\n{info.remote_traceback}"
-    exc_type = info.exc_type if isinstance(info.exc_type, type) and \
-        issubclass(info.exc_type, BaseException) else RpcError
-    try:
-        exc = exc_type(text)
-        if str(exc) != text:
-            raise TypeError("constructor changed the message")
-    except Exception:  # noqa: BLE001 - fall back to the original object
-        exc = None
-        if info.original is not None:
-            try:
-                exc = _wire.decode(info.original, [])[1]
-            except Exception:  # noqa: BLE001
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RpcError(f"Couldn't unpickle the exception {exc_type.__name__} raised on "
-                           f"worker {info.worker}. Original exception on remote side was "
-                           f"{exc_type.__name__}: {text}")
-        elif hasattr(exc, "add_note"):
-            exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
-    if isinstance(exc, torch.jit.Error):  # torch's RPC reports TorchScript errors as such
-        exc = as_runtime_error(exc)
-    exc.remote_traceback = info.remote_traceback
-    exc.worker = info.worker
-    return exc

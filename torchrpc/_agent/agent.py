@@ -31,7 +31,6 @@ import itertools
 import json
 import logging
 import os
-import select
 import threading
 import time
 from types import CoroutineType
@@ -57,6 +56,7 @@ from .secret import discard_local as discard_local_secret
 from .current import current_agent
 from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
 from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
+from .liveness import Liveness
 from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
 from .retry import RetryPolicy, retryable
@@ -70,7 +70,6 @@ _TICK = 0.1  # the timer wakes at least this often
 INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
-_STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
 _ONCE_KEEP = 60.0
@@ -207,13 +206,6 @@ class Agent:
         self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
-        # Told of every worker found lost (see _suspect); ranks whose loss is being confirmed.
-        self._loss_hooks: List[Callable[[WorkerInfo, RpcError], None]] = []
-        self._confirming: set[int] = set()
-        self._silent: Dict[int, BaseException] = {}  # lost for silence: no need to confirm
-        # Ranks declared lost (silent, or unreachable after a loss): never retried, and
-        # told to the loss hooks once, until a connection with them is made again.
-        self._declared: set[int] = set()
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
@@ -252,30 +244,23 @@ class Agent:
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
             getattr(options, "device_maps", None) or {})
         self._reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
-        # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
-        self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
-        self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
+        # heartbeats and lost peers (see liveness.py)
+        self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
+                                 float(getattr(options, "heartbeat_timeout", 0.0)))
         # bounds (see the README's options table; 0: none)
         self._max_pending = int(getattr(options, "max_pending_requests", 0))
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._max_queued = int(getattr(options, "max_queued_requests", 0))
         self._overloads = LogBudget(what="refused requests")
-        self._heartbeat: Optional[threading.Thread] = None
-        self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
-        self._beating: set[int] = set()  # ranks that sent a heartbeat (so may be timed out)
-        # rank -> the heartbeat interval it announced at rendezvous (0: it sends none)
-        self._beats_every: Dict[int, float] = {}
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
-        self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
         self._lost_seen = 0
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
-        self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
         # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
@@ -332,7 +317,7 @@ class Agent:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
             # Peers watch this worker for silence only if they know it sends heartbeats.
-            facts: Dict[str, Any] = {"heartbeat_interval": self._hb_interval}
+            facts: Dict[str, Any] = {"heartbeat_interval": self.liveness.interval}
             if self._device_maps:  # each callee answers through the inverse of its map
                 facts["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
                                         for to, m in self._device_maps.items()}
@@ -354,8 +339,7 @@ class Agent:
         self._timer = self._start_thread("timer", self._timer_loop)
         if self.elastic:
             self._members_thread = self._start_thread("members", self._follow_members)
-        if self._hb_interval > 0:
-            self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
+        self.liveness.start()
         log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
@@ -437,12 +421,11 @@ class Agent:
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
             self._gone.pop(rank, None)
-            self._declared.discard(rank)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
-            self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
+            self.liveness.joined(rank, float(info.get("heartbeat_interval") or 0.0))
             maps = info.get("device_maps")
             mine = maps.get(self.name) if isinstance(maps, dict) else None
             if isinstance(mine, dict) and mine:
@@ -478,7 +461,7 @@ class Agent:
                 self._left.add(rank)
                 if lost:
                     self._removed[rank] = str(lost)
-                declared = rank in self._declared
+                declared = rank in self.liveness.declared
             name = w.name if w is not None else event["name"]
             if not lost:
                 self._fail_pending(rank, WorkerLeftError(
@@ -494,8 +477,8 @@ class Agent:
             self._fail_pending(rank, error)
             if not declared and w is not None:
                 with self._lock:
-                    self._declared.add(rank)
-                self._run_loss_hooks(w, error)
+                    self.liveness.declared.add(rank)
+                self.liveness.run_loss_hooks(w, error)
 
     def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
         """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
@@ -671,7 +654,7 @@ class Agent:
         """``hook(worker, error)`` runs on a pool thread once ``worker`` is lost: its
         connections broke (or it went silent) and connecting again failed. Upper layers
         drop what they keep for it; ``error`` names it."""
-        self._loss_hooks.append(hook)
+        self.liveness.loss_hooks.append(hook)
 
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
@@ -722,7 +705,7 @@ class Agent:
             "agent.num_connections": num_connections,
             "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
-            "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.num_heartbeat_timeouts": self.liveness.heartbeat_timeouts,
             "agent.num_duplicate_requests": self._duplicates,
             "agent.num_remembered_requests": len(self._once),
             "agent.num_once_probes": self._probes,
@@ -1185,7 +1168,7 @@ class Agent:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
         r = p.resend
         if r is not None and retryable(error) and self._state == "running" \
-                and p.dst.id not in self._declared:
+                and p.dst.id not in self.liveness.declared:
             if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
                 self._pending[rid] = p
                 return
@@ -1407,8 +1390,9 @@ class Agent:
             host, port = self._addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
-            if lost is not None and self._hb_timeout > 0 and not patient:
-                timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
+            hb_timeout = self.liveness.timeout
+            if lost is not None and hb_timeout > 0 and not patient:
+                timeout = min(timeout, max(hb_timeout, 1.0))  # don't wait long on the dead
             try:
                 conn = self._open(dst, host, port, timeout)
             except RpcError as exc:
@@ -1432,7 +1416,8 @@ class Agent:
                                                local=self._same_host(dst.id))
             except RpcError as exc:
                 busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
-                                                  BrokenPipeError)) and self._runs_here(dst.id)
+                                                  BrokenPipeError)) \
+                    and self.liveness.runs_here(dst.id)
                 if not busy or time.monotonic() + delay >= deadline:
                     raise
                 log.info("%s: worker %s is busy (%s); connecting again in %.2g s",
@@ -1444,7 +1429,7 @@ class Agent:
 
     def _on_connect(self, conn: Connection) -> None:
         if conn.private:
-            # Used by one call at a time; registered for liveness (_connections_by_peer).
+            # Used by one call at a time; registered for liveness (see liveness.py).
             with self._lock:
                 self._private_conns.setdefault(conn.peer_rank, []).append(conn)
             return
@@ -1454,8 +1439,7 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
-            self._silent.pop(conn.peer_rank, None)
-            self._declared.discard(conn.peer_rank)
+            self.liveness.reconnected(conn.peer_rank)
         if self._state in ("stopping", "stopped"):
             # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
             # connection would wait for a reply until its timeout. (Not while starting: a
@@ -1506,82 +1490,7 @@ class Agent:
         self._fail_pending(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
-        self._suspect(rank, reason)
-
-    def _suspect(self, rank: int, reason: BaseException) -> None:
-        """Peer ``rank`` lost its last connection without a GOODBYE: on the pool, try to
-        connect again, and if that fails tell the loss hooks (a cut link to a live
-        worker heals, and its RRefs and contexts must survive that). A peer lost for
-        silence (_lose_silent) is lost without trying: heartbeat_timeout of silence is
-        the evidence, and a stopped process would hold the handshake up as long again."""
-        with self._lock:
-            if rank in self._confirming or rank in self._declared or rank in self._left \
-                    or self._state != "running":
-                return
-            self._confirming.add(rank)
-        try:
-            self._pool.submit(self._confirm_loss, rank, reason)
-        except RuntimeError:  # shutting down: nothing to clean up for
-            with self._lock:
-                self._confirming.discard(rank)
-
-    def _confirm_loss(self, rank: int, reason: BaseException) -> None:
-        try:
-            w = self._workers.get(rank)
-            if w is None or rank in self._left or self._state != "running":
-                return
-            with self._lock:
-                silent = self._silent.pop(rank, None)
-                incarnation = self._incarnations.get(rank, 0)  # the process that was lost
-            if silent is not None:
-                error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
-                                            worker=w.name)
-            else:
-                try:
-                    self._connection(w)
-                except RpcError as exc:
-                    cause = exc
-                else:
-                    return  # it answered: alive, the link healed
-                error = ConnectionLostError(
-                    f"worker {w.name} (rank {rank}) was lost: {reason}; connecting to it "
-                    f"again failed: {cause}", worker=w.name)
-            with self._lock:
-                self._declared.add(rank)
-            log.warning("%s: %s", self.name, error)
-            self._run_loss_hooks(w, error)
-            if self.elastic:
-                self._remove_lost(w, incarnation, error)
-        finally:
-            with self._lock:
-                self._confirming.discard(rank)
-
-    def _run_loss_hooks(self, w: WorkerInfo, error: RpcError) -> None:
-        for hook in self._loss_hooks:
-            try:
-                hook(w, error)
-            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("a loss hook of %s failed for %s", self.name, w.name)
-
-    def _remove_lost(self, w: WorkerInfo, incarnation: int, error: RpcError) -> None:
-        """Dynamic group: free the name and rank of lost member ``w`` (process
-        ``incarnation``) for a new process.
-        Not if this worker was removed itself: a stopped process that is continued finds
-        every peer silent, and must learn of its own removal before it removes them."""
-        try:
-            self._refresh_members()
-        except Exception as exc:  # noqa: BLE001 - the store host may be gone
-            log.warning("%s cannot read the membership log: %s", self.name, exc)
-            return
-        if self.failure is not None:
-            return
-        try:
-            if membership.remove_lost(self.store, w.name, w.id, incarnation, str(error)):
-                log.warning("%s removed lost worker %s (rank %d) from the group; "
-                            "its name and rank are free", self.name, w.name, w.id)
-        except Exception as exc:  # noqa: BLE001 - the store host may be gone
-            log.warning("%s could not remove lost worker %s from the group: %s",
-                        self.name, w.name, exc)
+        self.liveness.suspect(rank, reason)
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -1650,7 +1559,7 @@ class Agent:
             self._fail_pending(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
-            self._beating.add(src.id)
+            self.liveness.beating.add(src.id)
             return self._reading_to_pool(conn)
         if kind == Kind.ONCE_PROBE:
             self._answer_probe(conn, src, envelope)
@@ -2105,7 +2014,7 @@ class Agent:
             if self._transport is not None:
                 self._transport.housekeeping()
                 set_spare_cpus(self._spare_cpus())
-        self._check_liveness(now)
+        self.liveness.check(now)
         return wait
 
     def _expire(self, rid: int) -> None:
@@ -2124,148 +2033,6 @@ class Agent:
             f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
             f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
             f"or raise the options' rpc_timeout"))
-
-    # -- failure detection -------------------------------------------------------------------------
-    #
-    # Theory of operation. A worker that dies closes its sockets, so its peers read EOF
-    # and fail its pending calls at once (_on_close). A worker whose host died, or whose
-    # network is cut, or that hangs, sends nothing. So a worker sends each peer a
-    # HEARTBEAT frame when it has sent that peer nothing for heartbeat_interval, and the
-    # timer closes every connection of a peer from which nothing at all came in for
-    # heartbeat_timeout, which fails the calls pending on it. Liveness is per peer, not
-    # per connection: any frame on any of its connections counts, private ones included
-    # (a callee's reply, a caller's request), and a lost peer's private connections
-    # close with its shared ones, which ends their readers on the callee's side and
-    # wakes a caller blocked on one. A peer is watched once this worker knows that it
-    # sends heartbeats: it announced a heartbeat interval at rendezvous, or a heartbeat
-    # came from it. Knowing it from rendezvous matters: a peer kept busy sending replies
-    # never needs to send a heartbeat, and it was not watched when only one that came
-    # counted (a stopped busy peer then hung its callers forever). A peer configured
-    # without heartbeats is never timed out, so it is not mistaken for a dead one while
-    # it runs a long call. A loss is a suspicion until graceful shutdown confirms it
-    # by failing to connect again; there, confirmed losses are shared through the store,
-    # and workers missing from the barrier are probed, so a worker that died unseen by
-    # this one is found too (check_peers).
-    #
-    # Heartbeats go where the far end reads: on a shared connection, or (when none is
-    # open) on a private one this worker opened as the caller, whose callee has a
-    # reader; never on one a caller opened to this worker, which its caller reads only
-    # while it waits for a reply.
-    #
-    # A silent peer on this host whose process the kernel shows running (not stopped, not
-    # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
-    # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
-    # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
-
-    def _connections_by_peer(self) -> Dict[int, Tuple[List[Connection], List[Connection]]]:
-        """The open shared and private connections of each peer that has one (never two
-        empty lists: a connection may close meanwhile, but each is tested once)."""
-        out = {}
-        with self._lock:
-            for rank in set(self._all_conns) | set(self._private_conns):
-                shared = [c for c in self._all_conns.get(rank, ()) if not c.closed]
-                private = [c for c in self._private_conns.get(rank, ()) if not c.closed]
-                if shared or private:
-                    out[rank] = (shared, private)
-        return out
-
-    def _heartbeat_loop(self, guard: Guard) -> None:
-        interval = self._hb_interval
-        envelope = _wire.encode(None)[0]
-        while guard.ok and not self._stopped.wait(interval / 2):
-            with guard:
-                now = time.monotonic()
-                for rank, (shared, private) in self._connections_by_peer().items():
-                    try:
-                        self._beat(rank, shared, private, now, interval, envelope)
-                    except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
-                        guard.failed(exc)
-
-    def _beat(self, rank: int, shared: List[Connection], private: List[Connection], now: float,
-              interval: float, envelope: bytes) -> None:
-        """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
-        conns = shared + private
-        if now - max(c.last_send for c in conns) < interval:
-            return  # traffic to this peer is proof enough
-        conn = self._conns.get(rank)
-        if conn is None or conn.closed:
-            # Only where the far end reads (see the theory of operation above).
-            conn = next(iter(shared or [c for c in private if c.outbound]), None)
-            if conn is None:
-                return
-        try:
-            conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
-        except RpcError:
-            pass  # closed meanwhile; its reader reports why
-
-    def _runs_here(self, rank: int) -> bool:
-        """Whether worker ``rank`` is a process of this host (same pid namespace) that the
-        kernel shows alive and not stopped."""
-        proc = self._procs.get(rank)
-        if proc is None or proc[1] != self._pidns or not proc[1] or not self._same_host(rank):
-            return False
-        return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
-
-    def _silence_limit(self, rank: int, timeout: float) -> Optional[float]:
-        """How long peer ``rank`` may stay silent before it is lost; None if it is not
-        watched (it sends no heartbeats). Three of its own heartbeat intervals at least,
-        should it beat more slowly than this worker's heartbeat_timeout expects."""
-        every = self._beats_every.get(rank, 0.0)
-        if every <= 0 and rank not in self._beating:
-            return None
-        return max(timeout, 3 * every)
-
-    def _check_liveness(self, now: float) -> None:
-        timeout = self._hb_timeout
-        if timeout <= 0 or self._state != "running":
-            return
-        stalled = now - self._last_liveness > timeout / 2
-        self._last_liveness = now
-        if stalled:
-            return  # this process did not run for a while: let its readers catch up first
-        for rank, (shared, private) in self._connections_by_peer().items():
-            if rank in self._left:
-                continue
-            limit = self._silence_limit(rank, timeout)
-            if limit is None:
-                continue
-            conns = shared + private
-            silent = now - max(c.last_recv for c in conns)
-            if silent <= limit:
-                continue
-            # Connections with a reader of their own (a caller's private connection is
-            # read only while a call waits on it, so bytes may lie there unread).
-            read = shared + [c for c in private if not c.outbound]
-            try:
-                if read and select.select([c.sock for c in read], [], [], 0)[0]:
-                    continue  # bytes are waiting: the peer spoke, our readers are behind
-            except (OSError, ValueError):
-                pass
-            if silent <= limit * _STARVED and self._runs_here(rank):
-                continue  # alive on this host: starved of CPU, not dead (see above)
-            self._lose_silent(rank, conns, silent, limit)
-
-    def _lose_silent(self, rank: int, conns: List[Connection], silent: float,
-                     limit: float) -> None:
-        """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
-        fail every call pending on it."""
-        w = self._workers.get(rank)
-        name = w.name if w else f"rank{rank}"
-        error = ConnectionLostError(
-            f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
-            f"(heartbeat_timeout is {limit:g} s): it is dead, hung or unreachable",
-            worker=name)
-        self._heartbeat_timeouts += 1
-        with self._lock:
-            self._lost[rank] = str(error)
-            self._silent[rank] = error
-        self._suspect(rank, error)  # the loss hooks hear of it (first: see _declared)
-        with self._lock:
-            self._declared.add(rank)  # its calls fail now, with no retry
-        for conn in conns:
-            conn.close(error)
-        self._close_idle_private(rank, error)
-        self._fail_pending(rank, error)  # also those no connection carried (a failed send)
 
     # -- shutdown ----------------------------------------------------------------------------------
 
@@ -2467,7 +2234,7 @@ class Agent:
             self._state = "stopped"
             self._later.clear()
             self._timer_cv.notify()
-        self._stopped.set()
+        self.liveness.stop()
         for rid in list(self._pending):
             p = self._pending.pop(rid, None)
             if p is not None:
@@ -2480,9 +2247,9 @@ class Agent:
         if self._transport is not None:
             self._transport.close()
         self.coroutines.close()
-        for thread in (self._timer, self._heartbeat):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(10)
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(10)
+        self.liveness.join(10)
         stuck = self._pool.close()
         if stuck:
             log.warning("%d worker threads of %s were still busy at shutdown: %s",

@@ -47,7 +47,6 @@ from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING
 from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
                       InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
-                      RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
@@ -59,7 +58,8 @@ from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, de
 from .liveness import Liveness
 from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
-from .retry import RetryPolicy, retryable
+from .requests import Pending, Requests, Resend
+from .retry import RetryPolicy
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -79,41 +79,6 @@ _ONCE_MAX = 8192
 _RECHECK = 1.0
 _REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
-
-
-class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
-                 "stats", "sent", "conn")
-
-    def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
-                 states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
-                 sent: float = 0.0) -> None:
-        self.future = future
-        self.stats = stats  # the callee's counters (None for a request to this worker)
-        self.sent = sent  # time.monotonic() when the request was made
-        self.dst = dst
-        self.what = what
-        self.timeout = timeout
-        self.states = states
-        self.resend: Optional[_Resend] = None
-        # The private connection whose caller reads the reply itself (see request_sync).
-        self.private: Optional[Connection] = None
-        # The shared connection its last attempt went out on: if that one breaks, the
-        # request may be lost even while other connections to the peer stay open.
-        self.conn: Optional[Connection] = None
-        # Tells the call hooks with a state that the request failed here (see set_exception).
-        self.on_failure: Optional[Callable[[], None]] = None
-
-    def set_exception(self, error: BaseException) -> None:
-        """Fail the call with an error of this side (not a reply); wake a caller blocked
-        reading a private connection."""
-        if self.on_failure is not None:
-            self.on_failure()
-        if self.stats is not None:
-            self.stats.errors_out += 1
-        self.future.set_exception(error)
-        if self.private is not None:
-            self.private.close(error)
 
 
 def _usable_cpus() -> int:
@@ -147,28 +112,6 @@ class _Once:
         self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
 
 
-class _Resend:
-    """What a request with a retry policy needs to be sent again: the same frame."""
-
-    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "known", "deadline",
-                 "kind", "flags", "env", "bufs", "keep")
-
-    def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
-                 env: bytes, bufs: Any, keep: Any) -> None:
-        self.policy = policy
-        self.attempt = 1
-        self.scheduled = False  # the next attempt is due (a second failure must not add one)
-        self.sent = False  # a send of it may have reached the callee (so ask before a resend)
-        self.probing = False  # a probe asks the callee about it, unanswered (see _probe_peer)
-        self.known = False  # a probe's answer said the callee has it
-        self.deadline = deadline
-        self.kind = kind
-        self.flags = flags
-        self.env = env
-        self.bufs = bufs
-        self.keep = keep
-
-
 class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
@@ -190,15 +133,14 @@ class Agent:
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
-        self._pending: Dict[int, _Pending] = {}
         self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self._num_parked = 0  # parked requests whose reply is not read yet
         self._tick_hooks: List[Callable[[], None]] = []
         self._tick_pending: List[Callable[[], bool]] = []
         self._rid = itertools.count(1)
-        self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
+        self.requests = Requests(self, self._timer_cv)  # outstanding requests, deadlines
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, self)}
         self._hooks: List[CallHook] = []
@@ -361,10 +303,7 @@ class Agent:
             f"init_rpc() again")
         self.failure.__cause__ = error.__cause__
         log.error("%s", self.failure)
-        for rid in list(self._pending):
-            p = self._pending.pop(rid, None)
-            if p is not None:
-                p.set_exception(self.failure)
+        self.requests.fail_all(lambda p: self.failure)
 
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""
@@ -464,7 +403,7 @@ class Agent:
                 declared = rank in self.liveness.declared
             name = w.name if w is not None else event["name"]
             if not lost:
-                self._fail_pending(rank, WorkerLeftError(
+                self.requests.fail_peer(rank, WorkerLeftError(
                     f"worker {name} (rank {rank}) has shut down and left the group",
                     worker=name))
                 continue
@@ -474,7 +413,7 @@ class Agent:
             for conn in self._connections_of(rank):
                 conn.close(error)
             self._close_idle_private(rank, error)
-            self._fail_pending(rank, error)
+            self.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:
                     self.liveness.declared.add(rank)
@@ -697,7 +636,7 @@ class Agent:
             num_connections = sum(len(v) for v in self._all_conns.values())
             num_private = sum(len(v) for v in self._private.values())
         info: Dict[str, Any] = {
-            "agent.num_pending_requests": len(self._pending),
+            "agent.num_pending_requests": len(self.requests.pending),
             "agent.thread_pool_size": int(self.options.num_worker_threads),
             "agent.num_threads_started": self._pool.num_threads,
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
@@ -851,10 +790,10 @@ class Agent:
         """
         # The protocols' at-most-once messages are not refused: losing them would lose state.
         once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
-        if self._max_pending and len(self._pending) >= self._max_pending and not oneway \
-                and not once:
+        waiting = len(self.requests.pending)
+        if self._max_pending and waiting >= self._max_pending and not oneway and not once:
             raise RpcError(
-                f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
+                f"too many outstanding RPCs: {waiting} requests of {self.name} wait "
                 f"for replies (max_pending_requests is {self._max_pending}); wait for some "
                 f"of them before sending {describe(what)} to {dst.name}, or raise the option")
         meta = send_hook = states = None
@@ -880,7 +819,7 @@ class Agent:
         stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
         stats.calls_out += 1
         stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        p = _Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
+        p = Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
@@ -892,11 +831,9 @@ class Agent:
         if retry is not None and retry.max_attempts > 1:
             if once:  # internal: the callee runs it once; @idempotent may rerun
                 flags |= _wire.FLAG_ONCE
-            p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
+            p.resend = Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
-            self._pending[rid] = p
-            if deadline is not None:
-                self._push_deadline(deadline, rid)
+            self.requests.add(rid, p, deadline)
         return rid, p, flags, env, bufs, keep
 
     # -- private connections -------------------------------------------------------------------
@@ -907,7 +844,7 @@ class Agent:
     # used by this one call at a time, and the calling thread reads the reply from the
     # socket itself. The call still sits in the pending table, so deadlines, lost workers
     # and shutdown fail it like any other; failing it closes the private connection,
-    # which wakes the caller blocked on it (_Pending.set_exception).
+    # which wakes the caller blocked on it (Pending.set_exception).
 
     private_calls = True
     """Whether blocking calls use private connections (the fault-injecting agent's sends
@@ -946,7 +883,7 @@ class Agent:
 
     def _send_private(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
                       payload: Any, timeout: float, what: Any,
-                      retry: Optional[RetryPolicy] = None) -> Tuple[int, _Pending, bool]:
+                      retry: Optional[RetryPolicy] = None) -> Tuple[int, Pending, bool]:
         """Enter a request and send it on private connection ``conn`` (which carries the
         parked requests ``also``); the request id, its pending record, and whether it was
         sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
@@ -970,7 +907,7 @@ class Agent:
             return rid, p, False
         return rid, p, True
 
-    def _read_blocking(self, conn: Connection, rid: int, p: _Pending,
+    def _read_blocking(self, conn: Connection, rid: int, p: Pending,
                        also: Tuple[int, ...] = ()) -> None:
         """:meth:`_read_reply`, as a blocked thread in the eyes of the pool."""
         pool = current_pool()
@@ -980,7 +917,7 @@ class Agent:
             with pool.blocking():
                 self._read_reply(conn, rid, p, also)
 
-    def _read_reply(self, conn: Connection, rid: int, p: _Pending,
+    def _read_reply(self, conn: Connection, rid: int, p: Pending,
                     also: Tuple[int, ...] = ()) -> None:
         """Read replies from private connection ``conn`` until request ``rid`` and the
         requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
@@ -1071,7 +1008,7 @@ class Agent:
 
     def _drain(self, conn: Connection, rid: int) -> None:
         """Read the reply of parked request ``rid`` (claimed by this thread) from ``conn``."""
-        p = self._pending.get(rid)
+        p = self.requests.pending.get(rid)
         if p is None:  # failed already (which closed the connection)
             self._unpark()
             return
@@ -1119,7 +1056,7 @@ class Agent:
                     free = self._private.setdefault(dst.id, [])
             free.append(conn)
 
-    def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
+    def _attempt(self, rid: int, p: Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
         r = p.resend
         was_sent = r is not None and r.sent
@@ -1136,7 +1073,8 @@ class Agent:
             else:
                 self.send_failed(kind, rid, p.dst, exc)
             return
-        if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
+        if flags & _wire.FLAG_ONEWAY and (p.resend is None
+                                          or self.requests.pending.pop(rid, None)):
             p.future.set_result(None)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
@@ -1160,45 +1098,9 @@ class Agent:
     def _request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """Request ``rid`` to ``dst`` may never be answered (its connection failed):
         retry or fail it, unless it is settled already."""
-        p = self._pending.pop(rid, None)
+        p = self.requests.pending.pop(rid, None)
         if p is not None:
-            self._fail(rid, p, self._lost_error(dst, exc))
-
-    def _fail(self, rid: int, p: _Pending, error: BaseException) -> None:
-        """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
-        r = p.resend
-        if r is not None and retryable(error) and self._state == "running" \
-                and p.dst.id not in self.liveness.declared:
-            if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
-                self._pending[rid] = p
-                return
-            if r.attempt < r.policy.max_attempts:
-                delay = r.policy.backoff(r.attempt)
-                if r.deadline is None or time.monotonic() + delay < r.deadline:
-                    r.attempt += 1
-                    r.scheduled = True
-                    r.probing = False
-                    self._pending[rid] = p
-                    log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
-                             self.name, describe(p.what) if p.what else Kind(r.kind).name,
-                             p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
-                    if r.sent and r.flags & _wire.FLAG_ONCE:
-                        self._probe_later(p.dst, rid, delay)
-                    else:
-                        self.call_later(delay, self._resend, rid)
-                    return
-            if r.attempt > 1:
-                error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
-                                            worker=getattr(error, "worker", None))
-        p.set_exception(error)
-
-    def _resend(self, rid: int) -> None:
-        p = self._pending.get(rid)
-        if p is None or p.resend is None:
-            return  # timed out or answered meanwhile
-        r = p.resend
-        r.scheduled = False
-        self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+            self.requests.fail(rid, p, self._lost_error(dst, exc))
 
     # Resending only what did not arrive. An attempt of a request with the ONCE flag that
     # may have reached the callee (its send returned: the frame was queued, and the
@@ -1228,7 +1130,7 @@ class Agent:
             due = self._probe_due.pop(dst.id, [])
         asking = []
         for rid in due:
-            p = self._pending.get(rid)
+            p = self.requests.pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or not r.scheduled:
                 continue  # answered, timed out or failed meanwhile
@@ -1255,7 +1157,7 @@ class Agent:
         """The answer to a probe: send again what the callee never got; wait for the rest."""
         missing = []
         for rid, status in _wire.parse_status(envelope):
-            p = self._pending.get(rid)
+            p = self.requests.pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or p.dst.id != conn.peer_rank:
                 continue  # answered (the kept reply came just before), timed out or failed
@@ -1310,13 +1212,11 @@ class Agent:
         deadline, as a request's would (torch sends such requests to itself)."""
         self._check_running()
         rid = next(self._rid)
-        p = _Pending(new_future(self._pool), self.worker_info, what, timeout, None)
-        self._pending[rid] = p
-        if timeout > 0:
-            self._push_deadline(time.monotonic() + timeout, rid)
+        p = Pending(new_future(self._pool), self.worker_info, what, timeout, None)
+        self.requests.add(rid, p, time.monotonic() + timeout if timeout > 0 else None)
 
         def finish(f: torch.futures.Future) -> None:
-            q = self._pending.pop(rid, None)
+            q = self.requests.pending.pop(rid, None)
             if q is None:
                 return  # timed out or failed already
             try:
@@ -1473,12 +1373,12 @@ class Agent:
         if rank in self._left:
             # A request sent while the GOODBYE was on its way was on this connection.
             if w is not None:
-                self._fail_pending(rank, self._left_error(w))
+                self.requests.fail_peer(rank, self._left_error(w))
             return
         name = w.name if w else f"rank{rank}"
         if open_conns:
             # The peer is still reachable, but what went out on this connection may be lost.
-            self._fail_matching(lambda p: p.conn is conn, ConnectionLostError(
+            self.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(
                 f"a connection to worker {name} (rank {rank}) broke with this request on it: "
                 f"{reason}", worker=name))
             return
@@ -1487,7 +1387,7 @@ class Agent:
         log.warning("%s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._close_idle_private(rank, reason)
-        self._fail_pending(rank, ConnectionLostError(
+        self.requests.fail_peer(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
         self.liveness.suspect(rank, reason)
@@ -1499,16 +1399,6 @@ class Agent:
             idle = list(self._private.get(rank, ()))
         for conn in idle:
             conn.close(reason)
-
-    def _fail_matching(self, match: Callable[[_Pending], bool], error: RpcError) -> None:
-        """Fail (or retry) the pending requests for which ``match`` is true."""
-        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
-            p = self._pending.get(rid)
-            if p is not None and match(p) and self._pending.pop(rid, None) is not None:
-                self._fail(rid, p, error)
-
-    def _fail_pending(self, rank: int, error: RpcError) -> None:
-        self._fail_matching(lambda p: p.dst.id == rank, error)
 
     # -- frames ------------------------------------------------------------------------------------
 
@@ -1556,7 +1446,7 @@ class Agent:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
             self._left.add(src.id)
-            self._fail_pending(src.id, self._left_error(src))
+            self.requests.fail_peer(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
             self.liveness.beating.add(src.id)
@@ -1742,7 +1632,8 @@ class Agent:
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
-        p = self._pending.get(header.request_id)
+        pending = self.requests.pending
+        p = pending.get(header.request_id)
         if p is None:
             return  # expired or failed already
         if p.dst.id != conn.peer_rank:
@@ -1750,13 +1641,13 @@ class Agent:
             log.warning("%s dropped a reply from rank %d to request %d, which was "
                         "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
             return
-        if self._pending.pop(header.request_id, None) is not p:
+        if pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
         now = time.monotonic()
         if p.timeout > 0 and now - p.sent > p.timeout:
             # Past its deadline, before the timer got to it (a loaded machine): the
             # deadline holds all the same, as the caller was promised.
-            self._time_out(p)
+            self.requests.time_out(p)
             return
         if p.resend is not None and p.resend.probing:
             with self._probe_lock:  # the reply came before the probe's answer
@@ -1795,7 +1686,7 @@ class Agent:
                 except Exception:  # noqa: BLE001 - the caller's error matters more
                     log.exception("%s: call hook %r failed", self.name, hook.key)
 
-    def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
+    def _response_hook(self, p: Pending, meta: Any) -> Optional[Callable]:
         hooks = []
         for hook in self._hooks:
             if hook.key in p.states:
@@ -1941,15 +1832,6 @@ class Agent:
                 return
             self.send_failed(kind, rid, dst, exc)
 
-    # -- deadlines ---------------------------------------------------------------------------------
-
-    def _push_deadline(self, deadline: float, rid: int) -> None:
-        with self._timer_cv:
-            heap = self._heap
-            heapq.heappush(heap, (deadline, rid))
-            if heap[0][1] == rid:
-                self._timer_cv.notify()
-
     def _timer_loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool
         cv = self._timer_cv
@@ -1968,21 +1850,15 @@ class Agent:
         """One round of the timer: fail expired requests, run what is due; return how long
         to sleep. A step that fails for one request or callback spares the others."""
         cv = self._timer_cv
-        expired = []
         with cv:
             now = time.monotonic()
-            heap = self._heap
-            while heap and heap[0][0] <= now:
-                expired.append(heapq.heappop(heap)[1])
-            if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
-                self._heap = heap = [e for e in heap if e[1] in self._pending]
-                heapq.heapify(heap)
+            expired, deadline = self.requests.due(now)
             self._timer_slow = True  # before looking at _lent: see _serve_inline
             tick = _TICK
             if any(not c.private for c in list(self._lent)) \
                     or any(pending() for pending in self._tick_pending):
                 self._timer_slow, tick = False, _LENT_TICK
-            wait = min(tick, heap[0][0] - now) if heap else tick
+            wait = min(tick, deadline - now) if deadline is not None else tick
             due = []
             later = self._later
             while later and later[0][0] <= now:
@@ -1998,7 +1874,7 @@ class Agent:
                 guard.failed(exc)
         for rid in expired:
             try:
-                self._expire(rid)
+                self.requests.expire(rid)
             except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
                 guard.failed(exc)
         self._check_lent(now)
@@ -2017,31 +1893,15 @@ class Agent:
         self.liveness.check(now)
         return wait
 
-    def _expire(self, rid: int) -> None:
-        p = self._pending.pop(rid, None)
-        if p is not None:
-            self._time_out(p)
-
-    def _time_out(self, p: _Pending) -> None:
-        """Fail request ``p`` (already out of the table) with the timeout error."""
-        if p.stats is not None:
-            p.stats.timeouts += 1
-        if self._log_on_timeout and p.dst.id != self.rank:
-            self._report_timeout(p.dst, p.what, p.timeout)
-        p.set_exception(RpcTimeoutError(
-            f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
-            f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
-            f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
-            f"or raise the options' rpc_timeout"))
-
     # -- shutdown ----------------------------------------------------------------------------------
 
     def _wait_pending(self, deadline: Optional[float]) -> None:
         delay = 0.001
-        while self._pending:
+        pending = self.requests.pending
+        while pending:
             self.check_peers()
             if deadline is not None and time.monotonic() > deadline:
-                raise ShutdownError(f"{len(self._pending)} RPCs still outstanding at shutdown")
+                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -2235,12 +2095,9 @@ class Agent:
             self._later.clear()
             self._timer_cv.notify()
         self.liveness.stop()
-        for rid in list(self._pending):
-            p = self._pending.pop(rid, None)
-            if p is not None:
-                p.set_exception(NotInitializedError(
-                    f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
-                    f"to {describe(p.what)} arrived"))
+        self.requests.fail_all(lambda p: NotInitializedError(
+            f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
+            f"to {describe(p.what)} arrived"))
         with self._lock:
             self._private.clear()
         self._parked.clear()

@@ -229,7 +229,7 @@ class Liveness:
         for conn in conns:
             conn.close(error)
         agent._close_idle_private(rank, error)
-        agent._fail_pending(rank, error)  # also those no connection carried (a failed send)
+        agent.requests.fail_peer(rank, error)  # also those no connection carried (a failed send)
 
     # -- losses ----------------------------------------------------------------------------------
 

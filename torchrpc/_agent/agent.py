@@ -2,16 +2,19 @@
 
 Theory of operation. An :class:`Agent` owns a transport (listener plus one or
 more connections per peer, opened lazily on first use and shared by both
-directions), a table of outstanding requests with their deadlines, a timer
-thread that fails expired requests, and a worker pool that runs incoming
-requests. Frames arrive on the thread that holds a connection's reading role
-(see "Theory of operation (reading)" below). A reply (``RESPONSE`` or ``ERROR``)
-is decoded there and completes the pending future; a request is decoded and
-dispatched by message kind to a registered handler, on the reading thread itself
-(which lends its reading role to another thread if the request blocks or runs
-long) or, when it arrives on a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed autograd) plug in by
-registering handlers for their kinds and *call hooks* that add metadata to
-requests and see the tensors that cross; the agent never imports them.
+directions), a table of outstanding requests with their deadlines (requests.py),
+a timer thread that fails expired requests, heartbeats and lost-peer decisions
+(liveness.py), and a worker pool that runs incoming requests. Frames arrive on
+the thread that holds a connection's reading role (see "Theory of operation
+(reading)" below). A reply (``RESPONSE`` or ``ERROR``) is decoded there and
+completes the pending future; a request is decoded and dispatched by message kind
+to a registered handler, on the reading thread itself (which lends its reading
+role to another thread if the request blocks or runs long) or, when it arrives on
+a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed
+autograd) plug in by registering handlers for their kinds and *call hooks* that
+add metadata to requests and see the tensors that cross (hooks.py); the agent
+never imports them. A handler's exception goes back to the caller as a
+``RemoteErrorInfo`` (remote_error.py).
 
 Lifecycle states: ``running`` -> ``stopping`` -> ``stopped``. Graceful shutdown
 runs the upper layers' shutdown hooks, waits for this worker's outstanding

@@ -315,7 +315,7 @@ def array_layout(a: Any) -> Tuple[Any, ...]:
 def stop_heartbeats() -> bool:
     """Make this worker silent while it keeps running (its heartbeat thread sends nothing)."""
     from torchrpc._agent.current import current_agent
-    current_agent()._beat = lambda *args: None
+    current_agent().liveness._beat = lambda *args: None
     return True
 
 

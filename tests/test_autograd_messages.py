@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from torchrpc._dist_autograd.engine import _PassState, _error_info
+from torchrpc._dist_autograd.engine import _PassState
 from torchrpc._dist_autograd.messages import DoneReport
-from torchrpc._agent.agent import rebuild_error
+from torchrpc._agent.remote_error import capture, rebuild_error
 from torchrpc.errors import ConnectionLostError
 
 from .test_wire import round_trip
@@ -20,7 +20,7 @@ PASS = (0, 1)
 
 def test_a_report_of_a_lost_part_carries_no_credit_and_ends_the_pass_at_the_root():
     lost = ConnectionLostError("worker worker3 (rank 3) was lost", worker="worker3")
-    report = round_trip(DoneReport(PASS, Fraction(0), _error_info(lost, "worker2")))
+    report = round_trip(DoneReport(PASS, Fraction(0), capture(lost, "worker2")))
     assert report.credit == 0 and report.pass_id == PASS
     error = rebuild_error(report.error)
     assert isinstance(error, ConnectionLostError) and "worker3" in str(error)
@@ -46,6 +46,6 @@ def test_a_report_without_an_error_needs_credit_in_0_1(credit):
 
 
 def test_a_report_with_an_error_still_refuses_bad_credit():
-    info = _error_info(RuntimeError("boom"), "worker2")
+    info = capture(RuntimeError("boom"), "worker2")
     with pytest.raises(ValueError, match="credit must be a Fraction in"):
         DoneReport(PASS, Fraction(3, 2), info)

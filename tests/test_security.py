@@ -215,7 +215,7 @@ def test_listen_address_is_configurable(monkeypatch):
 def test_a_peer_cannot_answer_a_call_sent_to_another():
     # worker0's call to worker1 waits; a peer authenticated as rank 2 forges its reply.
     fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, "real"))
-    rids = [rid for rid, p in list(api.current_agent()._pending.items()) if p.dst.id == 1]
+    rids = [rid for rid, p in list(api.current_agent().requests.pending.items()) if p.dst.id == 1]
     assert rids
     env, bufs, _ = _wire.encode("forged")
     s = _authenticate(*_address(0), claim_rank=2, server_rank=0)

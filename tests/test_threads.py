@@ -134,16 +134,18 @@ def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch
 def test_heartbeat_survives_and_goes_on_beating(agent, caplog, monkeypatch):
     assert rpc.rpc_sync("solo", helpers.add, args=(1, 2)) == 3  # a connection to beat on
     beats: List[int] = []
-    real_beat = agent._beat
+    liveness = agent.liveness
+    real_beat = liveness._beat
 
     def beat(rank, *args):
         beats.append(rank)
         return real_beat(rank, *args)
-    monkeypatch.setattr(agent, "_beat", beat)
-    monkeypatch.setattr(agent, "_connections_by_peer", raise_once(agent._connections_by_peer))
+    monkeypatch.setattr(liveness, "_beat", beat)
+    monkeypatch.setattr(liveness, "_connections_by_peer",
+                        raise_once(liveness._connections_by_peer))
     assert wait_until(lambda: errors_about(caplog, "heartbeat thread of solo"))
     assert wait_until(lambda: len(beats) >= 3)
-    assert agent._heartbeat.is_alive() and agent.failure is None
+    assert liveness.thread.is_alive() and agent.failure is None
 
 
 def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
@@ -161,7 +163,8 @@ def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
     with agent._lock:
         agent._all_conns[7] = [Closing()]
     try:
-        assert all(shared or private for shared, private in agent._connections_by_peer().values())
+        assert all(shared or private
+                   for shared, private in agent.liveness._connections_by_peer().values())
     finally:
         with agent._lock:
             del agent._all_conns[7]
@@ -169,7 +172,7 @@ def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
 
 def test_a_timer_that_cannot_go_on_fails_the_agent_loudly(agent, caplog, monkeypatch):
     pending = rpc.rpc_async("solo", helpers.sleep_then, args=(3.0,), timeout=0)
-    monkeypatch.setattr(agent, "_check_liveness", lambda now: (_ for _ in ()).throw(Boom("x")))
+    monkeypatch.setattr(agent.liveness, "check", lambda now: (_ for _ in ()).throw(Boom("x")))
     with pytest.raises(ThreadFailedError, match="timer thread of solo cannot go on: Boom"):
         pending.wait()
     assert errors_about(caplog, "timer thread of solo cannot go on")

@@ -1,7 +1,7 @@
 """The agent layer: rendezvous, connections, pending requests, worker pool, shutdown."""
 
-from .agent import (Agent, AsyncResult, CallHook, CallScope, MessageContext, Parked,
-                    debug_info_here, describe, run_callable)
+from .agent import Agent, Parked, debug_info_here, run_callable
+from .hooks import AsyncResult, CallHook, CallScope, MessageContext, describe
 from .futures import RpcFuture, fresh_error
 from .pool import current_pool
 from .worker import WorkerInfo

@@ -2,16 +2,19 @@
 
 Theory of operation. An :class:`Agent` owns a transport (listener plus one or
 more connections per peer, opened lazily on first use and shared by both
-directions), a table of outstanding requests with their deadlines, a timer
-thread that fails expired requests, and a worker pool that runs incoming
-requests. Frames arrive on the thread that holds a connection's reading role
-(see "Theory of operation (reading)" below). A reply (``RESPONSE`` or ``ERROR``)
-is decoded there and completes the pending future; a request is decoded and
-dispatched by message kind to a registered handler, on the reading thread itself
-(which lends its reading role to another thread if the request blocks or runs
-long) or, when it arrives on a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed autograd) plug in by
-registering handlers for their kinds and *call hooks* that add metadata to
-requests and see the tensors that cross; the agent never imports them.
+directions), a table of outstanding requests with their deadlines (requests.py),
+a timer thread that fails expired requests, heartbeats and lost-peer decisions
+(liveness.py), and a worker pool that runs incoming requests. Frames arrive on
+the thread that holds a connection's reading role (see "Theory of operation
+(reading)" below). A reply (``RESPONSE`` or ``ERROR``) is decoded there and
+completes the pending future; a request is decoded and dispatched by message kind
+to a registered handler, on the reading thread itself (which lends its reading
+role to another thread if the request blocks or runs long) or, when it arrives on
+a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed
+autograd) plug in by registering handlers for their kinds and *call hooks* that
+add metadata to requests and see the tensors that cross (hooks.py); the agent
+never imports them. A handler's exception goes back to the caller as a
+``RemoteErrorInfo`` (remote_error.py).
 
 Lifecycle states: ``running`` -> ``stopping`` -> ``stopped``. Graceful shutdown
 runs the upper layers' shutdown hooks, waits for this worker's outstanding
@@ -24,7 +27,6 @@ request pending on that worker with an error naming it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import contextlib
 import heapq
@@ -32,10 +34,8 @@ import itertools
 import json
 import logging
 import os
-import select
 import threading
 import time
-import traceback
 from types import CoroutineType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -50,16 +50,19 @@ from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING
 from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
                       InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
-                      RpcTimeoutError,
                       OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
-                      WorkerLeftError, WrongTypeError, as_runtime_error)
+                      WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
 from .secret import discard_local as discard_local_secret
 from .current import current_agent
 from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
+from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
+from .liveness import Liveness
 from .pool import WorkerPool, current_pool
-from .retry import RetryPolicy, retryable
+from .remote_error import capture, rebuild_error
+from .requests import Pending, Requests, Resend
+from .retry import RetryPolicy
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -70,7 +73,6 @@ _TICK = 0.1  # the timer wakes at least this often
 INLINE_LIMIT = 0.01
 _LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
-_STARVED = 10  # a silent peer that runs on this host gets this many heartbeat timeouts
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
 _ONCE_KEEP = 60.0
@@ -80,142 +82,6 @@ _ONCE_MAX = 8192
 _RECHECK = 1.0
 _REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a timeout
 _inline = threading.local()  # .conn: the connection whose reading role this thread lends
-
-
-class MessageContext:
-    """What pickling code of upper layers may know about the message being (un)pickled.
-
-    Read-only by convention. Not a frozen dataclass: one is built for every message
-    both ways, and a frozen dataclass takes several times as long to build.
-    """
-
-    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates", "per_peer")
-
-    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
-                 replied: bool = False) -> None:
-        self.agent = agent
-        self.peer = peer
-        self.kind = kind
-        # Set by pickling code whose output depends on the peer (an RRef fork): the
-        # message cannot go to other workers as it is (see Agent.request_many).
-        self.per_peer = False
-        # A request that gets a reply: the reply shows that the callee has unpickled it.
-        self.replied = replied
-        # While encoding such a request: what to run once it is answered or has failed.
-        self.on_settled: Optional[List[Callable[[], None]]] = None
-        # While decoding a request: futures that must complete before it runs.
-        self.gates: Optional[List[torch.futures.Future]] = None
-
-    def add_gate(self, gate: torch.futures.Future) -> None:
-        """Make the request being decoded run only once ``gate`` has completed (or the
-        request's handling has waited the agent's RPC timeout for it)."""
-        if self.gates is None:
-            self.gates = []
-        self.gates.append(gate)
-
-    def when_settled(self, action: Callable[[], None]) -> None:
-        """Run ``action`` once the request being encoded is answered or has failed
-        (only for a request that gets a reply: check :attr:`replied`)."""
-        if self.on_settled is None:
-            self.on_settled = []
-        self.on_settled.append(action)
-
-    def target_device(self, device: torch.device) -> torch.device:
-        """The device a CUDA tensor on ``device`` lands on at the peer (see
-        :meth:`Agent.target_device`)."""
-        return self.agent.target_device(self.peer, device, self.kind == Kind.RESPONSE)
-
-    def __repr__(self) -> str:
-        return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"
-
-
-class AsyncResult:
-    """A handler's way to say: reply when this future completes."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        self.future = future
-
-
-class CallScope:
-    """What a call hook does around one incoming request (all parts optional)."""
-
-    recv_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    send_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    hook_key = ""  # set by the agent: the key of the hook that made this scope
-
-    def __enter__(self) -> "CallScope":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def response_meta(self) -> Any:
-        return None
-
-
-class CallHook:
-    """Base class of the hooks upper layers register with :meth:`Agent.add_call_hook`.
-
-    ``key`` names the hook's entry in a message's metadata.
-    """
-
-    key = "hook"
-
-    def outgoing_request(self, dst: WorkerInfo, kind: int
-                         ) -> Optional[Tuple[Any, Optional[Callable], Any]]:
-        """Caller side: return (meta value, tensor send hook, state) or None to stay out."""
-        return None
-
-    def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
-        """Callee side, with this hook's meta value: return a scope or None."""
-        return None
-
-    def incoming_response(self, src: WorkerInfo, state: Any, meta: Any
-                          ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-        """Caller side, for the reply: return a tensor receive hook or None."""
-        return None
-
-    def request_failed(self, dst: WorkerInfo, state: Any) -> None:
-        """Caller side: the request failed here, with no reply (it could not be encoded or
-        sent, timed out, or its connection or the agent went down); it may or may not
-        have reached ``dst``."""
-
-
-class _Pending:
-    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
-                 "stats", "sent", "conn")
-
-    def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
-                 states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
-                 sent: float = 0.0) -> None:
-        self.future = future
-        self.stats = stats  # the callee's counters (None for a request to this worker)
-        self.sent = sent  # time.monotonic() when the request was made
-        self.dst = dst
-        self.what = what
-        self.timeout = timeout
-        self.states = states
-        self.resend: Optional[_Resend] = None
-        # The private connection whose caller reads the reply itself (see request_sync).
-        self.private: Optional[Connection] = None
-        # The shared connection its last attempt went out on: if that one breaks, the
-        # request may be lost even while other connections to the peer stay open.
-        self.conn: Optional[Connection] = None
-        # Tells the call hooks with a state that the request failed here (see set_exception).
-        self.on_failure: Optional[Callable[[], None]] = None
-
-    def set_exception(self, error: BaseException) -> None:
-        """Fail the call with an error of this side (not a reply); wake a caller blocked
-        reading a private connection."""
-        if self.on_failure is not None:
-            self.on_failure()
-        if self.stats is not None:
-            self.stats.errors_out += 1
-        self.future.set_exception(error)
-        if self.private is not None:
-            self.private.close(error)
 
 
 def _usable_cpus() -> int:
@@ -249,67 +115,6 @@ class _Once:
         self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
 
 
-class _Resend:
-    """What a request with a retry policy needs to be sent again: the same frame."""
-
-    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "known", "deadline",
-                 "kind", "flags", "env", "bufs", "keep")
-
-    def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
-                 env: bytes, bufs: Any, keep: Any) -> None:
-        self.policy = policy
-        self.attempt = 1
-        self.scheduled = False  # the next attempt is due (a second failure must not add one)
-        self.sent = False  # a send of it may have reached the callee (so ask before a resend)
-        self.probing = False  # a probe asks the callee about it, unanswered (see _probe_peer)
-        self.known = False  # a probe's answer said the callee has it
-        self.deadline = deadline
-        self.kind = kind
-        self.flags = flags
-        self.env = env
-        self.bufs = bufs
-        self.keep = keep
-
-
-@dataclasses.dataclass
-class RemoteErrorInfo:
-    """How an exception raised on the callee travels back to the caller."""
-
-    exc_type: Any
-    message: str
-    remote_traceback: str
-    worker: str
-    original: Optional[bytes]
-
-
-def describe(what: Any) -> str:
-    """A readable name for the function or operation of a request."""
-    if what is None:
-        return "?"
-    if isinstance(what, str):
-        return what
-    qual = getattr(what, "__qualname__", None) or getattr(what, "qualified_name", None) \
-        or getattr(what, "__name__", None)
-    if qual is None:
-        return type(what).__name__
-    module = getattr(what, "__module__", None)
-    return f"{module}.{qual}" if module and module != "builtins" else str(qual)
-
-
-def _combine(hooks: List[Callable]) -> Optional[Callable]:
-    hooks = [h for h in hooks if h is not None]
-    if not hooks:
-        return None
-    if len(hooks) == 1:
-        return hooks[0]
-
-    def chained(t: torch.Tensor) -> torch.Tensor:
-        for h in hooks:
-            t = h(t)
-        return t
-    return chained
-
-
 class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
@@ -331,15 +136,14 @@ class Agent:
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
-        self._pending: Dict[int, _Pending] = {}
         self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self._num_parked = 0  # parked requests whose reply is not read yet
         self._tick_hooks: List[Callable[[], None]] = []
         self._tick_pending: List[Callable[[], bool]] = []
         self._rid = itertools.count(1)
-        self._heap: List[Tuple[float, int]] = []
         self._timer_cv = threading.Condition()
+        self.requests = Requests(self, self._timer_cv)  # outstanding requests, deadlines
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, self)}
         self._hooks: List[CallHook] = []
@@ -347,13 +151,6 @@ class Agent:
         self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
         self._stop_hooks: List[Callable[[], None]] = []
-        # Told of every worker found lost (see _suspect); ranks whose loss is being confirmed.
-        self._loss_hooks: List[Callable[[WorkerInfo, RpcError], None]] = []
-        self._confirming: set[int] = set()
-        self._silent: Dict[int, BaseException] = {}  # lost for silence: no need to confirm
-        # Ranks declared lost (silent, or unreachable after a loss): never retried, and
-        # told to the loss hooks once, until a connection with them is made again.
-        self._declared: set[int] = set()
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
@@ -392,30 +189,23 @@ class Agent:
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
             getattr(options, "device_maps", None) or {})
         self._reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
-        # failure detection (see _heartbeat_loop, _check_liveness, check_peers)
-        self._hb_interval = float(getattr(options, "heartbeat_interval", 0.0))
-        self._hb_timeout = float(getattr(options, "heartbeat_timeout", 0.0))
+        # heartbeats and lost peers (see liveness.py)
+        self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
+                                 float(getattr(options, "heartbeat_timeout", 0.0)))
         # bounds (see the README's options table; 0: none)
         self._max_pending = int(getattr(options, "max_pending_requests", 0))
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._max_queued = int(getattr(options, "max_queued_requests", 0))
         self._overloads = LogBudget(what="refused requests")
-        self._heartbeat: Optional[threading.Thread] = None
-        self._stopped = threading.Event()
         self._pidns = shm.pid_namespace()
-        self._beating: set[int] = set()  # ranks that sent a heartbeat (so may be timed out)
-        # rank -> the heartbeat interval it announced at rendezvous (0: it sends none)
-        self._beats_every: Dict[int, float] = {}
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
-        self._last_liveness = 0.0
         self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
         self._shared_lost: set[int] = set()
         self._lost_seen = 0
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
-        self._heartbeat_timeouts = 0  # peers closed for silence (agent.num_heartbeat_timeouts)
         # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
@@ -472,7 +262,7 @@ class Agent:
             raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
         try:
             # Peers watch this worker for silence only if they know it sends heartbeats.
-            facts: Dict[str, Any] = {"heartbeat_interval": self._hb_interval}
+            facts: Dict[str, Any] = {"heartbeat_interval": self.liveness.interval}
             if self._device_maps:  # each callee answers through the inverse of its map
                 facts["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
                                         for to, m in self._device_maps.items()}
@@ -494,8 +284,7 @@ class Agent:
         self._timer = self._start_thread("timer", self._timer_loop)
         if self.elastic:
             self._members_thread = self._start_thread("members", self._follow_members)
-        if self._hb_interval > 0:
-            self._heartbeat = self._start_thread("heartbeat", self._heartbeat_loop)
+        self.liveness.start()
         log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
                  " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
@@ -517,10 +306,7 @@ class Agent:
             f"init_rpc() again")
         self.failure.__cause__ = error.__cause__
         log.error("%s", self.failure)
-        for rid in list(self._pending):
-            p = self._pending.pop(rid, None)
-            if p is not None:
-                p.set_exception(self.failure)
+        self.requests.fail_all(lambda p: self.failure)
 
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""
@@ -577,12 +363,11 @@ class Agent:
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
             self._gone.pop(rank, None)
-            self._declared.discard(rank)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
-            self._beats_every[rank] = float(info.get("heartbeat_interval") or 0.0)
+            self.liveness.joined(rank, float(info.get("heartbeat_interval") or 0.0))
             maps = info.get("device_maps")
             mine = maps.get(self.name) if isinstance(maps, dict) else None
             if isinstance(mine, dict) and mine:
@@ -618,10 +403,10 @@ class Agent:
                 self._left.add(rank)
                 if lost:
                     self._removed[rank] = str(lost)
-                declared = rank in self._declared
+                declared = rank in self.liveness.declared
             name = w.name if w is not None else event["name"]
             if not lost:
-                self._fail_pending(rank, WorkerLeftError(
+                self.requests.fail_peer(rank, WorkerLeftError(
                     f"worker {name} (rank {rank}) has shut down and left the group",
                     worker=name))
                 continue
@@ -631,11 +416,11 @@ class Agent:
             for conn in self._connections_of(rank):
                 conn.close(error)
             self._close_idle_private(rank, error)
-            self._fail_pending(rank, error)
+            self.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:
-                    self._declared.add(rank)
-                self._run_loss_hooks(w, error)
+                    self.liveness.declared.add(rank)
+                self.liveness.run_loss_hooks(w, error)
 
     def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
         """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
@@ -811,7 +596,7 @@ class Agent:
         """``hook(worker, error)`` runs on a pool thread once ``worker`` is lost: its
         connections broke (or it went silent) and connecting again failed. Upper layers
         drop what they keep for it; ``error`` names it."""
-        self._loss_hooks.append(hook)
+        self.liveness.loss_hooks.append(hook)
 
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
@@ -854,7 +639,7 @@ class Agent:
             num_connections = sum(len(v) for v in self._all_conns.values())
             num_private = sum(len(v) for v in self._private.values())
         info: Dict[str, Any] = {
-            "agent.num_pending_requests": len(self._pending),
+            "agent.num_pending_requests": len(self.requests.pending),
             "agent.thread_pool_size": int(self.options.num_worker_threads),
             "agent.num_threads_started": self._pool.num_threads,
             "agent.num_idle_threads": self._pool.num_threads - self._pool.num_pending,
@@ -862,7 +647,7 @@ class Agent:
             "agent.num_connections": num_connections,
             "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
-            "agent.num_heartbeat_timeouts": self._heartbeat_timeouts,
+            "agent.num_heartbeat_timeouts": self.liveness.heartbeat_timeouts,
             "agent.num_duplicate_requests": self._duplicates,
             "agent.num_remembered_requests": len(self._once),
             "agent.num_once_probes": self._probes,
@@ -1008,10 +793,10 @@ class Agent:
         """
         # The protocols' at-most-once messages are not refused: losing them would lose state.
         once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
-        if self._max_pending and len(self._pending) >= self._max_pending and not oneway \
-                and not once:
+        waiting = len(self.requests.pending)
+        if self._max_pending and waiting >= self._max_pending and not oneway and not once:
             raise RpcError(
-                f"too many outstanding RPCs: {len(self._pending)} requests of {self.name} wait "
+                f"too many outstanding RPCs: {waiting} requests of {self.name} wait "
                 f"for replies (max_pending_requests is {self._max_pending}); wait for some "
                 f"of them before sending {describe(what)} to {dst.name}, or raise the option")
         meta = send_hook = states = None
@@ -1037,7 +822,7 @@ class Agent:
         stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
         stats.calls_out += 1
         stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        p = _Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
+        p = Pending(new_future(self._pool), dst, what, timeout, states, stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
@@ -1049,11 +834,9 @@ class Agent:
         if retry is not None and retry.max_attempts > 1:
             if once:  # internal: the callee runs it once; @idempotent may rerun
                 flags |= _wire.FLAG_ONCE
-            p.resend = _Resend(retry, deadline, kind, flags, env, bufs, keep)
+            p.resend = Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
-            self._pending[rid] = p
-            if deadline is not None:
-                self._push_deadline(deadline, rid)
+            self.requests.add(rid, p, deadline)
         return rid, p, flags, env, bufs, keep
 
     # -- private connections -------------------------------------------------------------------
@@ -1064,7 +847,7 @@ class Agent:
     # used by this one call at a time, and the calling thread reads the reply from the
     # socket itself. The call still sits in the pending table, so deadlines, lost workers
     # and shutdown fail it like any other; failing it closes the private connection,
-    # which wakes the caller blocked on it (_Pending.set_exception).
+    # which wakes the caller blocked on it (Pending.set_exception).
 
     private_calls = True
     """Whether blocking calls use private connections (the fault-injecting agent's sends
@@ -1103,7 +886,7 @@ class Agent:
 
     def _send_private(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
                       payload: Any, timeout: float, what: Any,
-                      retry: Optional[RetryPolicy] = None) -> Tuple[int, _Pending, bool]:
+                      retry: Optional[RetryPolicy] = None) -> Tuple[int, Pending, bool]:
         """Enter a request and send it on private connection ``conn`` (which carries the
         parked requests ``also``); the request id, its pending record, and whether it was
         sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
@@ -1127,7 +910,7 @@ class Agent:
             return rid, p, False
         return rid, p, True
 
-    def _read_blocking(self, conn: Connection, rid: int, p: _Pending,
+    def _read_blocking(self, conn: Connection, rid: int, p: Pending,
                        also: Tuple[int, ...] = ()) -> None:
         """:meth:`_read_reply`, as a blocked thread in the eyes of the pool."""
         pool = current_pool()
@@ -1137,7 +920,7 @@ class Agent:
             with pool.blocking():
                 self._read_reply(conn, rid, p, also)
 
-    def _read_reply(self, conn: Connection, rid: int, p: _Pending,
+    def _read_reply(self, conn: Connection, rid: int, p: Pending,
                     also: Tuple[int, ...] = ()) -> None:
         """Read replies from private connection ``conn`` until request ``rid`` and the
         requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
@@ -1228,7 +1011,7 @@ class Agent:
 
     def _drain(self, conn: Connection, rid: int) -> None:
         """Read the reply of parked request ``rid`` (claimed by this thread) from ``conn``."""
-        p = self._pending.get(rid)
+        p = self.requests.pending.get(rid)
         if p is None:  # failed already (which closed the connection)
             self._unpark()
             return
@@ -1276,7 +1059,7 @@ class Agent:
                     free = self._private.setdefault(dst.id, [])
             free.append(conn)
 
-    def _attempt(self, rid: int, p: _Pending, kind: int, flags: int, env: bytes, bufs: Any,
+    def _attempt(self, rid: int, p: Pending, kind: int, flags: int, env: bytes, bufs: Any,
                  keep: Any) -> None:
         r = p.resend
         was_sent = r is not None and r.sent
@@ -1293,7 +1076,8 @@ class Agent:
             else:
                 self.send_failed(kind, rid, p.dst, exc)
             return
-        if flags & _wire.FLAG_ONEWAY and (p.resend is None or self._pending.pop(rid, None)):
+        if flags & _wire.FLAG_ONEWAY and (p.resend is None
+                                          or self.requests.pending.pop(rid, None)):
             p.future.set_result(None)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
@@ -1317,45 +1101,9 @@ class Agent:
     def _request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """Request ``rid`` to ``dst`` may never be answered (its connection failed):
         retry or fail it, unless it is settled already."""
-        p = self._pending.pop(rid, None)
+        p = self.requests.pending.pop(rid, None)
         if p is not None:
-            self._fail(rid, p, self._lost_error(dst, exc))
-
-    def _fail(self, rid: int, p: _Pending, error: BaseException) -> None:
-        """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
-        r = p.resend
-        if r is not None and retryable(error) and self._state == "running" \
-                and p.dst.id not in self._declared:
-            if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
-                self._pending[rid] = p
-                return
-            if r.attempt < r.policy.max_attempts:
-                delay = r.policy.backoff(r.attempt)
-                if r.deadline is None or time.monotonic() + delay < r.deadline:
-                    r.attempt += 1
-                    r.scheduled = True
-                    r.probing = False
-                    self._pending[rid] = p
-                    log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
-                             self.name, describe(p.what) if p.what else Kind(r.kind).name,
-                             p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
-                    if r.sent and r.flags & _wire.FLAG_ONCE:
-                        self._probe_later(p.dst, rid, delay)
-                    else:
-                        self.call_later(delay, self._resend, rid)
-                    return
-            if r.attempt > 1:
-                error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
-                                            worker=getattr(error, "worker", None))
-        p.set_exception(error)
-
-    def _resend(self, rid: int) -> None:
-        p = self._pending.get(rid)
-        if p is None or p.resend is None:
-            return  # timed out or answered meanwhile
-        r = p.resend
-        r.scheduled = False
-        self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+            self.requests.fail(rid, p, self._lost_error(dst, exc))
 
     # Resending only what did not arrive. An attempt of a request with the ONCE flag that
     # may have reached the callee (its send returned: the frame was queued, and the
@@ -1385,7 +1133,7 @@ class Agent:
             due = self._probe_due.pop(dst.id, [])
         asking = []
         for rid in due:
-            p = self._pending.get(rid)
+            p = self.requests.pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or not r.scheduled:
                 continue  # answered, timed out or failed meanwhile
@@ -1412,7 +1160,7 @@ class Agent:
         """The answer to a probe: send again what the callee never got; wait for the rest."""
         missing = []
         for rid, status in _wire.parse_status(envelope):
-            p = self._pending.get(rid)
+            p = self.requests.pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or p.dst.id != conn.peer_rank:
                 continue  # answered (the kept reply came just before), timed out or failed
@@ -1467,13 +1215,11 @@ class Agent:
         deadline, as a request's would (torch sends such requests to itself)."""
         self._check_running()
         rid = next(self._rid)
-        p = _Pending(new_future(self._pool), self.worker_info, what, timeout, None)
-        self._pending[rid] = p
-        if timeout > 0:
-            self._push_deadline(time.monotonic() + timeout, rid)
+        p = Pending(new_future(self._pool), self.worker_info, what, timeout, None)
+        self.requests.add(rid, p, time.monotonic() + timeout if timeout > 0 else None)
 
         def finish(f: torch.futures.Future) -> None:
-            q = self._pending.pop(rid, None)
+            q = self.requests.pending.pop(rid, None)
             if q is None:
                 return  # timed out or failed already
             try:
@@ -1507,7 +1253,7 @@ class Agent:
             if out is not None:
                 meta[hook.key], h, states[hook.key] = out
                 send_hooks.append(h)
-        return (meta or None), _combine(send_hooks), (states or None)
+        return (meta or None), combine(send_hooks), (states or None)
 
     def _lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
         if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
@@ -1547,8 +1293,9 @@ class Agent:
             host, port = self._addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
-            if lost is not None and self._hb_timeout > 0 and not patient:
-                timeout = min(timeout, max(self._hb_timeout, 1.0))  # don't wait long on the dead
+            hb_timeout = self.liveness.timeout
+            if lost is not None and hb_timeout > 0 and not patient:
+                timeout = min(timeout, max(hb_timeout, 1.0))  # don't wait long on the dead
             try:
                 conn = self._open(dst, host, port, timeout)
             except RpcError as exc:
@@ -1572,7 +1319,8 @@ class Agent:
                                                local=self._same_host(dst.id))
             except RpcError as exc:
                 busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
-                                                  BrokenPipeError)) and self._runs_here(dst.id)
+                                                  BrokenPipeError)) \
+                    and self.liveness.runs_here(dst.id)
                 if not busy or time.monotonic() + delay >= deadline:
                     raise
                 log.info("%s: worker %s is busy (%s); connecting again in %.2g s",
@@ -1584,7 +1332,7 @@ class Agent:
 
     def _on_connect(self, conn: Connection) -> None:
         if conn.private:
-            # Used by one call at a time; registered for liveness (_connections_by_peer).
+            # Used by one call at a time; registered for liveness (see liveness.py).
             with self._lock:
                 self._private_conns.setdefault(conn.peer_rank, []).append(conn)
             return
@@ -1594,8 +1342,7 @@ class Agent:
             if current is None or current.closed:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
-            self._silent.pop(conn.peer_rank, None)
-            self._declared.discard(conn.peer_rank)
+            self.liveness.reconnected(conn.peer_rank)
         if self._state in ("stopping", "stopped"):
             # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
             # connection would wait for a reply until its timeout. (Not while starting: a
@@ -1629,12 +1376,12 @@ class Agent:
         if rank in self._left:
             # A request sent while the GOODBYE was on its way was on this connection.
             if w is not None:
-                self._fail_pending(rank, self._left_error(w))
+                self.requests.fail_peer(rank, self._left_error(w))
             return
         name = w.name if w else f"rank{rank}"
         if open_conns:
             # The peer is still reachable, but what went out on this connection may be lost.
-            self._fail_matching(lambda p: p.conn is conn, ConnectionLostError(
+            self.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(
                 f"a connection to worker {name} (rank {rank}) broke with this request on it: "
                 f"{reason}", worker=name))
             return
@@ -1643,85 +1390,10 @@ class Agent:
         log.warning("%s lost its connection to worker %s (rank %d): %s", self.name,
                     name, rank, reason)
         self._close_idle_private(rank, reason)
-        self._fail_pending(rank, ConnectionLostError(
+        self.requests.fail_peer(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
-        self._suspect(rank, reason)
-
-    def _suspect(self, rank: int, reason: BaseException) -> None:
-        """Peer ``rank`` lost its last connection without a GOODBYE: on the pool, try to
-        connect again, and if that fails tell the loss hooks (a cut link to a live
-        worker heals, and its RRefs and contexts must survive that). A peer lost for
-        silence (_lose_silent) is lost without trying: heartbeat_timeout of silence is
-        the evidence, and a stopped process would hold the handshake up as long again."""
-        with self._lock:
-            if rank in self._confirming or rank in self._declared or rank in self._left \
-                    or self._state != "running":
-                return
-            self._confirming.add(rank)
-        try:
-            self._pool.submit(self._confirm_loss, rank, reason)
-        except RuntimeError:  # shutting down: nothing to clean up for
-            with self._lock:
-                self._confirming.discard(rank)
-
-    def _confirm_loss(self, rank: int, reason: BaseException) -> None:
-        try:
-            w = self._workers.get(rank)
-            if w is None or rank in self._left or self._state != "running":
-                return
-            with self._lock:
-                silent = self._silent.pop(rank, None)
-                incarnation = self._incarnations.get(rank, 0)  # the process that was lost
-            if silent is not None:
-                error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
-                                            worker=w.name)
-            else:
-                try:
-                    self._connection(w)
-                except RpcError as exc:
-                    cause = exc
-                else:
-                    return  # it answered: alive, the link healed
-                error = ConnectionLostError(
-                    f"worker {w.name} (rank {rank}) was lost: {reason}; connecting to it "
-                    f"again failed: {cause}", worker=w.name)
-            with self._lock:
-                self._declared.add(rank)
-            log.warning("%s: %s", self.name, error)
-            self._run_loss_hooks(w, error)
-            if self.elastic:
-                self._remove_lost(w, incarnation, error)
-        finally:
-            with self._lock:
-                self._confirming.discard(rank)
-
-    def _run_loss_hooks(self, w: WorkerInfo, error: RpcError) -> None:
-        for hook in self._loss_hooks:
-            try:
-                hook(w, error)
-            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("a loss hook of %s failed for %s", self.name, w.name)
-
-    def _remove_lost(self, w: WorkerInfo, incarnation: int, error: RpcError) -> None:
-        """Dynamic group: free the name and rank of lost member ``w`` (process
-        ``incarnation``) for a new process.
-        Not if this worker was removed itself: a stopped process that is continued finds
-        every peer silent, and must learn of its own removal before it removes them."""
-        try:
-            self._refresh_members()
-        except Exception as exc:  # noqa: BLE001 - the store host may be gone
-            log.warning("%s cannot read the membership log: %s", self.name, exc)
-            return
-        if self.failure is not None:
-            return
-        try:
-            if membership.remove_lost(self.store, w.name, w.id, incarnation, str(error)):
-                log.warning("%s removed lost worker %s (rank %d) from the group; "
-                            "its name and rank are free", self.name, w.name, w.id)
-        except Exception as exc:  # noqa: BLE001 - the store host may be gone
-            log.warning("%s could not remove lost worker %s from the group: %s",
-                        self.name, w.name, exc)
+        self.liveness.suspect(rank, reason)
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -1730,16 +1402,6 @@ class Agent:
             idle = list(self._private.get(rank, ()))
         for conn in idle:
             conn.close(reason)
-
-    def _fail_matching(self, match: Callable[[_Pending], bool], error: RpcError) -> None:
-        """Fail (or retry) the pending requests for which ``match`` is true."""
-        for rid in list(self._pending):  # the keys: one C-level copy, see docs/design.md
-            p = self._pending.get(rid)
-            if p is not None and match(p) and self._pending.pop(rid, None) is not None:
-                self._fail(rid, p, error)
-
-    def _fail_pending(self, rank: int, error: RpcError) -> None:
-        self._fail_matching(lambda p: p.dst.id == rank, error)
 
     # -- frames ------------------------------------------------------------------------------------
 
@@ -1787,10 +1449,10 @@ class Agent:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
             self._left.add(src.id)
-            self._fail_pending(src.id, self._left_error(src))
+            self.requests.fail_peer(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
-            self._beating.add(src.id)
+            self.liveness.beating.add(src.id)
             return self._reading_to_pool(conn)
         if kind == Kind.ONCE_PROBE:
             self._answer_probe(conn, src, envelope)
@@ -1973,7 +1635,8 @@ class Agent:
 
     def _on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
-        p = self._pending.get(header.request_id)
+        pending = self.requests.pending
+        p = pending.get(header.request_id)
         if p is None:
             return  # expired or failed already
         if p.dst.id != conn.peer_rank:
@@ -1981,13 +1644,13 @@ class Agent:
             log.warning("%s dropped a reply from rank %d to request %d, which was "
                         "sent to rank %d", self.name, conn.peer_rank, header.request_id, p.dst.id)
             return
-        if self._pending.pop(header.request_id, None) is not p:
+        if pending.pop(header.request_id, None) is not p:
             return  # failed meanwhile
         now = time.monotonic()
         if p.timeout > 0 and now - p.sent > p.timeout:
             # Past its deadline, before the timer got to it (a loaded machine): the
             # deadline holds all the same, as the caller was promised.
-            self._time_out(p)
+            self.requests.time_out(p)
             return
         if p.resend is not None and p.resend.probing:
             with self._probe_lock:  # the reply came before the probe's answer
@@ -2026,13 +1689,13 @@ class Agent:
                 except Exception:  # noqa: BLE001 - the caller's error matters more
                     log.exception("%s: call hook %r failed", self.name, hook.key)
 
-    def _response_hook(self, p: _Pending, meta: Any) -> Optional[Callable]:
+    def _response_hook(self, p: Pending, meta: Any) -> Optional[Callable]:
         hooks = []
         for hook in self._hooks:
             if hook.key in p.states:
                 hooks.append(hook.incoming_response(p.dst, p.states[hook.key],
                                                     (meta or {}).get(hook.key)))
-        return _combine(hooks)
+        return combine(hooks)
 
     def _serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
                buffers: List[torch.Tensor], handler: Optional[Callable],
@@ -2054,7 +1717,7 @@ class Agent:
                 if scope is not None:
                     scope.hook_key = hook.key
                     scopes.append(scope)
-            return _combine([s.recv_hook for s in scopes])
+            return combine([s.recv_hook for s in scopes])
 
         what: Any = kind  # the function, once known; only error paths describe it
         try:
@@ -2123,7 +1786,7 @@ class Agent:
         meta = send_hook = None
         if scopes:
             meta = {s.hook_key: s.response_meta() for s in scopes} or None
-            send_hook = _combine([s.send_hook for s in scopes])
+            send_hook = combine([s.send_hook for s in scopes])
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
                                            send_hook, meta, "result")
@@ -2148,14 +1811,7 @@ class Agent:
     def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
                     via: Optional[Connection] = None) -> None:
         """Answer request ``rid`` of ``dst`` with ``exc``."""
-        # A coroutine target's error carries its traceback as text (see coroutines.py).
-        text = getattr(exc, "_torchrpc_traceback", None) or "".join(
-            traceback.format_exception(type(exc), exc, exc.__traceback__))
-        info = RemoteErrorInfo(type(exc), str(exc), text, self.name, None)
-        try:
-            info.original = _wire.encode(exc)[0]
-        except SerializationError:
-            pass
+        info = capture(exc, self.name)
         try:
             env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
         except SerializationError:
@@ -2179,15 +1835,6 @@ class Agent:
                 return
             self.send_failed(kind, rid, dst, exc)
 
-    # -- deadlines ---------------------------------------------------------------------------------
-
-    def _push_deadline(self, deadline: float, rid: int) -> None:
-        with self._timer_cv:
-            heap = self._heap
-            heapq.heappush(heap, (deadline, rid))
-            if heap[0][1] == rid:
-                self._timer_cv.notify()
-
     def _timer_loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool
         cv = self._timer_cv
@@ -2206,21 +1853,15 @@ class Agent:
         """One round of the timer: fail expired requests, run what is due; return how long
         to sleep. A step that fails for one request or callback spares the others."""
         cv = self._timer_cv
-        expired = []
         with cv:
             now = time.monotonic()
-            heap = self._heap
-            while heap and heap[0][0] <= now:
-                expired.append(heapq.heappop(heap)[1])
-            if len(heap) > 1024 and len(heap) > 4 * len(self._pending):
-                self._heap = heap = [e for e in heap if e[1] in self._pending]
-                heapq.heapify(heap)
+            expired, deadline = self.requests.due(now)
             self._timer_slow = True  # before looking at _lent: see _serve_inline
             tick = _TICK
             if any(not c.private for c in list(self._lent)) \
                     or any(pending() for pending in self._tick_pending):
                 self._timer_slow, tick = False, _LENT_TICK
-            wait = min(tick, heap[0][0] - now) if heap else tick
+            wait = min(tick, deadline - now) if deadline is not None else tick
             due = []
             later = self._later
             while later and later[0][0] <= now:
@@ -2236,7 +1877,7 @@ class Agent:
                 guard.failed(exc)
         for rid in expired:
             try:
-                self._expire(rid)
+                self.requests.expire(rid)
             except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
                 guard.failed(exc)
         self._check_lent(now)
@@ -2252,176 +1893,18 @@ class Agent:
             if self._transport is not None:
                 self._transport.housekeeping()
                 set_spare_cpus(self._spare_cpus())
-        self._check_liveness(now)
+        self.liveness.check(now)
         return wait
-
-    def _expire(self, rid: int) -> None:
-        p = self._pending.pop(rid, None)
-        if p is not None:
-            self._time_out(p)
-
-    def _time_out(self, p: _Pending) -> None:
-        """Fail request ``p`` (already out of the table) with the timeout error."""
-        if p.stats is not None:
-            p.stats.timeouts += 1
-        if self._log_on_timeout and p.dst.id != self.rank:
-            self._report_timeout(p.dst, p.what, p.timeout)
-        p.set_exception(RpcTimeoutError(
-            f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
-            f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
-            f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
-            f"or raise the options' rpc_timeout"))
-
-    # -- failure detection -------------------------------------------------------------------------
-    #
-    # Theory of operation. A worker that dies closes its sockets, so its peers read EOF
-    # and fail its pending calls at once (_on_close). A worker whose host died, or whose
-    # network is cut, or that hangs, sends nothing. So a worker sends each peer a
-    # HEARTBEAT frame when it has sent that peer nothing for heartbeat_interval, and the
-    # timer closes every connection of a peer from which nothing at all came in for
-    # heartbeat_timeout, which fails the calls pending on it. Liveness is per peer, not
-    # per connection: any frame on any of its connections counts, private ones included
-    # (a callee's reply, a caller's request), and a lost peer's private connections
-    # close with its shared ones, which ends their readers on the callee's side and
-    # wakes a caller blocked on one. A peer is watched once this worker knows that it
-    # sends heartbeats: it announced a heartbeat interval at rendezvous, or a heartbeat
-    # came from it. Knowing it from rendezvous matters: a peer kept busy sending replies
-    # never needs to send a heartbeat, and it was not watched when only one that came
-    # counted (a stopped busy peer then hung its callers forever). A peer configured
-    # without heartbeats is never timed out, so it is not mistaken for a dead one while
-    # it runs a long call. A loss is a suspicion until graceful shutdown confirms it
-    # by failing to connect again; there, confirmed losses are shared through the store,
-    # and workers missing from the barrier are probed, so a worker that died unseen by
-    # this one is found too (check_peers).
-    #
-    # Heartbeats go where the far end reads: on a shared connection, or (when none is
-    # open) on a private one this worker opened as the caller, whose callee has a
-    # reader; never on one a caller opened to this worker, which its caller reads only
-    # while it waits for a reply.
-    #
-    # A silent peer on this host whose process the kernel shows running (not stopped, not
-    # a zombie) is starved of CPU, not dead: with dozens of workers on a few cores, a
-    # worker's heartbeat thread may not run for seconds. Such a peer is timed out only
-    # after _STARVED times heartbeat_timeout; one that died closes its sockets anyway.
-
-    def _connections_by_peer(self) -> Dict[int, Tuple[List[Connection], List[Connection]]]:
-        """The open shared and private connections of each peer that has one (never two
-        empty lists: a connection may close meanwhile, but each is tested once)."""
-        out = {}
-        with self._lock:
-            for rank in set(self._all_conns) | set(self._private_conns):
-                shared = [c for c in self._all_conns.get(rank, ()) if not c.closed]
-                private = [c for c in self._private_conns.get(rank, ()) if not c.closed]
-                if shared or private:
-                    out[rank] = (shared, private)
-        return out
-
-    def _heartbeat_loop(self, guard: Guard) -> None:
-        interval = self._hb_interval
-        envelope = _wire.encode(None)[0]
-        while guard.ok and not self._stopped.wait(interval / 2):
-            with guard:
-                now = time.monotonic()
-                for rank, (shared, private) in self._connections_by_peer().items():
-                    try:
-                        self._beat(rank, shared, private, now, interval, envelope)
-                    except Exception as exc:  # noqa: BLE001 - the other peers still get theirs
-                        guard.failed(exc)
-
-    def _beat(self, rank: int, shared: List[Connection], private: List[Connection], now: float,
-              interval: float, envelope: bytes) -> None:
-        """Send peer ``rank`` a heartbeat unless it had traffic from us within ``interval``."""
-        conns = shared + private
-        if now - max(c.last_send for c in conns) < interval:
-            return  # traffic to this peer is proof enough
-        conn = self._conns.get(rank)
-        if conn is None or conn.closed:
-            # Only where the far end reads (see the theory of operation above).
-            conn = next(iter(shared or [c for c in private if c.outbound]), None)
-            if conn is None:
-                return
-        try:
-            conn.send(Kind.HEARTBEAT, _wire.FLAG_ONEWAY, 0, envelope, [])
-        except RpcError:
-            pass  # closed meanwhile; its reader reports why
-
-    def _runs_here(self, rank: int) -> bool:
-        """Whether worker ``rank`` is a process of this host (same pid namespace) that the
-        kernel shows alive and not stopped."""
-        proc = self._procs.get(rank)
-        if proc is None or proc[1] != self._pidns or not proc[1] or not self._same_host(rank):
-            return False
-        return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
-
-    def _silence_limit(self, rank: int, timeout: float) -> Optional[float]:
-        """How long peer ``rank`` may stay silent before it is lost; None if it is not
-        watched (it sends no heartbeats). Three of its own heartbeat intervals at least,
-        should it beat more slowly than this worker's heartbeat_timeout expects."""
-        every = self._beats_every.get(rank, 0.0)
-        if every <= 0 and rank not in self._beating:
-            return None
-        return max(timeout, 3 * every)
-
-    def _check_liveness(self, now: float) -> None:
-        timeout = self._hb_timeout
-        if timeout <= 0 or self._state != "running":
-            return
-        stalled = now - self._last_liveness > timeout / 2
-        self._last_liveness = now
-        if stalled:
-            return  # this process did not run for a while: let its readers catch up first
-        for rank, (shared, private) in self._connections_by_peer().items():
-            if rank in self._left:
-                continue
-            limit = self._silence_limit(rank, timeout)
-            if limit is None:
-                continue
-            conns = shared + private
-            silent = now - max(c.last_recv for c in conns)
-            if silent <= limit:
-                continue
-            # Connections with a reader of their own (a caller's private connection is
-            # read only while a call waits on it, so bytes may lie there unread).
-            read = shared + [c for c in private if not c.outbound]
-            try:
-                if read and select.select([c.sock for c in read], [], [], 0)[0]:
-                    continue  # bytes are waiting: the peer spoke, our readers are behind
-            except (OSError, ValueError):
-                pass
-            if silent <= limit * _STARVED and self._runs_here(rank):
-                continue  # alive on this host: starved of CPU, not dead (see above)
-            self._lose_silent(rank, conns, silent, limit)
-
-    def _lose_silent(self, rank: int, conns: List[Connection], silent: float,
-                     limit: float) -> None:
-        """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
-        fail every call pending on it."""
-        w = self._workers.get(rank)
-        name = w.name if w else f"rank{rank}"
-        error = ConnectionLostError(
-            f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
-            f"(heartbeat_timeout is {limit:g} s): it is dead, hung or unreachable",
-            worker=name)
-        self._heartbeat_timeouts += 1
-        with self._lock:
-            self._lost[rank] = str(error)
-            self._silent[rank] = error
-        self._suspect(rank, error)  # the loss hooks hear of it (first: see _declared)
-        with self._lock:
-            self._declared.add(rank)  # its calls fail now, with no retry
-        for conn in conns:
-            conn.close(error)
-        self._close_idle_private(rank, error)
-        self._fail_pending(rank, error)  # also those no connection carried (a failed send)
 
     # -- shutdown ----------------------------------------------------------------------------------
 
     def _wait_pending(self, deadline: Optional[float]) -> None:
         delay = 0.001
-        while self._pending:
+        pending = self.requests.pending
+        while pending:
             self.check_peers()
             if deadline is not None and time.monotonic() > deadline:
-                raise ShutdownError(f"{len(self._pending)} RPCs still outstanding at shutdown")
+                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -2614,22 +2097,19 @@ class Agent:
             self._state = "stopped"
             self._later.clear()
             self._timer_cv.notify()
-        self._stopped.set()
-        for rid in list(self._pending):
-            p = self._pending.pop(rid, None)
-            if p is not None:
-                p.set_exception(NotInitializedError(
-                    f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
-                    f"to {describe(p.what)} arrived"))
+        self.liveness.stop()
+        self.requests.fail_all(lambda p: NotInitializedError(
+            f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
+            f"to {describe(p.what)} arrived"))
         with self._lock:
             self._private.clear()
         self._parked.clear()
         if self._transport is not None:
             self._transport.close()
         self.coroutines.close()
-        for thread in (self._timer, self._heartbeat):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(10)
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(10)
+        self.liveness.join(10)
         stuck = self._pool.close()
         if stuck:
             log.warning("%d worker threads of %s were still busy at shutdown: %s",
@@ -2732,33 +2212,3 @@ def _is_builtin_operator(func: Any) -> bool:
     except Exception:  # noqa: BLE001 - an unhashable callable is no builtin
         return False
 
-
-def rebuild_error(info: Any) -> BaseException:
-    """The caller-side exception for a :class:`RemoteErrorInfo`: same type, remote traceback."""
-    if not isinstance(info, RemoteErrorInfo):
-        return RpcError(f"malformed error reply: {info!r}")
-    text = f"{info.message}\n\nOn worker {info.worker}, remote traceback:\n{info.remote_traceback}"
-    exc_type = info.exc_type if isinstance(info.exc_type, type) and \
-        issubclass(info.exc_type, BaseException) else RpcError
-    try:
-        exc = exc_type(text)
-        if str(exc) != text:
-            raise TypeError("constructor changed the message")
-    except Exception:  # noqa: BLE001 - fall back to the original object
-        exc = None
-        if info.original is not None:
-            try:
-                exc = _wire.decode(info.original, [])[1]
-            except Exception:  # noqa: BLE001
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RpcError(f"Couldn't unpickle the exception {exc_type.__name__} raised on "
-                           f"worker {info.worker}. Original exception on remote side was "
-                           f"{exc_type.__name__}: {text}")
-        elif hasattr(exc, "add_note"):
-            exc.add_note(f"On worker {info.worker}, remote traceback:\n{info.remote_traceback}")
-    if isinstance(exc, torch.jit.Error):  # torch's RPC reports TorchScript errors as such
-        exc = as_runtime_error(exc)
-    exc.remote_traceback = info.remote_traceback
-    exc.worker = info.worker
-    return exc

@@ -162,7 +162,7 @@ def listen_host(init_method: str, configured: Optional[str]) -> str:
 
 def process_identity() -> Dict[str, int]:
     """This worker's pid and pid namespace, so that a peer on the same host can ask the
-    kernel whether it runs (see Agent._runs_here)."""
+    kernel whether it runs (see Liveness.runs_here)."""
     return {"pid": os.getpid(), "pidns": pid_namespace()}
 
 

@@ -63,15 +63,13 @@ import itertools
 import logging
 import threading
 import time
-import traceback
 from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _wire
 from .._agent import Agent, CallHook, CallScope, WorkerInfo, current_pool
-from .._agent.agent import RemoteErrorInfo, rebuild_error
+from .._agent.remote_error import capture, rebuild_error
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind
@@ -588,7 +586,7 @@ class DistAutogradEngine(CallHook):
             self._credit_back(pass_id, credit, error)
             return
         agent = self._agent
-        info = _error_info(error, agent.name) if error is not None else None
+        info = capture(error, agent.name) if error is not None else None
         try:
             report = DoneReport(pass_id, credit, info)
             try:
@@ -759,16 +757,6 @@ def _check_roots(roots: Any) -> List[torch.Tensor]:
             raise RuntimeError(f"roots[{i}] does not have a valid gradient function. A leaf "
                                f"tensor cannot be a root; pass the result of a computation")
     return list(roots)
-
-
-def _error_info(error: BaseException, worker: str) -> RemoteErrorInfo:
-    """``error`` as the agent sends a remote failure: type, message, traceback, worker."""
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    try:
-        original: Optional[bytes] = _wire.encode(error)[0]
-    except SerializationError:
-        original = None
-    return RemoteErrorInfo(type(error), str(error), text, worker, original)
 
 
 def install(agent: Agent) -> DistAutogradEngine:

@@ -115,8 +115,8 @@ class BackwardReply:
 class DoneReport:
     """``AUTOGRAD_DONE`` (one-way, to the root): ``credit`` of pass ``pass_id`` comes back.
 
-    ``error`` is the agent's ``RemoteErrorInfo`` of a failure on the reporting
-    worker, or None. The pass is over when all the credit (1) is back.
+    ``error`` is a failure on the reporting worker as a ``RemoteErrorInfo`` (see
+    ``_agent.remote_error``), or None. The pass is over when all the credit (1) is back.
     """
 
     pass_id: PassId

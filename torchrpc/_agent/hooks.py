@@ -1,0 +1,152 @@
+"""The plug-in API: what upper layers (RRefs, distributed autograd, the profiler) use to
+take part in the agent's messages without the agent knowing them.
+
+A layer registers a handler per message kind (``Agent.register_handler``); a handler that
+answers later returns an :class:`AsyncResult`. A :class:`CallHook` adds its metadata to
+outgoing requests, gets a :class:`CallScope` around each request it serves, and sees
+every tensor that crosses both ways. Pickling code of a layer reads the
+:class:`MessageContext` of the message it (un)pickles: the peer, the message kind, and
+what must happen before the request runs or after it is answered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .._wire import Kind
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+
+class MessageContext:
+    """What pickling code of upper layers may know about the message being (un)pickled.
+
+    Read-only by convention. Not a frozen dataclass: one is built for every message
+    both ways, and a frozen dataclass takes several times as long to build.
+    """
+
+    __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates", "per_peer")
+
+    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
+                 replied: bool = False) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.kind = kind
+        # Set by pickling code whose output depends on the peer (an RRef fork): the
+        # message cannot go to other workers as it is (see Agent.request_many).
+        self.per_peer = False
+        # A request that gets a reply: the reply shows that the callee has unpickled it.
+        self.replied = replied
+        # While encoding such a request: what to run once it is answered or has failed.
+        self.on_settled: Optional[List[Callable[[], None]]] = None
+        # While decoding a request: futures that must complete before it runs.
+        self.gates: Optional[List[torch.futures.Future]] = None
+
+    def add_gate(self, gate: torch.futures.Future) -> None:
+        """Make the request being decoded run only once ``gate`` has completed (or the
+        request's handling has waited the agent's RPC timeout for it)."""
+        if self.gates is None:
+            self.gates = []
+        self.gates.append(gate)
+
+    def when_settled(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the request being encoded is answered or has failed
+        (only for a request that gets a reply: check :attr:`replied`)."""
+        if self.on_settled is None:
+            self.on_settled = []
+        self.on_settled.append(action)
+
+    def target_device(self, device: torch.device) -> torch.device:
+        """The device a CUDA tensor on ``device`` lands on at the peer (see
+        :meth:`Agent.target_device`)."""
+        return self.agent.target_device(self.peer, device, self.kind == Kind.RESPONSE)
+
+    def __repr__(self) -> str:
+        return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"
+
+
+class AsyncResult:
+    """A handler's way to say: reply when this future completes."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self.future = future
+
+
+class CallScope:
+    """What a call hook does around one incoming request (all parts optional)."""
+
+    recv_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    send_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    hook_key = ""  # set by the agent: the key of the hook that made this scope
+
+    def __enter__(self) -> "CallScope":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def response_meta(self) -> Any:
+        return None
+
+
+class CallHook:
+    """Base class of the hooks upper layers register with :meth:`Agent.add_call_hook`.
+
+    ``key`` names the hook's entry in a message's metadata.
+    """
+
+    key = "hook"
+
+    def outgoing_request(self, dst: WorkerInfo, kind: int
+                         ) -> Optional[Tuple[Any, Optional[Callable], Any]]:
+        """Caller side: return (meta value, tensor send hook, state) or None to stay out."""
+        return None
+
+    def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
+        """Callee side, with this hook's meta value: return a scope or None."""
+        return None
+
+    def incoming_response(self, src: WorkerInfo, state: Any, meta: Any
+                          ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """Caller side, for the reply: return a tensor receive hook or None."""
+        return None
+
+    def request_failed(self, dst: WorkerInfo, state: Any) -> None:
+        """Caller side: the request failed here, with no reply (it could not be encoded or
+        sent, timed out, or its connection or the agent went down); it may or may not
+        have reached ``dst``."""
+
+
+def describe(what: Any) -> str:
+    """A readable name for the function or operation of a request."""
+    if what is None:
+        return "?"
+    if isinstance(what, str):
+        return what
+    qual = getattr(what, "__qualname__", None) or getattr(what, "qualified_name", None) \
+        or getattr(what, "__name__", None)
+    if qual is None:
+        return type(what).__name__
+    module = getattr(what, "__module__", None)
+    return f"{module}.{qual}" if module and module != "builtins" else str(qual)
+
+
+def combine(hooks: List[Optional[Callable]]) -> Optional[Callable]:
+    """One tensor hook that runs ``hooks`` in order (those not None); None if there are none."""
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def chained(t: torch.Tensor) -> torch.Tensor:
+        for h in hooks:
+            t = h(t)
+        return t
+    return chained

@@ -1,0 +1,214 @@
+"""The table of outstanding requests: pending calls, their deadlines, retries, and
+failing them by peer or by connection.
+
+Theory of operation. A request that gets a reply (and a one-way request with a retry
+policy) has an entry in the table, by request id, from when it is sent until it is
+settled. Whoever pops the entry settles it: the reply that arrives, the timer at the
+deadline, a broken connection, a lost peer, shutdown; the others find it gone. The table
+has no lock: it changes by single dict operations, which the GIL makes atomic, and is
+read by copying its keys (see docs/design.md, "Snapshots of shared tables").
+
+Deadlines wait in a heap the timer looks at (:meth:`Requests.due`); an entry whose
+request is settled early stays in the heap until its deadline, and the heap is rebuilt
+when such entries make up most of it.
+
+A request with a retry policy that fails on its connection is put back in the table and
+sent again after the policy's backoff, as the same frame under the same deadline; one
+marked at most once (FLAG_ONCE) that may have arrived asks the callee first (the agent's
+probes). Remote errors and timeouts are never retried, nor are requests to a peer
+declared lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from .. import _wire
+from .._transport import Connection
+from .._wire import Kind
+from ..errors import ConnectionLostError, RpcError, RpcTimeoutError
+from .futures import RpcFuture
+from .hooks import describe
+from .retry import RetryPolicy, retryable
+from .stats import PeerStats
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class Pending:
+    """An outstanding request: the future of its reply and what failing or retrying it needs."""
+
+    __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
+                 "stats", "sent", "conn")
+
+    def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
+                 states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
+                 sent: float = 0.0) -> None:
+        self.future = future
+        self.stats = stats  # the callee's counters (None for a request to this worker)
+        self.sent = sent  # time.monotonic() when the request was made
+        self.dst = dst
+        self.what = what
+        self.timeout = timeout
+        self.states = states
+        self.resend: Optional[Resend] = None
+        # The private connection whose caller reads the reply itself (see request_sync).
+        self.private: Optional[Connection] = None
+        # The shared connection its last attempt went out on: if that one breaks, the
+        # request may be lost even while other connections to the peer stay open.
+        self.conn: Optional[Connection] = None
+        # Tells the call hooks with a state that the request failed here (see set_exception).
+        self.on_failure: Optional[Callable[[], None]] = None
+
+    def set_exception(self, error: BaseException) -> None:
+        """Fail the call with an error of this side (not a reply); wake a caller blocked
+        reading a private connection."""
+        if self.on_failure is not None:
+            self.on_failure()
+        if self.stats is not None:
+            self.stats.errors_out += 1
+        self.future.set_exception(error)
+        if self.private is not None:
+            self.private.close(error)
+
+
+class Resend:
+    """What a request with a retry policy needs to be sent again: the same frame."""
+
+    __slots__ = ("policy", "attempt", "scheduled", "sent", "probing", "known", "deadline",
+                 "kind", "flags", "env", "bufs", "keep")
+
+    def __init__(self, policy: RetryPolicy, deadline: Optional[float], kind: int, flags: int,
+                 env: bytes, bufs: Any, keep: Any) -> None:
+        self.policy = policy
+        self.attempt = 1
+        self.scheduled = False  # the next attempt is due (a second failure must not add one)
+        self.sent = False  # a send of it may have reached the callee (so ask before a resend)
+        self.probing = False  # a probe asks the callee about it, unanswered (see Agent._probe_peer)
+        self.known = False  # a probe's answer said the callee has it
+        self.deadline = deadline
+        self.kind = kind
+        self.flags = flags
+        self.env = env
+        self.bufs = bufs
+        self.keep = keep
+
+
+class Requests:
+    """One agent's table of outstanding requests (:attr:`pending`) and their deadlines."""
+
+    def __init__(self, agent: "Agent", cv: threading.Condition) -> None:
+        self._agent = agent
+        self._cv = cv  # the timer's: a deadline earlier than all others wakes it
+        self.pending: Dict[int, Pending] = {}
+        self._heap: List[Tuple[float, int]] = []  # (deadline, request id)
+
+    def add(self, rid: int, p: Pending, deadline: Optional[float]) -> None:
+        """Enter request ``rid``; the timer fails it at ``deadline`` (None: never)."""
+        self.pending[rid] = p
+        if deadline is not None:
+            self._push_deadline(deadline, rid)
+
+    def _push_deadline(self, deadline: float, rid: int) -> None:
+        with self._cv:
+            heap = self._heap
+            heapq.heappush(heap, (deadline, rid))
+            if heap[0][1] == rid:
+                self._cv.notify()
+
+    def due(self, now: float) -> Tuple[List[int], Optional[float]]:
+        """Under the timer's lock: the ids of requests whose deadline has passed (taken
+        off the heap), and the next deadline (None if there is none)."""
+        expired = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            expired.append(heapq.heappop(heap)[1])
+        pending = self.pending
+        if len(heap) > 1024 and len(heap) > 4 * len(pending):
+            self._heap = heap = [e for e in heap if e[1] in pending]
+            heapq.heapify(heap)
+        return expired, (heap[0][0] if heap else None)
+
+    def expire(self, rid: int) -> None:
+        p = self.pending.pop(rid, None)
+        if p is not None:
+            self.time_out(p)
+
+    def time_out(self, p: Pending) -> None:
+        """Fail request ``p`` (already out of the table) with the timeout error."""
+        if p.stats is not None:
+            p.stats.timeouts += 1
+        agent = self._agent
+        if agent._log_on_timeout and p.dst.id != agent.rank:
+            agent._report_timeout(p.dst, p.what, p.timeout)
+        p.set_exception(RpcTimeoutError(
+            f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
+            f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
+            f"{describe(p.what)} timed out after {p.timeout:g} s; pass a larger timeout= "
+            f"or raise the options' rpc_timeout"))
+
+    def fail(self, rid: int, p: Pending, error: BaseException) -> None:
+        """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
+        agent = self._agent
+        r = p.resend
+        if r is not None and retryable(error) and agent._state == "running" \
+                and p.dst.id not in agent.liveness.declared:
+            if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
+                self.pending[rid] = p
+                return
+            if r.attempt < r.policy.max_attempts:
+                delay = r.policy.backoff(r.attempt)
+                if r.deadline is None or time.monotonic() + delay < r.deadline:
+                    r.attempt += 1
+                    r.scheduled = True
+                    r.probing = False
+                    self.pending[rid] = p
+                    log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
+                             agent.name, describe(p.what) if p.what else Kind(r.kind).name,
+                             p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
+                    if r.sent and r.flags & _wire.FLAG_ONCE:
+                        agent._probe_later(p.dst, rid, delay)
+                    else:
+                        agent.call_later(delay, self.resend, rid)
+                    return
+            if r.attempt > 1:
+                error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
+                                            worker=getattr(error, "worker", None))
+        p.set_exception(error)
+
+    def resend(self, rid: int) -> None:
+        """Send the next attempt of request ``rid``, if it still waits for one."""
+        p = self.pending.get(rid)
+        if p is None or p.resend is None:
+            return  # timed out or answered meanwhile
+        r = p.resend
+        r.scheduled = False
+        self._agent._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+
+    def fail_matching(self, match: Callable[[Pending], bool], error: RpcError) -> None:
+        """Fail (or retry) the pending requests for which ``match`` is true."""
+        pending = self.pending
+        for rid in list(pending):  # the keys: one C-level copy, see docs/design.md
+            p = pending.get(rid)
+            if p is not None and match(p) and pending.pop(rid, None) is not None:
+                self.fail(rid, p, error)
+
+    def fail_peer(self, rank: int, error: RpcError) -> None:
+        """Fail (or retry) every request pending on worker ``rank``."""
+        self.fail_matching(lambda p: p.dst.id == rank, error)
+
+    def fail_all(self, error_of: Callable[[Pending], BaseException]) -> None:
+        """Fail every pending request, with no retry, with ``error_of(request)``."""
+        pending = self.pending
+        for rid in list(pending):
+            p = pending.pop(rid, None)
+            if p is not None:
+                p.set_exception(error_of(p))

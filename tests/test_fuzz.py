@@ -171,6 +171,9 @@ def _mutate(rng: random.Random, frame: bytes, in_step: bool = False) -> Tuple[by
     if op == 7:  # corrupt the header anywhere
         i = rng.randrange(header_end)
         data[i] = rng.randrange(256)
+        if i == 5 and data[5] == Kind.GOODBYE:
+            # A GOODBYE from an authenticated peer is a member leaving (see _SAFE_KINDS).
+            data[5] = frame[5]
         ok = data[:6] == frame[:6] and data[16:] == frame[16:] and (i not in (6, 7) or data[6] & ~3 == 0)
         return bytes(data), ok and data[5] in _SAFE_KINDS
     return rng.randbytes(rng.randint(1, 200)), False  # pure noise

@@ -132,10 +132,7 @@ class Connection(FrameReader):
                     and not getattr(_reading, "depth", 0):
                 self._wait_for_room(size, staged, returned)
             if self._closed:
-                if staged:
-                    self.shm_tx.unstage(staged)
-                if returned:
-                    self.shm_rx.unreturn(returned)
+                self._unsend(staged, returned)
                 raise ConnectionLostError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
@@ -149,6 +146,13 @@ class Connection(FrameReader):
             self._writing = True
         self._drain()
 
+    def _unsend(self, staged: Any, returned: Any) -> None:
+        """A frame that was to carry shared-memory buffers is not sent: undo them."""
+        if staged:
+            self.shm_tx.unstage(staged)
+        if returned:
+            self.shm_rx.unreturn(returned)
+
     def _wait_for_room(self, size: int, staged: Any, returned: Any) -> None:
         """Under _lock: wait until a frame of ``size`` bytes fits in the outbox (back-
         pressure on a peer that reads slower than we send), or raise after send_timeout."""
@@ -157,10 +161,7 @@ class Connection(FrameReader):
                 and self._outbox_bytes + size > self.max_outbox:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                if staged:
-                    self.shm_tx.unstage(staged)
-                if returned:
-                    self.shm_rx.unreturn(returned)
+                self._unsend(staged, returned)
                 raise RpcTimeoutError(
                     f"send to rank {self.peer_rank} timed out after {self.send_timeout:g} s "
                     f"waiting for room: {self._outbox_bytes} bytes wait in its outbox "

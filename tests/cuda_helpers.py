@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchrpc._wire import serialize
+from torchrpc._wire import pickler
 
 
 class FakeCuda(torch.Tensor):
@@ -42,8 +42,8 @@ class FakeCuda1(FakeCuda):
     index = 1
 
 
-serialize._REDUCERS[FakeCuda] = serialize._Encoder.reduce_tensor
-serialize._REDUCERS[FakeCuda1] = serialize._Encoder.reduce_tensor
+pickler._REDUCERS[FakeCuda] = pickler._Encoder.reduce_tensor
+pickler._REDUCERS[FakeCuda1] = pickler._Encoder.reduce_tensor
 
 
 def fake_cuda(t: torch.Tensor, index: int = 0) -> FakeCuda:

@@ -198,12 +198,12 @@ def test_a_request_whose_serving_fails_costs_only_that_request(agent, caplog, mo
 
 
 def test_rref_sender_survives_and_still_flushes(agent, caplog, monkeypatch):
-    layer = agent.extensions["rref"]
-    monkeypatch.setattr(layer, "_send_deletes", raise_once(layer._send_deletes))
-    layer._queue.put(("deletes", None))
+    control = agent.extensions["rref"].control
+    monkeypatch.setattr(control, "_send_deletes", raise_once(control._send_deletes))
+    control._queue.put(("deletes", None))
     assert wait_until(lambda: errors_about(caplog, "RRef sender thread of solo"))
-    layer._flush(time.monotonic() + 10)  # the sender still answers
-    assert layer._sender.is_alive() and agent.failure is None
+    control.flush(time.monotonic() + 10)  # the sender still answers
+    assert control._sender.is_alive() and agent.failure is None
     assert rpc.remote("solo", helpers.add, args=(1, 2)).to_here() == 3
 
 

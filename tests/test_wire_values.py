@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from torchrpc import _wire
-from torchrpc._wire import serialize
+from torchrpc._wire import rebuild
 from torchrpc.errors import SerializationError
 
 from . import values
@@ -116,10 +116,10 @@ def test_objects_that_reduce_to_large_buffers_get_them_without_copies():
 
 def test_hostile_out_of_band_references_are_refused():
     with pytest.raises(ValueError, match="malformed out-of-band buffer"):
-        serialize._rebuild_bytes(torch.zeros(4, dtype=torch.float32), False)
+        rebuild._rebuild_bytes(torch.zeros(4, dtype=torch.float32), False)
     with pytest.raises(ValueError, match="malformed out-of-band buffer"):
-        serialize._rebuild_bytes(torch.zeros(8, dtype=torch.uint8)[::2], False)
-    view = serialize._rebuild_bytes(torch.zeros(8, dtype=torch.uint8), True)
+        rebuild._rebuild_bytes(torch.zeros(8, dtype=torch.uint8)[::2], False)
+    view = rebuild._rebuild_bytes(torch.zeros(8, dtype=torch.uint8), True)
     assert view.readonly and view.nbytes == 8
 
 

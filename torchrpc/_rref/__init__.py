@@ -1,7 +1,8 @@
 """RRefs: the Remote Reference Protocol's bookkeeping (sans I/O) and its agent layer."""
 
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
-from .rref import RRef, RRefLayer, delete_all_users, install, live_users, remote
+from .layer import RRefLayer, delete_all_users, install, live_users, remote
+from .rref import RRef
 
 __all__ = ["GloballyUniqueId", "Msg", "OwnerEntry", "RRef", "RRefBook", "RRefLayer",
            "delete_all_users", "install", "live_users", "remote"]

@@ -333,7 +333,7 @@ def goodbye_to(rank: int) -> bool:
     conns = list(agent._all_conns.get(rank, []))
     assert conns, f"no shared connection to rank {rank} to say GOODBYE on"
     for conn in conns:
-        agent._goodbye(conn)
+        agent.shutdown_protocol.goodbye(conn)
     return True
 
 

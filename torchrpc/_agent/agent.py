@@ -16,12 +16,13 @@ add metadata to requests and see the tensors that cross (hooks.py); the agent
 never imports them. A handler's exception goes back to the caller as a
 ``RemoteErrorInfo`` (remote_error.py).
 
-Lifecycle states: ``running`` -> ``stopping`` -> ``stopped``. Graceful shutdown
-runs the upper layers' shutdown hooks, waits for this worker's outstanding
-requests, meets every worker at a store barrier (twice: once when all have
-stopped calling, once when all replies are out), says GOODBYE to its peers and
-closes. A connection that breaks without a GOODBYE fails, at once, every
-request pending on that worker with an error naming it.
+Lifecycle: ``new`` -> ``running`` -> ``stopping`` -> ``stopped``, a state machine
+driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
+layers' shutdown hooks, waits for this worker's outstanding requests, meets every
+worker at store barriers (once when all have stopped calling, once when all
+replies are out), says GOODBYE to its peers and closes. A connection that breaks
+without a GOODBYE fails, at once, every request pending on that worker with an
+error naming it.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from .._transport import Connection, Releasable, Transport, handshake, shm
 from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from .._wire.probe import MISSING, REPLIED, RUNNING
+from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
 from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
                       InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
-                      OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
+                      OverloadedError, SerializationError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
@@ -63,6 +64,7 @@ from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
 from .requests import Pending, Requests, Resend
 from .retry import RetryPolicy
+from .shutdown import NEW, RUNNING, STOPPED, STOPPING, Shutdown, State
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -157,7 +159,10 @@ class Agent:
         self.extensions: Dict[str, Any] = {}
         self._left: set[int] = set()
         self._lost: Dict[int, str] = {}
-        self._state = "new"
+        # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
+        # the request path; written only by the shutdown protocol's transitions.
+        self._state: State = NEW
+        self.shutdown_protocol = Shutdown(self)
         self._ready = threading.Event()
         # Elastic membership (world_size=None): see torchrpc._agent.membership.
         self.elastic = world_size is None
@@ -201,11 +206,6 @@ class Agent:
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
-        self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
-        self._shared_lost: set[int] = set()
-        self._lost_seen = 0
-        self._next_share = 0.0
-        self._next_probe: Optional[float] = None
         # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
@@ -280,7 +280,7 @@ class Agent:
             raise
         for r, info in infos.items():
             self._add_worker(r, info)
-        self._state = "running"
+        self.shutdown_protocol.enter(RUNNING)
         self._timer = self._start_thread("timer", self._timer_loop)
         if self.elastic:
             self._members_thread = self._start_thread("members", self._follow_members)
@@ -299,7 +299,8 @@ class Agent:
     def fail(self, error: ThreadFailedError) -> None:
         """A background thread cannot go on: fail every pending call with ``error``, and
         make every later API call raise it (until ``shutdown``)."""
-        if self.failure is not None or self._state not in ("running", "stopping"):
+        if self.failure is not None or (self._state is not RUNNING
+                                        and self._state is not STOPPING):
             return
         self.failure = ThreadFailedError(
             f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
@@ -362,7 +363,7 @@ class Agent:
             self._incarnations[rank] = int(info.get("incarnation") or 0)
             self._left.discard(rank)
             self._lost.pop(rank, None)  # a new worker under a rank that was lost
-            self._gone.pop(rank, None)
+            self.shutdown_protocol.gone.pop(rank, None)
             self._addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
@@ -505,7 +506,7 @@ class Agent:
     def _follow_members(self, guard: Guard) -> None:
         """Elastic mode: follow the membership log until the agent stops."""
         failures = 0
-        while guard.ok and self._state in ("running", "stopping") \
+        while guard.ok and (self._state is RUNNING or self._state is STOPPING) \
                 and not self._members_stop.wait(0.05):
             with self._members_lock:
                 try:
@@ -548,7 +549,7 @@ class Agent:
             return w
         if isinstance(to, str):
             w = self._by_name.get(to)
-            if w is None and self._log is not None and self._state == "running":
+            if w is None and self._log is not None and self._state is RUNNING:
                 # A dynamic group: the worker may have joined since the log was last read.
                 self._refresh_members()
                 w = self._by_name.get(to)
@@ -560,7 +561,7 @@ class Agent:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self._workers.get(to)
-            if w is None and self._log is not None and self._state == "running":
+            if w is None and self._log is not None and self._state is RUNNING:
                 self._refresh_members()  # as for names above
                 w = self._workers.get(to)
             if w is None:
@@ -656,7 +657,7 @@ class Agent:
             "agent.max_outbox_bytes_queued": max(
                 (c.outbox_bytes for c in self._transport.connections()), default=0)
             if self._transport is not None else 0,
-            "agent.state": self._state if self.failure is None else "failed",
+            "agent.state": self._state.value if self.failure is None else "failed",
         }
         if self._transport is not None:
             info.update(self._transport.debug_info())
@@ -1052,7 +1053,7 @@ class Agent:
         return conn if conn.private else None
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
-        if not conn.closed and self._state == "running":
+        if not conn.closed and self._state is RUNNING:
             free = self._private.get(dst.id)
             if free is None:
                 with self._lock:  # keys change under the lock only (debug_info iterates)
@@ -1194,7 +1195,7 @@ class Agent:
                 if once is None:
                     answers.append((rid, MISSING))
                 elif once.reply is None:
-                    answers.append((rid, RUNNING))
+                    answers.append((rid, STILL_RUNNING))
                 else:
                     answers.append((rid, REPLIED))
                     replies.append((rid, once.reply))
@@ -1270,9 +1271,9 @@ class Agent:
 
     def _check_running(self) -> None:
         self.check_failure()
-        if self._state != "running":
+        if self._state is not RUNNING:
             raise NotInitializedError(
-                f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
+                f"RPC agent of {self.name!r} is {self._state.value}; call init_rpc() first")
 
     def _connection(self, dst: WorkerInfo, patient: bool = False) -> Connection:
         conn = self._conns.get(dst.id)
@@ -1288,8 +1289,8 @@ class Agent:
                 return conn
             if dst.id in self._left:
                 raise self._left_error(dst)
-            if self._state != "running" and self._state != "stopping":
-                raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state}")
+            if self._state is not RUNNING and self._state is not STOPPING:
+                raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state.value}")
             host, port = self._addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
@@ -1343,11 +1344,12 @@ class Agent:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
             self.liveness.reconnected(conn.peer_rank)
-        if self._state in ("stopping", "stopped"):
-            # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
-            # connection would wait for a reply until its timeout. (Not while starting: a
-            # peer that finished rendezvous first may connect before this agent runs.)
-            self._goodbye(conn)
+        if self._state is STOPPING or self._state is STOPPED:
+            # Perhaps too late for the GOODBYEs of Shutdown.stop: without its own, a caller
+            # on this connection would wait for a reply until its timeout. (Not while
+            # starting: a peer that finished rendezvous first may connect before this agent
+            # runs.)
+            self.shutdown_protocol.goodbye(conn)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
@@ -1370,7 +1372,7 @@ class Agent:
                     self._conns[rank] = open_conns[0]
                 else:
                     del self._conns[rank]
-        if self._state != "running" or reason is None:
+        if self._state is not RUNNING or reason is None:
             return
         w = self._workers.get(rank)
         if rank in self._left:
@@ -1467,14 +1469,14 @@ class Agent:
         via = conn  # the reply goes back on it: the caller watches that connection for it
         if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
             return self._reading_to_pool(conn)
-        if current_pool() is self._pool and self._state == "running":
+        if current_pool() is self._pool and self._state is RUNNING:
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
         # which costs a wake-up per request: where both CPUs are taken by this thread
         # polling and the caller, the woken thread waits for the poll to end.
-        if self._state == "running" and self._pool.hand_off(
+        if self._state is RUNNING and self._pool.hand_off(
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return _nothing
         if self._max_queued and self._pool.num_pending >= self._max_queued \
@@ -1838,12 +1840,12 @@ class Agent:
     def _timer_loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool
         cv = self._timer_cv
-        while guard.ok and self._state != "stopped":
+        while guard.ok and self._state is not STOPPED:
             wait = _LENT_TICK  # after a round that failed, the next comes soon
             with guard:
                 wait = self._timer_round(guard)
             with cv:
-                if self._state == "stopped":
+                if self._state is STOPPED:
                     return
                 if not self._timer_slow:  # woken meanwhile by an inline request
                     wait = min(wait, _LENT_TICK)
@@ -1896,17 +1898,14 @@ class Agent:
         self.liveness.check(now)
         return wait
 
-    # -- shutdown ----------------------------------------------------------------------------------
+    # -- shutdown (shutdown.py) --------------------------------------------------------------------
 
-    def _wait_pending(self, deadline: Optional[float]) -> None:
-        delay = 0.001
-        pending = self.requests.pending
-        while pending:
-            self.check_peers()
-            if deadline is not None and time.monotonic() > deadline:
-                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 meet: Optional[Callable[[], None]] = None) -> None:
+        """Stop the agent; with ``graceful``, first meet every worker (see shutdown.py).
+        ``meet`` runs once every worker has reached shutdown; if it raises, the agent
+        stops at once and its error is raised as it is."""
+        self.shutdown_protocol.shutdown(graceful, timeout, meet)
 
     def check_peers(self, barrier: Optional[str] = None) -> None:
         """Raise :class:`ShutdownError` naming any worker that is gone.
@@ -1916,205 +1915,12 @@ class Agent:
         While waiting at the store barrier ``barrier``, the workers that have not
         arrived are probed as well, and one that stopped without arriving is named.
         """
-        if self.store is not None:
-            self._share_lost()
-            if barrier is not None:
-                self._probe_absent(barrier)
-                self._check_left(barrier)
-        with self._lock:
-            lost = [r for r in self._lost if r not in self._left and r not in self._gone]
-        for r in lost:
-            w = self._workers.get(r)
-            if w is None:
-                continue
-            try:
-                self._connection(w, patient=True)  # a live worker reconnects
-            except RpcError as exc:
-                with self._lock:
-                    self._gone[r] = str(exc)
-        with self._lock:
-            gone = {r: why for r, why in self._gone.items() if r not in self._left}
-        if gone:
-            def name(r: int) -> str:
-                w = self._workers.get(r)
-                return w.name if w is not None else f"rank{r}"
-            names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
-            reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
-            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
-                                f"{names} left the group without shutting down; they probably "
-                                f"died ({reasons})")
-
-    def _share_lost(self) -> None:
-        now = time.monotonic()
-        if now < self._next_share:
-            return
-        self._next_share = now + 0.2
-        store = self.store
-        with self._lock:
-            gone = list(self._gone.items())
-        for r, why in gone:
-            if r not in self._shared_lost and r not in self._left:
-                self._shared_lost.add(r)
-                store.set(f"lost/{r}", f"{self.name} lost it: {why}")
-                store.add("lost", 1)
-        seen = int(store.add("lost", 0))
-        if seen == self._lost_seen:
-            return
-        self._lost_seen = seen
-        with self._lock:
-            ranks = list(self._workers)
-        for r in ranks:
-            if r != self.rank and r not in self._lost and r not in self._left \
-                    and store.check([f"lost/{r}"]):
-                why = store.get(f"lost/{r}").decode(errors="replace")
-                with self._lock:
-                    self._lost[r] = why
-                self._shared_lost.add(r)
-
-    def _probe_absent(self, barrier: str) -> None:
-        now = time.monotonic()
-        if self._next_probe is None:
-            self._next_probe = now + 0.5  # most workers arrive quickly: don't probe them
-        if now < self._next_probe:
-            return
-        self._next_probe = now + 1.0
-        with self._lock:
-            ranks = list(self._workers)
-        self.probe([r for r in ranks
-                    if r != self.rank and not self.store.check([f"{barrier}/{r}"])])
-
-    def _check_left(self, barrier: str) -> None:
-        """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own
-        shutdown failed or was not graceful, so it never will."""
-        with self._lock:
-            left = [(r, self._workers[r]) for r in sorted(self._left) if r in self._workers]
-        missing = [(r, w) for r, w in left if not self.store.check([f"{barrier}/{r}"])]
-        if missing:
-            names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
-            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
-                                f"{names} stopped before reaching it (their shutdown failed "
-                                f"or was not graceful); shut every worker down the same way")
+        self.shutdown_protocol.check_peers(barrier)
 
     def probe(self, ranks: Iterable[int]) -> None:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
-        for r in ranks:
-            with self._lock:
-                w = self._workers.get(r)
-                if w is None or r == self.rank or r in self._left or r in self._lost:
-                    continue
-            try:
-                self._connection(w)  # once connected, EOF and heartbeats watch it
-            except RpcError as exc:
-                with self._lock:
-                    self._lost[r] = self._gone[r] = \
-                        f"unreachable while the group shuts down: {exc}"
-                log.warning("%s: worker %s (rank %d) did not reach shutdown and "
-                            "cannot be reached: %s", self.name, w.name, r, exc)
-
-    def shutdown(self, graceful: bool = True, timeout: float = 0,
-                 meet: Optional[Callable[[], None]] = None) -> None:
-        """Stop the agent; with ``graceful``, first meet every worker (see module docs).
-        ``meet`` runs once every worker has reached shutdown; if it raises, the agent
-        stops at once and its error is raised as it is."""
-        if self._state != "running":
-            return
-        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-        error: Optional[BaseException] = None
-        in_meet = False  # an error of ``meet`` is raised as it is
-        if graceful and self.elastic:
-            try:
-                for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
-                    self._finish_work(deadline)
-            except (RpcError, RuntimeError) as exc:
-                error = exc
-        elif graceful:
-            try:
-                self._finish_work(deadline)
-                rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
-                                   lambda: self.check_peers("shutdown/1"), rank=self.rank)
-                in_meet = meet is not None
-                if meet is not None:
-                    meet()
-                in_meet = False
-                self._finish_work(deadline)
-                rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
-                                   lambda: self.check_peers("shutdown/2"), rank=self.rank)
-                self._state = "stopping"
-                rendezvous.barrier(self.store, "shutdown/3", self.world_size,
-                                   time.monotonic() + 30.0 if self.rank == 0 else time.monotonic())
-            except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
-                error = exc
-        self._stop()
-        if self.failure is not None:
-            self._raise_failure()
-        if in_meet:
-            raise error
-        if isinstance(error, ShutdownError):
-            raise error
-        if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
-            raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
-
-    @staticmethod
-    def _goodbye(conn: Connection) -> None:
-        try:
-            conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
-        except RpcError:
-            pass
-
-    def _finish_work(self, deadline: Optional[float]) -> None:
-        """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
-        Not on a failed agent: the hooks may wait for the very thread that failed (its
-        pending requests have failed already), so it only meets the group."""
-        if self.failure is not None:
-            return
-        for hook in self._shutdown_hooks:
-            hook(deadline)
-        self._wait_pending(deadline)
-
-    def _stop(self) -> None:
-        self._state = "stopping"
-        self.final_debug_info = self.debug_info()
-        if self.elastic:
-            self._members_stop.set()
-            if self._members_thread is not None:
-                self._members_thread.join(10)
-            try:
-                membership.leave(self.store, self.name, self.rank, self.incarnation)
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-                log.warning("%s could not announce its departure: %s", self.name, exc)
-            discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
-        with self._lock:
-            conns = [c for lst in self._all_conns.values() for c in lst]
-        for conn in conns:
-            self._goodbye(conn)
-        for hook in self._stop_hooks:
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("a stop hook of %s failed", self.name)
-        with self._timer_cv:
-            self._state = "stopped"
-            self._later.clear()
-            self._timer_cv.notify()
-        self.liveness.stop()
-        self.requests.fail_all(lambda p: NotInitializedError(
-            f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
-            f"to {describe(p.what)} arrived"))
-        with self._lock:
-            self._private.clear()
-        self._parked.clear()
-        if self._transport is not None:
-            self._transport.close()
-        self.coroutines.close()
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(10)
-        self.liveness.join(10)
-        stuck = self._pool.close()
-        if stuck:
-            log.warning("%d worker threads of %s were still busy at shutdown: %s",
-                        len(stuck), self.name, stuck[:4])
-        self.store = None
+        self.shutdown_protocol.probe(ranks)
 
 
 def debug_info_here() -> Dict[str, Any]:

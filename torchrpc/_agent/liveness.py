@@ -48,6 +48,7 @@ from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from . import membership
+from .shutdown import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class Liveness:
     def check(self, now: float) -> None:
         """Timer: lose every watched peer silent for longer than its limit."""
         timeout = self.timeout
-        if timeout <= 0 or self._agent._state != "running":
+        if timeout <= 0 or self._agent._state is not RUNNING:
             return
         stalled = now - self._last_check > timeout / 2
         self._last_check = now
@@ -242,7 +243,7 @@ class Liveness:
         agent = self._agent
         with self._lock:
             if rank in self._confirming or rank in self.declared or rank in agent._left \
-                    or agent._state != "running":
+                    or agent._state is not RUNNING:
                 return
             self._confirming.add(rank)
         try:
@@ -255,7 +256,7 @@ class Liveness:
         agent = self._agent
         try:
             w = agent._workers.get(rank)
-            if w is None or rank in agent._left or agent._state != "running":
+            if w is None or rank in agent._left or agent._state is not RUNNING:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)

@@ -172,7 +172,7 @@ def test_a_reply_after_the_deadline_fails_even_when_the_timer_is_late():
             held.clear()
             assert held.wait(5.0)
     finally:
-        agent._tick_hooks.remove(hold_timer)
+        agent.scheduler._hooks.remove(hold_timer)
     assert rpc.rpc_sync("worker1", helpers.sleep_then, args=(0.0, 2), timeout=5) == 2
 
 

@@ -3,8 +3,9 @@
 Theory of operation. An :class:`Agent` owns a transport (listener plus one or
 more connections per peer, opened lazily on first use and shared by both
 directions), a table of outstanding requests with their deadlines (requests.py),
-a timer thread that fails expired requests, heartbeats and lost-peer decisions
-(liveness.py), and a worker pool that runs incoming requests. Frames arrive on
+a timer thread that runs every part's periodic duties, failing expired requests
+first (scheduler.py), heartbeats and lost-peer decisions (liveness.py), and a
+worker pool that runs incoming requests. Frames arrive on
 the thread that holds a connection's reading role (see "Theory of operation
 (reading)" below). A reply (``RESPONSE`` or ``ERROR``) is decoded there and
 completes the pending future; a request is decoded and dispatched by message kind
@@ -30,7 +31,6 @@ from __future__ import annotations
 import collections
 import functools
 import contextlib
-import heapq
 import itertools
 import json
 import logging
@@ -64,16 +64,15 @@ from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
 from .requests import Pending, Requests, Resend
 from .retry import RetryPolicy
+from .scheduler import LENT_TICK, TICK, Scheduler
 from .shutdown import NEW, RUNNING, STOPPED, STOPPING, Shutdown, State
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-_TICK = 0.1  # the timer wakes at least this often
 # A request running on its reading thread for longer than this hands the reading role on.
 INLINE_LIMIT = 0.01
-_LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
@@ -141,11 +140,13 @@ class Agent:
         self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self._num_parked = 0  # parked requests whose reply is not read yet
-        self._tick_hooks: List[Callable[[], None]] = []
-        self._tick_pending: List[Callable[[], bool]] = []
         self._rid = itertools.count(1)
-        self._timer_cv = threading.Condition()
-        self.requests = Requests(self, self._timer_cv)  # outstanding requests, deadlines
+        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._pool.on_block = self._lend_out  # a request that blocks gives up reading
+        # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
+        self.scheduler = Scheduler(self._pool)
+        # outstanding requests and their deadlines (a new earliest one wakes the timer)
+        self.requests = Requests(self, self.scheduler.cv)
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, self)}
         self._hooks: List[CallHook] = []
@@ -175,20 +176,11 @@ class Agent:
         self._members_stop = threading.Event()
         self._members_thread: Optional[threading.Thread] = None
         self._log: Optional[membership.EventLog] = None
-        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
-        self._pool.on_block = self._lend_out  # a request that blocks gives up reading
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
-        # Set by the timer before it sleeps a whole _TICK; an inline request on a shared
-        # connection then wakes it (see _serve_inline).
-        self._timer_slow = False
-        self._next_tick = 0.0
+        self._next_tick = 0.0  # when the timer's housekeeping is due next
         self._transport: Optional[Transport] = None
-        self._timer: Optional[threading.Thread] = None
-        # callbacks due later, run on the pool: (when, seq, fn, args)
-        self._later: List[Tuple[float, int, Callable[..., None], Tuple[Any, ...]]] = []
-        self._later_seq = itertools.count()
         # device maps: this worker's, by callee name, and by caller rank the inverse of the
         # map that caller published for this worker (where its replies' tensors go)
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
@@ -224,6 +216,7 @@ class Agent:
         self._timeout_reports: set[int] = set()
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
+        self._schedule_duties()
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -281,7 +274,7 @@ class Agent:
         for r, info in infos.items():
             self._add_worker(r, info)
         self.shutdown_protocol.enter(RUNNING)
-        self._timer = self._start_thread("timer", self._timer_loop)
+        self.scheduler.start(self._start_thread)
         if self.elastic:
             self._members_thread = self._start_thread("members", self._follow_members)
         self.liveness.start()
@@ -602,11 +595,9 @@ class Agent:
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
         """``hook()`` runs on the timer thread at every tick; it must be quick and not
-        block. Ticks come ``_TICK`` apart, and ``_LENT_TICK`` apart while ``pending()``
-        (if given) says the hook has work queued."""
-        self._tick_hooks.append(hook)
-        if pending is not None:
-            self._tick_pending.append(pending)
+        block. Ticks come ``TICK`` apart, and ``LENT_TICK`` apart while ``pending()``
+        (if given) says the hook has work queued (see scheduler.py)."""
+        self.scheduler.add_tick_hook(hook, pending)
 
     # torch's RpcAgent methods, for code that calls rpc._get_current_rpc_agent().
 
@@ -1003,7 +994,7 @@ class Agent:
             return
         for rid in list(self._parked):  # the keys: one C-level copy, see docs/design.md
             parked = self._parked.get(rid)
-            if parked is not None and now - parked.since > _LENT_TICK \
+            if parked is not None and now - parked.since > LENT_TICK \
                     and self._parked.pop(rid, None) is not None:
                 try:
                     self._pool.submit(self._drain, parked.conn, rid)
@@ -1241,9 +1232,7 @@ class Agent:
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
-        with self._timer_cv:
-            heapq.heappush(self._later, (time.monotonic() + delay, next(self._later_seq), fn, args))
-            self._timer_cv.notify()
+        self.scheduler.call_later(delay, fn, *args)
 
     def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
         meta: Dict[str, Any] = {}
@@ -1426,9 +1415,9 @@ class Agent:
     # (blocked on a lock, sleeping, computing), so one slow request holds the frames
     # behind it up for INLINE_LIMIT plus a tick at most. Only shared connections need
     # that: the caller on a private connection waits for this very reply (its parked
-    # requests, if any, are about the same RRef), so the timer wakes every _LENT_TICK
+    # requests, if any, are about the same RRef), so the timer wakes every LENT_TICK
     # only while a shared connection's role is lent (or a tick hook has work queued),
-    # and every _TICK otherwise. On two cores each wake-up of a helper thread takes a
+    # and every TICK otherwise. On two cores each wake-up of a helper thread takes a
     # CPU, and the GIL, from the request path: in the benchmark's training loop the
     # caller's main thread was preempted 237 times a second before, 82 after. A
     # reader whose role went elsewhere stops reading when its request returns.
@@ -1566,8 +1555,9 @@ class Agent:
         """Run a request on the reading thread, lending the reading role meanwhile."""
         # _lent is changed with single dict operations, which the GIL makes atomic.
         self._lent[conn] = time.monotonic()
-        if self._timer_slow and not conn.private:
-            self._wake_timer()  # it set _timer_slow before it looked at _lent
+        scheduler = self.scheduler
+        if scheduler.slow and not conn.private:
+            scheduler.wake()  # it set slow before it looked at _lent
         _inline.conn = conn
         try:
             self._serve(src, header, envelope, buffers, handler, via)
@@ -1591,11 +1581,6 @@ class Agent:
                 work = conn.read_frames()
         if work is not None:
             work()
-
-    def _wake_timer(self) -> None:
-        with self._timer_cv:
-            self._timer_slow = False
-            self._timer_cv.notify()
 
     def _lend_out(self, conn: Optional[Connection] = None) -> None:
         """Give a lent reading role to another thread (this one's, without ``conn``)."""
@@ -1837,66 +1822,32 @@ class Agent:
                 return
             self.send_failed(kind, rid, dst, exc)
 
-    def _timer_loop(self, guard: Guard) -> None:
-        mark_reader_thread()  # callbacks of futures failed here go to the pool
-        cv = self._timer_cv
-        while guard.ok and self._state is not STOPPED:
-            wait = _LENT_TICK  # after a round that failed, the next comes soon
-            with guard:
-                wait = self._timer_round(guard)
-            with cv:
-                if self._state is STOPPED:
-                    return
-                if not self._timer_slow:  # woken meanwhile by an inline request
-                    wait = min(wait, _LENT_TICK)
-                cv.wait(max(wait, 0.0))
+    # -- the timer's duties (scheduler.py) ---------------------------------------------------------
 
-    def _timer_round(self, guard: Guard) -> float:
-        """One round of the timer: fail expired requests, run what is due; return how long
-        to sleep. A step that fails for one request or callback spares the others."""
-        cv = self._timer_cv
-        with cv:
-            now = time.monotonic()
-            expired, deadline = self.requests.due(now)
-            self._timer_slow = True  # before looking at _lent: see _serve_inline
-            tick = _TICK
-            if any(not c.private for c in list(self._lent)) \
-                    or any(pending() for pending in self._tick_pending):
-                self._timer_slow, tick = False, _LENT_TICK
-            wait = min(tick, deadline - now) if deadline is not None else tick
-            due = []
-            later = self._later
-            while later and later[0][0] <= now:
-                due.append(heapq.heappop(later))
-            if later:
-                wait = min(wait, later[0][0] - now)
-        for _, _, fn, args in due:
-            try:
-                self._pool.submit(fn, *args)
-            except RuntimeError:
-                pass  # the pool is shut down: so is everything a callback would do
-            except Exception as exc:  # noqa: BLE001 - the other callbacks still run
-                guard.failed(exc)
-        for rid in expired:
-            try:
-                self.requests.expire(rid)
-            except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
-                guard.failed(exc)
-        self._check_lent(now)
-        self._drain_parked(now)
-        for hook in self._tick_hooks:
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - one layer must not stop the others
-                guard.failed(exc)
+    def _schedule_duties(self) -> None:
+        """Register the agent's own tick hooks, before any upper layer's."""
+        scheduler = self.scheduler
+        scheduler.add_tick_hook(lambda: self.requests.expire_due(scheduler.now, scheduler.failed))
+        scheduler.add_tick_hook(lambda: self._check_lent(scheduler.now),
+                                pending=self._lends_shared)
+        scheduler.add_tick_hook(lambda: self._drain_parked(scheduler.now))
+        scheduler.add_tick_hook(self._housekeeping)
+        scheduler.add_tick_hook(lambda: self.liveness.check(scheduler.now))
+
+    def _lends_shared(self) -> bool:
+        """Whether a shared connection's reading role is lent (the timer then ticks fast,
+        to hand it on in time: see "Theory of operation (reading)")."""
+        return any(not c.private for c in list(self._lent))
+
+    def _housekeeping(self) -> None:
+        """Timer, every TICK: the pool's progress check, the transport's housekeeping."""
+        now = self.scheduler.now
         if now >= self._next_tick:
-            self._next_tick = now + _TICK
+            self._next_tick = now + TICK
             self._pool.check_progress()
             if self._transport is not None:
                 self._transport.housekeeping()
                 set_spare_cpus(self._spare_cpus())
-        self.liveness.check(now)
-        return wait
 
     # -- shutdown (shutdown.py) --------------------------------------------------------------------
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
 
@@ -349,10 +348,8 @@ class Shutdown:
                 hook()
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
                 log.exception("a stop hook of %s failed", agent.name)
-        with agent._timer_cv:
-            self.enter(STOPPED)
-            agent._later.clear()
-            agent._timer_cv.notify()
+        self.enter(STOPPED)
+        agent.scheduler.stop()  # callbacks not yet due are dropped
         agent.liveness.stop()
         agent.requests.fail_all(lambda p: NotInitializedError(
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
@@ -363,8 +360,7 @@ class Shutdown:
         if agent._transport is not None:
             agent._transport.close()
         agent.coroutines.close()
-        if agent._timer is not None and agent._timer is not threading.current_thread():
-            agent._timer.join(10)
+        agent.scheduler.join(10)
         agent.liveness.join(10)
         stuck = agent._pool.close()
         if stuck:

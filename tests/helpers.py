@@ -254,7 +254,7 @@ def view_of(rank: int) -> dict:
     from torchrpc.rpc import api
     agent = api.current_agent()
     return {"connections": sum(1 for c in agent._transport.connections() if c.peer_rank == rank),
-            "lost_connection": rank in agent._lost, "removed": agent._removed.get(rank)}
+            "lost_connection": rank in agent._lost, "removed": agent.registry.removed.get(rank)}
 
 
 def call_outcome(to: str) -> str:

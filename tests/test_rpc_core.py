@@ -278,7 +278,7 @@ def test_unpicklable_arguments_fail_before_sending():
 
 
 def _worker_address(rank: int):
-    return api.current_agent()._addresses[rank]
+    return api.current_agent().registry.addresses[rank]
 
 
 def test_garbage_connection_is_dropped_and_worker_keeps_serving():

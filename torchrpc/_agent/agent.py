@@ -2,20 +2,20 @@
 
 Theory of operation. An :class:`Agent` owns a transport (listener plus one or
 more connections per peer, opened lazily on first use and shared by both
-directions), a table of outstanding requests with their deadlines (requests.py),
-a timer thread that runs every part's periodic duties, failing expired requests
-first (scheduler.py), heartbeats and lost-peer decisions (liveness.py), and a
-worker pool that runs incoming requests. Frames arrive on
-the thread that holds a connection's reading role (see "Theory of operation
-(reading)" below). A reply (``RESPONSE`` or ``ERROR``) is decoded there and
-completes the pending future; a request is decoded and dispatched by message kind
-to a registered handler, on the reading thread itself (which lends its reading
-role to another thread if the request blocks or runs long) or, when it arrives on
-a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed
-autograd) plug in by registering handlers for their kinds and *call hooks* that
-add metadata to requests and see the tensors that cross (hooks.py); the agent
-never imports them. A handler's exception goes back to the caller as a
-``RemoteErrorInfo`` (remote_error.py).
+directions), the table of the group's workers (registry.py), a table of
+outstanding requests with their deadlines (requests.py), a timer thread that runs
+every part's periodic duties, failing expired requests first (scheduler.py),
+heartbeats and lost-peer decisions (liveness.py), and a worker pool that runs
+incoming requests. Frames arrive on the thread that holds a connection's reading
+role (see "Theory of operation (reading)" below). A reply (``RESPONSE`` or
+``ERROR``) is decoded there and completes the pending future; a request is decoded
+and dispatched by message kind to a registered handler, on the reading thread
+itself (which lends its reading role to another thread if the request blocks or
+runs long) or, when it arrives on a thread outside the pool, on a pool thread.
+Upper layers (RRefs, distributed autograd) plug in by registering handlers for
+their kinds and *call hooks* that add metadata to requests and see the tensors
+that cross (hooks.py); the agent never imports them. A handler's exception goes
+back to the caller as a ``RemoteErrorInfo`` (remote_error.py).
 
 Lifecycle: ``new`` -> ``running`` -> ``stopping`` -> ``stopped``, a state machine
 driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
@@ -44,14 +44,13 @@ import torch
 
 from .. import _threads, _wire
 from .._threads import Guard
-from .._transport import Connection, Releasable, Transport, handshake, shm
+from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
-from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
-                      InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
-                      OverloadedError, SerializationError, ThreadFailedError,
+from ..errors import (ConnectionLostError, NotInitializedError, OperatorSchemaError,
+                      OverloadedError, RpcError, SerializationError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
@@ -62,6 +61,7 @@ from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, de
 from .liveness import Liveness
 from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
+from .registry import Registry
 from .requests import Pending, Requests, Resend
 from .retry import RetryPolicy
 from .scheduler import LENT_TICK, TICK, Scheduler
@@ -129,11 +129,6 @@ class Agent:
         self._limits = _wire.Limits(
             max_message_size=int(getattr(options, "max_message_size", _wire.frame.DEFAULT_MAX_MESSAGE_SIZE)))
         self._lock = threading.Lock()
-        self._workers: Dict[int, WorkerInfo] = {}
-        self._by_name: Dict[str, WorkerInfo] = {}
-        self._addresses: Dict[int, Tuple[str, int]] = {}
-        self.hostids: Dict[int, str] = {}
-        self._procs: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, pid namespace)
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
@@ -158,8 +153,7 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
         self.extensions: Dict[str, Any] = {}
-        self._left: set[int] = set()
-        self._lost: Dict[int, str] = {}
+        self._lost: Dict[int, str] = {}  # rank -> why its last connection broke
         # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
         # the request path; written only by the shutdown protocol's transitions.
         self._state: State = NEW
@@ -167,25 +161,13 @@ class Agent:
         self._ready = threading.Event()
         # Elastic membership (world_size=None): see torchrpc._agent.membership.
         self.elastic = world_size is None
-        self._departed: Dict[str, int] = {}
-        # This process's membership, and the members' (a lost member is removed by it).
-        self.incarnation = membership.new_incarnation() if self.elastic else 0
-        self._incarnations: Dict[int, int] = {}
-        self._removed: Dict[int, str] = {}  # rank -> why it was removed as lost
-        self._members_lock = threading.Lock()
-        self._members_stop = threading.Event()
-        self._members_thread: Optional[threading.Thread] = None
-        self._log: Optional[membership.EventLog] = None
+        # The workers of the group, membership and device maps (registry.py).
+        self.registry = Registry(self, dict(getattr(options, "device_maps", None) or {}))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
         self._next_tick = 0.0  # when the timer's housekeeping is due next
         self._transport: Optional[Transport] = None
-        # device maps: this worker's, by callee name, and by caller rank the inverse of the
-        # map that caller published for this worker (where its replies' tensors go)
-        self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
-            getattr(options, "device_maps", None) or {})
-        self._reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
         # heartbeats and lost peers (see liveness.py)
         self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
                                  float(getattr(options, "heartbeat_timeout", 0.0)))
@@ -194,7 +176,6 @@ class Agent:
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._max_queued = int(getattr(options, "max_queued_requests", 0))
         self._overloads = LogBudget(what="refused requests")
-        self._pidns = shm.pid_namespace()
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
@@ -222,12 +203,12 @@ class Agent:
 
     def start(self, timeout: float) -> "Agent":
         """Rendezvous with the group, start listening and the timer; return self."""
-        store, rank = self.store, self.rank
+        store, rank, registry = self.store, self.rank, self.registry
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
         if self.elastic:
             secret = membership.join(store, self.name, rank, timeout,
                                      membership.outlives_rank0(self.options.init_method),
-                                     self.incarnation)
+                                     registry.incarnation)
         else:
             secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
@@ -237,8 +218,8 @@ class Agent:
                                         tls_contexts=self._tls_contexts(),
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
-                                        same_host=self._same_host,
-                                        same_pids=self._same_pids,
+                                        same_host=registry.same_host,
+                                        same_pids=registry.same_pids,
                                         send_timeout=float(getattr(self.options,
                                                                    "send_timeout", 0.0)),
                                         max_outbox=int(getattr(self.options,
@@ -246,8 +227,8 @@ class Agent:
                                         max_private=self._max_private,
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)),
-                                        incarnation=self.incarnation,
-                                        admit=self._admit if self.elastic else None)
+                                        incarnation=registry.incarnation,
+                                        admit=registry.admit if self.elastic else None)
         except ValueError as exc:
             rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
             raise
@@ -256,14 +237,14 @@ class Agent:
         try:
             # Peers watch this worker for silence only if they know it sends heartbeats.
             facts: Dict[str, Any] = {"heartbeat_interval": self.liveness.interval}
-            if self._device_maps:  # each callee answers through the inverse of its map
-                facts["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
-                                        for to, m in self._device_maps.items()}
+            device_maps = registry.published_device_maps()
+            if device_maps is not None:
+                facts["device_maps"] = device_maps
             if self.elastic:
                 membership.announce(store, self.name, rank, self._transport.address, facts,
-                                    self.incarnation)
-                self._log = membership.EventLog(store)
-                infos = membership.EventLog.members(self._log.poll())
+                                    registry.incarnation)
+                registry.log = membership.EventLog(store)
+                infos = membership.EventLog.members(registry.log.poll())
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
                                            self._transport.address, timeout, facts)
@@ -272,11 +253,11 @@ class Agent:
             self._transport.close()
             raise
         for r, info in infos.items():
-            self._add_worker(r, info)
+            registry.add(r, info)
         self.shutdown_protocol.enter(RUNNING)
         self.scheduler.start(self._start_thread)
         if self.elastic:
-            self._members_thread = self._start_thread("members", self._follow_members)
+            registry.follow()
         self.liveness.start()
         log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
@@ -319,20 +300,8 @@ class Agent:
     def _spare_cpus(self) -> bool:
         """Whether the workers on this host, computing with torch's thread count each,
         leave CPUs idle (assuming they all compute with as many threads as this one)."""
-        mine = self.hostids.get(self.rank)
-        with self._lock:
-            local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
+        local = self.registry.workers_on_this_host()
         return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
-
-    def _same_host(self, rank: int) -> bool:
-        """Whether worker ``rank`` shares this machine and its shared-memory namespace."""
-        mine = self.hostids.get(self.rank)
-        return mine is not None and self.hostids.get(rank) == mine
-
-    def _same_pids(self, rank: int) -> bool:
-        """Whether worker ``rank`` is in this process's pid namespace."""
-        proc = self._procs.get(rank)
-        return proc is not None and bool(self._pidns) and proc[1] == self._pidns
 
     def _tls_contexts(self) -> Optional[TlsContexts]:
         opts = self.options
@@ -341,230 +310,29 @@ class Agent:
         return make_contexts(opts.tls_certfile, opts.tls_keyfile, opts.tls_cafile,
                              opts.tls_require_client_cert, getattr(opts, "tls_identity", None))
 
-    # -- registry ----------------------------------------------------------------------------------
-
-    def _add_worker(self, rank: int, info: Dict[str, Any]) -> None:
-        w = WorkerInfo(info["name"], rank)
-        with self._lock:
-            old = self._workers.get(rank)
-            if old is not None and old.name != w.name:
-                self._peer_stats.pop(rank, None)  # another worker under a rank: new counters
-            self._workers[rank] = w
-            self._by_name[w.name] = w
-            self._departed.pop(w.name, None)
-            self._removed.pop(rank, None)
-            self._incarnations[rank] = int(info.get("incarnation") or 0)
-            self._left.discard(rank)
-            self._lost.pop(rank, None)  # a new worker under a rank that was lost
-            self.shutdown_protocol.gone.pop(rank, None)
-            self._addresses[rank] = (info["host"], info["port"])
-            self.hostids[rank] = info["hostid"]
-            if "pid" in info and "pidns" in info:
-                self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
-            self.liveness.joined(rank, float(info.get("heartbeat_interval") or 0.0))
-            maps = info.get("device_maps")
-            mine = maps.get(self.name) if isinstance(maps, dict) else None
-            if isinstance(mine, dict) and mine:
-                self._reply_maps[rank] = {torch.device(dst): torch.device(src)
-                                          for src, dst in mine.items()}
-            else:
-                self._reply_maps.pop(rank, None)
-        if self._once:  # request ids of an earlier worker under this rank mean nothing now
-            with self._once_lock:
-                for key in [k for k in self._once if k[0] == rank]:
-                    del self._once[key]
-
-    def _apply_events(self, events: List[Dict[str, Any]]) -> None:
-        for event in events:
-            rank = event["rank"]
-            if event["op"] == "join":
-                if rank != self.rank:
-                    self._add_worker(rank, event)
-                continue
-            incarnation = int(event.get("incarnation") or 0)
-            lost = event.get("lost")
-            if rank == self.rank:
-                if lost and incarnation == self.incarnation:
-                    self._was_removed(str(lost))
-                continue
-            with self._lock:
-                if self._incarnations.get(rank, 0) != incarnation:
-                    continue  # about an earlier process under this rank
-                w = self._workers.pop(rank, None)
-                if w is not None:
-                    self._by_name.pop(w.name, None)
-                    self._departed[w.name] = rank
-                self._left.add(rank)
-                if lost:
-                    self._removed[rank] = str(lost)
-                declared = rank in self.liveness.declared
-            name = w.name if w is not None else event["name"]
-            if not lost:
-                self.requests.fail_peer(rank, WorkerLeftError(
-                    f"worker {name} (rank {rank}) has shut down and left the group",
-                    worker=name))
-                continue
-            # Declared lost by another survivor: drop what this worker has of it too.
-            error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
-                                    f"the group: {lost}", worker=name)
-            for conn in self._connections_of(rank):
-                conn.close(error)
-            self._close_idle_private(rank, error)
-            self.requests.fail_peer(rank, error)
-            if not declared and w is not None:
-                with self._lock:
-                    self.liveness.declared.add(rank)
-                self.liveness.run_loss_hooks(w, error)
-
-    def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
-        """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
-        map for ``peer`` (a request), or through the inverse of ``peer``'s map for this
-        worker (a reply); on the same device when ``peer`` is this worker. Raises
-        :class:`DeviceMapError` (torch's error) where the map has no entry for ``device``."""
-        if peer.id == self.rank:
-            return device
-        if reply:
-            target = self._reply_maps.get(peer.id, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Response", (f"add {device} as a target to the device map that "
-                                     f"{peer.name} sets for {self.name}, or return CPU tensors")
-        else:
-            target = self._device_maps.get(peer.name, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Request", (f"call options.set_device_map({peer.name!r}, "
-                                    f"{{{str(device)!r}: ...}}) before init_rpc, or send "
-                                    f"the tensor's .cpu() copy")
-        raise DeviceMapError(
-            "TensorPipe RPC backend only supports CPU tensors by default, please move your "
-            "tensors to CPU before sending them over RPC, or call `set_device_map` on "
-            "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
-            f"{what} device mapping is not available for destination {peer.name}: a tensor "
-            f"on {device} has no entry in the device map; {fix}")
-
-    def _departure(self, name: str, rank: int) -> str:
-        """Why worker ``name`` (rank ``rank``), no longer a member, is gone."""
-        why = self._removed.get(rank)
-        if why is not None:
-            return f"worker {name} (rank {rank}) was lost and removed from the group: {why}"
-        return f"worker {name} (rank {rank}) has shut down and left the group"
-
-    def _connections_of(self, rank: int) -> List[Connection]:
-        with self._lock:
-            return [c for table in (self._all_conns, self._private_conns)
-                    for c in table.get(rank, ()) if not c.closed]
-
-    def _was_removed(self, why: str) -> None:
-        """The group declared this worker lost and removed it (it was stopped or cut off
-        for heartbeat_timeout, say): it is no member any more, and says so."""
-        error = ThreadFailedError(f"worker {self.name} (rank {self.rank}) was declared lost "
-                                  f"by the group and removed from it: {why}")
-        log.error("%s", error)
-        self.fail(error)
-        for conn in self._transport.connections():
-            conn.close(error)
-
-    def _admit(self, rank: int, incarnation: int) -> Optional[str]:
-        """Transport: None to accept a peer that proved it holds the job secret, else why
-        not. Refused: a process removed from the group as lost that came back, and one
-        whose rank another process holds now (looked up in the log first, in case that is
-        the newer one). Others are accepted, members that left included (they may still
-        be shutting down)."""
-        why = self._stale(rank, incarnation)
-        if why is not None and self._log is not None:
-            try:
-                self._refresh_members()
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone: refuse
-                return f"{why} (the membership log cannot be read: {exc})"
-            why = self._stale(rank, incarnation)
-        return why
-
-    def _stale(self, rank: int, incarnation: int) -> Optional[str]:
-        with self._lock:
-            current = self._incarnations.get(rank)
-            removed = current == incarnation and rank in self._removed
-        if removed:
-            return (f"rank {rank} (incarnation {incarnation}) was declared lost and removed "
-                    f"from the group")
-        if current is not None and current != incarnation:
-            return (f"rank {rank} (incarnation {incarnation}) is not a member of the group: "
-                    f"another process (incarnation {current}) holds the rank now")
-        return None
-
-    def _refresh_members(self) -> None:
-        with self._members_lock:
-            self._apply_events(self._log.poll())
-
-    def _follow_members(self, guard: Guard) -> None:
-        """Elastic mode: follow the membership log until the agent stops."""
-        failures = 0
-        while guard.ok and (self._state is RUNNING or self._state is STOPPING) \
-                and not self._members_stop.wait(0.05):
-            with self._members_lock:
-                try:
-                    events = self._log.poll()
-                except Exception as exc:  # noqa: BLE001 - the store host may be gone
-                    events = None
-                    failures += 1
-                    if failures == 1:
-                        log.warning("%s cannot read the membership log: %s",
-                                    self.name, exc)
-                if events is not None:
-                    failures = 0
-                    with guard:
-                        self._apply_events(events)
-            if failures and self._members_stop.wait(min(1.0, 0.1 * failures)):
-                return
+    # -- the group (registry.py) -------------------------------------------------------------------
 
     @property
     def worker_info(self) -> WorkerInfo:
-        return self._workers[self.rank]
+        return self.registry.worker_info
 
     def has_left(self, rank: int) -> bool:
         """Whether worker ``rank`` has shut down and told this worker so."""
-        with self._lock:
-            return rank in self._left
+        return self.registry.has_left(rank)
 
     def worker_infos(self) -> List[WorkerInfo]:
-        with self._lock:
-            return [self._workers[r] for r in sorted(self._workers)]
+        return self.registry.worker_infos()
 
     def resolve(self, to: Any) -> WorkerInfo:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
-        if isinstance(to, WorkerInfo):
-            w = self._workers.get(to.id)
-            if w is None and to.name in self._departed:
-                raise WorkerLeftError(self._departure(to.name, to.id), worker=to.name)
-            if w is None or w.name != to.name:
-                raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
-                                           f"destination: {to!r} is not a member of this group")
-            return w
-        if isinstance(to, str):
-            w = self._by_name.get(to)
-            if w is None and self._log is not None and self._state is RUNNING:
-                # A dynamic group: the worker may have joined since the log was last read.
-                self._refresh_members()
-                w = self._by_name.get(to)
-            if w is None and to in self._departed:
-                raise WorkerLeftError(self._departure(to, self._departed[to]), worker=to)
-            if w is None:
-                raise InvalidArgumentError(f"name:{to} could not find destination; known "
-                                           f"workers: {sorted(self._by_name)[:16]}")
-            return w
-        if isinstance(to, int) and not isinstance(to, bool):
-            w = self._workers.get(to)
-            if w is None and self._log is not None and self._state is RUNNING:
-                self._refresh_members()  # as for names above
-                w = self._workers.get(to)
-            if w is None:
-                if to in self._left:
-                    raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
-                raise InvalidArgumentError(f"rank:{to} could not find destination; known ranks: "
-                                           f"{sorted(self._workers)[:16]}")
-            return w
-        raise DestinationTypeError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a "
-                                   f"worker name, rank or WorkerInfo, got {type(to).__name__}")
+        return self.registry.resolve(to)
+
+    def _forget_served(self, rank: int) -> None:
+        """A new worker holds ``rank``: the request ids of an earlier one mean nothing now."""
+        if self._once:
+            with self._once_lock:
+                for key in [k for k in self._once if k[0] == rank]:
+                    del self._once[key]
 
     # -- plug-in points ----------------------------------------------------------------------------
 
@@ -665,7 +433,7 @@ class Agent:
         and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
         with self._lock:
             stats = list(self._peer_stats.items())
-            names = {rank: w.name for rank, w in self._workers.items()}
+            names = {rank: w.name for rank, w in self.registry.workers.items()}
         return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
 
     def _new_stats(self, rank: int) -> PeerStats:
@@ -1032,10 +800,11 @@ class Agent:
             if opened >= self._max_private:
                 return None  # max_private_connections: this call goes over the shared one
             self._private_opening[dst.id] = self._private_opening.get(dst.id, 0) + 1
-        host, port = self._addresses[dst.id]
+        registry = self.registry
+        host, port = registry.addresses[dst.id]
         try:
             conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
-                                           local=self._same_host(dst.id), private=True)
+                                           local=registry.same_host(dst.id), private=True)
         except RpcError:
             return None  # the shared connection reports what is wrong
         finally:
@@ -1248,7 +1017,7 @@ class Agent:
     def _lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
         if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
             return exc
-        if dst.id in self._left:
+        if dst.id in self.registry.left:
             return self._left_error(dst)
         return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
                                    worker=dst.name)
@@ -1267,7 +1036,7 @@ class Agent:
     def _connection(self, dst: WorkerInfo, patient: bool = False) -> Connection:
         conn = self._conns.get(dst.id)
         if conn is not None and not conn.closed:
-            if dst.id in self._left:  # it said GOODBYE: nothing sent now would be answered
+            if dst.id in self.registry.left:  # it said GOODBYE: nothing sent now is answered
                 raise self._left_error(dst)
             return conn
         with self._lock:
@@ -1276,11 +1045,11 @@ class Agent:
             conn = self._conns.get(dst.id)
             if conn is not None and not conn.closed:
                 return conn
-            if dst.id in self._left:
+            if dst.id in self.registry.left:
                 raise self._left_error(dst)
             if self._state is not RUNNING and self._state is not STOPPING:
                 raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state.value}")
-            host, port = self._addresses[dst.id]
+            host, port = self.registry.addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
             hb_timeout = self.liveness.timeout
@@ -1306,7 +1075,7 @@ class Agent:
             try:
                 return self._transport.connect(dst.id, host, port,
                                                max(deadline - time.monotonic(), 0.5),
-                                               local=self._same_host(dst.id))
+                                               local=self.registry.same_host(dst.id))
             except RpcError as exc:
                 busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
                                                   BrokenPipeError)) \
@@ -1363,8 +1132,8 @@ class Agent:
                     del self._conns[rank]
         if self._state is not RUNNING or reason is None:
             return
-        w = self._workers.get(rank)
-        if rank in self._left:
+        w = self.registry.workers.get(rank)
+        if rank in self.registry.left:
             # A request sent while the GOODBYE was on its way was on this connection.
             if w is not None:
                 self.requests.fail_peer(rank, self._left_error(w))
@@ -1385,6 +1154,12 @@ class Agent:
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
         self.liveness.suspect(rank, reason)
+
+    def _connections_of(self, rank: int) -> List[Connection]:
+        """The open connections, shared and private, with worker ``rank``."""
+        with self._lock:
+            return [c for table in (self._all_conns, self._private_conns)
+                    for c in table.get(rank, ()) if not c.closed]
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -1432,14 +1207,15 @@ class Agent:
         if kind == Kind.RESPONSE or kind == Kind.ERROR:
             self._on_reply(conn, header, envelope, buffers)
             return self._reading_to_pool(conn)
-        src = self._workers.get(conn.peer_rank)
+        registry = self.registry
+        src = registry.workers.get(conn.peer_rank)
         if src is None and self.elastic:
-            self._refresh_members()  # a new member may call before we saw it join
-            src = self._workers.get(conn.peer_rank)
+            registry.refresh()  # a new member may call before we saw it join
+            src = registry.workers.get(conn.peer_rank)
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
-            self._left.add(src.id)
+            registry.left.add(src.id)
             self.requests.fail_peer(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:

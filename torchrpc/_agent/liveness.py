@@ -162,9 +162,9 @@ class Liveness:
     def runs_here(self, rank: int) -> bool:
         """Whether worker ``rank`` is a process of this host (same pid namespace) that the
         kernel shows alive and not stopped."""
-        agent = self._agent
-        proc = agent._procs.get(rank)
-        if proc is None or proc[1] != agent._pidns or not proc[1] or not agent._same_host(rank):
+        registry = self._agent.registry
+        proc = registry.procs.get(rank)
+        if proc is None or proc[1] != registry.pidns or not proc[1] or not registry.same_host(rank):
             return False
         return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
 
@@ -186,7 +186,7 @@ class Liveness:
         self._last_check = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        left = self._agent._left
+        left = self._agent.registry.left
         for rank, (shared, private) in self._connections_by_peer().items():
             if rank in left:
                 continue
@@ -214,7 +214,7 @@ class Liveness:
         """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
         fail every call pending on it."""
         agent = self._agent
-        w = agent._workers.get(rank)
+        w = agent.registry.workers.get(rank)
         name = w.name if w else f"rank{rank}"
         error = ConnectionLostError(
             f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
@@ -242,7 +242,7 @@ class Liveness:
         the evidence, and a stopped process would hold the handshake up as long again."""
         agent = self._agent
         with self._lock:
-            if rank in self._confirming or rank in self.declared or rank in agent._left \
+            if rank in self._confirming or rank in self.declared or rank in agent.registry.left \
                     or agent._state is not RUNNING:
                 return
             self._confirming.add(rank)
@@ -255,12 +255,13 @@ class Liveness:
     def _confirm_loss(self, rank: int, reason: BaseException) -> None:
         agent = self._agent
         try:
-            w = agent._workers.get(rank)
-            if w is None or rank in agent._left or agent._state is not RUNNING:
+            w = agent.registry.workers.get(rank)
+            if w is None or rank in agent.registry.left or agent._state is not RUNNING:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)
-                incarnation = agent._incarnations.get(rank, 0)  # the process that was lost
+                # the process that was lost
+                incarnation = agent.registry.incarnations.get(rank, 0)
             if silent is not None:
                 error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
                                             worker=w.name)
@@ -298,7 +299,7 @@ class Liveness:
         every peer silent, and must learn of its own removal before it removes them."""
         agent = self._agent
         try:
-            agent._refresh_members()
+            agent.registry.refresh()
         except Exception as exc:  # noqa: BLE001 - the store host may be gone
             log.warning("%s cannot read the membership log: %s", agent.name, exc)
             return

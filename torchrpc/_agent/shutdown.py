@@ -72,9 +72,8 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import LifecycleError, NotInitializedError, RpcError, ShutdownError
-from . import membership, rendezvous
+from . import rendezvous
 from .hooks import describe
-from .secret import discard_local as discard_local_secret
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -216,9 +215,9 @@ class Shutdown:
                 self._probe_absent(barrier)
                 self._check_left(barrier)
         with self._lock:
-            lost = [r for r in agent._lost if r not in agent._left and r not in self.gone]
+            lost = [r for r in agent._lost if r not in agent.registry.left and r not in self.gone]
         for r in lost:
-            w = agent._workers.get(r)
+            w = agent.registry.workers.get(r)
             if w is None:
                 continue
             try:
@@ -227,10 +226,10 @@ class Shutdown:
                 with self._lock:
                     self.gone[r] = str(exc)
         with self._lock:
-            gone = {r: why for r, why in self.gone.items() if r not in agent._left}
+            gone = {r: why for r, why in self.gone.items() if r not in agent.registry.left}
         if gone:
             def name(r: int) -> str:
-                w = agent._workers.get(r)
+                w = agent.registry.workers.get(r)
                 return w.name if w is not None else f"rank{r}"
             names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
             reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
@@ -250,7 +249,7 @@ class Shutdown:
         with self._lock:
             gone = list(self.gone.items())
         for r, why in gone:
-            if r not in self._shared_lost and r not in agent._left:
+            if r not in self._shared_lost and r not in agent.registry.left:
                 self._shared_lost.add(r)
                 store.set(f"lost/{r}", f"{agent.name} lost it: {why}")
                 store.add("lost", 1)
@@ -259,9 +258,9 @@ class Shutdown:
             return
         self._lost_seen = seen
         with self._lock:
-            ranks = list(agent._workers)
+            ranks = list(agent.registry.workers)
         for r in ranks:
-            if r != agent.rank and r not in agent._lost and r not in agent._left \
+            if r != agent.rank and r not in agent._lost and r not in agent.registry.left \
                     and store.check([f"lost/{r}"]):
                 why = store.get(f"lost/{r}").decode(errors="replace")
                 with self._lock:
@@ -279,7 +278,7 @@ class Shutdown:
             return
         self._next_probe = now + 1.0
         with self._lock:
-            ranks = list(agent._workers)
+            ranks = list(agent.registry.workers)
         self.probe([r for r in ranks
                     if r != agent.rank and not agent.store.check([f"{barrier}/{r}"])])
 
@@ -288,7 +287,7 @@ class Shutdown:
         shutdown failed or was not graceful, so it never will."""
         agent = self._agent
         with self._lock:
-            left = [(r, agent._workers[r]) for r in sorted(agent._left) if r in agent._workers]
+            left = [(r, agent.registry.workers[r]) for r in sorted(agent.registry.left) if r in agent.registry.workers]
         missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
         if missing:
             names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
@@ -301,8 +300,8 @@ class Shutdown:
         agent = self._agent
         for r in ranks:
             with self._lock:
-                w = agent._workers.get(r)
-                if w is None or r == agent.rank or r in agent._left or r in agent._lost:
+                w = agent.registry.workers.get(r)
+                if w is None or r == agent.rank or r in agent.registry.left or r in agent._lost:
                     continue
             try:
                 agent._connection(w)  # once connected, EOF and heartbeats watch it
@@ -331,14 +330,7 @@ class Shutdown:
             self.enter(STOPPING)
         agent.final_debug_info = agent.debug_info()
         if agent.elastic:
-            agent._members_stop.set()
-            if agent._members_thread is not None:
-                agent._members_thread.join(10)
-            try:
-                membership.leave(agent.store, agent.name, agent.rank, agent.incarnation)
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-                log.warning("%s could not announce its departure: %s", agent.name, exc)
-            discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
+            agent.registry.leave()  # stop following the membership log, announce it
         with self._lock:
             conns = [c for lst in agent._all_conns.values() for c in lst]
         for conn in conns:

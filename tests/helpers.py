@@ -254,7 +254,7 @@ def view_of(rank: int) -> dict:
     from torchrpc.rpc import api
     agent = api.current_agent()
     return {"connections": sum(1 for c in agent._transport.connections() if c.peer_rank == rank),
-            "lost_connection": rank in agent._lost, "removed": agent._removed.get(rank)}
+            "lost_connection": rank in agent._lost, "removed": agent.registry.removed.get(rank)}
 
 
 def call_outcome(to: str) -> str:
@@ -333,7 +333,7 @@ def goodbye_to(rank: int) -> bool:
     conns = list(agent._all_conns.get(rank, []))
     assert conns, f"no shared connection to rank {rank} to say GOODBYE on"
     for conn in conns:
-        agent._goodbye(conn)
+        agent.shutdown_protocol.goodbye(conn)
     return True
 
 

@@ -427,8 +427,8 @@ def black_hole_current_connection(rank: int) -> bool:
     noticed yet."""
     from torchrpc._agent.current import current_agent
     agent = current_agent()
-    host, port = agent._addresses[rank]
-    conn = agent._open(agent._workers[rank], host, port, 10.0)
+    host, port = agent.registry.addresses[rank]
+    conn = agent._open(agent.registry.workers[rank], host, port, 10.0)
     conn.send = lambda *args, **kwargs: None
     agent._conns[rank] = conn
     _black_holes.append(conn)

@@ -132,9 +132,10 @@ def multihost(rank: int) -> None:
     rpc.init_rpc(f"h{rank}", rank=rank, world_size=2,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=2))
     agent = current_agent()
-    host = agent._addresses[rank][0]
+    host = agent.registry.addresses[rank][0]
     assert not host.startswith("127."), f"advertised a loopback address {host}"
-    assert agent.hostids[0] != agent.hostids[1], "namespaces must look like different hosts"
+    hostids = agent.registry.hostids
+    assert hostids[0] != hostids[1], "namespaces must look like different hosts"
     x = torch.arange(1 << 20, dtype=torch.float32)  # 4 MB: above the shared-memory threshold
     assert torch.equal(rpc.rpc_sync(1 - rank, helpers.echo, args=(x,)), x)
     info = rpc.get_debug_info()
@@ -205,7 +206,7 @@ def rejoin_member(rank: int) -> None:
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=30)
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=opts)
     from torchrpc._agent.current import current_agent
-    print(f"JOINED {current_agent().incarnation}", flush=True)
+    print(f"JOINED {current_agent().registry.incarnation}", flush=True)
     while not os.path.exists(stopfile):
         try:
             rpc.get_worker_infos()

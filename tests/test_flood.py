@@ -40,7 +40,7 @@ def _open(address, n):
 
 
 def test_flood_of_idle_and_trickling_connections(group):
-    address = api.current_agent()._addresses[1]
+    address = api.current_agent().registry.addresses[1]
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
     idle = _open(address, 300)  # more than the worker has descriptors
     trickling = _open(address, 50)

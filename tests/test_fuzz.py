@@ -413,7 +413,7 @@ def test_fuzz_worker(groups, transport, request, record_property):
     group = groups.get("tls" if pki else "plain", pki)
     rng = random.Random(f"{SEED}-{transport}")
     agent = api.current_agent()
-    host, port = agent._addresses[1]
+    host, port = agent.registry.addresses[1]
     target = _Target(transport, host, port, agent._transport._secret, pki)
     templates = _templates(rng)
     calls = [0]

@@ -172,7 +172,7 @@ def test_a_reply_after_the_deadline_fails_even_when_the_timer_is_late():
             held.clear()
             assert held.wait(5.0)
     finally:
-        agent._tick_hooks.remove(hold_timer)
+        agent.scheduler._hooks.remove(hold_timer)
     assert rpc.rpc_sync("worker1", helpers.sleep_then, args=(0.0, 2), timeout=5) == 2
 
 
@@ -278,7 +278,7 @@ def test_unpicklable_arguments_fail_before_sending():
 
 
 def _worker_address(rank: int):
-    return api.current_agent()._addresses[rank]
+    return api.current_agent().registry.addresses[rank]
 
 
 def test_garbage_connection_is_dropped_and_worker_keeps_serving():

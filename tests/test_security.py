@@ -52,7 +52,7 @@ def fresh_log_budget():
 
 
 def _address(rank: int):
-    return api.current_agent()._addresses[rank]
+    return api.current_agent().registry.addresses[rank]
 
 
 def _secret() -> bytes:

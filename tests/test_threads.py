@@ -128,7 +128,7 @@ def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch
     assert wait_until(lambda: errors_about(caplog, "timer thread of solo"))
     with pytest.raises(RpcTimeoutError, match="timed out after 0.3 s"):
         rpc.rpc_sync("solo", helpers.sleep_then, args=(2.0,), timeout=0.3)
-    assert agent._timer.is_alive() and agent.failure is None
+    assert agent.scheduler.thread.is_alive() and agent.failure is None
 
 
 def test_heartbeat_survives_and_goes_on_beating(agent, caplog, monkeypatch):

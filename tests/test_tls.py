@@ -315,7 +315,7 @@ def test_a_group_runs_over_tls(pki):
             "worker2>worker1>worker2"
         agent = api.current_agent()
         assert all(isinstance(c.sock, tls.TlsSocket) for lst in agent._all_conns.values() for c in lst)
-        host, port = agent._addresses[1]
+        host, port = agent.registry.addresses[1]
         with socket.create_connection((host, port), timeout=5) as s:  # plain bytes: refused
             s.sendall(handshake.make_hello(0, 0)[0])
             s.settimeout(5)

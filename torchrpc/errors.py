@@ -66,6 +66,11 @@ class ShutdownError(RpcError):
     """Graceful shutdown could not complete (for example a worker is missing)."""
 
 
+class LifecycleError(RpcError):
+    """The agent was told to enter a state its lifecycle does not lead to from the one it
+    is in (a fault of torchrpc, not of the program; see ``_agent/shutdown.py``)."""
+
+
 class InvalidArgumentError(RpcError, ValueError):
     """A bad argument value where torch raises ``RuntimeError``."""
 

@@ -2,26 +2,28 @@
 
 Theory of operation. An :class:`Agent` owns a transport (listener plus one or
 more connections per peer, opened lazily on first use and shared by both
-directions), a table of outstanding requests with their deadlines (requests.py),
-a timer thread that fails expired requests, heartbeats and lost-peer decisions
-(liveness.py), and a worker pool that runs incoming requests. Frames arrive on
-the thread that holds a connection's reading role (see "Theory of operation
-(reading)" below). A reply (``RESPONSE`` or ``ERROR``) is decoded there and
-completes the pending future; a request is decoded and dispatched by message kind
-to a registered handler, on the reading thread itself (which lends its reading
-role to another thread if the request blocks or runs long) or, when it arrives on
-a thread outside the pool, on a pool thread. Upper layers (RRefs, distributed
-autograd) plug in by registering handlers for their kinds and *call hooks* that
-add metadata to requests and see the tensors that cross (hooks.py); the agent
-never imports them. A handler's exception goes back to the caller as a
-``RemoteErrorInfo`` (remote_error.py).
+directions), the table of the group's workers (registry.py), a table of
+outstanding requests with their deadlines (requests.py), a timer thread that runs
+every part's periodic duties, failing expired requests first (scheduler.py),
+heartbeats and lost-peer decisions (liveness.py), and a worker pool that runs
+incoming requests. Frames arrive on the thread that holds a connection's reading
+role (see "Theory of operation (reading)" below). A reply (``RESPONSE`` or
+``ERROR``) is decoded there and completes the pending future; a request is decoded
+and dispatched by message kind to a registered handler, on the reading thread
+itself (which lends its reading role to another thread if the request blocks or
+runs long) or, when it arrives on a thread outside the pool, on a pool thread.
+Upper layers (RRefs, distributed autograd) plug in by registering handlers for
+their kinds and *call hooks* that add metadata to requests and see the tensors
+that cross (hooks.py); the agent never imports them. A handler's exception goes
+back to the caller as a ``RemoteErrorInfo`` (remote_error.py).
 
-Lifecycle states: ``running`` -> ``stopping`` -> ``stopped``. Graceful shutdown
-runs the upper layers' shutdown hooks, waits for this worker's outstanding
-requests, meets every worker at a store barrier (twice: once when all have
-stopped calling, once when all replies are out), says GOODBYE to its peers and
-closes. A connection that breaks without a GOODBYE fails, at once, every
-request pending on that worker with an error naming it.
+Lifecycle: ``new`` -> ``running`` -> ``stopping`` -> ``stopped``, a state machine
+driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
+layers' shutdown hooks, waits for this worker's outstanding requests, meets every
+worker at store barriers (once when all have stopped calling, once when all
+replies are out), says GOODBYE to its peers and closes. A connection that breaks
+without a GOODBYE fails, at once, every request pending on that worker with an
+error naming it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import collections
 import functools
 import contextlib
-import heapq
 import itertools
 import json
 import logging
@@ -43,14 +44,13 @@ import torch
 
 from .. import _threads, _wire
 from .._threads import Guard
-from .._transport import Connection, Releasable, Transport, handshake, shm
+from .._transport import Connection, Releasable, Transport, handshake
 from .._transport.tcp import LogBudget, set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from .._wire.probe import MISSING, REPLIED, RUNNING
-from ..errors import (ConnectionLostError, DestinationTypeError, DeviceMapError,
-                      InvalidArgumentError, NotInitializedError, OperatorSchemaError, RpcError,
-                      OverloadedError, SerializationError, ShutdownError, ThreadFailedError,
+from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
+from ..errors import (ConnectionLostError, NotInitializedError, OperatorSchemaError,
+                      OverloadedError, RpcError, SerializationError, ThreadFailedError,
                       WorkerLeftError, WrongTypeError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
@@ -61,17 +61,18 @@ from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, de
 from .liveness import Liveness
 from .pool import WorkerPool, current_pool
 from .remote_error import capture, rebuild_error
+from .registry import Registry
 from .requests import Pending, Requests, Resend
 from .retry import RetryPolicy
+from .scheduler import LENT_TICK, TICK, Scheduler
+from .shutdown import NEW, RUNNING, STOPPED, STOPPING, Shutdown, State
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-_TICK = 0.1  # the timer wakes at least this often
 # A request running on its reading thread for longer than this hands the reading role on.
 INLINE_LIMIT = 0.01
-_LENT_TICK = 0.02  # ... and this often while a shared connection's reading role is lent
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 # Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
 # long after their reply went out, and at most this many at once (see _Once).
@@ -128,22 +129,19 @@ class Agent:
         self._limits = _wire.Limits(
             max_message_size=int(getattr(options, "max_message_size", _wire.frame.DEFAULT_MAX_MESSAGE_SIZE)))
         self._lock = threading.Lock()
-        self._workers: Dict[int, WorkerInfo] = {}
-        self._by_name: Dict[str, WorkerInfo] = {}
-        self._addresses: Dict[int, Tuple[str, int]] = {}
-        self.hostids: Dict[int, str] = {}
-        self._procs: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, pid namespace)
         self._conns: Dict[int, Connection] = {}
         self._all_conns: Dict[int, List[Connection]] = {}
         self._connect_locks: Dict[int, threading.Lock] = {}
         self._private: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self._num_parked = 0  # parked requests whose reply is not read yet
-        self._tick_hooks: List[Callable[[], None]] = []
-        self._tick_pending: List[Callable[[], bool]] = []
         self._rid = itertools.count(1)
-        self._timer_cv = threading.Condition()
-        self.requests = Requests(self, self._timer_cv)  # outstanding requests, deadlines
+        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._pool.on_block = self._lend_out  # a request that blocks gives up reading
+        # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
+        self.scheduler = Scheduler(self._pool)
+        # outstanding requests and their deadlines (a new earliest one wakes the timer)
+        self.requests = Requests(self, self.scheduler.cv)
         self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, self)}
         self._hooks: List[CallHook] = []
@@ -155,40 +153,21 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
         self.extensions: Dict[str, Any] = {}
-        self._left: set[int] = set()
-        self._lost: Dict[int, str] = {}
-        self._state = "new"
+        self._lost: Dict[int, str] = {}  # rank -> why its last connection broke
+        # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
+        # the request path; written only by the shutdown protocol's transitions.
+        self._state: State = NEW
+        self.shutdown_protocol = Shutdown(self)
         self._ready = threading.Event()
         # Elastic membership (world_size=None): see torchrpc._agent.membership.
         self.elastic = world_size is None
-        self._departed: Dict[str, int] = {}
-        # This process's membership, and the members' (a lost member is removed by it).
-        self.incarnation = membership.new_incarnation() if self.elastic else 0
-        self._incarnations: Dict[int, int] = {}
-        self._removed: Dict[int, str] = {}  # rank -> why it was removed as lost
-        self._members_lock = threading.Lock()
-        self._members_stop = threading.Event()
-        self._members_thread: Optional[threading.Thread] = None
-        self._log: Optional[membership.EventLog] = None
-        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
-        self._pool.on_block = self._lend_out  # a request that blocks gives up reading
+        # The workers of the group, membership and device maps (registry.py).
+        self.registry = Registry(self, dict(getattr(options, "device_maps", None) or {}))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
-        # Set by the timer before it sleeps a whole _TICK; an inline request on a shared
-        # connection then wakes it (see _serve_inline).
-        self._timer_slow = False
-        self._next_tick = 0.0
+        self._next_tick = 0.0  # when the timer's housekeeping is due next
         self._transport: Optional[Transport] = None
-        self._timer: Optional[threading.Thread] = None
-        # callbacks due later, run on the pool: (when, seq, fn, args)
-        self._later: List[Tuple[float, int, Callable[..., None], Tuple[Any, ...]]] = []
-        self._later_seq = itertools.count()
-        # device maps: this worker's, by callee name, and by caller rank the inverse of the
-        # map that caller published for this worker (where its replies' tensors go)
-        self._device_maps: Dict[str, Dict[torch.device, torch.device]] = dict(
-            getattr(options, "device_maps", None) or {})
-        self._reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
         # heartbeats and lost peers (see liveness.py)
         self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
                                  float(getattr(options, "heartbeat_timeout", 0.0)))
@@ -197,15 +176,9 @@ class Agent:
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._max_queued = int(getattr(options, "max_queued_requests", 0))
         self._overloads = LogBudget(what="refused requests")
-        self._pidns = shm.pid_namespace()
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
-        self._gone: Dict[int, str] = {}  # lost, and connecting again failed (check_peers)
-        self._shared_lost: set[int] = set()
-        self._lost_seen = 0
-        self._next_share = 0.0
-        self._next_probe: Optional[float] = None
         # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
         self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
@@ -224,17 +197,18 @@ class Agent:
         self._timeout_reports: set[int] = set()
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
+        self._schedule_duties()
 
     # -- start -----------------------------------------------------------------------------------
 
     def start(self, timeout: float) -> "Agent":
         """Rendezvous with the group, start listening and the timer; return self."""
-        store, rank = self.store, self.rank
+        store, rank, registry = self.store, self.rank, self.registry
         host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
         if self.elastic:
             secret = membership.join(store, self.name, rank, timeout,
                                      membership.outlives_rank0(self.options.init_method),
-                                     self.incarnation)
+                                     registry.incarnation)
         else:
             secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
         try:
@@ -244,8 +218,8 @@ class Agent:
                                         tls_contexts=self._tls_contexts(),
                                         features=self._features(),
                                         shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
-                                        same_host=self._same_host,
-                                        same_pids=self._same_pids,
+                                        same_host=registry.same_host,
+                                        same_pids=registry.same_pids,
                                         send_timeout=float(getattr(self.options,
                                                                    "send_timeout", 0.0)),
                                         max_outbox=int(getattr(self.options,
@@ -253,8 +227,8 @@ class Agent:
                                         max_private=self._max_private,
                                         local_socket=bool(getattr(self.options, "enable_uds",
                                                                   False)),
-                                        incarnation=self.incarnation,
-                                        admit=self._admit if self.elastic else None)
+                                        incarnation=registry.incarnation,
+                                        admit=registry.admit if self.elastic else None)
         except ValueError as exc:
             rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
             raise
@@ -263,14 +237,14 @@ class Agent:
         try:
             # Peers watch this worker for silence only if they know it sends heartbeats.
             facts: Dict[str, Any] = {"heartbeat_interval": self.liveness.interval}
-            if self._device_maps:  # each callee answers through the inverse of its map
-                facts["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
-                                        for to, m in self._device_maps.items()}
+            device_maps = registry.published_device_maps()
+            if device_maps is not None:
+                facts["device_maps"] = device_maps
             if self.elastic:
                 membership.announce(store, self.name, rank, self._transport.address, facts,
-                                    self.incarnation)
-                self._log = membership.EventLog(store)
-                infos = membership.EventLog.members(self._log.poll())
+                                    registry.incarnation)
+                registry.log = membership.EventLog(store)
+                infos = membership.EventLog.members(registry.log.poll())
             else:
                 infos = rendezvous.publish(store, self.name, rank, self.world_size,
                                            self._transport.address, timeout, facts)
@@ -279,11 +253,11 @@ class Agent:
             self._transport.close()
             raise
         for r, info in infos.items():
-            self._add_worker(r, info)
-        self._state = "running"
-        self._timer = self._start_thread("timer", self._timer_loop)
+            registry.add(r, info)
+        self.shutdown_protocol.enter(RUNNING)
+        self.scheduler.start(self._start_thread)
         if self.elastic:
-            self._members_thread = self._start_thread("members", self._follow_members)
+            registry.follow()
         self.liveness.start()
         log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
                  self.world_size, *self._transport.address,
@@ -299,7 +273,8 @@ class Agent:
     def fail(self, error: ThreadFailedError) -> None:
         """A background thread cannot go on: fail every pending call with ``error``, and
         make every later API call raise it (until ``shutdown``)."""
-        if self.failure is not None or self._state not in ("running", "stopping"):
+        if self.failure is not None or (self._state is not RUNNING
+                                        and self._state is not STOPPING):
             return
         self.failure = ThreadFailedError(
             f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
@@ -325,20 +300,8 @@ class Agent:
     def _spare_cpus(self) -> bool:
         """Whether the workers on this host, computing with torch's thread count each,
         leave CPUs idle (assuming they all compute with as many threads as this one)."""
-        mine = self.hostids.get(self.rank)
-        with self._lock:
-            local = sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
+        local = self.registry.workers_on_this_host()
         return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
-
-    def _same_host(self, rank: int) -> bool:
-        """Whether worker ``rank`` shares this machine and its shared-memory namespace."""
-        mine = self.hostids.get(self.rank)
-        return mine is not None and self.hostids.get(rank) == mine
-
-    def _same_pids(self, rank: int) -> bool:
-        """Whether worker ``rank`` is in this process's pid namespace."""
-        proc = self._procs.get(rank)
-        return proc is not None and bool(self._pidns) and proc[1] == self._pidns
 
     def _tls_contexts(self) -> Optional[TlsContexts]:
         opts = self.options
@@ -347,230 +310,29 @@ class Agent:
         return make_contexts(opts.tls_certfile, opts.tls_keyfile, opts.tls_cafile,
                              opts.tls_require_client_cert, getattr(opts, "tls_identity", None))
 
-    # -- registry ----------------------------------------------------------------------------------
-
-    def _add_worker(self, rank: int, info: Dict[str, Any]) -> None:
-        w = WorkerInfo(info["name"], rank)
-        with self._lock:
-            old = self._workers.get(rank)
-            if old is not None and old.name != w.name:
-                self._peer_stats.pop(rank, None)  # another worker under a rank: new counters
-            self._workers[rank] = w
-            self._by_name[w.name] = w
-            self._departed.pop(w.name, None)
-            self._removed.pop(rank, None)
-            self._incarnations[rank] = int(info.get("incarnation") or 0)
-            self._left.discard(rank)
-            self._lost.pop(rank, None)  # a new worker under a rank that was lost
-            self._gone.pop(rank, None)
-            self._addresses[rank] = (info["host"], info["port"])
-            self.hostids[rank] = info["hostid"]
-            if "pid" in info and "pidns" in info:
-                self._procs[rank] = (int(info["pid"]), int(info["pidns"]))
-            self.liveness.joined(rank, float(info.get("heartbeat_interval") or 0.0))
-            maps = info.get("device_maps")
-            mine = maps.get(self.name) if isinstance(maps, dict) else None
-            if isinstance(mine, dict) and mine:
-                self._reply_maps[rank] = {torch.device(dst): torch.device(src)
-                                          for src, dst in mine.items()}
-            else:
-                self._reply_maps.pop(rank, None)
-        if self._once:  # request ids of an earlier worker under this rank mean nothing now
-            with self._once_lock:
-                for key in [k for k in self._once if k[0] == rank]:
-                    del self._once[key]
-
-    def _apply_events(self, events: List[Dict[str, Any]]) -> None:
-        for event in events:
-            rank = event["rank"]
-            if event["op"] == "join":
-                if rank != self.rank:
-                    self._add_worker(rank, event)
-                continue
-            incarnation = int(event.get("incarnation") or 0)
-            lost = event.get("lost")
-            if rank == self.rank:
-                if lost and incarnation == self.incarnation:
-                    self._was_removed(str(lost))
-                continue
-            with self._lock:
-                if self._incarnations.get(rank, 0) != incarnation:
-                    continue  # about an earlier process under this rank
-                w = self._workers.pop(rank, None)
-                if w is not None:
-                    self._by_name.pop(w.name, None)
-                    self._departed[w.name] = rank
-                self._left.add(rank)
-                if lost:
-                    self._removed[rank] = str(lost)
-                declared = rank in self.liveness.declared
-            name = w.name if w is not None else event["name"]
-            if not lost:
-                self.requests.fail_peer(rank, WorkerLeftError(
-                    f"worker {name} (rank {rank}) has shut down and left the group",
-                    worker=name))
-                continue
-            # Declared lost by another survivor: drop what this worker has of it too.
-            error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
-                                    f"the group: {lost}", worker=name)
-            for conn in self._connections_of(rank):
-                conn.close(error)
-            self._close_idle_private(rank, error)
-            self.requests.fail_peer(rank, error)
-            if not declared and w is not None:
-                with self._lock:
-                    self.liveness.declared.add(rank)
-                self.liveness.run_loss_hooks(w, error)
-
-    def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
-        """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
-        map for ``peer`` (a request), or through the inverse of ``peer``'s map for this
-        worker (a reply); on the same device when ``peer`` is this worker. Raises
-        :class:`DeviceMapError` (torch's error) where the map has no entry for ``device``."""
-        if peer.id == self.rank:
-            return device
-        if reply:
-            target = self._reply_maps.get(peer.id, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Response", (f"add {device} as a target to the device map that "
-                                     f"{peer.name} sets for {self.name}, or return CPU tensors")
-        else:
-            target = self._device_maps.get(peer.name, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Request", (f"call options.set_device_map({peer.name!r}, "
-                                    f"{{{str(device)!r}: ...}}) before init_rpc, or send "
-                                    f"the tensor's .cpu() copy")
-        raise DeviceMapError(
-            "TensorPipe RPC backend only supports CPU tensors by default, please move your "
-            "tensors to CPU before sending them over RPC, or call `set_device_map` on "
-            "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
-            f"{what} device mapping is not available for destination {peer.name}: a tensor "
-            f"on {device} has no entry in the device map; {fix}")
-
-    def _departure(self, name: str, rank: int) -> str:
-        """Why worker ``name`` (rank ``rank``), no longer a member, is gone."""
-        why = self._removed.get(rank)
-        if why is not None:
-            return f"worker {name} (rank {rank}) was lost and removed from the group: {why}"
-        return f"worker {name} (rank {rank}) has shut down and left the group"
-
-    def _connections_of(self, rank: int) -> List[Connection]:
-        with self._lock:
-            return [c for table in (self._all_conns, self._private_conns)
-                    for c in table.get(rank, ()) if not c.closed]
-
-    def _was_removed(self, why: str) -> None:
-        """The group declared this worker lost and removed it (it was stopped or cut off
-        for heartbeat_timeout, say): it is no member any more, and says so."""
-        error = ThreadFailedError(f"worker {self.name} (rank {self.rank}) was declared lost "
-                                  f"by the group and removed from it: {why}")
-        log.error("%s", error)
-        self.fail(error)
-        for conn in self._transport.connections():
-            conn.close(error)
-
-    def _admit(self, rank: int, incarnation: int) -> Optional[str]:
-        """Transport: None to accept a peer that proved it holds the job secret, else why
-        not. Refused: a process removed from the group as lost that came back, and one
-        whose rank another process holds now (looked up in the log first, in case that is
-        the newer one). Others are accepted, members that left included (they may still
-        be shutting down)."""
-        why = self._stale(rank, incarnation)
-        if why is not None and self._log is not None:
-            try:
-                self._refresh_members()
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone: refuse
-                return f"{why} (the membership log cannot be read: {exc})"
-            why = self._stale(rank, incarnation)
-        return why
-
-    def _stale(self, rank: int, incarnation: int) -> Optional[str]:
-        with self._lock:
-            current = self._incarnations.get(rank)
-            removed = current == incarnation and rank in self._removed
-        if removed:
-            return (f"rank {rank} (incarnation {incarnation}) was declared lost and removed "
-                    f"from the group")
-        if current is not None and current != incarnation:
-            return (f"rank {rank} (incarnation {incarnation}) is not a member of the group: "
-                    f"another process (incarnation {current}) holds the rank now")
-        return None
-
-    def _refresh_members(self) -> None:
-        with self._members_lock:
-            self._apply_events(self._log.poll())
-
-    def _follow_members(self, guard: Guard) -> None:
-        """Elastic mode: follow the membership log until the agent stops."""
-        failures = 0
-        while guard.ok and self._state in ("running", "stopping") \
-                and not self._members_stop.wait(0.05):
-            with self._members_lock:
-                try:
-                    events = self._log.poll()
-                except Exception as exc:  # noqa: BLE001 - the store host may be gone
-                    events = None
-                    failures += 1
-                    if failures == 1:
-                        log.warning("%s cannot read the membership log: %s",
-                                    self.name, exc)
-                if events is not None:
-                    failures = 0
-                    with guard:
-                        self._apply_events(events)
-            if failures and self._members_stop.wait(min(1.0, 0.1 * failures)):
-                return
+    # -- the group (registry.py) -------------------------------------------------------------------
 
     @property
     def worker_info(self) -> WorkerInfo:
-        return self._workers[self.rank]
+        return self.registry.worker_info
 
     def has_left(self, rank: int) -> bool:
         """Whether worker ``rank`` has shut down and told this worker so."""
-        with self._lock:
-            return rank in self._left
+        return self.registry.has_left(rank)
 
     def worker_infos(self) -> List[WorkerInfo]:
-        with self._lock:
-            return [self._workers[r] for r in sorted(self._workers)]
+        return self.registry.worker_infos()
 
     def resolve(self, to: Any) -> WorkerInfo:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
-        if isinstance(to, WorkerInfo):
-            w = self._workers.get(to.id)
-            if w is None and to.name in self._departed:
-                raise WorkerLeftError(self._departure(to.name, to.id), worker=to.name)
-            if w is None or w.name != to.name:
-                raise InvalidArgumentError(f"name:{to.name},rank:{to.id} could not find "
-                                           f"destination: {to!r} is not a member of this group")
-            return w
-        if isinstance(to, str):
-            w = self._by_name.get(to)
-            if w is None and self._log is not None and self._state == "running":
-                # A dynamic group: the worker may have joined since the log was last read.
-                self._refresh_members()
-                w = self._by_name.get(to)
-            if w is None and to in self._departed:
-                raise WorkerLeftError(self._departure(to, self._departed[to]), worker=to)
-            if w is None:
-                raise InvalidArgumentError(f"name:{to} could not find destination; known "
-                                           f"workers: {sorted(self._by_name)[:16]}")
-            return w
-        if isinstance(to, int) and not isinstance(to, bool):
-            w = self._workers.get(to)
-            if w is None and self._log is not None and self._state == "running":
-                self._refresh_members()  # as for names above
-                w = self._workers.get(to)
-            if w is None:
-                if to in self._left:
-                    raise WorkerLeftError(f"worker of rank {to} has shut down and left the group")
-                raise InvalidArgumentError(f"rank:{to} could not find destination; known ranks: "
-                                           f"{sorted(self._workers)[:16]}")
-            return w
-        raise DestinationTypeError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a "
-                                   f"worker name, rank or WorkerInfo, got {type(to).__name__}")
+        return self.registry.resolve(to)
+
+    def _forget_served(self, rank: int) -> None:
+        """A new worker holds ``rank``: the request ids of an earlier one mean nothing now."""
+        if self._once:
+            with self._once_lock:
+                for key in [k for k in self._once if k[0] == rank]:
+                    del self._once[key]
 
     # -- plug-in points ----------------------------------------------------------------------------
 
@@ -601,11 +363,9 @@ class Agent:
     def add_tick_hook(self, hook: Callable[[], None],
                       pending: Optional[Callable[[], bool]] = None) -> None:
         """``hook()`` runs on the timer thread at every tick; it must be quick and not
-        block. Ticks come ``_TICK`` apart, and ``_LENT_TICK`` apart while ``pending()``
-        (if given) says the hook has work queued."""
-        self._tick_hooks.append(hook)
-        if pending is not None:
-            self._tick_pending.append(pending)
+        block. Ticks come ``TICK`` apart, and ``LENT_TICK`` apart while ``pending()``
+        (if given) says the hook has work queued (see scheduler.py)."""
+        self.scheduler.add_tick_hook(hook, pending)
 
     # torch's RpcAgent methods, for code that calls rpc._get_current_rpc_agent().
 
@@ -656,7 +416,7 @@ class Agent:
             "agent.max_outbox_bytes_queued": max(
                 (c.outbox_bytes for c in self._transport.connections()), default=0)
             if self._transport is not None else 0,
-            "agent.state": self._state if self.failure is None else "failed",
+            "agent.state": self._state.value if self.failure is None else "failed",
         }
         if self._transport is not None:
             info.update(self._transport.debug_info())
@@ -673,7 +433,7 @@ class Agent:
         and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
         with self._lock:
             stats = list(self._peer_stats.items())
-            names = {rank: w.name for rank, w in self._workers.items()}
+            names = {rank: w.name for rank, w in self.registry.workers.items()}
         return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
 
     def _new_stats(self, rank: int) -> PeerStats:
@@ -1002,7 +762,7 @@ class Agent:
             return
         for rid in list(self._parked):  # the keys: one C-level copy, see docs/design.md
             parked = self._parked.get(rid)
-            if parked is not None and now - parked.since > _LENT_TICK \
+            if parked is not None and now - parked.since > LENT_TICK \
                     and self._parked.pop(rid, None) is not None:
                 try:
                     self._pool.submit(self._drain, parked.conn, rid)
@@ -1040,10 +800,11 @@ class Agent:
             if opened >= self._max_private:
                 return None  # max_private_connections: this call goes over the shared one
             self._private_opening[dst.id] = self._private_opening.get(dst.id, 0) + 1
-        host, port = self._addresses[dst.id]
+        registry = self.registry
+        host, port = registry.addresses[dst.id]
         try:
             conn = self._transport.connect(dst.id, host, port, self.default_timeout or 30.0,
-                                           local=self._same_host(dst.id), private=True)
+                                           local=registry.same_host(dst.id), private=True)
         except RpcError:
             return None  # the shared connection reports what is wrong
         finally:
@@ -1052,7 +813,7 @@ class Agent:
         return conn if conn.private else None
 
     def _checkin_private(self, dst: WorkerInfo, conn: Connection) -> None:
-        if not conn.closed and self._state == "running":
+        if not conn.closed and self._state is RUNNING:
             free = self._private.get(dst.id)
             if free is None:
                 with self._lock:  # keys change under the lock only (debug_info iterates)
@@ -1194,7 +955,7 @@ class Agent:
                 if once is None:
                     answers.append((rid, MISSING))
                 elif once.reply is None:
-                    answers.append((rid, RUNNING))
+                    answers.append((rid, STILL_RUNNING))
                 else:
                     answers.append((rid, REPLIED))
                     replies.append((rid, once.reply))
@@ -1240,9 +1001,7 @@ class Agent:
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
-        with self._timer_cv:
-            heapq.heappush(self._later, (time.monotonic() + delay, next(self._later_seq), fn, args))
-            self._timer_cv.notify()
+        self.scheduler.call_later(delay, fn, *args)
 
     def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
         meta: Dict[str, Any] = {}
@@ -1258,7 +1017,7 @@ class Agent:
     def _lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
         if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
             return exc
-        if dst.id in self._left:
+        if dst.id in self.registry.left:
             return self._left_error(dst)
         return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
                                    worker=dst.name)
@@ -1270,14 +1029,14 @@ class Agent:
 
     def _check_running(self) -> None:
         self.check_failure()
-        if self._state != "running":
+        if self._state is not RUNNING:
             raise NotInitializedError(
-                f"RPC agent of {self.name!r} is {self._state}; call init_rpc() first")
+                f"RPC agent of {self.name!r} is {self._state.value}; call init_rpc() first")
 
     def _connection(self, dst: WorkerInfo, patient: bool = False) -> Connection:
         conn = self._conns.get(dst.id)
         if conn is not None and not conn.closed:
-            if dst.id in self._left:  # it said GOODBYE: nothing sent now would be answered
+            if dst.id in self.registry.left:  # it said GOODBYE: nothing sent now is answered
                 raise self._left_error(dst)
             return conn
         with self._lock:
@@ -1286,11 +1045,11 @@ class Agent:
             conn = self._conns.get(dst.id)
             if conn is not None and not conn.closed:
                 return conn
-            if dst.id in self._left:
+            if dst.id in self.registry.left:
                 raise self._left_error(dst)
-            if self._state != "running" and self._state != "stopping":
-                raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state}")
-            host, port = self._addresses[dst.id]
+            if self._state is not RUNNING and self._state is not STOPPING:
+                raise NotInitializedError(f"RPC agent of {self.name!r} is {self._state.value}")
+            host, port = self.registry.addresses[dst.id]
             lost = self._lost.get(dst.id)
             timeout = self.default_timeout or 30.0
             hb_timeout = self.liveness.timeout
@@ -1316,7 +1075,7 @@ class Agent:
             try:
                 return self._transport.connect(dst.id, host, port,
                                                max(deadline - time.monotonic(), 0.5),
-                                               local=self._same_host(dst.id))
+                                               local=self.registry.same_host(dst.id))
             except RpcError as exc:
                 busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
                                                   BrokenPipeError)) \
@@ -1343,11 +1102,12 @@ class Agent:
                 self._conns[conn.peer_rank] = conn
             self._lost.pop(conn.peer_rank, None)
             self.liveness.reconnected(conn.peer_rank)
-        if self._state in ("stopping", "stopped"):
-            # Perhaps too late for the GOODBYEs of _stop: without its own, a caller on this
-            # connection would wait for a reply until its timeout. (Not while starting: a
-            # peer that finished rendezvous first may connect before this agent runs.)
-            self._goodbye(conn)
+        if self._state is STOPPING or self._state is STOPPED:
+            # Perhaps too late for the GOODBYEs of Shutdown.stop: without its own, a caller
+            # on this connection would wait for a reply until its timeout. (Not while
+            # starting: a peer that finished rendezvous first may connect before this agent
+            # runs.)
+            self.shutdown_protocol.goodbye(conn)
 
     def _on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.private:
@@ -1370,10 +1130,10 @@ class Agent:
                     self._conns[rank] = open_conns[0]
                 else:
                     del self._conns[rank]
-        if self._state != "running" or reason is None:
+        if self._state is not RUNNING or reason is None:
             return
-        w = self._workers.get(rank)
-        if rank in self._left:
+        w = self.registry.workers.get(rank)
+        if rank in self.registry.left:
             # A request sent while the GOODBYE was on its way was on this connection.
             if w is not None:
                 self.requests.fail_peer(rank, self._left_error(w))
@@ -1394,6 +1154,12 @@ class Agent:
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
         self.liveness.suspect(rank, reason)
+
+    def _connections_of(self, rank: int) -> List[Connection]:
+        """The open connections, shared and private, with worker ``rank``."""
+        with self._lock:
+            return [c for table in (self._all_conns, self._private_conns)
+                    for c in table.get(rank, ()) if not c.closed]
 
     def _close_idle_private(self, rank: int, reason: BaseException) -> None:
         """Close the idle private connections to ``rank``, lost: nobody reads them, and
@@ -1424,9 +1190,9 @@ class Agent:
     # (blocked on a lock, sleeping, computing), so one slow request holds the frames
     # behind it up for INLINE_LIMIT plus a tick at most. Only shared connections need
     # that: the caller on a private connection waits for this very reply (its parked
-    # requests, if any, are about the same RRef), so the timer wakes every _LENT_TICK
+    # requests, if any, are about the same RRef), so the timer wakes every LENT_TICK
     # only while a shared connection's role is lent (or a tick hook has work queued),
-    # and every _TICK otherwise. On two cores each wake-up of a helper thread takes a
+    # and every TICK otherwise. On two cores each wake-up of a helper thread takes a
     # CPU, and the GIL, from the request path: in the benchmark's training loop the
     # caller's main thread was preempted 237 times a second before, 82 after. A
     # reader whose role went elsewhere stops reading when its request returns.
@@ -1441,14 +1207,15 @@ class Agent:
         if kind == Kind.RESPONSE or kind == Kind.ERROR:
             self._on_reply(conn, header, envelope, buffers)
             return self._reading_to_pool(conn)
-        src = self._workers.get(conn.peer_rank)
+        registry = self.registry
+        src = registry.workers.get(conn.peer_rank)
         if src is None and self.elastic:
-            self._refresh_members()  # a new member may call before we saw it join
-            src = self._workers.get(conn.peer_rank)
+            registry.refresh()  # a new member may call before we saw it join
+            src = registry.workers.get(conn.peer_rank)
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
-            self._left.add(src.id)
+            registry.left.add(src.id)
             self.requests.fail_peer(src.id, self._left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
@@ -1467,14 +1234,14 @@ class Agent:
         via = conn  # the reply goes back on it: the caller watches that connection for it
         if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
             return self._reading_to_pool(conn)
-        if current_pool() is self._pool and self._state == "running":
+        if current_pool() is self._pool and self._state is RUNNING:
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
         # which costs a wake-up per request: where both CPUs are taken by this thread
         # polling and the caller, the woken thread waits for the poll to end.
-        if self._state == "running" and self._pool.hand_off(
+        if self._state is RUNNING and self._pool.hand_off(
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return _nothing
         if self._max_queued and self._pool.num_pending >= self._max_queued \
@@ -1564,8 +1331,9 @@ class Agent:
         """Run a request on the reading thread, lending the reading role meanwhile."""
         # _lent is changed with single dict operations, which the GIL makes atomic.
         self._lent[conn] = time.monotonic()
-        if self._timer_slow and not conn.private:
-            self._wake_timer()  # it set _timer_slow before it looked at _lent
+        scheduler = self.scheduler
+        if scheduler.slow and not conn.private:
+            scheduler.wake()  # it set slow before it looked at _lent
         _inline.conn = conn
         try:
             self._serve(src, header, envelope, buffers, handler, via)
@@ -1589,11 +1357,6 @@ class Agent:
                 work = conn.read_frames()
         if work is not None:
             work()
-
-    def _wake_timer(self) -> None:
-        with self._timer_cv:
-            self._timer_slow = False
-            self._timer_cv.notify()
 
     def _lend_out(self, conn: Optional[Connection] = None) -> None:
         """Give a lent reading role to another thread (this one's, without ``conn``)."""
@@ -1835,78 +1598,41 @@ class Agent:
                 return
             self.send_failed(kind, rid, dst, exc)
 
-    def _timer_loop(self, guard: Guard) -> None:
-        mark_reader_thread()  # callbacks of futures failed here go to the pool
-        cv = self._timer_cv
-        while guard.ok and self._state != "stopped":
-            wait = _LENT_TICK  # after a round that failed, the next comes soon
-            with guard:
-                wait = self._timer_round(guard)
-            with cv:
-                if self._state == "stopped":
-                    return
-                if not self._timer_slow:  # woken meanwhile by an inline request
-                    wait = min(wait, _LENT_TICK)
-                cv.wait(max(wait, 0.0))
+    # -- the timer's duties (scheduler.py) ---------------------------------------------------------
 
-    def _timer_round(self, guard: Guard) -> float:
-        """One round of the timer: fail expired requests, run what is due; return how long
-        to sleep. A step that fails for one request or callback spares the others."""
-        cv = self._timer_cv
-        with cv:
-            now = time.monotonic()
-            expired, deadline = self.requests.due(now)
-            self._timer_slow = True  # before looking at _lent: see _serve_inline
-            tick = _TICK
-            if any(not c.private for c in list(self._lent)) \
-                    or any(pending() for pending in self._tick_pending):
-                self._timer_slow, tick = False, _LENT_TICK
-            wait = min(tick, deadline - now) if deadline is not None else tick
-            due = []
-            later = self._later
-            while later and later[0][0] <= now:
-                due.append(heapq.heappop(later))
-            if later:
-                wait = min(wait, later[0][0] - now)
-        for _, _, fn, args in due:
-            try:
-                self._pool.submit(fn, *args)
-            except RuntimeError:
-                pass  # the pool is shut down: so is everything a callback would do
-            except Exception as exc:  # noqa: BLE001 - the other callbacks still run
-                guard.failed(exc)
-        for rid in expired:
-            try:
-                self.requests.expire(rid)
-            except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
-                guard.failed(exc)
-        self._check_lent(now)
-        self._drain_parked(now)
-        for hook in self._tick_hooks:
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - one layer must not stop the others
-                guard.failed(exc)
+    def _schedule_duties(self) -> None:
+        """Register the agent's own tick hooks, before any upper layer's."""
+        scheduler = self.scheduler
+        scheduler.add_tick_hook(lambda: self.requests.expire_due(scheduler.now, scheduler.failed))
+        scheduler.add_tick_hook(lambda: self._check_lent(scheduler.now),
+                                pending=self._lends_shared)
+        scheduler.add_tick_hook(lambda: self._drain_parked(scheduler.now))
+        scheduler.add_tick_hook(self._housekeeping)
+        scheduler.add_tick_hook(lambda: self.liveness.check(scheduler.now))
+
+    def _lends_shared(self) -> bool:
+        """Whether a shared connection's reading role is lent (the timer then ticks fast,
+        to hand it on in time: see "Theory of operation (reading)")."""
+        return any(not c.private for c in list(self._lent))
+
+    def _housekeeping(self) -> None:
+        """Timer, every TICK: the pool's progress check, the transport's housekeeping."""
+        now = self.scheduler.now
         if now >= self._next_tick:
-            self._next_tick = now + _TICK
+            self._next_tick = now + TICK
             self._pool.check_progress()
             if self._transport is not None:
                 self._transport.housekeeping()
                 set_spare_cpus(self._spare_cpus())
-        self.liveness.check(now)
-        return wait
 
-    # -- shutdown ----------------------------------------------------------------------------------
+    # -- shutdown (shutdown.py) --------------------------------------------------------------------
 
-    def _wait_pending(self, deadline: Optional[float]) -> None:
-        delay = 0.001
-        pending = self.requests.pending
-        while pending:
-            self.check_peers()
-            if deadline is not None and time.monotonic() > deadline:
-                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 meet: Optional[Callable[[], None]] = None) -> None:
+        """Stop the agent; with ``graceful``, first meet every worker (see shutdown.py).
+        ``meet`` runs once every worker has reached shutdown; if it raises, the agent
+        stops at once and its error is raised as it is."""
+        self.shutdown_protocol.shutdown(graceful, timeout, meet)
 
     def check_peers(self, barrier: Optional[str] = None) -> None:
         """Raise :class:`ShutdownError` naming any worker that is gone.
@@ -1916,205 +1642,12 @@ class Agent:
         While waiting at the store barrier ``barrier``, the workers that have not
         arrived are probed as well, and one that stopped without arriving is named.
         """
-        if self.store is not None:
-            self._share_lost()
-            if barrier is not None:
-                self._probe_absent(barrier)
-                self._check_left(barrier)
-        with self._lock:
-            lost = [r for r in self._lost if r not in self._left and r not in self._gone]
-        for r in lost:
-            w = self._workers.get(r)
-            if w is None:
-                continue
-            try:
-                self._connection(w, patient=True)  # a live worker reconnects
-            except RpcError as exc:
-                with self._lock:
-                    self._gone[r] = str(exc)
-        with self._lock:
-            gone = {r: why for r, why in self._gone.items() if r not in self._left}
-        if gone:
-            def name(r: int) -> str:
-                w = self._workers.get(r)
-                return w.name if w is not None else f"rank{r}"
-            names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
-            reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
-            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
-                                f"{names} left the group without shutting down; they probably "
-                                f"died ({reasons})")
-
-    def _share_lost(self) -> None:
-        now = time.monotonic()
-        if now < self._next_share:
-            return
-        self._next_share = now + 0.2
-        store = self.store
-        with self._lock:
-            gone = list(self._gone.items())
-        for r, why in gone:
-            if r not in self._shared_lost and r not in self._left:
-                self._shared_lost.add(r)
-                store.set(f"lost/{r}", f"{self.name} lost it: {why}")
-                store.add("lost", 1)
-        seen = int(store.add("lost", 0))
-        if seen == self._lost_seen:
-            return
-        self._lost_seen = seen
-        with self._lock:
-            ranks = list(self._workers)
-        for r in ranks:
-            if r != self.rank and r not in self._lost and r not in self._left \
-                    and store.check([f"lost/{r}"]):
-                why = store.get(f"lost/{r}").decode(errors="replace")
-                with self._lock:
-                    self._lost[r] = why
-                self._shared_lost.add(r)
-
-    def _probe_absent(self, barrier: str) -> None:
-        now = time.monotonic()
-        if self._next_probe is None:
-            self._next_probe = now + 0.5  # most workers arrive quickly: don't probe them
-        if now < self._next_probe:
-            return
-        self._next_probe = now + 1.0
-        with self._lock:
-            ranks = list(self._workers)
-        self.probe([r for r in ranks
-                    if r != self.rank and not self.store.check([f"{barrier}/{r}"])])
-
-    def _check_left(self, barrier: str) -> None:
-        """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own
-        shutdown failed or was not graceful, so it never will."""
-        with self._lock:
-            left = [(r, self._workers[r]) for r in sorted(self._left) if r in self._workers]
-        missing = [(r, w) for r, w in left if not self.store.check([f"{barrier}/{r}"])]
-        if missing:
-            names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
-            raise ShutdownError(f"graceful shutdown of {self.name} cannot complete: worker(s) "
-                                f"{names} stopped before reaching it (their shutdown failed "
-                                f"or was not graceful); shut every worker down the same way")
+        self.shutdown_protocol.check_peers(barrier)
 
     def probe(self, ranks: Iterable[int]) -> None:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
-        for r in ranks:
-            with self._lock:
-                w = self._workers.get(r)
-                if w is None or r == self.rank or r in self._left or r in self._lost:
-                    continue
-            try:
-                self._connection(w)  # once connected, EOF and heartbeats watch it
-            except RpcError as exc:
-                with self._lock:
-                    self._lost[r] = self._gone[r] = \
-                        f"unreachable while the group shuts down: {exc}"
-                log.warning("%s: worker %s (rank %d) did not reach shutdown and "
-                            "cannot be reached: %s", self.name, w.name, r, exc)
-
-    def shutdown(self, graceful: bool = True, timeout: float = 0,
-                 meet: Optional[Callable[[], None]] = None) -> None:
-        """Stop the agent; with ``graceful``, first meet every worker (see module docs).
-        ``meet`` runs once every worker has reached shutdown; if it raises, the agent
-        stops at once and its error is raised as it is."""
-        if self._state != "running":
-            return
-        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-        error: Optional[BaseException] = None
-        in_meet = False  # an error of ``meet`` is raised as it is
-        if graceful and self.elastic:
-            try:
-                for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
-                    self._finish_work(deadline)
-            except (RpcError, RuntimeError) as exc:
-                error = exc
-        elif graceful:
-            try:
-                self._finish_work(deadline)
-                rendezvous.barrier(self.store, "shutdown/1", self.world_size, deadline,
-                                   lambda: self.check_peers("shutdown/1"), rank=self.rank)
-                in_meet = meet is not None
-                if meet is not None:
-                    meet()
-                in_meet = False
-                self._finish_work(deadline)
-                rendezvous.barrier(self.store, "shutdown/2", self.world_size, deadline,
-                                   lambda: self.check_peers("shutdown/2"), rank=self.rank)
-                self._state = "stopping"
-                rendezvous.barrier(self.store, "shutdown/3", self.world_size,
-                                   time.monotonic() + 30.0 if self.rank == 0 else time.monotonic())
-            except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
-                error = exc
-        self._stop()
-        if self.failure is not None:
-            self._raise_failure()
-        if in_meet:
-            raise error
-        if isinstance(error, ShutdownError):
-            raise error
-        if error is not None and not (self.rank != 0 and "shutdown barrier" in str(error)):
-            raise ShutdownError(f"graceful shutdown of {self.name} failed: {error}") from error
-
-    @staticmethod
-    def _goodbye(conn: Connection) -> None:
-        try:
-            conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
-        except RpcError:
-            pass
-
-    def _finish_work(self, deadline: Optional[float]) -> None:
-        """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
-        Not on a failed agent: the hooks may wait for the very thread that failed (its
-        pending requests have failed already), so it only meets the group."""
-        if self.failure is not None:
-            return
-        for hook in self._shutdown_hooks:
-            hook(deadline)
-        self._wait_pending(deadline)
-
-    def _stop(self) -> None:
-        self._state = "stopping"
-        self.final_debug_info = self.debug_info()
-        if self.elastic:
-            self._members_stop.set()
-            if self._members_thread is not None:
-                self._members_thread.join(10)
-            try:
-                membership.leave(self.store, self.name, self.rank, self.incarnation)
-            except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-                log.warning("%s could not announce its departure: %s", self.name, exc)
-            discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
-        with self._lock:
-            conns = [c for lst in self._all_conns.values() for c in lst]
-        for conn in conns:
-            self._goodbye(conn)
-        for hook in self._stop_hooks:
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("a stop hook of %s failed", self.name)
-        with self._timer_cv:
-            self._state = "stopped"
-            self._later.clear()
-            self._timer_cv.notify()
-        self.liveness.stop()
-        self.requests.fail_all(lambda p: NotInitializedError(
-            f"RPC agent of {self.name} shut down before the reply from {p.dst.name} "
-            f"to {describe(p.what)} arrived"))
-        with self._lock:
-            self._private.clear()
-        self._parked.clear()
-        if self._transport is not None:
-            self._transport.close()
-        self.coroutines.close()
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join(10)
-        self.liveness.join(10)
-        stuck = self._pool.close()
-        if stuck:
-            log.warning("%d worker threads of %s were still busy at shutdown: %s",
-                        len(stuck), self.name, stuck[:4])
-        self.store = None
+        self.shutdown_protocol.probe(ranks)
 
 
 def debug_info_here() -> Dict[str, Any]:

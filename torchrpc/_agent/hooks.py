@@ -62,8 +62,8 @@ class MessageContext:
 
     def target_device(self, device: torch.device) -> torch.device:
         """The device a CUDA tensor on ``device`` lands on at the peer (see
-        :meth:`Agent.target_device`)."""
-        return self.agent.target_device(self.peer, device, self.kind == Kind.RESPONSE)
+        :meth:`Registry.target_device`)."""
+        return self.agent.registry.target_device(self.peer, device, self.kind == Kind.RESPONSE)
 
     def __repr__(self) -> str:
         return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"

@@ -48,6 +48,7 @@ from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from . import membership
+from .shutdown import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -161,9 +162,9 @@ class Liveness:
     def runs_here(self, rank: int) -> bool:
         """Whether worker ``rank`` is a process of this host (same pid namespace) that the
         kernel shows alive and not stopped."""
-        agent = self._agent
-        proc = agent._procs.get(rank)
-        if proc is None or proc[1] != agent._pidns or not proc[1] or not agent._same_host(rank):
+        registry = self._agent.registry
+        proc = registry.procs.get(rank)
+        if proc is None or proc[1] != registry.pidns or not proc[1] or not registry.same_host(rank):
             return False
         return shm.process_state(proc[0]) not in (None, "T", "t", "Z", "X")
 
@@ -179,13 +180,13 @@ class Liveness:
     def check(self, now: float) -> None:
         """Timer: lose every watched peer silent for longer than its limit."""
         timeout = self.timeout
-        if timeout <= 0 or self._agent._state != "running":
+        if timeout <= 0 or self._agent._state is not RUNNING:
             return
         stalled = now - self._last_check > timeout / 2
         self._last_check = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        left = self._agent._left
+        left = self._agent.registry.left
         for rank, (shared, private) in self._connections_by_peer().items():
             if rank in left:
                 continue
@@ -213,7 +214,7 @@ class Liveness:
         """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
         fail every call pending on it."""
         agent = self._agent
-        w = agent._workers.get(rank)
+        w = agent.registry.workers.get(rank)
         name = w.name if w else f"rank{rank}"
         error = ConnectionLostError(
             f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
@@ -241,8 +242,8 @@ class Liveness:
         the evidence, and a stopped process would hold the handshake up as long again."""
         agent = self._agent
         with self._lock:
-            if rank in self._confirming or rank in self.declared or rank in agent._left \
-                    or agent._state != "running":
+            if rank in self._confirming or rank in self.declared or rank in agent.registry.left \
+                    or agent._state is not RUNNING:
                 return
             self._confirming.add(rank)
         try:
@@ -254,12 +255,13 @@ class Liveness:
     def _confirm_loss(self, rank: int, reason: BaseException) -> None:
         agent = self._agent
         try:
-            w = agent._workers.get(rank)
-            if w is None or rank in agent._left or agent._state != "running":
+            w = agent.registry.workers.get(rank)
+            if w is None or rank in agent.registry.left or agent._state is not RUNNING:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)
-                incarnation = agent._incarnations.get(rank, 0)  # the process that was lost
+                # the process that was lost
+                incarnation = agent.registry.incarnations.get(rank, 0)
             if silent is not None:
                 error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
                                             worker=w.name)
@@ -297,7 +299,7 @@ class Liveness:
         every peer silent, and must learn of its own removal before it removes them."""
         agent = self._agent
         try:
-            agent._refresh_members()
+            agent.registry.refresh()
         except Exception as exc:  # noqa: BLE001 - the store host may be gone
             log.warning("%s cannot read the membership log: %s", agent.name, exc)
             return

@@ -8,9 +8,9 @@ deadline, a broken connection, a lost peer, shutdown; the others find it gone. T
 has no lock: it changes by single dict operations, which the GIL makes atomic, and is
 read by copying its keys (see docs/design.md, "Snapshots of shared tables").
 
-Deadlines wait in a heap the timer looks at (:meth:`Requests.due`); an entry whose
-request is settled early stays in the heap until its deadline, and the heap is rebuilt
-when such entries make up most of it.
+Deadlines wait in a heap that the timer looks at (:meth:`Requests.expire_due`, a tick
+hook); an entry whose request is settled early stays in the heap until its deadline, and
+the heap is rebuilt when such entries make up most of it.
 
 A request with a retry policy that fails on its connection is put back in the table and
 sent again after the policy's backoff, as the same frame under the same deadline; one
@@ -34,6 +34,7 @@ from ..errors import ConnectionLostError, RpcError, RpcTimeoutError
 from .futures import RpcFuture
 from .hooks import describe
 from .retry import RetryPolicy, retryable
+from .shutdown import RUNNING
 from .stats import PeerStats
 from .worker import WorkerInfo
 
@@ -137,6 +138,19 @@ class Requests:
             heapq.heapify(heap)
         return expired, (heap[0][0] if heap else None)
 
+    def expire_due(self, now: float, failed: Callable[[BaseException], None]) -> Optional[float]:
+        """Timer: fail the requests whose deadline passed by ``now`` (``failed(exc)``
+        reports one that could not be failed, and the others still are); return the next
+        deadline (None if there is none)."""
+        with self._cv:
+            expired, deadline = self.due(now)
+        for rid in expired:
+            try:
+                self.expire(rid)
+            except Exception as exc:  # noqa: BLE001 - the other deadlines still fire
+                failed(exc)
+        return deadline
+
     def expire(self, rid: int) -> None:
         p = self.pending.pop(rid, None)
         if p is not None:
@@ -159,7 +173,7 @@ class Requests:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
         agent = self._agent
         r = p.resend
-        if r is not None and retryable(error) and agent._state == "running" \
+        if r is not None and retryable(error) and agent._state is RUNNING \
                 and p.dst.id not in agent.liveness.declared:
             if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
                 self.pending[rid] = p

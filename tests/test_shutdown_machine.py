@@ -1,0 +1,155 @@
+"""The agent's lifecycle as a state machine, and the shutdown protocol driven by messages
+alone: no sockets, no threads of the agent, no other process (see agent_helpers.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from torchrpc._agent.shutdown import (NEW, RUNNING, STOPPED, STOPPING, TRANSITIONS, State,
+                                      advance)
+from torchrpc._wire import Kind
+from torchrpc.errors import (LifecycleError, NotInitializedError, ShutdownError,
+                             WorkerLeftError)
+from tests.agent_helpers import Agents, FakeConn, NoTransport, deliver, pending_to, running
+
+ORDER = [NEW, RUNNING, STOPPING, STOPPED]
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def test_the_states_say_what_debug_info_reports():
+    assert [s.value for s in ORDER] == ["new", "running", "stopping", "stopped"]
+    assert set(TRANSITIONS) == set(State)
+
+
+@pytest.mark.parametrize("current, target", list(zip(ORDER, ORDER[1:])))
+def test_each_state_leads_to_the_next(current, target):
+    assert advance(current, target) is target
+
+
+@pytest.mark.parametrize("current, target", [
+    (a, b) for a, b in itertools.product(ORDER, ORDER)
+    if ORDER.index(b) != ORDER.index(a) + 1])
+def test_every_other_transition_is_refused(current, target):
+    with pytest.raises(LifecycleError, match=f"is {current.value} cannot become {target.value}"):
+        advance(current, target)
+
+
+def test_stopped_is_final():
+    assert TRANSITIONS[STOPPED] == frozenset()
+    with pytest.raises(LifecycleError, match=r"may become: none"):
+        advance(STOPPED, NEW)
+
+
+# -- the protocol, with fake connections ---------------------------------------------------------
+
+
+@pytest.fixture
+def make_agent():
+    agents = Agents()
+    yield agents
+    agents.close()
+
+
+def test_a_new_agent_has_nothing_to_shut_down(make_agent):
+    agent = make_agent()
+    agent.shutdown()
+    agent.shutdown(graceful=False)
+    assert agent._state is NEW
+    with pytest.raises(NotInitializedError, match="is new; call init_rpc"):
+        agent._check_running()
+
+
+def test_a_connection_made_while_starting_is_not_told_goodbye(make_agent):
+    agent = make_agent(2)
+    conn = FakeConn(1)
+    agent._on_connect(conn)  # a peer that finished the rendezvous first
+    assert conn.goodbyes() == 0
+
+
+def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pending(make_agent):
+    agent = running(make_agent(3))
+    conns = [FakeConn(1), FakeConn(2), FakeConn(2), FakeConn(1, fail=True)]
+    for conn in conns:
+        agent._on_connect(conn)
+    p = pending_to(agent, 1)
+    states = []
+    agent.add_stop_hook(lambda: states.append(agent._state))
+    agent.shutdown(graceful=False)
+    assert [c.goodbyes() for c in conns] == [1, 1, 1, 0]  # the broken one: closing anyway
+    assert states == [STOPPING]
+    assert agent._state is STOPPED and agent.store is None
+    assert agent.debug_info()["agent.state"] == "stopped"
+    assert agent.final_debug_info["agent.state"] == "stopping"
+    with pytest.raises(NotInitializedError, match="shut down before the reply from worker1"):
+        p.future.wait()
+    agent.shutdown()  # once stopped, shutting down again does nothing
+    with pytest.raises(LifecycleError, match="is stopped cannot become running"):
+        agent.shutdown_protocol.enter(RUNNING)
+
+
+def test_a_connection_made_while_stopping_is_told_goodbye_at_once(make_agent):
+    agent = running(make_agent(2))
+    late = FakeConn(1)
+    agent.add_stop_hook(lambda: agent._on_connect(late))  # after the GOODBYEs went out
+    agent.shutdown(graceful=False)
+    assert late.goodbyes() == 1
+
+
+def test_graceful_shutdown_meets_the_group_in_order(make_agent):
+    agent = running(make_agent(1))
+    conn = FakeConn(0)
+    agent._on_connect(conn)
+    steps = []
+    agent.add_shutdown_hook(lambda deadline: steps.append(("finish", agent._state)))
+    agent.add_stop_hook(lambda: steps.append(("stop", agent._state)))
+    agent.shutdown(graceful=True, timeout=10,
+                   meet=lambda: steps.append(("meet", agent._state)))
+    assert steps == [("finish", RUNNING), ("meet", RUNNING), ("finish", RUNNING),
+                     ("stop", STOPPING)]
+    assert agent._state is STOPPED and conn.goodbyes() == 1
+
+
+def test_an_error_of_meet_stops_the_agent_and_is_raised_as_it_is(make_agent):
+    agent = running(make_agent(1))
+
+    def meet() -> None:
+        raise ValueError("a step failed")
+    with pytest.raises(ValueError, match="a step failed"):
+        agent.shutdown(graceful=True, meet=meet)
+    assert agent._state is STOPPED
+
+
+def test_goodbye_fails_the_peers_calls_and_a_barrier_it_never_reaches(make_agent):
+    store = dist.HashStore()
+    agent = running(make_agent(2, store))
+    conn = FakeConn(1)
+    agent._on_connect(conn)
+    p = pending_to(agent, 1)
+    deliver(agent, conn, Kind.GOODBYE)  # worker1 stopped without a graceful shutdown
+    assert agent.has_left(1)
+    with pytest.raises(WorkerLeftError, match="worker1 .* has shut down"):
+        p.future.wait()
+    with pytest.raises(ShutdownError, match=r"worker1 \(rank 1\) stopped before reaching it"):
+        agent.shutdown(graceful=True, timeout=10)
+    assert agent._state is STOPPED
+    assert store.check(["shutdown/1/0"])  # it arrived, and named the one that never will
+
+
+def test_a_worker_lost_elsewhere_is_named_through_the_store(make_agent):
+    store = dist.HashStore()
+    agent = running(make_agent(3, store))
+    # Worker 2 found worker 1 gone and told the store; worker 1 cannot be reached here
+    # either (its address is a fake one, and the transport is not even started).
+    store.set("lost/1", "worker2 lost it: reset")
+    store.add("lost", 1)
+    agent._transport = NoTransport()
+    with pytest.raises(ShutdownError, match=r"worker\(s\) worker1 \(rank 1\) left the group "
+                                            r"without shutting down"):
+        agent.check_peers()
+    assert agent._lost[1] == "worker2 lost it: reset"
+

@@ -1,0 +1,361 @@
+"""The agent's lifecycle and its shutdown protocol.
+
+Theory of operation. An agent goes through four states, each entered once, in order::
+
+    NEW --start()--> RUNNING --+-- graceful: every worker's replies are out --+--> STOPPING --> STOPPED
+                               +-- not graceful, failed step, elastic ---------+
+
+- ``NEW``: built; the rendezvous is under way. A peer that finished it first may connect
+  already (its frames wait until ``init_rpc`` has installed every layer), but nothing is
+  sent from here and the API refuses calls.
+- ``RUNNING``: a member of the group: calls go out, requests are served, connections open
+  on demand. A graceful shutdown does most of its work in this state, for until every
+  worker has passed the first barrier below the others may still be calling this one.
+- ``STOPPING``: no new calls (the API raises :class:`NotInitializedError`), but the open
+  connections still carry replies and GOODBYEs, and one can still be opened. A broken
+  connection is no longer news; a connection made now is told GOODBYE at once, as it may
+  have come too late for the GOODBYEs already said.
+- ``STOPPED``: closed: every pending call has failed, every thread this agent started is
+  joined, the pool is closed, the store is let go. No state follows.
+
+The state is ``Agent._state``, one plain attribute that the request path reads with
+``is`` against the module constants below (``agent._state is not RUNNING``: a global and an
+identity test, as cheap as the string comparison it replaces; ``State.RUNNING`` is a
+lookup through the enum's metaclass, ten times slower). Only :meth:`Shutdown.enter`
+writes it, through :func:`advance`, which refuses any transition :data:`TRANSITIONS` does
+not list; starting and shutting down are serialized by the API's lock, so transitions do
+not race each other.
+
+Graceful shutdown of a fixed group meets every worker at three store barriers:
+
+1. Finish this worker's work: the upper layers' shutdown hooks settle their control
+   messages (the RRef layer's forks and deletions), then the outstanding requests are
+   waited for. Barrier ``shutdown/1``: every worker has stopped calling on its own.
+2. ``meet()`` runs torch's steps (programs may replace them): wait for all workers, delete
+   the user RRefs. Their messages are finished as in 1. Barrier ``shutdown/2``: every
+   reply is out, so nobody will send this worker a request again.
+3. Enter ``STOPPING``. Barrier ``shutdown/3``: rank 0, which usually hosts the store,
+   waits up to 30 s for every worker to count in there before it stops (and takes the
+   store with it); the others count in and go on at once.
+
+While it waits (for its requests, or at barriers 1 and 2), a worker checks its peers
+(:meth:`Shutdown.check_peers`): a peer whose connection broke without a GOODBYE and that
+cannot be reached again is gone, and shutdown fails with a :class:`ShutdownError` naming
+it instead of waiting forever. Losses are shared through the store (``lost/<rank>``), the
+workers missing from a barrier are probed by connecting to them, and a worker that said
+GOODBYE without reaching the barrier (its own shutdown failed, or was not graceful) fails
+it at once.
+
+A dynamic (elastic) group has no barriers, as members come and go: a graceful shutdown
+finishes its work twice (the RRef layer settles forks, then deletes user RRefs) and stops;
+stopping announces the departure in the membership log.
+
+A shutdown that is not graceful (``graceful=False``, a failed agent, an ``init_rpc`` that
+failed after the rendezvous) stops at once; so does a graceful one whose step failed,
+which then raises that step's error (an error of ``meet`` as it is, others as a
+:class:`ShutdownError`). Every shutdown ends in :meth:`Shutdown.stop`: enter ``STOPPING``,
+say GOODBYE on every shared connection (a peer that reads it fails at once, with
+:class:`WorkerLeftError`, the calls it has pending here, and sends nothing more), run the
+upper layers' stop hooks, enter ``STOPPED`` (the timer's callbacks are dropped), then fail
+what is still pending and close the transport, the coroutine loop, the threads and the
+pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
+
+from .. import _wire
+from .._transport import Connection
+from .._wire import Kind
+from ..errors import LifecycleError, NotInitializedError, RpcError, ShutdownError
+from . import rendezvous
+from .hooks import describe
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    """The states of an agent (see the module docs); the value is what ``debug_info`` and
+    error messages say."""
+
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+# For hot paths: ``agent._state is RUNNING`` (see the module docs).
+NEW = State.NEW
+RUNNING = State.RUNNING
+STOPPING = State.STOPPING
+STOPPED = State.STOPPED
+
+TRANSITIONS: Dict[State, FrozenSet[State]] = {
+    NEW: frozenset({RUNNING}),
+    RUNNING: frozenset({STOPPING}),
+    STOPPING: frozenset({STOPPED}),
+    STOPPED: frozenset(),
+}
+"""The transitions an agent may make: state -> the states it may enter next."""
+
+
+def advance(current: State, target: State) -> State:
+    """``target``, if an agent in state ``current`` may enter it; else raise
+    :class:`LifecycleError` naming both and the states ``current`` leads to."""
+    if target not in TRANSITIONS[current]:
+        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none"
+        raise LifecycleError(f"an RPC agent that is {current.value} cannot become "
+                             f"{target.value} (it may become: {allowed})")
+    return target
+
+
+class Shutdown:
+    """One agent's lifecycle transitions and shutdown protocol (see the module docs).
+
+    Its tables of peers are guarded by the agent's lock, like the agent's own.
+    """
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+        self._lock = agent._lock
+        self.gone: Dict[int, str] = {}  # rank -> why: lost, and connecting again failed
+        self._shared_lost: set[int] = set()  # ranks this worker told the store it lost
+        self._lost_seen = 0  # the store's count of losses when last looked at
+        self._next_share = 0.0
+        self._next_probe: Optional[float] = None
+
+    # -- transitions -------------------------------------------------------------------------------
+
+    def enter(self, target: State) -> None:
+        """Move the agent to state ``target``; :class:`LifecycleError` if it may not."""
+        agent = self._agent
+        agent._state = advance(agent._state, target)
+
+    # -- graceful shutdown -------------------------------------------------------------------------
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 meet: Optional[Callable[[], None]] = None) -> None:
+        """:meth:`Agent.shutdown`."""
+        agent = self._agent
+        if agent._state is not RUNNING:
+            return
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        error: Optional[BaseException] = None
+        in_meet = False  # an error of ``meet`` is raised as it is
+        if graceful and agent.elastic:
+            try:
+                for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
+                    self._finish_work(deadline)
+            except (RpcError, RuntimeError) as exc:
+                error = exc
+        elif graceful:
+            store, world_size, rank = agent.store, agent.world_size, agent.rank
+            try:
+                self._finish_work(deadline)
+                rendezvous.barrier(store, "shutdown/1", world_size, deadline,
+                                   lambda: self.check_peers("shutdown/1"), rank=rank)
+                in_meet = meet is not None
+                if meet is not None:
+                    meet()
+                in_meet = False
+                self._finish_work(deadline)
+                rendezvous.barrier(store, "shutdown/2", world_size, deadline,
+                                   lambda: self.check_peers("shutdown/2"), rank=rank)
+                self.enter(STOPPING)
+                rendezvous.barrier(store, "shutdown/3", world_size,
+                                   time.monotonic() + 30.0 if rank == 0 else time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
+                error = exc
+        self.stop()
+        if agent.failure is not None:
+            agent._raise_failure()
+        if in_meet:
+            raise error
+        if isinstance(error, ShutdownError):
+            raise error
+        if error is not None and not (agent.rank != 0 and "shutdown barrier" in str(error)):
+            raise ShutdownError(f"graceful shutdown of {agent.name} failed: {error}") from error
+
+    def _finish_work(self, deadline: Optional[float]) -> None:
+        """Run the upper layers' shutdown hooks, then wait for the outstanding requests.
+        Not on a failed agent: the hooks may wait for the very thread that failed (its
+        pending requests have failed already), so it only meets the group."""
+        agent = self._agent
+        if agent.failure is not None:
+            return
+        for hook in agent._shutdown_hooks:
+            hook(deadline)
+        self._wait_pending(deadline)
+
+    def _wait_pending(self, deadline: Optional[float]) -> None:
+        delay = 0.001
+        pending = self._agent.requests.pending
+        while pending:
+            self.check_peers()
+            if deadline is not None and time.monotonic() > deadline:
+                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    # -- peers that are gone -----------------------------------------------------------------------
+
+    def check_peers(self, barrier: Optional[str] = None) -> None:
+        """:meth:`Agent.check_peers`."""
+        agent = self._agent
+        if agent.store is not None:
+            self._share_lost()
+            if barrier is not None:
+                self._probe_absent(barrier)
+                self._check_left(barrier)
+        with self._lock:
+            lost = [r for r in agent._lost if r not in agent.registry.left and r not in self.gone]
+        for r in lost:
+            w = agent.registry.workers.get(r)
+            if w is None:
+                continue
+            try:
+                agent._connection(w, patient=True)  # a live worker reconnects
+            except RpcError as exc:
+                with self._lock:
+                    self.gone[r] = str(exc)
+        with self._lock:
+            gone = {r: why for r, why in self.gone.items() if r not in agent.registry.left}
+        if gone:
+            def name(r: int) -> str:
+                w = agent.registry.workers.get(r)
+                return w.name if w is not None else f"rank{r}"
+            names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
+            reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
+            raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
+                                f"{names} left the group without shutting down; they probably "
+                                f"died ({reasons})")
+
+    def _share_lost(self) -> None:
+        """Tell the store which workers this one found gone, and learn which the others
+        found (at most five times a second)."""
+        agent = self._agent
+        now = time.monotonic()
+        if now < self._next_share:
+            return
+        self._next_share = now + 0.2
+        store = agent.store
+        with self._lock:
+            gone = list(self.gone.items())
+        for r, why in gone:
+            if r not in self._shared_lost and r not in agent.registry.left:
+                self._shared_lost.add(r)
+                store.set(f"lost/{r}", f"{agent.name} lost it: {why}")
+                store.add("lost", 1)
+        seen = int(store.add("lost", 0))
+        if seen == self._lost_seen:
+            return
+        self._lost_seen = seen
+        with self._lock:
+            ranks = list(agent.registry.workers)
+        for r in ranks:
+            if r != agent.rank and r not in agent._lost and r not in agent.registry.left \
+                    and store.check([f"lost/{r}"]):
+                why = store.get(f"lost/{r}").decode(errors="replace")
+                with self._lock:
+                    agent._lost[r] = why
+                self._shared_lost.add(r)
+
+    def _probe_absent(self, barrier: str) -> None:
+        """Probe the workers that have not reached ``barrier`` (after half a second, then
+        once a second)."""
+        agent = self._agent
+        now = time.monotonic()
+        if self._next_probe is None:
+            self._next_probe = now + 0.5  # most workers arrive quickly: don't probe them
+        if now < self._next_probe:
+            return
+        self._next_probe = now + 1.0
+        with self._lock:
+            ranks = list(agent.registry.workers)
+        self.probe([r for r in ranks
+                    if r != agent.rank and not agent.store.check([f"{barrier}/{r}"])])
+
+    def _check_left(self, barrier: str) -> None:
+        """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own
+        shutdown failed or was not graceful, so it never will."""
+        agent = self._agent
+        with self._lock:
+            left = [(r, agent.registry.workers[r]) for r in sorted(agent.registry.left) if r in agent.registry.workers]
+        missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
+        if missing:
+            names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
+            raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
+                                f"{names} stopped before reaching it (their shutdown failed "
+                                f"or was not graceful); shut every worker down the same way")
+
+    def probe(self, ranks: Iterable[int]) -> None:
+        """:meth:`Agent.probe`."""
+        agent = self._agent
+        for r in ranks:
+            with self._lock:
+                w = agent.registry.workers.get(r)
+                if w is None or r == agent.rank or r in agent.registry.left or r in agent._lost:
+                    continue
+            try:
+                agent._connection(w)  # once connected, EOF and heartbeats watch it
+            except RpcError as exc:
+                with self._lock:
+                    agent._lost[r] = self.gone[r] = \
+                        f"unreachable while the group shuts down: {exc}"
+                log.warning("%s: worker %s (rank %d) did not reach shutdown and "
+                            "cannot be reached: %s", agent.name, w.name, r, exc)
+
+    # -- stopping ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def goodbye(conn: Connection) -> None:
+        """Say GOODBYE on ``conn``: this worker sends nothing more on it (a peer that reads
+        it fails what it has pending here); a connection that cannot take it is closing."""
+        try:
+            conn.send(Kind.GOODBYE, _wire.FLAG_ONEWAY, 0, _wire.encode(None)[0], [])
+        except RpcError:
+            pass
+
+    def stop(self) -> None:
+        """Stop the agent, graceful or not (see the module docs)."""
+        agent = self._agent
+        if agent._state is not STOPPING:  # a graceful shutdown entered it already
+            self.enter(STOPPING)
+        agent.final_debug_info = agent.debug_info()
+        if agent.elastic:
+            agent.registry.leave()  # stop following the membership log, announce it
+        with self._lock:
+            conns = [c for lst in agent._all_conns.values() for c in lst]
+        for conn in conns:
+            self.goodbye(conn)
+        for hook in agent._stop_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
+                log.exception("a stop hook of %s failed", agent.name)
+        self.enter(STOPPED)
+        agent.scheduler.stop()  # callbacks not yet due are dropped
+        agent.liveness.stop()
+        agent.requests.fail_all(lambda p: NotInitializedError(
+            f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
+            f"to {describe(p.what)} arrived"))
+        with self._lock:
+            agent._private.clear()
+        agent._parked.clear()
+        if agent._transport is not None:
+            agent._transport.close()
+        agent.coroutines.close()
+        agent.scheduler.join(10)
+        agent.liveness.join(10)
+        stuck = agent._pool.close()
+        if stuck:
+            log.warning("%d worker threads of %s were still busy at shutdown: %s",
+                        len(stuck), agent.name, stuck[:4])
+        agent.store = None

@@ -28,12 +28,14 @@ class FakeConn:
         self.closed = False
         self.fail = fail
         self.sent: List[Tuple[int, int, int]] = []  # kind, flags, request id
+        self.payloads: List[Tuple[bytes, Any]] = []  # envelope and buffers, in that order
 
     def send(self, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
              keep: Any = None) -> None:
         if self.fail:
             raise RpcError("broken")
         self.sent.append((kind, flags, rid))
+        self.payloads.append((bytes(env), bufs))
 
     def close(self, reason: Optional[BaseException] = None) -> None:
         self.closed = True

@@ -189,7 +189,7 @@ def test_a_timer_that_cannot_go_on_fails_the_agent_loudly(agent, caplog, monkeyp
 
 
 def test_a_request_whose_serving_fails_costs_only_that_request(agent, caplog, monkeypatch):
-    monkeypatch.setattr(agent, "_serve", raise_once(agent._serve))
+    monkeypatch.setattr(agent.dispatch, "serve", raise_once(agent.dispatch.serve))
     with pytest.raises(RpcTimeoutError):
         rpc.rpc_async("solo", helpers.add, args=(1, 1), timeout=1.0).wait()
     # Served inline on a reader ("serving a CALL ...") or on the pool ("task ... failed").

@@ -1,6 +1,7 @@
 """The agent layer: rendezvous, connections, pending requests, worker pool, shutdown."""
 
-from .agent import Agent, Parked, debug_info_here, run_callable
+from .agent import Agent, Parked, debug_info_here
+from .dispatch import run_callable
 from .hooks import AsyncResult, CallHook, CallScope, MessageContext, describe
 from .futures import RpcFuture, fresh_error
 from .pool import current_pool

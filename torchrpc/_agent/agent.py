@@ -28,43 +28,40 @@ error naming it.
 
 from __future__ import annotations
 
-import collections
 import functools
-import contextlib
 import itertools
 import json
 import logging
 import os
 import threading
 import time
-from types import CoroutineType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import _threads, _wire
 from .._threads import Guard
-from .._transport import Connection, Releasable, Transport, handshake
-from .._transport.tcp import LogBudget, set_spare_cpus
+from .._transport import Connection, Transport, handshake
+from .._transport.tcp import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
-from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
-from ..errors import (ConnectionLostError, NotInitializedError, OperatorSchemaError,
-                      OverloadedError, RpcError, SerializationError, ThreadFailedError,
-                      WorkerLeftError, WrongTypeError)
+from .._wire.probe import MISSING
+from ..errors import (ConnectionLostError, NotInitializedError, RpcError, SerializationError,
+                      ThreadFailedError, WorkerLeftError)
 from . import membership, rendezvous
 from .coroutines import CoroutineRunner
-from .secret import discard_local as discard_local_secret
 from .current import current_agent
+from .dispatch import Dispatch
 from .futures import RpcFuture, fresh_error, mark_reader_thread, new_future
-from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
+from .hooks import CallHook, MessageContext, combine, describe
 from .liveness import Liveness
 from .pool import WorkerPool, current_pool
-from .remote_error import capture, rebuild_error
 from .registry import Registry
+from .remote_error import rebuild_error
 from .requests import Pending, Requests, Resend
 from .retry import RetryPolicy
 from .scheduler import LENT_TICK, TICK, Scheduler
+from .secret import discard_local as discard_local_secret
 from .shutdown import NEW, RUNNING, STOPPED, STOPPING, Shutdown, State
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
@@ -74,10 +71,6 @@ log = logging.getLogger(__name__)
 # A request running on its reading thread for longer than this hands the reading role on.
 INLINE_LIMIT = 0.01
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
-# Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
-# long after their reply went out, and at most this many at once (see _Once).
-_ONCE_KEEP = 60.0
-_ONCE_MAX = 8192
 # How long a caller waits to ask again about an at-most-once request that the callee
 # said it has (its reply may have been lost with the connection it left on).
 _RECHECK = 1.0
@@ -103,17 +96,6 @@ class Parked:
         self.rid = rid
         self.deadline = deadline
         self.since = time.monotonic()
-
-
-class _Once:
-    """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
-    reply, for _ONCE_KEEP seconds after."""
-
-    __slots__ = ("done_at", "reply")
-
-    def __init__(self) -> None:
-        self.done_at: Optional[float] = None
-        self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
 
 
 class Agent:
@@ -142,8 +124,8 @@ class Agent:
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
         self.requests = Requests(self, self.scheduler.cv)
-        self._handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
-            Kind.CALL: functools.partial(_handle_call, self)}
+        # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
+        self.dispatch = Dispatch(self)
         self._hooks: List[CallHook] = []
         # Hooks asked about every request served, not only those that carry their key.
         self.serve_all: List[CallHook] = []
@@ -153,7 +135,7 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
         self.extensions: Dict[str, Any] = {}
-        self._lost: Dict[int, str] = {}  # rank -> why its last connection broke
+        self._lost: Dict[int, str] = {}  # rank -> why it seems lost (connections broke, silent)
         # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
         # the request path; written only by the shutdown protocol's transitions.
         self._state: State = NEW
@@ -175,14 +157,9 @@ class Agent:
         self._max_pending = int(getattr(options, "max_pending_requests", 0))
         self._max_private = int(getattr(options, "max_private_connections", 1 << 30))
         self._max_queued = int(getattr(options, "max_queued_requests", 0))
-        self._overloads = LogBudget(what="refused requests")
         # rank -> its open private connections, both ways (they take part in liveness)
         self._private_conns: Dict[int, List[Connection]] = {}
         self._private_opening: Dict[int, int] = {}  # rank -> private connections being opened
-        # At-most-once: (caller rank, request id) -> _Once, oldest first (see _first_time).
-        self._once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
-        self._once_lock = threading.Lock()
-        self._duplicates = 0  # requests that arrived again and were not run again
         # Caller side: rank -> ids of requests whose next attempt asks that peer first
         # (one probe for all of them; see _probe_later), and what the probes did.
         self._probe_due: Dict[int, List[int]] = {}
@@ -327,13 +304,6 @@ class Agent:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
         return self.registry.resolve(to)
 
-    def _forget_served(self, rank: int) -> None:
-        """A new worker holds ``rank``: the request ids of an earlier one mean nothing now."""
-        if self._once:
-            with self._once_lock:
-                for key in [k for k in self._once if k[0] == rank]:
-                    del self._once[key]
-
     # -- plug-in points ----------------------------------------------------------------------------
 
     def register_handler(self, kind: int, handler: Callable[[WorkerInfo, Any], Any]) -> None:
@@ -341,7 +311,7 @@ class Agent:
 
         The handler returns the reply value, or an :class:`AsyncResult`.
         """
-        self._handlers[int(kind)] = handler
+        self.dispatch.register_handler(kind, handler)
 
     def add_call_hook(self, hook: CallHook) -> None:
         self._hooks.append(hook)
@@ -408,8 +378,8 @@ class Agent:
             "agent.num_private_connections": num_private,
             "agent.num_parked": self._num_parked,
             "agent.num_heartbeat_timeouts": self.liveness.heartbeat_timeouts,
-            "agent.num_duplicate_requests": self._duplicates,
-            "agent.num_remembered_requests": len(self._once),
+            "agent.num_duplicate_requests": self.dispatch.duplicates,
+            "agent.num_remembered_requests": len(self.dispatch.once),
             "agent.num_once_probes": self._probes,
             "agent.num_resends_avoided": self._resends_avoided,
             "agent.num_resends_after_probe": self._resends_after_probe,
@@ -874,8 +844,8 @@ class Agent:
     # For the others it keeps waiting for the reply, under the same deadline. A probe that
     # cannot be sent, or whose connection breaks before the answer, fails the attempt like
     # a failed send: the next one, after the policy's backoff, probes again. The callee's
-    # dedup (_first_time) stays the safety net: a frame still in the old connection's
-    # buffers may reach it after the probe said it was missing.
+    # dedup (Dispatch.first_time) stays the safety net: a frame still in the old
+    # connection's buffers may reach it after the probe said it was missing.
 
     def _probe_later(self, dst: WorkerInfo, rid: int, delay: float) -> None:
         """Let the next attempt of request ``rid`` ask ``dst`` first, in ``delay`` seconds
@@ -943,30 +913,6 @@ class Agent:
         for rid, p in missing:
             r = p.resend
             self._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
-
-    def _answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
-        """Callee: tell ``src`` which of the probed requests arrived here; send the kept
-        reply again, ahead of the answer, for those answered already."""
-        answers = []
-        replies = []
-        with self._once_lock:
-            for rid in _wire.parse_probe(envelope):
-                once = self._once.get((src.id, rid))
-                if once is None:
-                    answers.append((rid, MISSING))
-                elif once.reply is None:
-                    answers.append((rid, STILL_RUNNING))
-                else:
-                    answers.append((rid, REPLIED))
-                    replies.append((rid, once.reply))
-        # On the probe's connection, the one known to reach the caller now.
-        for rid, (kind, env, bufs, keep) in replies:
-            self._send_reply(src, kind, rid, env, bufs, keep, conn)
-        try:
-            self._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
-                       _wire.pack_status(answers), [], None, conn)
-        except RpcError as exc:  # the caller's next attempt asks again
-            log.info("%s could not answer a probe of %s: %s", self.name, src.name, exc)
 
     def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
                  settled: torch.futures.Future) -> RpcFuture:
@@ -1222,7 +1168,7 @@ class Agent:
             self.liveness.beating.add(src.id)
             return self._reading_to_pool(conn)
         if kind == Kind.ONCE_PROBE:
-            self._answer_probe(conn, src, envelope)
+            self.dispatch.answer_probe(conn, src, envelope)
             return self._reading_to_pool(conn)
         if kind == Kind.ONCE_STATUS:
             self._on_once_status(conn, envelope)
@@ -1230,9 +1176,10 @@ class Agent:
         stats = self._peer_stats.get(src.id) or self._new_stats(src.id)
         stats.calls_in += 1
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
-        handler = self._handlers.get(kind)
+        dispatch = self.dispatch
+        handler = dispatch.handlers.get(kind)
         via = conn  # the reply goes back on it: the caller watches that connection for it
-        if header.flags & _wire.FLAG_ONCE and not self._first_time(src, header.request_id, via):
+        if header.flags & _wire.FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
             return self._reading_to_pool(conn)
         if current_pool() is self._pool and self._state is RUNNING:
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
@@ -1246,84 +1193,13 @@ class Agent:
             return _nothing
         if self._max_queued and self._pool.num_pending >= self._max_queued \
                 and not header.oneway and not header.flags & _wire.FLAG_ONCE:
-            self._refuse(src, header, via)
+            dispatch.refuse(src, header, via)
             return self._reading_to_pool(conn)
         try:
-            self._pool.submit(self._serve, src, header, envelope, buffers, handler, via)
+            self._pool.submit(dispatch.serve, src, header, envelope, buffers, handler, via)
         except RuntimeError:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return self._reading_to_pool(conn)
-
-    def _refuse(self, src: WorkerInfo, header: _wire.Header, via: Optional[Connection]) -> None:
-        """Fail a request that would wait behind ``max_queued_requests`` others (one-way
-        and at-most-once messages of the protocols are never refused: losing them would
-        lose state)."""
-        queued = self._pool.num_pending
-        self._overloads.warn("%s refused a %s from %s: %d requests wait for its "
-                             "%d threads (max_queued_requests)", self.name,
-                             Kind(header.kind).name, src.name, queued, self._pool.num_threads)
-        self._send_error(src, header.request_id, OverloadedError(
-            f"worker {self.name} is overloaded: {queued} requests already wait for a thread "
-            f"(max_queued_requests is {self._max_queued}); slow down, wait for replies, or "
-            f"raise num_worker_threads or max_queued_requests on {self.name}"), via)
-
-    # At most once. A request with a retry policy is sent again when its connection fails
-    # before the reply, and it may have arrived all the same: the caller cannot tell. So
-    # such requests of the internal kinds (a backward pass part that must not add its
-    # gradients twice, an autograd report that must not return its credit twice) carry
-    # FLAG_ONCE, and the callee remembers them by (caller, request id): a copy that
-    # arrives while the first runs is dropped (the first one's reply goes to the caller's
-    # current connection), one that arrives later gets the first one's reply again.
-
-    def _first_time(self, src: WorkerInfo, rid: int, via: Optional[Connection]) -> bool:
-        """Whether request ``rid`` of ``src`` arrives for the first time; if not, send its
-        reply again if there is one."""
-        key = (src.id, rid)
-        now = time.monotonic()
-        with self._once_lock:
-            once = self._once.get(key)
-            if once is None:
-                self._once[key] = _Once()
-                self._trim_once(now)
-                return True
-            self._duplicates += 1
-            reply = once.reply
-        log.info("%s got request %d of %s again; it runs once%s", self.name, rid,
-                 src.name, " (its reply goes again)" if reply is not None else "")
-        if reply is not None:
-            kind, env, bufs, keep = reply
-            self._send_reply(src, kind, rid, env, bufs, keep, via)
-        return False
-
-    def _trim_once(self, now: float) -> None:
-        """Under _once_lock: forget the oldest remembered requests, those replied long ago
-        and any beyond _ONCE_MAX."""
-        table = self._once
-        while table:
-            key, once = next(iter(table.items()))
-            stale = once.done_at is not None and now - once.done_at > _ONCE_KEEP
-            if not stale and len(table) <= _ONCE_MAX:
-                return
-            del table[key]
-
-    def _remember_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any,
-                        keep: Any) -> Any:
-        """If request ``rid`` of ``dst`` may arrive again, keep its reply for it; return
-        the keepalive to send with (a plain list: the kept reply must keep its memory)."""
-        once = self._once.get((dst.id, rid)) if self._once else None
-        if once is None:
-            return keep
-        keep = list(keep) if keep is not None else None
-        with self._once_lock:
-            once.reply = (kind, env, bufs, keep)
-            once.done_at = time.monotonic()
-        return keep
-
-    def _once_done(self, src: WorkerInfo, rid: int) -> None:
-        """A one-way request that may arrive again has run: forget it in _ONCE_KEEP."""
-        once = self._once.get((src.id, rid))
-        if once is not None:
-            once.done_at = time.monotonic()
 
     def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
                       envelope: bytes, buffers: List[torch.Tensor], handler: Any,
@@ -1336,7 +1212,7 @@ class Agent:
             scheduler.wake()  # it set slow before it looked at _lent
         _inline.conn = conn
         try:
-            self._serve(src, header, envelope, buffers, handler, via)
+            self.dispatch.serve(src, header, envelope, buffers, handler, via)
         except Exception as exc:  # noqa: BLE001 - must not reach a reader that lent its role
             Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self.name}",
                   limit=None).failed(exc)
@@ -1460,144 +1336,6 @@ class Agent:
                                                     (meta or {}).get(hook.key)))
         return combine(hooks)
 
-    def _serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
-               buffers: List[torch.Tensor], handler: Optional[Callable],
-               via: Optional[Connection] = None) -> None:
-        """Run a request and send the reply (on ``via``, the connection it came on)."""
-        rid, oneway, kind = header.request_id, header.oneway, header.kind
-        scopes: List[CallScope] = []
-
-        def recv_hook(meta: Any) -> Optional[Callable]:
-            if not meta and not self.serve_all:
-                return None
-            for hook in self._hooks:
-                if meta and hook.key in meta:
-                    scope = hook.incoming_request(src, kind, meta[hook.key])
-                elif hook in self.serve_all:
-                    scope = hook.incoming_request(src, kind, None)
-                else:
-                    continue
-                if scope is not None:
-                    scope.hook_key = hook.key
-                    scopes.append(scope)
-            return combine([s.recv_hook for s in scopes])
-
-        what: Any = kind  # the function, once known; only error paths describe it
-        try:
-            ctx = MessageContext(self, src, kind, replied=not oneway)
-            _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
-            buffers.clear()  # the tensors in payload hold what they need
-            if ctx.gates is not None:
-                self._pass_gates(ctx.gates)
-            if kind == Kind.CALL:
-                what = payload[0]
-            if handler is None:
-                raise RpcError(f"worker {self.name} has no handler for message kind {Kind(kind).name}")
-            for s in scopes:
-                s.__enter__()
-            try:
-                result = handler(src, payload)
-            finally:
-                for s in reversed(scopes):
-                    s.__exit__(None, None, None)
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-            if not oneway:
-                self._reply_error(src, rid, exc, what, via)
-            else:
-                log.warning("one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
-                if header.flags & _wire.FLAG_ONCE:
-                    self._once_done(src, rid)
-            return
-        if oneway:
-            if header.flags & _wire.FLAG_ONCE:
-                self._once_done(src, rid)
-            return
-        if isinstance(result, AsyncResult):
-            def done(fut: torch.futures.Future) -> None:
-                try:
-                    value = fut.wait()
-                except BaseException as exc:  # noqa: BLE001
-                    self._reply_error(src, rid, exc, what, via)
-                else:
-                    self._reply(src, rid, value, scopes, what, via=via)
-            result.future.add_done_callback(done)
-            return
-        # Hand the result over and let go of the request: once the reply is staged
-        # into shared memory, nothing may hold the request's segment any more, so the
-        # caller finds it free for its next call.
-        owned = [result]
-        result = payload = None
-        self._reply(src, rid, owned, scopes, what, owned=True, via=via)
-
-    def _pass_gates(self, gates: List[torch.futures.Future]) -> None:
-        """Wait (as a blocked pool thread) until every gate of a request has completed."""
-        passed = threading.Semaphore(0)
-        for gate in gates:
-            gate.add_done_callback(lambda _: passed.release())
-        pool = current_pool()
-        deadline = time.monotonic() + (self.default_timeout or 60.0)
-        with pool.blocking() if pool is not None else contextlib.nullcontext():
-            for _ in gates:
-                if not passed.acquire(timeout=max(deadline - time.monotonic(), 0)):
-                    break
-
-    def _reply(self, dst: WorkerInfo, rid: int, value: Any, scopes: List[CallScope], what: Any,
-               owned: bool = False, via: Optional[Connection] = None) -> None:
-        """Send ``value`` back; with ``owned``, ``value`` is a one-item list to take it from."""
-        if owned:
-            value = value.pop()
-        meta = send_hook = None
-        if scopes:
-            meta = {s.hook_key: s.response_meta() for s in scopes} or None
-            send_hook = combine([s.send_hook for s in scopes])
-        try:
-            env, bufs, keep = _wire.encode(value, MessageContext(self, dst, Kind.RESPONSE),
-                                           send_hook, meta, "result")
-        except Exception as exc:  # noqa: BLE001 - a result that won't encode: the caller is told
-            self._reply_error(dst, rid, exc, what, via)
-            return
-        if owned:
-            value = None
-            keep = Releasable(keep)
-        self._send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep, via)
-
-    def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
-                     via: Optional[Connection] = None) -> None:
-        stats = self._peer_stats.get(dst.id)
-        if stats is not None:
-            stats.errors_in += 1
-        # The callee's side of the story, as torch's agent reports it; the caller gets the error.
-        _warn_even_unconfigured("%s raised %s: %s in %s called by %s", self.name,
-                                type(exc).__name__, exc, describe(what), dst.name)
-        self._send_error(dst, rid, exc, via)
-
-    def _send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
-                    via: Optional[Connection] = None) -> None:
-        """Answer request ``rid`` of ``dst`` with ``exc``."""
-        info = capture(exc, self.name)
-        try:
-            env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
-        except SerializationError:
-            info.exc_type = RpcError
-            env, bufs, keep = _wire.encode(info, MessageContext(self, dst, Kind.ERROR))
-        self._send_reply(dst, Kind.ERROR, rid, env, bufs, keep, via)
-
-    def _send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
-                    via: Optional[Connection] = None) -> None:
-        stats = self._peer_stats.get(dst.id)
-        if stats is not None:
-            stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
-        try:
-            self._send(dst, kind, 0, rid, env, bufs, keep, via)
-        except RpcError as exc:
-            if via is not None and (not via.private or (dst.id, rid) in self._once):
-                # Broken: answer on the current connection (the caller ignores a reply it
-                # no longer waits for; an at-most-once one is resent on another).
-                self._send_reply(dst, kind, rid, env, bufs, keep)
-                return
-            self.send_failed(kind, rid, dst, exc)
-
     # -- the timer's duties (scheduler.py) ---------------------------------------------------------
 
     def _schedule_duties(self) -> None:
@@ -1669,79 +1407,4 @@ def _run_all(actions: List[Callable[[], None]], _fut: Any) -> None:
 
 def _nothing() -> None:
     """The work of a reader that handed its role on and has nothing else to do."""
-
-
-def _handle_call(agent: "Agent", src: WorkerInfo, payload: Any) -> Any:
-    func, args, kwargs = payload
-    return run_callable(func, args, kwargs, agent)
-
-
-def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
-                 agent: Optional["Agent"] = None) -> Any:
-    """Run a user function; an ``@async_execution`` one, or one that returns a coroutine
-    (an ``async def``), gives an :class:`AsyncResult`. Coroutines run on the event loop of
-    ``agent`` (default: the current agent)."""
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-        fut = func(*args, **(kwargs or {}))
-        if isinstance(fut, CoroutineType):
-            return AsyncResult(_coroutines_of(agent).submit(fut))
-        if not isinstance(fut, torch._C.Future):
-            raise WrongTypeError(
-                f"Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {type(fut).__name__} from "
-                f"{describe(func)}; return the future of the work it started")
-        return AsyncResult(fut)
-    if type(func) is torch.jit.ScriptFunction:
-        func = _runnable_script(func)
-    try:
-        result = func(*args, **(kwargs or {}))
-    except TypeError as exc:
-        # Raised by the operator itself (no Python frame below this one): its arguments
-        # match none of its schemas, which torch reports as a RuntimeError.
-        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None \
-                and _is_builtin_operator(func):
-            raise OperatorSchemaError(
-                f"Overloaded torch operator invoked from Python failed to match any schema: "
-                f"{exc}; check the arguments given to {describe(func)}") from exc
-        raise
-    if isinstance(result, CoroutineType):
-        return AsyncResult(_coroutines_of(agent).submit(result))
-    return result
-
-
-def _warn_even_unconfigured(msg: str, *args: Any) -> None:
-    """A warning that reaches the process's stderr even where logging is not configured
-    (only the package's NullHandler): torch's agent writes a failed user function's error
-    there, and ported programs and tests read it."""
-    log.warning(msg, *args)
-    logger: Optional[logging.Logger] = log
-    while logger is not None:
-        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-            return  # a configured handler has it
-        logger = logger.parent if logger.propagate else None
-    if logging.lastResort is not None and log.isEnabledFor(logging.WARNING):
-        logging.lastResort.handle(log.makeRecord(log.name, logging.WARNING, __file__, 0,
-                                                 msg, args, None))
-
-
-def _runnable_script(func: Any) -> Any:
-    """``func``, a TorchScript function, or its Python original where its signature has
-    RRefs: TorchScript's interpreter takes only torch's own RRefs, while the Python
-    function does with torchrpc's what the compiled one does with torch's."""
-    original = getattr(func, "_torchdynamo_inline", None)
-    if original is not None and any("RRef[" in str(arg.type) for arg in func.schema.arguments):
-        return original
-    return func
-
-
-def _coroutines_of(agent: Optional["Agent"]) -> CoroutineRunner:
-    return (agent if agent is not None else current_agent(failed_ok=True)).coroutines
-
-
-def _is_builtin_operator(func: Any) -> bool:
-    """Whether ``func`` is one of torch's builtin operators (``torch.add``, ...)."""
-    try:
-        return torch.jit._builtins._find_builtin(func) is not None
-    except Exception:  # noqa: BLE001 - an unhashable callable is no builtin
-        return False
 

@@ -117,7 +117,7 @@ class Registry:
                                          for src, dst in mine.items()}
             else:
                 self.reply_maps.pop(rank, None)
-        agent._forget_served(rank)
+        agent.dispatch.forget(rank)
 
     @property
     def worker_info(self) -> WorkerInfo:

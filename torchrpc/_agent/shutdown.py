@@ -2,8 +2,8 @@
 
 Theory of operation. An agent goes through four states, each entered once, in order::
 
-    NEW --start()--> RUNNING --+-- graceful: every worker's replies are out --+--> STOPPING --> STOPPED
-                               +-- not graceful, failed step, elastic ---------+
+    NEW --start()--> RUNNING --+-- graceful: all replies are out --+--> STOPPING --> STOPPED
+                               +-- not graceful, failed, elastic --+
 
 - ``NEW``: built; the rendezvous is under way. A peer that finished it first may connect
   already (its frames wait until ``init_rpc`` has installed every layer), but nothing is
@@ -287,7 +287,8 @@ class Shutdown:
         shutdown failed or was not graceful, so it never will."""
         agent = self._agent
         with self._lock:
-            left = [(r, agent.registry.workers[r]) for r in sorted(agent.registry.left) if r in agent.registry.workers]
+            workers = agent.registry.workers
+            left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
         missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
         if missing:
             names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)

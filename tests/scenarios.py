@@ -240,6 +240,13 @@ def goodbye_window(rank: int) -> None:
         rpc.rpc_sync("w1", helpers.goodbye_to, args=(0,))
     except WorkerLeftError:
         pass  # the GOODBYE may come before the reply
+    # The reply may also come first (on a connection of its own): calls made once the
+    # GOODBYE is in are the ones that must fail, whichever connection they would take.
+    from torchrpc._agent.current import current_agent
+    deadline = time.monotonic() + 10.0
+    while not current_agent().has_left(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert current_agent().has_left(1), "rank 1's GOODBYE never arrived"
     outcomes = []
     for _ in range(3):
         start = time.monotonic()

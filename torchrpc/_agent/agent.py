@@ -755,6 +755,8 @@ class Agent:
         return future.wait()
 
     def _checkout_private(self, dst: WorkerInfo) -> Optional[Connection]:
+        if dst.id in self.registry.left:  # it said GOODBYE: nothing sent now is answered
+            raise self._left_error(dst)
         free = self._private.get(dst.id)
         while free:
             try:

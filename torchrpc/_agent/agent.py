@@ -42,7 +42,7 @@ import torch
 from .. import _threads, _wire
 from .._threads import Guard
 from .._transport import Connection, Transport, handshake
-from .._transport.tcp import set_spare_cpus
+from .._transport.reader import set_spare_cpus
 from .._transport.tls import TlsContexts, make_contexts
 from .._wire import Kind
 from .._wire.probe import MISSING

@@ -13,7 +13,6 @@ import fcntl
 import ipaddress
 import json
 import os
-import re
 import socket
 import struct
 import time

@@ -24,7 +24,7 @@ from .._threads import Fatal, Guard
 from ..errors import AuthenticationError, ConnectionLostError, ProtocolError
 from . import handshake, shm, tls
 from .connection import Connection
-from .reader import CloseCallback, FrameCallback, set_spare_cpus  # noqa: F401 - the agent's
+from .reader import CloseCallback, FrameCallback
 
 log = logging.getLogger(__name__)
 

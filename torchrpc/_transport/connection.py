@@ -106,7 +106,7 @@ class Connection(FrameReader):
         staged = None
         if self.shm_decider is not None:
             self.shm_decider(self)
-        returned: List[Any] = []
+        returned: Sequence[Any] = ()  # no list made on the path of a frame without shm
         if self.shm_tx is not None and buffers:
             if self.shm_rx is not None:
                 buffers, lengths, returned = self.shm_rx.pass_back(buffers, lengths,

@@ -108,6 +108,11 @@ def is_return_ref(name: str) -> bool:
     return name.startswith("r-")
 
 
+def data_address(segment_map: mmap.mmap) -> int:
+    """Where the data of a mapped segment (the whole file, header first) lies here."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(segment_map)) + HEADER
+
+
 def _address(buf: Any) -> Optional[int]:
     """The address of a buffer that views a whole ctypes array (as the encoder's buffers
     of tensor storage do), else None."""

@@ -18,7 +18,7 @@ import torch
 from .. import _wire
 from ..errors import ProtocolError
 from .segments import (_MAP_FLAGS, _MEMFD_REF, _RETIRED, _RETURNS, _SEALS, _STATE, FREE,
-                       HEADER, Stats, _address, pid_namespace, return_ref)
+                       HEADER, Stats, _address, data_address, pid_namespace, return_ref)
 
 
 class _InSegment:
@@ -52,7 +52,7 @@ class _InSegment:
         self.number = int(memfd.group(4))
         self.capacity = st.st_size - HEADER
         # Where the data lies in this process, to know a buffer sent back in it.
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + HEADER
+        self.base = data_address(self.map)
         self.returns = ctypes.c_uint64.from_buffer(self.map, _RETURNS)
 
     @property

@@ -19,7 +19,7 @@ from .. import _wire
 from ..errors import ProtocolError
 from .segments import (_COPY_RATE, _MAP_FLAGS, _PWRITE_MAX, _RETURN_REF, _RETURNS, _SEALS,
                        _STATE, _RETIRED, BUSY, FREE, HEADER, IDLE_RETIRE, MAX_FREE, Stats,
-                       _address, _capacity, _names)
+                       _address, _capacity, _names, data_address)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ShmSender:
                                     f"or was not counted as returned")
             if seg.data is None:
                 data = mmap.mmap(seg.fd, HEADER + seg.capacity, flags=_MAP_FLAGS)
-                seg.data_address = ctypes.addressof(ctypes.c_char.from_buffer(data)) + HEADER
+                seg.data_address = data_address(data)
                 seg.data = data  # last: write() looks at it, then at the address
             view = memoryview(seg.data)[HEADER + offset:HEADER + offset + size]
         self._stats.buffers_received += 1

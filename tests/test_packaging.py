@@ -15,6 +15,7 @@ import pytest
 import torchrpc
 import torchrpc.rpc as rpc
 from torchrpc._agent import rendezvous
+from torchrpc.rpc import options
 
 from .group import ROOT
 
@@ -171,15 +172,16 @@ def test_import_on_an_unsupported_platform_says_so(platform):
 
 def test_tp_socket_ifname_is_honoured_like_torchrpc_ifname(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.9.8.7")  # not this machine: the variables decide
-    monkeypatch.delenv(rendezvous.LISTEN_ENV, raising=False)
-    monkeypatch.delenv(rendezvous.IFNAME_ENV, raising=False)
-    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")
-    assert rendezvous.listen_host("env://", None) == "127.0.0.1"
-    monkeypatch.setenv("TP_SOCKET_IFNAME", "nosuchif0")
+
+    def listen_host(environ):
+        read, _ = options.read_environment(rpc.TensorPipeRpcBackendOptions(), environ)
+        return rendezvous.listen_host("env://", read.listen_addr)
+
+    assert listen_host({"TP_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
     with pytest.raises(Exception, match="nosuchif0"):
-        rendezvous.listen_host("env://", None)
-    monkeypatch.setenv(rendezvous.IFNAME_ENV, "lo")  # torchrpc's own variable comes first
-    assert rendezvous.listen_host("env://", None) == "127.0.0.1"
+        listen_host({"TP_SOCKET_IFNAME": "nosuchif0"})
+    # torchrpc's own variable comes first
+    assert listen_host({"TP_SOCKET_IFNAME": "nosuchif0", options.IFNAME_ENV: "lo"}) == "127.0.0.1"
 
 
 # -- docstrings match the defaults -----------------------------------------------------------

@@ -12,7 +12,8 @@ import subprocess
 import pytest
 import torch.distributed as dist
 
-from torchrpc._agent import secret
+import torchrpc.rpc as rpc
+from torchrpc._agent import current, secret
 from torchrpc.errors import RendezvousError
 from torchrpc.rpc import api
 
@@ -27,19 +28,29 @@ def private_runtime(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
     monkeypatch.delenv(secret.SECRET_ENV, raising=False)
     monkeypatch.delenv(secret.SECRET_FILE_ENV, raising=False)
-    monkeypatch.setattr(secret, "_from_env", None)
+    monkeypatch.setattr(current.handle, "launcher_secret", None)
     return base
+
+
+def _source(**fields):
+    """The secret source of an init_rpc with these options, in this environment."""
+    _, plan = api._read_environment(rpc.TensorPipeRpcBackendOptions(**fields))
+    return plan.secret
 
 
 def test_launcher_secret_is_checked_and_leaves_the_environment(private_runtime, monkeypatch):
     monkeypatch.setenv(secret.SECRET_ENV, "short")
     with pytest.raises(RendezvousError, match="at least 32"):
-        secret.launcher_secret()
+        secret.launcher_secret(_source())
     value = "a" * 40
     monkeypatch.setenv(secret.SECRET_ENV, value)
-    assert secret.launcher_secret() == value.encode()
+    assert secret.launcher_secret(_source()) == value.encode()
     assert secret.SECRET_ENV not in os.environ  # child processes don't inherit it
-    assert secret.launcher_secret() == value.encode()  # a second init_rpc still has it
+    assert secret.launcher_secret(_source()) == value.encode()  # a second init_rpc still has it
+    assert value not in repr(_source()) and value not in repr(
+        rpc.TensorPipeRpcBackendOptions(secret=value))
+    other = "c" * 40  # the option wins over the variable
+    assert secret.launcher_secret(_source(secret=other)) == other.encode()
 
 
 def test_secret_file_must_be_private(private_runtime, monkeypatch, tmp_path):
@@ -48,9 +59,9 @@ def test_secret_file_must_be_private(private_runtime, monkeypatch, tmp_path):
     path.chmod(0o644)
     monkeypatch.setenv(secret.SECRET_FILE_ENV, str(path))
     with pytest.raises(RendezvousError, match="chmod 600"):
-        secret.launcher_secret()
+        secret.launcher_secret(_source())
     path.chmod(0o600)
-    assert secret.launcher_secret() == b"b" * 32
+    assert secret.launcher_secret(_source()) == b"b" * 32
 
 
 def test_squatted_runtime_directory_is_refused(private_runtime):

@@ -19,6 +19,7 @@ from torchrpc._transport import handshake
 from torchrpc._transport.tcp import LogBudget
 from torchrpc._wire import Kind
 from torchrpc.rpc import api
+from torchrpc.rpc.options import LISTEN_ADDR_ENV, read_environment
 
 from . import helpers, robust_helpers as rh
 from .group import running_group
@@ -199,17 +200,21 @@ def test_listener_is_not_reachable_on_other_interfaces():
             socket.create_connection((addr, port), timeout=2).close()
 
 
+def _listen_host(init_method, environ, listen_addr=None):
+    """Where a worker listens: its options read from ``environ`` as init_rpc reads them."""
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, listen_addr=listen_addr)
+    read, _ = read_environment(opts, environ)
+    return rendezvous.listen_host(init_method, read.listen_addr)
+
+
 def test_listen_address_is_configurable(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.delenv(rendezvous.LISTEN_ENV, raising=False)
-    monkeypatch.delenv(rendezvous.IFNAME_ENV, raising=False)
-    monkeypatch.delenv(rendezvous.TORCH_IFNAME_ENV, raising=False)
-    assert rendezvous.listen_host("env://", None) == "127.0.0.1"
-    assert rendezvous.listen_host("tcp://localhost:1234", None) == "127.0.0.1"
-    assert rendezvous.listen_host("env://", "10.1.2.3") == "10.1.2.3"
-    monkeypatch.setenv(rendezvous.LISTEN_ENV, "0.0.0.0")
-    assert rendezvous.listen_host("env://", None) == "0.0.0.0"
-    assert rendezvous.listen_host("env://", "10.1.2.3") == "10.1.2.3"  # the option wins
+    assert _listen_host("env://", {}) == "127.0.0.1"
+    assert _listen_host("tcp://localhost:1234", {}) == "127.0.0.1"
+    assert _listen_host("env://", {}, "10.1.2.3") == "10.1.2.3"
+    env = {LISTEN_ADDR_ENV: "0.0.0.0"}
+    assert _listen_host("env://", env) == "0.0.0.0"
+    assert _listen_host("env://", env, "10.1.2.3") == "10.1.2.3"  # the option wins
 
 
 def test_a_peer_cannot_answer_a_call_sent_to_another():

@@ -1,4 +1,5 @@
-"""The one piece of process state: the handle of the current agent."""
+"""The one piece of process state: the handle of the current agent (and what this
+process read once for every agent it starts: the launcher's secret)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ class _Handle:
         self.agent: Optional["Agent"] = None
         self.was_shut_down = False
         self.last_debug_info: dict = {}
+        # TORCHRPC_SECRET, read by the first init_rpc and removed from the environment (so
+        # child processes do not inherit it); every later init_rpc of this process uses it.
+        self.launcher_secret: Optional[str] = None
 
 
 handle = _Handle()

@@ -30,17 +30,19 @@ import os
 import secrets
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import claim_membership, host_identity, job_secret, process_identity
+from .rendezvous import Plan, claim_membership, host_identity, job_secret, process_identity
 
 
-def open_elastic_store(init_method: str, rank: int, timeout: float) -> Any:
+def open_elastic_store(init_method: str, rank: int, timeout: Union[float, Plan]) -> Any:
     """The store of a group of unknown size: a TCPStore that rank 0 hosts, or, for
-    ``file://``, the FileStore that every member opens (as torch does)."""
+    ``file://``, the FileStore that every member opens (as torch does); opened within
+    ``timeout`` (seconds, or the rendezvous plan)."""
+    timeout = Plan.of(timeout).deadline.left()
     url = urllib.parse.urlparse(init_method)
     if url.scheme == "file":
         if not url.path:
@@ -112,7 +114,7 @@ def _release(store: Any, key: str, value: str, incarnation: int) -> bool:
     return store.compare_set(key, _claim(value, incarnation), freed).decode() == freed
 
 
-def join(store: Any, name: str, rank: int, timeout: float, keep_secret: bool = False,
+def join(store: Any, name: str, rank: int, timeout: Union[float, Plan], keep_secret: bool = False,
          incarnation: int = 0) -> bytes:
     """Claim ``rank`` and ``name`` for ``incarnation``; return the job secret. Refuses
     clashes by name.

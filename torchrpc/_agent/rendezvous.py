@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
@@ -26,24 +26,56 @@ from . import secret
 from .worker import check_worker_name
 from ..errors import RendezvousError
 
-LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
-IFNAME_ENV = "TORCHRPC_IFNAME"
-TORCH_IFNAME_ENV = "TP_SOCKET_IFNAME"  # torch's (TensorPipe's) variable, read the same way
-RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
 _ERROR_KEY = "error"
 _ERROR_SEEN_KEY = "error_seen"
 
 
-def rendezvous_timeout(rpc_timeout: float) -> float:
-    """Seconds to wait for the group to form: ``TORCHRPC_RENDEZVOUS_TIMEOUT`` when set,
-    else the RPC timeout but at least 60 s (workers of a big job start slowly)."""
-    env = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
-    if env:
-        try:
-            return float(env)
-        except ValueError as exc:
-            raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={env!r} is not a number of seconds") from exc
+def rendezvous_timeout(rpc_timeout: float, configured: Optional[float] = None) -> float:
+    """Seconds to wait for the group to form: ``configured`` when set, else the RPC
+    timeout but at least 60 s (workers of a big job start slowly)."""
+    if configured is not None:
+        return float(configured)
     return max(rpc_timeout, 60.0)
+
+
+class Deadline:
+    """The moment by which the group must have formed: set once where ``init_rpc``
+    starts, so that every later step (opening the store, claiming, the secret, waiting
+    for the others) gets the time left, not a fresh timeout of its own."""
+
+    __slots__ = ("at", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = float(timeout)
+        self.at = time.monotonic() + self.timeout
+
+    def left(self) -> float:
+        """Seconds left; at least a millisecond, so that a store given the time left fails
+        at once once it has passed (a zero timeout would mean none to some stores)."""
+        return max(0.001, self.at - time.monotonic())
+
+    def __repr__(self) -> str:
+        return f"Deadline({self.timeout:g} s, {self.at - time.monotonic():.3f} s left)"
+
+
+class Plan:
+    """What ``init_rpc`` settled for this worker's rendezvous: the deadline of all its
+    steps and where the job secret comes from. The agent hands it through unopened."""
+
+    __slots__ = ("deadline", "secret")
+
+    def __init__(self, deadline: Deadline, source: Optional[secret.Source] = None) -> None:
+        self.deadline = deadline
+        self.secret = source or secret.Source()
+
+    @staticmethod
+    def of(limit: Union[float, "Plan"]) -> "Plan":
+        """``limit`` itself when it is a plan, else one whose deadline is ``limit`` seconds
+        away and whose secret comes from rank 0."""
+        return limit if isinstance(limit, Plan) else Plan(Deadline(limit))
+
+    def __repr__(self) -> str:
+        return f"Plan({self.deadline!r}, {self.secret!r})"
 
 
 def validate_name(name: Any) -> str:
@@ -51,13 +83,16 @@ def validate_name(name: Any) -> str:
     return check_worker_name(name)
 
 
-def open_store(init_method: str, rank: int, world_size: Optional[int], timeout: float
-               ) -> Tuple[Any, int, int]:
-    """Open torch's rendezvous store for ``init_method``; return (store, rank, world_size)."""
+def open_store(init_method: str, rank: int, world_size: Optional[int],
+               timeout: Union[float, Plan]) -> Tuple[Any, int, int]:
+    """Open torch's rendezvous store for ``init_method`` within ``timeout`` (seconds, or
+    the plan of the whole rendezvous); return (store, rank, world_size)."""
     ws = -1 if world_size is None else world_size
+    deadline = Plan.of(timeout).deadline
+    timeout = deadline.timeout
     try:
         it = dist.rendezvous(init_method, rank=rank, world_size=ws,
-                             timeout=datetime.timedelta(seconds=timeout))
+                             timeout=datetime.timedelta(seconds=deadline.left()))
         store, rank, world_size = next(it)
     except ValueError as exc:
         raise ValueError(f"rendezvous through {describe_init_method(init_method)} failed: "
@@ -122,7 +157,8 @@ def _is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def _interface_address(ifname: str) -> str:
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface ``ifname``."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
@@ -133,17 +169,14 @@ def _interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def listen_host(init_method: str, configured: Optional[str]) -> str:
-    """The address to listen on: configured, else ``TORCHRPC_LISTEN_ADDR``, else the address
-    of interface ``TORCHRPC_IFNAME`` or ``TP_SOCKET_IFNAME``, else the interface that
-    reaches the master."""
+def listen_host(init_method: str, configured: Optional[str],
+                ifname: Optional[str] = None) -> str:
+    """The address to listen on: configured, else the address of interface ``ifname``,
+    else the interface that reaches the master."""
     if configured:
         return configured
-    if os.environ.get(LISTEN_ENV):
-        return os.environ[LISTEN_ENV]
-    for name in (IFNAME_ENV, TORCH_IFNAME_ENV):
-        if os.environ.get(name):
-            return _interface_address(os.environ[name])
+    if ifname:
+        return interface_address(ifname)
     host = master_host(init_method)
     if host is None or _is_loopback(host):
         return "127.0.0.1"
@@ -233,8 +266,10 @@ def fail(store: Any, message: str, rank: Optional[int] = None,
     return RendezvousError(message)
 
 
-def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> bytes:
-    """Claim ``rank`` and ``name`` in the store; return the job secret.
+def claim(store: Any, name: str, rank: int, world_size: int,
+          timeout: Union[float, Plan]) -> bytes:
+    """Claim ``rank`` and ``name`` in the store; return the job secret. ``timeout``:
+    seconds, or the plan of the whole rendezvous (its deadline and secret source).
 
     A duplicate is reported to the whole group through the error key, so the
     other workers fail at once instead of waiting for a rank that never comes.
@@ -253,30 +288,33 @@ def claim(store: Any, name: str, rank: int, world_size: int, timeout: float) -> 
     return job_secret(store, rank, timeout, world_size)
 
 
-def job_secret(store: Any, rank: int, timeout: float, world_size: Optional[int] = None,
-               keep: bool = False) -> bytes:
-    """The job secret (see :mod:`.secret`: never through the store unless opted in);
-    ``keep``: a secret file made here outlives this process."""
-    deadline = time.monotonic() + timeout
+def job_secret(store: Any, rank: int, timeout: Union[float, Plan],
+               world_size: Optional[int] = None, keep: bool = False) -> bytes:
+    """The job secret (see :mod:`.secret`: never through the store unless opted in),
+    waited for until ``timeout`` (seconds, or the rendezvous plan, whose secret source
+    applies); ``keep``: a secret file made here outlives this process."""
+    plan = Plan.of(timeout)
 
     def wait(keys: list, what: str) -> None:
-        _poll(store, keys, deadline, what, rank, world_size)
+        _poll(store, keys, plan.deadline.at, what, rank, world_size)
 
     try:
-        return secret.job_secret(store, rank, host_identity(), wait, keep)
+        return secret.job_secret(store, rank, host_identity(), wait, keep, plan.secret)
     except RendezvousError as exc:
         raise fail(store, f"rank {rank}: {exc}", rank, world_size) from exc
 
 
 def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],
-            timeout: float, extra: Optional[Dict[str, Any]] = None) -> Dict[int, Dict[str, Any]]:
+            timeout: Union[float, Plan], extra: Optional[Dict[str, Any]] = None
+            ) -> Dict[int, Dict[str, Any]]:
     """Publish where this worker listens (and the JSON-able ``extra`` facts about it); wait
-    for every rank; return all infos by rank."""
+    for every rank until ``timeout`` (seconds, or the rendezvous plan); return all
+    infos by rank."""
     info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
             **process_identity(), **(extra or {})}
     store.set(f"worker/{rank}", json.dumps(info))
     keys = [f"worker/{r}" for r in range(world_size)]
-    _poll(store, keys, time.monotonic() + timeout, f"all {world_size} workers to join", rank,
+    _poll(store, keys, Plan.of(timeout).deadline.at, f"all {world_size} workers to join", rank,
           world_size)
     return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
 

@@ -3,17 +3,22 @@
 The store (torch's TCPStore or FileStore) is readable by anyone who reaches its port or
 file, so it carries at most a *locator*: which file on which host holds the secret.
 
-1. ``TORCHRPC_SECRET`` (at least 32 characters; read once and removed from the
-   environment, so child processes do not inherit it), or ``TORCHRPC_SECRET_FILE``
-   (a file only its owner may read: mode 0600 or stricter). Multi-host jobs use these:
-   the launcher gives every worker the same value.
+1. The ``secret`` option or ``TORCHRPC_SECRET`` (at least 32 characters; the variable is
+   read once, by ``init_rpc``, and removed from the environment, so child processes do not
+   inherit it), or the ``secret_file`` option or ``TORCHRPC_SECRET_FILE`` (a file only its
+   owner may read: mode 0600 or stricter). Multi-host jobs use these: the launcher gives
+   every worker the same value.
 2. Otherwise rank 0 creates a random secret in a file of its own, mode 0600, in a
    per-user directory of mode 0700 (``$XDG_RUNTIME_DIR/torchrpc``, else
    ``/tmp/torchrpc-<uid>``), and puts the file's name and its host's identity in the
    store. Workers on the same host, running as the same user, read it; anyone else
    cannot. A worker on another host fails at once, naming the ways to provide a secret.
-3. ``TORCHRPC_INSECURE_SECRET_IN_STORE=1`` restores sharing the secret through the store,
-   for trusted networks only; every use logs a warning.
+3. The ``insecure_secret_in_store`` option or ``TORCHRPC_INSECURE_SECRET_IN_STORE=1``
+   shares the secret through the store, for trusted networks only; every use logs a
+   warning.
+
+This module reads no environment variable: ``init_rpc`` reads them into the options, and
+the agent hands the values here as a :class:`Source`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import secrets
 import stat
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Set
 
 from ..errors import RendezvousError
@@ -42,7 +48,6 @@ _HOW = (f"set {SECRET_ENV} to the same random string of at least {MIN_LENGTH} ch
         f"rendezvous store; add TLS for cross-host links (see docs/security.md)")
 
 _lock = threading.Lock()
-_from_env: Optional[bytes] = None  # TORCHRPC_SECRET, once read and removed from os.environ
 _files: Set[str] = set()  # secret files this process created, removed at exit at the latest
 
 
@@ -53,16 +58,22 @@ def _checked(value: bytes, where: str) -> bytes:
     return value
 
 
-def launcher_secret() -> Optional[bytes]:
-    """The secret the launcher provided (environment or file), or None."""
-    global _from_env
-    with _lock:
-        value = os.environ.pop(SECRET_ENV, None)
-        if value:
-            _from_env = _checked(value.encode(), SECRET_ENV)
-        if _from_env is not None:
-            return _from_env
-    path = os.environ.get(SECRET_FILE_ENV)
+@dataclass(frozen=True)
+class Source:
+    """Where this worker's job secret comes from: the launcher's ``value`` (or ``path``, a
+    file holding it), else rank 0 (through the store only with ``via_store``)."""
+
+    value: Optional[bytes] = field(default=None, repr=False)  # never in logs or errors
+    path: Optional[str] = None
+    via_store: bool = False
+
+
+def launcher_secret(source: Source) -> Optional[bytes]:
+    """The secret the launcher provided (``source.value``, else the file ``source.path``),
+    or None."""
+    if source.value is not None:
+        return _checked(source.value, SECRET_ENV)
+    path = source.path
     if not path:
         return None
     try:
@@ -155,8 +166,9 @@ def discard_local() -> None:
 atexit.register(discard_local)
 
 
-def via_store_allowed() -> bool:
-    if os.environ.get(VIA_STORE_ENV, "") not in ("", "0"):
+def via_store_allowed(source: Source) -> bool:
+    """Whether the secret travels through the store (logged as a warning each time)."""
+    if source.via_store:
         log.warning("%s is set: the job secret travels through the rendezvous "
                     "store, so anyone who can reach the store can run code on every worker",
                     VIA_STORE_ENV)
@@ -165,15 +177,16 @@ def via_store_allowed() -> bool:
 
 
 def job_secret(store: Any, rank: int, host: str,
-               wait: Callable[[list, str], None], keep: bool = False) -> bytes:
+               wait: Callable[[list, str], None], keep: bool = False,
+               source: Source = Source()) -> bytes:
     """The job's secret: from the launcher, or shared by rank 0 as the module docs say.
 
     ``wait(keys, what)`` blocks until the store has ``keys``.
     """
-    secret = launcher_secret()
+    secret = launcher_secret(source)
     if secret is not None:
         return secret
-    if via_store_allowed():
+    if via_store_allowed(source):
         if rank == 0:
             # compare_set: a rank 0 that rejoins a dynamic group keeps the group's secret
             store.compare_set("insecure_secret", "", secrets.token_hex(32))

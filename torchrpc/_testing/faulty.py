@@ -200,6 +200,8 @@ def _init_backend(store: Any, name: str, rank: int, world_size: int, options: An
                         f"BackendType.{BACKEND_NAME} with "
                         f"torchrpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
     agent = FaultyAgent(store, name, rank, world_size, options)
+    if options.rendezvous_plan is not None:  # set when init_rpc read the options
+        return agent.start(options.rendezvous_plan)
     timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
     return agent.start(max(timeout, 60.0))
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from .. import _wire
 from ..errors import ConnectionLostError, RpcTimeoutError
 from . import handshake, shm
-from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, _reading
+from .reader import _DONTWAIT, CloseCallback, FrameCallback, FrameReader, _reading
 
 _IOV_MAX = 512
 
@@ -76,6 +76,8 @@ class Connection(FrameReader):
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
+        # Whether readers may poll at all, set by the transport (False: spin_us is 0).
+        self.polls = True
         # Polls that ended without data in a row, and waits so far: a connection whose
         # polls keep missing (the answer takes longer than the poll, or the next call
         # comes much later) stops polling, and tries again every _SPIN_PROBE-th wait.
@@ -91,7 +93,8 @@ class Connection(FrameReader):
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
         self.private = private
-        self.spin = private and bool(_SPIN and _DONTWAIT) and type(self.sock) is socket.socket
+        self.spin = (private and self.polls and bool(_DONTWAIT)
+                     and type(self.sock) is socket.socket)
 
     # -- sending -------------------------------------------------------------------------------
 

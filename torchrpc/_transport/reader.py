@@ -16,7 +16,6 @@ from __future__ import annotations
 import hmac
 import logging
 import mmap
-import os
 import socket
 import threading
 import time
@@ -41,34 +40,36 @@ _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _reading = threading.local()
 
 
-def _spin_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1e6:
-        log.warning("TORCHRPC_SPIN_US must be microseconds between 0 and 1e6, "
-                    "got %r; using 200", text)
-        value = 200.0
-    return value / 1e6
+DEFAULT_SPIN_US = 200.0  # how long a private connection's reader polls, in microseconds ...
+DEFAULT_SPIN_SPARE_US = 2000.0  # ... and while the workers of this host leave CPUs spare
+
+
+def spin_seconds(spin_us: Optional[float]) -> Tuple[float, float]:
+    """How long readers poll, in seconds, normally and while CPUs are spare: ``spin_us``
+    (the ``spin_us`` option) for both when set, else the defaults."""
+    if spin_us is None:
+        return DEFAULT_SPIN_US / 1e6, DEFAULT_SPIN_SPARE_US / 1e6
+    return spin_us / 1e6, spin_us / 1e6
 
 
 # How long a private connection's reader polls: _SPIN normally; _SPIN_SPARE while the
-# workers of this host leave CPUs spare (see set_spare_cpus); TORCHRPC_SPIN_US sets both.
-_SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
-_SPIN_SPARE = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "2000"))
+# workers of this host leave CPUs spare (see set_spare_cpus). The defaults: an agent
+# passes the values of its own spin_us option.
+_SPIN, _SPIN_SPARE = spin_seconds(None)
 _poll = _SPIN
 
 
-def set_spare_cpus(spare: bool) -> None:
-    """Tell the readers whether the workers on this host leave CPUs idle.
+def set_spare_cpus(spare: bool, spins: Optional[Tuple[float, float]] = None) -> None:
+    """Tell the readers whether the workers on this host leave CPUs idle; ``spins``: the
+    (normal, spare) poll seconds of :func:`spin_seconds` (default: the defaults).
 
     Polling takes a CPU. Where the workers' compute threads already use every CPU, a
     poll that waits long slows down the computation it waits for, so the readers poll
     only briefly; where CPUs are spare, they poll for as long as a typical call takes.
     """
     global _poll
-    _poll = _SPIN_SPARE if spare else _SPIN
+    normal, when_spare = spins or (_SPIN, _SPIN_SPARE)
+    _poll = when_spare if spare else normal
 
 
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...

@@ -135,8 +135,10 @@ class Transport:
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0,
                  max_private: int = 0, incarnation: int = 0,
-                 admit: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
+                 admit: Optional[Callable[[int, int], Optional[str]]] = None,
+                 polls: bool = True) -> None:
         self.rank = rank
+        self._polls = polls  # whether readers of private connections may poll (spin_us > 0)
         self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
         # admit(rank, incarnation): None to accept an authenticated peer, else why not.
         self._admit = admit
@@ -338,6 +340,7 @@ class Transport:
             conn = Connection(sock, hello.rank, self._limits, self._on_frame, self._closed_cb,
                               outbound=False)
             conn.features = hello.features & self._features
+            conn.polls = self._polls
             conn.set_private(bool(hello.features & handshake.FEATURE_PRIVATE))
             if _needs_frame_macs(conn):
                 c2s, s2c = handshake.frame_keys(self._secret, hello.nonce, nonce, hello.rank,
@@ -395,6 +398,7 @@ class Transport:
         conn = Connection(sock, peer_rank, self._limits, self._on_frame, self._closed_cb,
                           outbound=True)
         conn.features = features & offer
+        conn.polls = self._polls
         conn.set_private(bool(conn.features & handshake.FEATURE_PRIVATE))
         if _needs_frame_macs(conn):
             c2s, s2c = handshake.frame_keys(self._secret, nonce,

@@ -20,8 +20,7 @@ from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.membership import open_elastic_store
-from .._agent.rendezvous import (missing_rank_error, open_store, rendezvous_timeout,
-                                  validate_name)
+from .._agent.rendezvous import missing_rank_error, open_store, validate_name
 from .._wire import Kind
 
 from .._agent.futures import new_future
@@ -29,7 +28,7 @@ from ..errors import GroupCallError, InvalidArgumentError, RpcError, WrongTypeEr
 from . import _gather, backend_registry, constants, functions
 from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
-from .options import RpcBackendOptions
+from .options import SECRET_ENV, RpcBackendOptions, read_environment
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +102,22 @@ def init_rpc(name: str, backend: Optional[BackendType] = None, rank: int = -1,
             rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
         if rank < 0:
             raise missing_rank_error(rpc_backend_options.init_method)
-        timeout = rpc_backend_options.rpc_timeout or \
-            constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+        rpc_backend_options, plan = _read_environment(rpc_backend_options)
         if world_size is None:  # dynamic membership: workers join and leave a running group
-            store = open_elastic_store(rpc_backend_options.init_method, rank,
-                                       rendezvous_timeout(timeout))
+            store = open_elastic_store(rpc_backend_options.init_method, rank, plan)
         else:
             store, rank, world_size = open_store(rpc_backend_options.init_method, rank,
-                                                 world_size, rendezvous_timeout(timeout))
+                                                 world_size, plan)
         _init_rpc_backend(backend, store, name, rank, world_size, rpc_backend_options)
+
+
+def _read_environment(options: RpcBackendOptions) -> Tuple[RpcBackendOptions, Any]:
+    """This init_rpc's settings: ``options`` completed from the ``TORCHRPC_*`` variables,
+    and its rendezvous plan. ``TORCHRPC_SECRET`` leaves the environment here, once."""
+    popped = os.environ.pop(SECRET_ENV, None)
+    if popped:
+        _state.launcher_secret = popped
+    return read_environment(options, os.environ, _state.launcher_secret)
 
 
 def _infer_backend(options: Any) -> BackendType:
@@ -133,6 +139,7 @@ def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
         if _state.agent is not None:
             raise RuntimeError(f"RPC is already initialized on this process as "
                                f"{_state.agent.name!r}; call shutdown() first")
+        rpc_backend_options, _ = _read_environment(rpc_backend_options)
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         if isinstance(agent, Agent):

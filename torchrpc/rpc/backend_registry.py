@@ -36,8 +36,12 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
             f"{rpc_backend_options!r} is a {type(rpc_backend_options).__name__}; build the "
             f"options of BackendType.TENSORPIPE with torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
     agent = Agent(store, name, rank, world_size, rpc_backend_options)
-    timeout = rpc_backend_options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
-    return agent.start(rendezvous_timeout(timeout))
+    plan = rpc_backend_options.rendezvous_plan  # set when init_rpc read the options
+    if plan is None:
+        timeout = (rpc_backend_options.rpc_timeout
+                   or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds())
+        return agent.start(rendezvous_timeout(timeout, rpc_backend_options.rendezvous_timeout))
+    return agent.start(plan)
 
 
 class BackendType(enum.Enum):

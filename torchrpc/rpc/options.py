@@ -1,14 +1,33 @@
-"""Backend options: validated objects whose fields may be assigned after construction."""
+"""Backend options: validated objects whose fields may be assigned after construction.
+
+Settings are options, read once. Every ``TORCHRPC_*`` variable is the environment's way to
+set one field of :class:`TensorPipeRpcBackendOptions`; a field left unset (None) takes the
+variable's value when ``init_rpc`` starts (:func:`read_environment`, the one place that
+reads them), else the built-in default. The layers below receive the values, never the
+environment.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple, Union
 
 import torch
 
+from .._agent import secret as _secret
+from .._agent.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
 from ..errors import OptionTypeError
 from . import constants
+
+LISTEN_ADDR_ENV = "TORCHRPC_LISTEN_ADDR"
+IFNAME_ENV = "TORCHRPC_IFNAME"
+TORCH_IFNAME_ENV = "TP_SOCKET_IFNAME"  # torch's (TensorPipe's) variable, read after ours
+RENDEZVOUS_TIMEOUT_ENV = "TORCHRPC_RENDEZVOUS_TIMEOUT"
+SPIN_US_ENV = "TORCHRPC_SPIN_US"
+SECRET_ENV = _secret.SECRET_ENV
+SECRET_FILE_ENV = _secret.SECRET_FILE_ENV
+VIA_STORE_ENV = _secret.VIA_STORE_ENV
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -73,6 +92,49 @@ def _path_or_none(name: str, value: Any) -> Optional[str]:
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise TypeError(f"{name} must be a file path (str) or None, got {value!r}")
     return os.fspath(value)
+
+
+def _name_or_none(name: str, value: Any, fix: str) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty str or None, got {value!r}; {fix}")
+    return value
+
+
+def _spin_us(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+        raise ValueError(f"spin_us must be microseconds between 0 and 1e6 (0: never poll) or "
+                         f"None, got {value!r}")
+    return float(value)
+
+
+def _rendezvous_seconds(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"rendezvous_timeout must be a number of seconds > 0 or None (the "
+                         f"RPC timeout, at least 60 s), got {value!r}")
+    return float(value)
+
+
+def _secret_or_none(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        # The value is never shown: it may be a real secret of the wrong type.
+        raise ValueError(f"secret must be a non-empty str or None, got a "
+                         f"{type(value).__name__}; give every worker the same random string "
+                         f"of at least {_secret.MIN_LENGTH} characters")
+    return value
+
+
+def _flag_or_none(name: str, value: Any) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool or None, got {value!r}")
+    return value
 
 
 def _check_number(cls: str, name: str, value: Any, construction: bool = False,
@@ -194,6 +256,27 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         log_debug_info_on_timeout (bool): when a call times out, log (as a warning of the
             ``torchrpc._agent.agent`` logger) this worker's debug info and the callee's,
             which it is asked for with a 5 s limit, on a pool thread (default False).
+
+    The fields below are settings the environment may give too: left None, each takes its
+    variable's value when ``init_rpc`` starts, else the built-in default.
+
+    Keyword Args:
+        listen_ifname (str, optional): listen on this network interface's address, unless
+            ``listen_addr`` is set (``TORCHRPC_IFNAME``, else torch's ``TP_SOCKET_IFNAME``).
+        rendezvous_timeout (float, optional): seconds for the whole rendezvous: opening
+            the store, claiming the rank and name, the job secret and waiting for every
+            worker (``TORCHRPC_RENDEZVOUS_TIMEOUT``; unset: the RPC timeout, at least 60 s).
+        spin_us (float, optional): microseconds a blocking call polls its socket before it
+            sleeps, 0 to 1e6 (``TORCHRPC_SPIN_US``; unset: 2000 while the workers of this
+            host leave CPUs spare, else 200; 0: never).
+        secret (str, optional): the job secret, the same on every worker, at least 32
+            characters (``TORCHRPC_SECRET``, removed from the environment once read). It
+            never appears in the options' repr.
+        secret_file (str, optional): a file of mode 0600 holding the job secret
+            (``TORCHRPC_SECRET_FILE``).
+        insecure_secret_in_store (bool, optional): share the job secret through the
+            rendezvous store, for trusted networks only
+            (``TORCHRPC_INSECURE_SECRET_IN_STORE=1``; unset: off).
     """
 
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
@@ -219,7 +302,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  tls_require_client_cert: bool = True,
                  tls_identity: Optional[str] = None,
                  profile_kineto: bool = False,
-                 log_debug_info_on_timeout: bool = False) -> None:
+                 log_debug_info_on_timeout: bool = False,
+                 listen_ifname: Optional[str] = None,
+                 rendezvous_timeout: Optional[float] = None,
+                 spin_us: Optional[float] = None,
+                 secret: Optional[str] = None,
+                 secret_file: Optional[str] = None,
+                 insecure_secret_in_store: Optional[bool] = None) -> None:
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         self._device_maps: Dict[str, Dict[torch.device, torch.device]] = {}
@@ -254,6 +343,78 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             raise TypeError(f"profile_kineto must be a bool, got {profile_kineto!r}")
         self.profile_kineto = profile_kineto
         self.log_debug_info_on_timeout = log_debug_info_on_timeout
+        self.listen_ifname = listen_ifname
+        self.rendezvous_timeout = rendezvous_timeout
+        self.spin_us = spin_us
+        self.secret = secret
+        self.secret_file = secret_file
+        self.insecure_secret_in_store = insecure_secret_in_store
+        # Set on the copy read_environment makes: the plan of that init_rpc's rendezvous.
+        self._rendezvous_plan: Optional[Plan] = None
+
+    @property
+    def listen_ifname(self) -> Optional[str]:
+        """Network interface whose address to listen on (None: from the environment)."""
+        return self._listen_ifname
+
+    @listen_ifname.setter
+    def listen_ifname(self, value: Optional[str]) -> None:
+        self._listen_ifname = _name_or_none("listen_ifname", value,
+                                            "name a network interface such as 'eth0'")
+
+    @property
+    def rendezvous_timeout(self) -> Optional[float]:
+        """Seconds for the whole rendezvous (None: from the environment, else the RPC
+        timeout, at least 60 s)."""
+        return self._rendezvous_timeout
+
+    @rendezvous_timeout.setter
+    def rendezvous_timeout(self, value: Optional[float]) -> None:
+        self._rendezvous_timeout = _rendezvous_seconds(value)
+
+    @property
+    def spin_us(self) -> Optional[float]:
+        """Microseconds a blocking call polls its socket before it sleeps (None: from the
+        environment, else 2000 with spare CPUs, 200 without)."""
+        return self._spin_us
+
+    @spin_us.setter
+    def spin_us(self, value: Optional[float]) -> None:
+        self._spin_us = _spin_us(value)
+
+    @property
+    def secret(self) -> Optional[str]:
+        """The job secret (None: from the environment, else shared by rank 0)."""
+        return self._secret
+
+    @secret.setter
+    def secret(self, value: Optional[str]) -> None:
+        self._secret = _secret_or_none(value)
+
+    @property
+    def secret_file(self) -> Optional[str]:
+        """A file of mode 0600 holding the job secret (None: from the environment)."""
+        return self._secret_file
+
+    @secret_file.setter
+    def secret_file(self, value: Optional[str]) -> None:
+        self._secret_file = _path_or_none("secret_file", value)
+
+    @property
+    def insecure_secret_in_store(self) -> Optional[bool]:
+        """Whether the job secret travels through the store (None: from the environment,
+        else no)."""
+        return self._insecure_secret_in_store
+
+    @insecure_secret_in_store.setter
+    def insecure_secret_in_store(self, value: Optional[bool]) -> None:
+        self._insecure_secret_in_store = _flag_or_none("insecure_secret_in_store", value)
+
+    @property
+    def rendezvous_plan(self) -> Optional[Plan]:
+        """The rendezvous plan (deadline, secret source) of the ``init_rpc`` these options
+        were read for; None on options that did not go through :func:`read_environment`."""
+        return self._rendezvous_plan
 
     @property
     def num_worker_threads(self) -> int:
@@ -426,3 +587,64 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         if not isinstance(devices, (list, tuple)):
             raise TypeError(f"devices must be a list, got {type(devices).__name__}")
         self._devices = [_to_device(d) for d in devices]
+
+
+def _from_env(environ: MutableMapping[str, str], name: str, parse: Callable[[str], Any],
+              check: Callable[[Any], Any], fix: str) -> Any:
+    """Variable ``name`` parsed and checked as its field is, or None when it is unset or
+    empty; a bad value raises a ValueError that names the variable."""
+    text = environ.get(name)
+    if not text:
+        return None
+    try:
+        return check(parse(text))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"environment variable {name}={text!r} is not valid: {fix}") from exc
+
+
+def _env_rendezvous_timeout(environ: MutableMapping[str, str]) -> Optional[float]:
+    return _from_env(environ, RENDEZVOUS_TIMEOUT_ENV, float, _rendezvous_seconds,
+                     "give a number of seconds > 0, or unset it")
+
+
+def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, str],
+                     launcher_secret: Optional[str] = None
+                     ) -> Tuple[RpcBackendOptions, Plan]:
+    """The settings of one ``init_rpc``: a copy of ``options`` whose unset (None) fields
+    take their ``TORCHRPC_*`` variables from ``environ``, and the rendezvous plan, whose
+    deadline starts here. ``launcher_secret``: ``TORCHRPC_SECRET`` as this process read it
+    (the caller removes the variable from the environment).
+
+    Options of a registered third-party backend are returned as they are; only the
+    rendezvous timeout applies to them. Options already read are returned as they are.
+    """
+    rpc_timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+    if not isinstance(options, TensorPipeRpcBackendOptions):
+        deadline = Deadline(rendezvous_timeout(rpc_timeout, _env_rendezvous_timeout(environ)))
+        return options, Plan(deadline)
+    if options.rendezvous_plan is not None:
+        return options, options.rendezvous_plan
+    read = copy.copy(options)
+    if read.listen_addr is None:
+        read.listen_addr = environ.get(LISTEN_ADDR_ENV) or None
+    if read.listen_ifname is None:
+        read.listen_ifname = environ.get(IFNAME_ENV) or environ.get(TORCH_IFNAME_ENV) or None
+    if read.listen_addr is None and read.listen_ifname is not None:
+        read.listen_addr = interface_address(read.listen_ifname)
+    if read.rendezvous_timeout is None:
+        read.rendezvous_timeout = rendezvous_timeout(rpc_timeout,
+                                                     _env_rendezvous_timeout(environ))
+    if read.spin_us is None:
+        read.spin_us = _from_env(environ, SPIN_US_ENV, float, _spin_us,
+                                 "give microseconds between 0 and 1e6 (0: never poll), or "
+                                 "unset it")
+    if read.secret is None:
+        read.secret = launcher_secret or None
+    if read.secret_file is None:
+        read.secret_file = environ.get(SECRET_FILE_ENV) or None
+    if read.insecure_secret_in_store is None:
+        read.insecure_secret_in_store = environ.get(VIA_STORE_ENV, "") not in ("", "0")
+    source = _secret.Source(None if read.secret is None else read.secret.encode(),
+                            read.secret_file, read.insecure_secret_in_store)
+    read._rendezvous_plan = Plan(Deadline(read.rendezvous_timeout), source)
+    return read, read._rendezvous_plan

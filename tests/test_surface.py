@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import copy
 import pathlib
+import pickle
 
 import pytest
 import torch
@@ -115,6 +117,32 @@ def test_register_backend():
         rpc.register_backend("SURFACE_TEST_BACKEND", construct, init)
     with pytest.raises(TypeError, match="BackendType"):
         backend_registry.construct_rpc_backend_options("TENSORPIPE")
+
+
+def test_backend_type_behaves_as_torchs_enum():
+    B = rpc.BackendType
+    member = B.TENSORPIPE
+    assert isinstance(member, B) and member.name == "TENSORPIPE"
+    assert member.value.init_backend_handler is not None
+    assert repr(member) == str(member) == "BackendType.TENSORPIPE"
+    assert B["TENSORPIPE"] is member and B(member.value) is member
+    assert list(B)[0] is member and len(B) == len(list(B)) and member in B
+    assert list(B.__members__) == [m.name for m in B]
+    with pytest.raises(TypeError):
+        B.__members__["X"] = member  # read-only, as an enum's
+    with pytest.raises(KeyError):
+        B["NO_SUCH_BACKEND"]
+    with pytest.raises(AttributeError, match="NO_SUCH_BACKEND"):
+        B.NO_SUCH_BACKEND
+    with pytest.raises(ValueError, match="not a valid BackendType"):
+        B("nothing")
+    with pytest.raises(AttributeError):
+        member.name = "OTHER"
+    assert member == B.TENSORPIPE and member != "TENSORPIPE"
+    assert {member: 1}[B["TENSORPIPE"]] == 1
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert pickle.loads(pickle.dumps(member, protocol)) is member
+    assert copy.copy(member) is member and copy.deepcopy(member) is member
 
 
 def test_options_defaults_and_assignment():

@@ -1,15 +1,18 @@
-"""Backends: the :class:`BackendType` enum and the registry behind ``register_backend``.
+"""Backends: :class:`BackendType` and the registry behind ``register_backend``.
 
 A backend is a pair of handlers: one builds its options object, the other builds a
-started agent from a rendezvous store. ``BackendType`` is a real ``enum.Enum``;
-registering a backend adds one member to it (it is never rebuilt).
+started agent from a rendezvous store. ``BackendType`` behaves as torch's enum where a
+program can tell (members by attribute, by name and by value, iteration in registration
+order, ``name``, ``value``, repr, identity equality, pickling), but it is a plain class
+that owns its registry: registering a backend adds one member to it, and nothing ever
+rebuilds the class or writes the internals of ``enum``.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
 
 from .._agent import Agent
 from .._agent.rendezvous import rendezvous_timeout
@@ -44,7 +47,53 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
     return agent.start(plan)
 
 
-class BackendType(enum.Enum):
+class _Members(type):
+    """What torch's enum does at class level, for :class:`BackendType`: members by
+    attribute (``BackendType.TENSORPIPE``) and by name (``BackendType["TENSORPIPE"]``),
+    by value (``BackendType(value)``), ``len``, ``in`` and iteration in registration
+    order, and ``__members__``."""
+
+    _members: Dict[str, "BackendType"]
+
+    def __getattr__(cls, name: str) -> "BackendType":
+        # Called only when ordinary lookup fails, so methods and attributes come first.
+        try:
+            return cls._members[name]
+        except KeyError:
+            raise AttributeError(f"type object 'BackendType' has no attribute {name!r}; "
+                                 f"registered backends: {list(cls._members)}") from None
+
+    def __getitem__(cls, name: str) -> "BackendType":
+        return cls._members[name]
+
+    def __call__(cls, value: Any) -> "BackendType":
+        for member in cls._members.values():
+            if member.value == value:
+                return member
+        raise ValueError(f"{value!r} is not a valid BackendType")
+
+    def __iter__(cls) -> Iterator["BackendType"]:
+        return iter(list(cls._members.values()))
+
+    def __reversed__(cls) -> Iterator["BackendType"]:
+        return reversed(list(cls._members.values()))
+
+    def __len__(cls) -> int:
+        return len(cls._members)
+
+    def __contains__(cls, member: Any) -> bool:
+        return isinstance(member, cls) and cls._members.get(member.name) is member
+
+    def __dir__(cls) -> list:
+        return sorted(set(super().__dir__()) | set(cls._members))
+
+    @property
+    def __members__(cls) -> Mapping[str, "BackendType"]:
+        """The members by name, in registration order (read-only)."""
+        return MappingProxyType(dict(cls._members))
+
+
+class BackendType(metaclass=_Members):
     """An enum class of available backends.
 
     torchrpc ships ``BackendType.TENSORPIPE`` (named as torch's default, so ported code
@@ -52,10 +101,47 @@ class BackendType(enum.Enum):
     :func:`register_backend`.
     """
 
-    TENSORPIPE = BackendValue(_construct_default_options, _init_default_backend)
+    __slots__ = ("_name", "_value")
+    _members: Dict[str, "BackendType"] = {}  # by name, in registration order
+
+    @classmethod
+    def _add(cls, name: str, value: BackendValue) -> "BackendType":
+        """Make and register the member ``name`` (one per name, for the process's life)."""
+        member = object.__new__(cls)
+        object.__setattr__(member, "_name", name)
+        object.__setattr__(member, "_value", value)
+        cls._members[name] = member
+        return member
+
+    @property
+    def name(self) -> str:
+        """The backend's name, as given to :func:`register_backend`."""
+        return self._name
+
+    @property
+    def value(self) -> BackendValue:
+        """The backend's handlers."""
+        return self._value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"BackendType.{self._name} cannot be changed")
 
     def __repr__(self) -> str:
-        return f"BackendType.{self.name}"
+        return f"BackendType.{self._name}"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Tuple[Any, Tuple[str]]:
+        # By name: unpickling gives the member registered under it in this process.
+        return _member, (self._name,)
+
+
+def _member(name: str) -> BackendType:
+    """The registered member ``name`` (what a pickled ``BackendType`` loads as)."""
+    return BackendType[name]
+
+
+BackendType._add("TENSORPIPE", BackendValue(_construct_default_options, _init_default_backend))
 
 
 def backend_registered(backend_name: str) -> bool:
@@ -80,15 +166,9 @@ def register_backend(backend_name: str,
         raise ValueError(f"backend name must be an identifier string, got {backend_name!r}")
     if backend_registered(backend_name):
         raise RuntimeError(f"RPC backend {backend_name}: already registered")
-    value = BackendValue(construct_rpc_backend_options_handler, init_backend_handler)
-    member = object.__new__(BackendType)
-    member._name_ = backend_name
-    member._value_ = value
-    BackendType._member_map_[backend_name] = member
-    BackendType._value2member_map_[value] = member
-    BackendType._member_names_.append(backend_name)
-    type.__setattr__(BackendType, backend_name, member)
-    return member
+    return BackendType._add(backend_name,
+                            BackendValue(construct_rpc_backend_options_handler,
+                                         init_backend_handler))
 
 
 def construct_rpc_backend_options(backend: BackendType,

@@ -171,6 +171,33 @@ def unreachable(rank: int) -> None:
     print("OK unexpectedly joined", flush=True)
 
 
+def late_then_missing(rank: int) -> None:
+    """Rank 0 of two, with a 4 s rendezvous: the other reaches the store after 2.5 s and
+    never joins. init_rpc fails at the one deadline (4 s), not 4 s after the store opened."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    def reach_the_store_late() -> None:
+        time.sleep(2.5)
+        held.append(dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, False,
+                                  datetime.timedelta(seconds=30)))
+
+    held: list = []
+    threading.Thread(target=reach_the_store_late, daemon=True).start()
+    start = time.monotonic()
+    try:
+        rpc.init_rpc("alone", rank=0, world_size=2,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         num_worker_threads=2, rendezvous_timeout=4.0))
+    except RuntimeError as exc:
+        print(f"ERR after {time.monotonic() - start:.1f}s store reached {bool(held)}: {exc}",
+              flush=True)
+        return
+    print("OK unexpectedly joined", flush=True)
+
+
 def duplicate(rank: int) -> None:
     """Started with a clashing name or rank: init_rpc must fail with a clear error."""
     name = os.environ["SCENARIO_NAME"]

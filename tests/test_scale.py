@@ -110,6 +110,16 @@ def test_listen_address_not_on_this_machine_fails_naming_it():
     assert "ERR" in outs[0][1] and "nosuchif0" in outs[0][1], outs
 
 
+def test_rendezvous_fails_at_one_deadline_for_all_its_steps():
+    # The store opens late (after 2.5 s of 4): waiting for the missing worker gets the time
+    # left, not a fresh 4 s.
+    outs = launch("late_then_missing", 2, ranks=[0])
+    out = outs[0][1]
+    assert "ERR" in out and "store reached True" in out and "timed out" in out, out
+    seconds = float(re.search(r"ERR after ([\d.]+)s", out).group(1))
+    assert 3.5 <= seconds < 5.5, out
+
+
 def test_unreachable_rendezvous_fails_within_timeout_naming_the_address():
     port = free_port()
     outs = launch("unreachable", 2, {"MASTER_PORT": str(port), "TORCHRPC_RENDEZVOUS_TIMEOUT": "3"},

@@ -19,7 +19,7 @@ import torch
 from .._agent import Agent, MessageContext, Parked, WorkerInfo, fresh_error
 from .._agent.current import current_agent, handle as agent_handle
 from .._agent.futures import RpcFuture, new_future
-from .._wire import Kind, PassThrough, current_context
+from .._wire import Kind, PassThrough, register_message_reducer, register_rebuilder
 from ..errors import ConnectionLostError, InvalidArgumentError, NotInitializedError, RpcTimeoutError
 from .book import GloballyUniqueId, OwnerEntry
 from .proxy import (_UNSET, _backward_local, _Proxy, _rref_typeof_on_owner, _timeout,
@@ -314,15 +314,8 @@ class RRef(Generic[T]):
                                f"RRefs only while RPC runs")
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        self._check_not_deleted("fork an UserRRef")
-        ctx = current_context()
-        if not isinstance(ctx, MessageContext):
-            raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
-                               "pickled when using RPC: pass it as an argument or return "
-                               "value of rpc_sync, rpc_async or remote")
-        if self._error is not None:
-            raise PassThrough(fresh_error(self._error))  # a fork raises the creation error itself
-        return ctx.agent.extensions["rref"].fork(self, ctx)
+        """Pickling outside an RPC message (inside one, :func:`_reduce_rref` forks it)."""
+        return _reduce_rref(self, None)
 
     def __del__(self) -> None:
         if getattr(self, "_fork_id", None) is not None and not self._deleted:
@@ -359,9 +352,22 @@ def _gid(gid: Optional[GloballyUniqueId]) -> str:
     return f"GloballyUniqueId(created_on={gid[0]}, local_id={gid[1]})"
 
 
+def _reduce_rref(rref: RRef, ctx: Any) -> Tuple[Any, ...]:
+    """An RRef pickled in the message of context ``ctx`` (None: outside a message)."""
+    rref._check_not_deleted("fork an UserRRef")
+    if not isinstance(ctx, MessageContext):
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
+                           "pickled when using RPC: pass it as an argument or return "
+                           "value of rpc_sync, rpc_async or remote")
+    if rref._error is not None:
+        raise PassThrough(fresh_error(rref._error))  # a fork raises the creation error itself
+    return ctx.agent.extensions["rref"].fork(rref, ctx)
+
+
 def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
-                  by_owner: bool) -> RRef:
-    ctx = current_context()
+                  by_owner: bool, *, context: Any = None) -> RRef:
+    """An RRef unpickled from the message of ``context`` (the decode binds it)."""
+    ctx = context
     if not isinstance(ctx, MessageContext):
         raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
     layer = ctx.agent.extensions["rref"]
@@ -371,5 +377,8 @@ def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: i
         ctx.add_gate(layer.confirmation(fork_id))
     return rref
 
+
+register_message_reducer(RRef, _reduce_rref)
+register_rebuilder(_rebuild_rref)
 
 __all__ = ["RRef"]

@@ -20,9 +20,7 @@ from ..errors import DeviceMapError
 from .rebuild import (_BUILTIN, _BYTES, _DEVICE, _DTYPE_IDS, _EMPTY, _INLINE, _SLOT, _TENSOR,
                       _TORCH_FUNCTION, _TORCH_FUNCTIONS, _contiguous_strides, _load_script_function,
                       _rebuild, _rebuild_parameter, _rebuild_sparse_compressed,
-                      _rebuild_sparse_coo, current_context, memoryview_of)
-
-TensorHook = Callable[[torch.Tensor], torch.Tensor]
+                      _rebuild_sparse_coo, TensorHook, memoryview_of)
 
 _SPAN_SLACK = 2
 _SPAN_EXTRA = 64 * 1024
@@ -95,9 +93,12 @@ _PLACE = bytearray()
 
 
 class _Encoder:
-    """State of one :func:`encode` call."""
+    """State of one :func:`encode` call, and its ``context`` (see :func:`encode`), which
+    the reductions of :func:`register_message_reducer` receive."""
 
-    def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict) -> None:
+    def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict,
+                 context: Any = None) -> None:
+        self.context = context
         self.slots: dict = {}
         self.inlined: dict = {}  # storage address -> byte range of the tensor sent inline
         self.views: List[memoryview] = []
@@ -202,12 +203,11 @@ class _Encoder:
         return _rebuild, (_TENSOR, slot, lo - slot.lo, dtype_ref, tuple(data.shape),
                           data.stride(), requires_grad)
 
-    @staticmethod
-    def cuda_target(t: torch.Tensor) -> Optional[str]:
+    def cuda_target(self, t: torch.Tensor) -> Optional[str]:
         """The device CUDA tensor ``t`` lands on at the peer of the message being encoded
         (its context's ``target_device``, which raises where no device map covers it), or
         None outside an RPC message."""
-        where = getattr(current_context(), "target_device", None)
+        where = getattr(self.context, "target_device", None)
         if where is None:
             return None
         try:
@@ -267,6 +267,13 @@ class _Encoder:
         """
         if isinstance(obj, type) or type(obj) in copyreg.dispatch_table:
             return NotImplemented
+        for cls in type(obj).__mro__:
+            reduce = _MESSAGE_REDUCERS.get(cls)
+            if reduce is not None:
+                rv = reduce(obj, self.context)
+                if rv is not NotImplemented:
+                    return rv
+                break
         rv = obj.__reduce_ex__(5)
         if type(rv) is not tuple or len(rv) < 2 or type(rv[1]) is not tuple:
             return rv
@@ -331,6 +338,23 @@ _OBJECT_REDUCE = object.__reduce__
 def register_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
     """Make :func:`encode` pickle exact instances of ``cls`` as ``reducer(obj)`` says."""
     _REDUCERS[cls] = lambda enc, obj: reducer(obj)
+
+
+# Classes (and their subclasses) with a reduction that depends on the message being
+# encoded: class -> reducer(obj, context). Only classes with a reduction of their own
+# (a __reduce__ or __reduce_ex__) are looked up here.
+_MESSAGE_REDUCERS: dict = {}
+
+
+def register_message_reducer(cls: type, reducer: Callable[[Any, Any], Any]) -> None:
+    """Make :func:`encode` pickle instances of ``cls`` and its subclasses as
+    ``reducer(obj, context)`` says, ``context`` being the one :func:`encode` was given
+    (None outside a message); ``NotImplemented``: as the object's own ``__reduce_ex__``
+    says. ``cls`` must define its own reduction, the one pickling outside ``encode``."""
+    if cls.__reduce_ex__ is _OBJECT_REDUCE_EX and cls.__reduce__ is _OBJECT_REDUCE:
+        raise TypeError(f"{cls.__name__} has no reduction of its own: define __reduce__ (what "
+                        f"pickling it outside an RPC message does) before registering one")
+    _MESSAGE_REDUCERS[cls] = reducer
 
 
 class _Pickler(pickle.Pickler):

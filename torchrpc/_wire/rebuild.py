@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import threading
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from ..errors import SerializationError
 
-# The encode or decode running on this thread: ``context`` (see current_context) and
-# ``recv_hook``, which the rebuilders apply to received tensors that require grad.
-_local = threading.local()
-
-
-def current_context() -> Any:
-    """Return the context object of the encode/decode running on this thread, or None."""
-    return getattr(_local, "context", None)
+TensorHook = Callable[[torch.Tensor], torch.Tensor]
 
 
 def memoryview_of(ptr: int, nbytes: int) -> memoryview:
@@ -33,14 +25,19 @@ def memoryview_of(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
-def _rebuild(tag: int, *args: Any) -> Any:
+def _rebuild(tag: int, *args: Any, hook: Optional[TensorHook] = None) -> Any:
     """The one global the encoder's reductions refer to.
 
     Pickling a global costs an import-system lookup per global and message, so the
     slot, tensor and torch-function reductions share this one (memoized within a
     message); the tag says which it is. The tags are part of the wire format.
+    ``hook``: the receive hook of the decode (its unpickler binds it), applied to each
+    received tensor that requires grad.
     """
-    return _REBUILDERS[tag](*args)
+    if hook is None:
+        return _REBUILDERS[tag](*args)
+    t = _REBUILDERS[tag](*args)
+    return hook(t) if (tag == _TENSOR or tag == _INLINE) and t.requires_grad else t
 
 
 def _torch_function(name: str) -> Any:
@@ -80,11 +77,9 @@ def _owning_view(t: torch.Tensor) -> memoryview:
 
 
 def _received_with_grad(t: torch.Tensor) -> torch.Tensor:
-    """A received tensor that requires grad, after the receive hook saw it, so that
-    distributed autograd records it (every rebuilder of a tensor with grad ends here)."""
-    t.requires_grad_(True)
-    hook = getattr(_local, "recv_hook", None)
-    return hook(t) if hook is not None else t
+    """A received tensor that requires grad (the rebuilder's caller applies the receive
+    hook, so that distributed autograd records it)."""
+    return t.requires_grad_(True)
 
 
 def _rebuild_tensor(slot: torch.Tensor, byte_offset: int, dtype: Any, shape: Tuple[int, ...],
@@ -197,23 +192,36 @@ _REBUILDERS = (_rebuild_slot, _rebuild_tensor, _rebuild_empty, _torch_function, 
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...],
-                        coalesced: bool, requires_grad: bool) -> torch.Tensor:
+                        coalesced: bool, requires_grad: bool,
+                        *, hook: Optional[TensorHook] = None) -> torch.Tensor:
     t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
                                 check_invariants=True)
-    return _received_with_grad(t) if requires_grad else t
+    return _with_hook(t, requires_grad, hook)
 
 
 def _rebuild_sparse_compressed(layout: torch.layout, a: torch.Tensor, b: torch.Tensor,
                                values: torch.Tensor, size: Tuple[int, ...],
-                               requires_grad: bool = False) -> torch.Tensor:
+                               requires_grad: bool = False,
+                               *, hook: Optional[TensorHook] = None) -> torch.Tensor:
     t = torch.sparse_compressed_tensor(a, b, values, size, layout=layout, check_invariants=True)
-    return _received_with_grad(t) if requires_grad else t
+    return _with_hook(t, requires_grad, hook)
 
 
-def _rebuild_parameter(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+def _rebuild_parameter(data: torch.Tensor, requires_grad: bool,
+                       *, hook: Optional[TensorHook] = None) -> torch.Tensor:
     p = torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
-    hook = getattr(_local, "recv_hook", None) if requires_grad else None
-    return hook(p) if hook is not None else p
+    return hook(p) if hook is not None and requires_grad else p
+
+
+def _with_hook(t: torch.Tensor, requires_grad: bool, hook: Optional[TensorHook]) -> torch.Tensor:
+    if not requires_grad:
+        return t
+    t.requires_grad_(True)
+    return hook(t) if hook is not None else t
+
+
+# The globals an unpickler binds its receive hook to (keyword ``hook``), when it has one.
+HOOKED = (_rebuild, _rebuild_sparse_coo, _rebuild_sparse_compressed, _rebuild_parameter)
 
 
 def _load_script_function(qualified_name: str) -> Any:

@@ -29,8 +29,11 @@ which is what pickle gives an object whose buffers it loads out of band.
 
 Nothing here does I/O. Callers may pass hooks to see every tensor that requires
 grad on the way out and on the way in (distributed autograd uses them), and a
-*context* object that pickling code of upper layers (RRefs) can read with
-:func:`current_context`.
+*context* object for the pickling code of upper layers (RRefs). Both are state of the
+one encode or decode, never of the thread: the pickler's encoder hands the context to
+the reducers of :func:`register_message_reducer`, and the unpickler binds its context
+and receive hook to the globals that take them (:func:`register_rebuilder` and the
+tensor rebuilders) when it finds them, once per global and message.
 
 The sending side, the pickler and its reductions, lives in :mod:`.pickler`; the receiving
 side, the globals an envelope names and the tensors they rebuild, in :mod:`.rebuild`. This
@@ -39,6 +42,7 @@ module holds the two entry points and the unpickler.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import sys
@@ -48,35 +52,63 @@ import torch
 
 from ..errors import MissingDefinitionError, SerializationError
 from .pickler import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, TensorHook, _Encoder, _Pickler,
-                      register_reducer, tensor_bytes)
-from .rebuild import _local, current_context, memoryview_of, new_buffer
+                      register_message_reducer, register_reducer, tensor_bytes)
+from .rebuild import HOOKED, memoryview_of, new_buffer
 
-__all__ = ["INLINE_MAX", "OUT_OF_BAND_MIN", "PassThrough", "TensorHook", "current_context",
-           "decode", "encode", "locate", "memoryview_of", "new_buffer", "register_reducer",
-           "tensor_bytes"]
+__all__ = ["INLINE_MAX", "OUT_OF_BAND_MIN", "PassThrough", "TensorHook", "decode", "encode",
+           "locate", "memoryview_of", "new_buffer", "register_message_reducer",
+           "register_rebuilder", "register_reducer", "tensor_bytes"]
+
+_HOOK, _CONTEXT = 0, 1
+# id(global) -> (global, what the unpickler binds to it): the receive hook (keyword
+# ``hook``) or the decode's context (keyword ``context``).
+_BOUND: dict = {id(fn): (fn, _HOOK) for fn in HOOKED}
+
+
+def register_rebuilder(fn: Callable[..., Any]) -> None:
+    """Make :func:`decode` call global ``fn`` with the keyword ``context``: the context the
+    decode was given (plain ``pickle.loads`` calls it without, so its default applies)."""
+    _BOUND[id(fn)] = (fn, _CONTEXT)
 
 
 class _Unpickler(pickle.Unpickler):
-    """Finds globals of already imported modules with one getattr.
+    """Finds globals of already imported modules with one getattr, and binds the
+    decode's state (``context``, ``recv_hook``; set after construction: a Python
+    ``__init__`` would cost a call per message) to the globals that take it.
 
     The default looks each one up through the import machinery (about 2 us apiece);
     what it returns is the same object.
     """
 
+    context: Any = None
+    recv_hook: Optional[TensorHook] = None
+
     def find_class(self, module: str, name: str) -> Any:
         mod = sys.modules.get(module)
         if mod is not None and "." not in name:
             try:
-                return getattr(mod, name)
+                found = getattr(mod, name)
             except AttributeError:
                 pass
+            else:
+                bound = _BOUND.get(id(found))
+                return found if bound is None else self._bind(bound)
         try:
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
         except (AttributeError, ImportError) as exc:
             raise MissingDefinitionError(
                 f"RPC pickler does not serialize function code. Ensure that UDFs are defined "
                 f"on both caller and callee modules: {module}.{name} is not defined in this "
                 f"process ({exc})") from None
+        bound = _BOUND.get(id(found))
+        return found if bound is None else self._bind(bound)
+
+    def _bind(self, bound: Tuple[Callable[..., Any], int]) -> Callable[..., Any]:
+        fn, what = bound
+        if what == _HOOK:
+            hook = self.recv_hook
+            return fn if hook is None else functools.partial(fn, hook=hook)
+        return functools.partial(fn, context=self.context)
 
 
 def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None,
@@ -95,38 +127,32 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     that path names ``obj``, or, a sequence, the items of the tuple ``obj``.
     """
     retry: dict = {}
-    local = _local
-    prev = getattr(local, "context", None)
-    local.context = context
-    try:
-        for _ in range(2):
-            enc = _Encoder(send_hook, retry)
-            out = io.BytesIO()
-            pickler = _Pickler(out, 5, buffer_callback=enc.in_band)
-            pickler.enc = enc
-            if meta is None:
-                out.write(_NONE_META)
-            else:
-                try:
-                    pickler.dump(meta)
-                except Exception as exc:
-                    raise SerializationError(
-                        f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
+    for _ in range(2):
+        enc = _Encoder(send_hook, retry, context)
+        out = io.BytesIO()
+        pickler = _Pickler(out, 5, buffer_callback=enc.in_band)
+        pickler.enc = enc
+        if meta is None:
+            out.write(_NONE_META)
+        else:
             try:
-                pickler.dump(obj)
-            except SerializationError:
-                raise
-            except PassThrough as wrapper:
-                raise wrapper.take() from None
+                pickler.dump(meta)
             except Exception as exc:
-                local.context = None  # the search must not fork RRefs again
-                raise SerializationError(f"cannot pickle {locate(obj, exc, names)}: "
-                                         f"{exc}") from exc
-            if not enc.conflict:
-                break
-            retry = enc.retry_ranges
-    finally:
-        local.context = prev
+                raise SerializationError(
+                    f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
+        try:
+            pickler.dump(obj)
+        except SerializationError:
+            raise
+        except PassThrough as wrapper:
+            raise wrapper.take() from None
+        except Exception as exc:
+            # locate() pickles parts again without the context: no RRef forks twice
+            raise SerializationError(f"cannot pickle {locate(obj, exc, names)}: "
+                                     f"{exc}") from exc
+        if not enc.conflict:
+            break
+        retry = enc.retry_ranges
     return out.getvalue(), enc.views, enc.keepalive
 
 
@@ -140,23 +166,18 @@ def decode(envelope: bytes | bytearray | memoryview, buffers: Sequence[Any], con
     Returns ``(meta, obj)``. ``recv_hook(meta)``, when given, returns the hook to
     apply to every received tensor that requires grad.
     """
-    local = _local
-    prev_hook = getattr(local, "recv_hook", None)
-    prev_context = getattr(local, "context", None)
-    local.context = context
-    try:
-        stream = io.BytesIO(envelope)
-        unpickler = _Unpickler(stream, buffers=buffers)
-        if type(envelope) is not memoryview and envelope.startswith(_NONE_META):
-            meta = None  # the common case: skip the empty pickle
-            stream.seek(len(_NONE_META))
-        else:
-            meta = unpickler.load()
-        local.recv_hook = recv_hook(meta) if recv_hook is not None else None
-        return meta, unpickler.load()
-    finally:
-        local.recv_hook = prev_hook
-        local.context = prev_context
+    stream = io.BytesIO(envelope)
+    unpickler = _Unpickler(stream, buffers=buffers)
+    if context is not None:
+        unpickler.context = context
+    if type(envelope) is not memoryview and envelope.startswith(_NONE_META):
+        meta = None  # the common case: skip the empty pickle
+        stream.seek(len(_NONE_META))
+    else:
+        meta = unpickler.load()
+    if recv_hook is not None:
+        unpickler.recv_hook = recv_hook(meta)
+    return meta, unpickler.load()
 
 
 def locate(obj: Any, error: BaseException, names: Union[str, Sequence[str]] = "value") -> str:

@@ -14,7 +14,7 @@ import torch
 
 from .. import _profiler
 from .._agent import MessageContext
-from .._wire import PassThrough, current_context
+from .._wire import PassThrough
 from .._wire import serialize as _wire
 
 
@@ -61,9 +61,13 @@ class _InternalRPCPickler:
 _internal_rpc_pickler = _InternalRPCPickler()
 
 
-def _pickling_for_rpc() -> bool:
-    """Whether the pickling running on this thread is of an RPC message."""
-    return isinstance(current_context(), MessageContext)
+def _register_rpc_reducer(cls: type, reducer: Callable[[Any], Tuple[Any, ...]]) -> None:
+    """Pickle instances of ``cls`` and its subclasses in RPC messages as ``reducer(obj)``
+    says; anywhere else (plain pickle, a tool's encode), as their own reduction says."""
+    def reduce(obj: Any, context: Any) -> Any:
+        return reducer(obj) if isinstance(context, MessageContext) else NotImplemented
+
+    _wire.register_message_reducer(cls, reduce)
 
 
 # Raised by pickling code to make the RPC's encoding raise the wrapped error itself.

@@ -378,19 +378,12 @@ class _RemoteModule(nn.Module):
                            "only be unpickled when using RPC")
 
     def __reduce_ex__(self, protocol: int) -> Tuple[Any, ...]:
-        if not rpc.internal._pickling_for_rpc():
-            raise RuntimeError(
-                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
-                "pickled when using RPC: pass it as an argument or return value of rpc_sync, "
-                "rpc_async or remote; to save the module itself, fetch its state on the owner "
-                "through get_module_rref()")
-        for name in self.__dict__:
-            if name not in _NOT_PICKLED and name not in _REMOTE_MODULE_PICKLED_ATTRIBUTES:
-                warnings.warn(f"The new attribute ``{name}`` of RemoteModule is ignored during "
-                              f"RPC pickling: only {', '.join(_REMOTE_MODULE_PICKLED_ATTRIBUTES)} "
-                              f"are sent", stacklevel=2)
-        return _rebuild_remote_module, (type(self), tuple(
-            self.__dict__[name] for name in _REMOTE_MODULE_PICKLED_ATTRIBUTES))
+        """Pickling outside an RPC message (inside one, :func:`_reduce_remote_module`)."""
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
+            "pickled when using RPC: pass it as an argument or return value of rpc_sync, "
+            "rpc_async or remote; to save the module itself, fetch its state on the owner "
+            "through get_module_rref()")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(on={self.on}, device={self.device})"
@@ -486,6 +479,18 @@ def _load_script_module(data: bytes) -> torch.jit.ScriptModule:
     return torch.jit.load(io.BytesIO(data))
 
 
+def _reduce_remote_module(module: _RemoteModule) -> Tuple[Any, ...]:
+    """A RemoteModule (or subclass) in an RPC message: its attributes that travel."""
+    for name in module.__dict__:
+        if name not in _NOT_PICKLED and name not in _REMOTE_MODULE_PICKLED_ATTRIBUTES:
+            warnings.warn(f"The new attribute ``{name}`` of RemoteModule is ignored during "
+                          f"RPC pickling: only {', '.join(_REMOTE_MODULE_PICKLED_ATTRIBUTES)} "
+                          f"are sent", stacklevel=2)
+    return _rebuild_remote_module, (type(module), tuple(
+        module.__dict__[name] for name in _REMOTE_MODULE_PICKLED_ATTRIBUTES))
+
+
+rpc.internal._register_rpc_reducer(_RemoteModule, _reduce_remote_module)
 rpc.internal._internal_rpc_pickler._register_reducer(torch.jit.RecursiveScriptModule,
                                                      _reduce_script_module)
 rpc.internal._internal_rpc_pickler._register_reducer(_TargetFuture, _reduce_target_future)

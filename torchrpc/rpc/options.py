@@ -625,11 +625,12 @@ def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, st
     if options.rendezvous_plan is not None:
         return options, options.rendezvous_plan
     read = copy.copy(options)
-    if read.listen_addr is None:
+    if not read.listen_addr:
         read.listen_addr = environ.get(LISTEN_ADDR_ENV) or None
     if read.listen_ifname is None:
         read.listen_ifname = environ.get(IFNAME_ENV) or environ.get(TORCH_IFNAME_ENV) or None
-    if read.listen_addr is None and read.listen_ifname is not None:
+    if not read.listen_addr and read.listen_ifname is not None:
+        # The interface's address, looked up once: the agent listens on listen_addr.
         read.listen_addr = interface_address(read.listen_ifname)
     if read.rendezvous_timeout is None:
         read.rendezvous_timeout = rendezvous_timeout(rpc_timeout,

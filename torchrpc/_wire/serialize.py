@@ -92,7 +92,9 @@ class _Unpickler(pickle.Unpickler):
                 pass
             else:
                 bound = _BOUND.get(id(found))
-                return found if bound is None else self._bind(bound)
+                if bound is None or (bound[1] == _HOOK and self.recv_hook is None):
+                    return found
+                return self._bind(bound)
         try:
             found = super().find_class(module, name)
         except (AttributeError, ImportError) as exc:
@@ -101,13 +103,14 @@ class _Unpickler(pickle.Unpickler):
                 f"on both caller and callee modules: {module}.{name} is not defined in this "
                 f"process ({exc})") from None
         bound = _BOUND.get(id(found))
-        return found if bound is None else self._bind(bound)
+        if bound is None or (bound[1] == _HOOK and self.recv_hook is None):
+            return found
+        return self._bind(bound)
 
     def _bind(self, bound: Tuple[Callable[..., Any], int]) -> Callable[..., Any]:
         fn, what = bound
         if what == _HOOK:
-            hook = self.recv_hook
-            return fn if hook is None else functools.partial(fn, hook=hook)
+            return functools.partial(fn, hook=self.recv_hook)
         return functools.partial(fn, context=self.context)
 
 

@@ -5,11 +5,14 @@ Each prints ``OK <detail>`` on success; any exception fails the process.
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import threading
+import time
 
 import torch
+import torch.distributed as dist
 
 import torchrpc.rpc as rpc
 from torchrpc.errors import NotInitializedError
@@ -174,11 +177,6 @@ def unreachable(rank: int) -> None:
 def late_then_missing(rank: int) -> None:
     """Rank 0 of two, with a 4 s rendezvous: the other reaches the store after 2.5 s and
     never joins. init_rpc fails at the one deadline (4 s), not 4 s after the store opened."""
-    import datetime
-    import time
-
-    import torch.distributed as dist
-
     def reach_the_store_late() -> None:
         time.sleep(2.5)
         held.append(dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, False,

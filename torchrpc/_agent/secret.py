@@ -72,7 +72,7 @@ def launcher_secret(source: Source) -> Optional[bytes]:
     """The secret the launcher provided (``source.value``, else the file ``source.path``),
     or None."""
     if source.value is not None:
-        return _checked(source.value, SECRET_ENV)
+        return _checked(source.value, f"the secret option or {SECRET_ENV}")
     path = source.path
     if not path:
         return None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PSTrainer", "add_one", "echo", "make_ps_table", "make_stage", "memory_mb", "mlp",
-           "peak_rss_mb", "ps_train", "remote_peak_rss_mb", "stage_forward",
+           "noop", "peak_rss_mb", "ps_train", "remote_peak_rss_mb", "stage_forward",
            "stage_param_rrefs", "worker_pid"]
 
 
@@ -78,6 +78,11 @@ def echo(x: Any) -> Any:
 def remote_peak_rss_mb() -> float:
     """Peak RSS of the process this runs in (called over RPC on the callee)."""
     return peak_rss_mb()
+
+
+def noop(x: int) -> int:
+    """Return the int argument: a call with no tensor anywhere."""
+    return x
 
 
 def mlp(dims: list[int], final_relu: bool) -> nn.Sequential:

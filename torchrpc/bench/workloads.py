@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .callees import (PSTrainer, add_one, echo, make_ps_table, make_stage, memory_mb, mlp,
+from .callees import (PSTrainer, add_one, echo, make_ps_table, make_stage, memory_mb, mlp, noop,
                       peak_rss_mb, ps_train, remote_peak_rss_mb, stage_forward,
                       stage_param_rrefs, worker_pid)
 from .metrics import echo_memcpy_metric, echo_metric, echo_numpy_metric
@@ -115,7 +115,8 @@ def _check_small_result(value: Any) -> None:
 
 
 def run_latency(ctx: WorkerContext) -> Result:
-    """Small ``rpc_sync`` calls one after the other: p50 and p99 in microseconds."""
+    """Small ``rpc_sync`` calls one after the other: p50 and p99 in microseconds; then
+    the p50 of a no-op call with an int argument (no tensor at all)."""
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.rpc_sync(ctx.peer, func, args=args))
@@ -127,8 +128,16 @@ def run_latency(ctx: WorkerContext) -> Result:
         start = clock()
         ctx.rpc.rpc_sync(ctx.peer, func, args=args)
         samples.append((clock() - start) / 1e3)
+    noops = []
+    for i in range(opts.latency_warmup + opts.latency_calls):
+        start = clock()
+        if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
+            raise AssertionError(f"no-op call did not return its argument {i}")
+        noops.append((clock() - start) / 1e3)
+    del noops[:opts.latency_warmup]
     metrics = {"rpc_sync_p50_us": percentile(samples, 50),
-               "rpc_sync_p99_us": percentile(samples, 99)}
+               "rpc_sync_p99_us": percentile(samples, 99),
+               "noop_p50_us": percentile(noops, 50)}
     details = {"calls": len(samples), "min_us": min(samples), "max_us": max(samples),
                "mean_us": sum(samples) / len(samples), "small_call": opts.small_call}
     return metrics, details

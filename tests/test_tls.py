@@ -17,7 +17,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, tcp, tls
+from torchrpc._transport import Transport, accept, handshake, tls
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
@@ -151,9 +151,9 @@ def test_client_rejects_a_server_certificate_from_another_ca(pki):
 def _tracked_sockets(peer: "_Peer", timeout: float = 10.0) -> int:
     """How many sockets the transport still tracks once its handshake threads are done."""
     deadline = time.monotonic() + timeout
-    while peer.t._sockets and time.monotonic() < deadline:
+    while peer.t._links._sockets and time.monotonic() < deadline:
         time.sleep(0.05)
-    return len(peer.t._sockets)
+    return len(peer.t._links._sockets)
 
 
 def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
@@ -184,7 +184,7 @@ def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
 def test_a_trickled_tls_handshake_is_dropped_at_the_handshake_deadline(pki, monkeypatch):
     # One deadline for the whole handshake, TLS included: a byte every 0.2 s would
     # otherwise hold one of the worker's few handshake slots for as long as it likes.
-    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    monkeypatch.setattr(accept, "HANDSHAKE_TIMEOUT", 1.0)
     server = _Peer(0, _contexts(pki))
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls_obj = _contexts(pki).client.wrap_bio(incoming, outgoing)

@@ -330,7 +330,7 @@ def test_senders_retire_idle_and_outgrown_segments():
         for n in (LARGE, 4 * LARGE, 16 * LARGE):
             back = _call(conn, a, torch.zeros(n, dtype=torch.uint8))
             del back
-        b_conn = next(iter(b.t._shm_conns))
+        b_conn = next(iter(b.t._links._shm_conns))
         # A bigger segment retires the smaller free ones (the last may still have been
         # in use by the peer when the next was made).
         assert 1 <= conn.shm_tx.num_segments <= 2 and 1 <= b_conn.shm_tx.num_segments <= 2
@@ -366,7 +366,7 @@ def test_an_echo_goes_back_in_the_senders_own_segment_which_waits_for_both_sides
         assert seg.wrapped == 1 and seg.returns.value == seg.released + 1
         where = th.mapping_of(first)
         assert th.is_segment(where) and seg.name.split(".")[0] in where, where
-        b_conn = next(iter(b.t._shm_conns))
+        b_conn = next(iter(b.t._links._shm_conns))
         assert b_conn.shm_tx is None or b_conn.shm_tx.num_segments == 0  # the peer made none
         # While the returned tensor lives, its segment is not reused: the next echo gets
         # another one, and the first keeps its bytes.
@@ -393,13 +393,13 @@ def test_a_forged_return_reference_closes_the_connection():
         for forge in (lambda s: shm.return_ref(s.number + 1, 0),  # no segment of ours
                       lambda s: shm.return_ref(s.number, s.capacity),  # beyond its end
                       lambda s: shm.return_ref(s.number, 0)):  # nothing returned is due
-            before = set(b.t._shm_conns)
+            before = set(b.t._links._shm_conns)
             conn = a.connect(b)
             back = _call(conn, a, torch.zeros(LARGE, dtype=torch.uint8))
             del back
             (seg,) = conn.shm_tx._segments
             _wait(lambda: seg.free, "the echo's segment free again")
-            (peer,) = set(b.t._shm_conns) - before
+            (peer,) = set(b.t._links._shm_conns) - before
             closed = len(a.closed)
             head = _wire.pack_header(Kind.RESPONSE, _wire.FLAG_SHM, 9, 1,
                                      [LARGE | _wire.SHM_BIT])

@@ -16,10 +16,10 @@ import time
 from typing import Any, Callable, List, Optional
 
 from .._threads import Guard
-from ..errors import AuthenticationError, ConnectionLostError
+from ..errors import AuthenticationError
 from . import handshake
 from .links import Links
-from .sockets import HANDSHAKE_TIMEOUT, local_name, peer_credentials, recv_exact, tune
+from .sockets import HANDSHAKE_TIMEOUT, local_name, lost, peer_credentials, recv_exact, tune
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ class Acceptor:
             self._listener.bind((host, port))
         except OSError as exc:
             self._listener.close()
-            raise ConnectionLostError(
-                f"cannot listen on {host}:{port}: {exc}; set TORCHRPC_LISTEN_ADDR or the "
-                f"'listen_addr' option to an address of this machine") from exc
+            raise lost(f"cannot listen on {host}:{port}", exc,
+                       "; set TORCHRPC_LISTEN_ADDR or the 'listen_addr' option to an "
+                       "address of this machine") from exc
         self._listener.listen(128)
         self.address = self._listener.getsockname()[:2]
         # Same-host peers connect through a Unix socket instead: the same handshake and

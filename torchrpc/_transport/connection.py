@@ -21,9 +21,10 @@ import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from .. import _wire
-from ..errors import ConnectionLostError, RpcTimeoutError
+from ..errors import ConnectionClosedError, RpcTimeoutError
 from . import handshake, shm
 from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, _reading
+from .sockets import lost
 
 _IOV_MAX = 512
 
@@ -133,7 +134,7 @@ class Connection(FrameReader):
                 self._wait_for_room(size, staged, returned)
             if self._closed:
                 self._unsend(staged, returned)
-                raise ConnectionLostError(
+                raise ConnectionClosedError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
             if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
@@ -199,11 +200,12 @@ class Connection(FrameReader):
                 with self._lock:
                     self._writing = False
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
-                    why = (f"send to rank {self.peer_rank} made no progress for "
-                           f"{self.send_timeout:g} s (send_timeout): the peer does not read")
+                    error = lost(f"send to rank {self.peer_rank} made no progress for "
+                                 f"{self.send_timeout:g} s (send_timeout): the peer does "
+                                 f"not read", exc)
                 else:
-                    why = f"send to rank {self.peer_rank} failed: {exc}"
-                self.close(ConnectionLostError(why))
+                    error = lost(f"send to rank {self.peer_rank} failed", exc)
+                self.close(error)
                 return
 
     def _sendall(self, iov: List[Any]) -> None:

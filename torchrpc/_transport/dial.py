@@ -11,7 +11,7 @@ from ..errors import AuthenticationError, ConnectionLostError
 from . import handshake
 from .connection import Connection
 from .links import Links
-from .sockets import HANDSHAKE_TIMEOUT, local_name, peer_credentials, recv_exact, tune
+from .sockets import HANDSHAKE_TIMEOUT, local_name, lost, peer_credentials, recv_exact, tune
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
         try:
             sock = socket.create_connection((host, port), timeout=min(timeout, HANDSHAKE_TIMEOUT))
         except OSError as exc:
-            raise ConnectionLostError(f"cannot connect to {host}:{port}: {exc}") from exc
+            raise lost(f"cannot connect to {host}:{port}", exc) from exc
     if not links.track(sock):
         sock.close()
         raise ConnectionLostError("the transport is shut down")
@@ -55,7 +55,7 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
         sock.close()
         if isinstance(exc, AuthenticationError):
             raise
-        raise ConnectionLostError(f"handshake with {host}:{port} failed: {exc}") from exc
+        raise lost(f"handshake with {host}:{port} failed", exc) from exc
     conn = links.open(sock, peer_rank, True, features & offer,
                       (nonce, handshake.CHALLENGE.unpack(challenge)[2]),
                       (links.rank, server_rank))

@@ -8,11 +8,19 @@ import struct
 import time
 from typing import Optional, Tuple
 
-from ..errors import AuthenticationError
+from ..errors import AuthenticationError, ConnectionLostError
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds for a whole handshake, however its bytes trickle in
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def lost(what: str, exc: OSError, fix: str = "") -> ConnectionLostError:
+    """Our error for an OS error on a link: ``what`` failed, and why (``exc``, its cause),
+    then ``fix`` if given. Every OS error the transport reports passes through here."""
+    error = ConnectionLostError(f"{what}: {exc}{fix}")
+    error.__cause__ = exc
+    return error
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:

@@ -18,7 +18,7 @@ import errno
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 from .. import _wire
 from ..errors import ConnectionClosedError, RpcTimeoutError
@@ -27,6 +27,24 @@ from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader,
 from .sockets import lost
 
 _IOV_MAX = 512
+
+
+class Link(Protocol):
+    """What a connection needs of its byte stream: a connected stream socket, a TLS
+    session over one (``tls.TlsSocket``) or an in-memory pair (``memory.py``). Every link
+    passes ``tests/test_transport_conformance.py``."""
+
+    def sendmsg(self, buffers: Sequence[Any]) -> int:
+        """Send from the buffers in order; the number of bytes sent."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """Receive into ``buffer``, waiting for some bytes; 0 at end-of-stream."""
+
+    def shutdown(self, how: int) -> None:
+        """End the stream; a reader blocked in ``recv_into`` wakes with end-of-stream."""
+
+    def close(self) -> None:
+        """Let the stream's resources go."""
 
 
 class Releasable(list):
@@ -40,7 +58,7 @@ class Releasable(list):
 class Connection(FrameReader):
     """One authenticated socket to a peer worker."""
 
-    def __init__(self, sock: socket.socket, peer_rank: int, limits: _wire.Limits,
+    def __init__(self, sock: Link, peer_rank: int, limits: _wire.Limits,
                  on_frame: FrameCallback, on_close: CloseCallback, outbound: bool) -> None:
         self.sock = sock
         self.peer_rank = peer_rank

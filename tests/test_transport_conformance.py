@@ -5,12 +5,14 @@ Each test gets a :class:`Pair`: two connections back to back, ``a`` (the dialer'
 ``b`` (the acceptor's), with what arrives at each and how each closed. Frames arrive in
 order and intact in both directions, from several threads at once; a close from either
 side is seen by the other as a lost connection; a send after close raises the closed
-error; a peer that vanishes in the middle of a frame is reported, not waited for; and the
-buffers a link hands over stay valid when the sender reuses its memory.
+error; a peer that vanishes in the middle of a frame is reported, not waited for; the
+buffers a link hands over stay valid when the sender reuses its memory; and an OS error of
+the link reaches the owner as a lost connection caused by it.
 """
 
 from __future__ import annotations
 
+import errno
 import queue
 import shutil
 import socket
@@ -44,6 +46,7 @@ class Pair:
         self.frames = frames
         self.closed = closed
         self._stop = stop
+        self.kind = ""  # which link (one of LINKS)
 
     def other(self, conn: Connection) -> Connection:
         return self.b if conn is self.a else self.a
@@ -227,3 +230,27 @@ def test_buffers_handed_over_stay_valid_when_the_sender_reuses_its_memory(pair):
         data.fill_(255)  # reused at once
     for i, got in enumerate(kept):
         assert got.min().item() == got.max().item() == i, i
+
+
+class _FailingSends:
+    """A link whose sends fail with an OS error; everything else is the wrapped link's."""
+
+    def __init__(self, link: Any) -> None:
+        self._link = link
+
+    def sendmsg(self, buffers: Any) -> int:
+        raise BrokenPipeError(errno.EPIPE, "the link is gone")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+
+def test_an_os_error_becomes_a_lost_connection_caused_by_it(pair):
+    pair.a.sock = _FailingSends(pair.a.sock)
+    _send(pair.a, Kind.CALL, 1, b"doomed", [])  # the sender's error closes the connection
+    th.wait_for(lambda: pair.closed[pair.a], "the failed send to close the connection")
+    (why,) = pair.closed[pair.a]
+    assert isinstance(why, ConnectionLostError) and isinstance(why.__cause__, BrokenPipeError)
+    assert str(why).startswith(f"send to rank {pair.a.peer_rank} failed: ")
+    th.wait_for(lambda: pair.closed[pair.b], "the other side to see the close")
+    assert isinstance(pair.closed[pair.b][0], ConnectionLostError)

@@ -40,7 +40,6 @@ class MemorySocket:
         self._cond = cond  # one for both ends: every change wakes whoever waits
         self._in = inbox
         self._out = outbox
-        self._closed = False
 
     def sendmsg(self, buffers: Sequence[Any]) -> int:
         """Copy every buffer to the other end; the number of bytes sent."""
@@ -92,10 +91,6 @@ class MemorySocket:
 
     def close(self) -> None:
         self.shutdown(socket.SHUT_RDWR)
-        self._closed = True
-
-    def fileno(self) -> int:
-        return -1 if self._closed else 0
 
     def settimeout(self, value: Optional[float]) -> None:
         """Nothing to do: the link never blocks on the network."""

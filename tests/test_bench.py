@@ -194,11 +194,11 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
                for s in ("torchrpc-tcp", "torchrpc-tcp-nomac")), values
     # What each variant changes, checked in a fresh interpreter (tcp_nomac patches its own).
     probe = ("import socket, {0} as v\n"
-             "from torchrpc._transport import tcp, handshake\n"
+             "from torchrpc._transport import links, handshake\n"
              "o = v.TensorPipeRpcBackendOptions(num_worker_threads=2)\n"
              "c = type('C', (), {{'features': handshake.FEATURE_FRAME_MAC,\n"
              "                    'sock': socket.socket()}})()\n"
-             "print(o.enable_uds, o.enable_shm, tcp._needs_frame_macs(c))\n")
+             "print(o.enable_uds, o.enable_shm, links.needs_frame_macs(c))\n")
     for variant, macs in (("torchrpc.bench.variants.tcp", "True"),
                           ("tests.bench_tcp_nomac", "False")):
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,

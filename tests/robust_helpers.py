@@ -430,7 +430,7 @@ def black_hole_current_connection(rank: int) -> bool:
     host, port = agent.registry.addresses[rank]
     conn = agent._open(agent.registry.workers[rank], host, port, 10.0)
     conn.send = lambda *args, **kwargs: None
-    agent._conns[rank] = conn
+    agent.connections.shared[rank] = conn
     _black_holes.append(conn)
     return True
 

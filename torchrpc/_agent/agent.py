@@ -27,48 +27,38 @@ error naming it.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import threading
-import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
 from .. import _threads, _wire
 from .._threads import Guard
-from .._transport import Connection, Transport, handshake
-from .._transport.tls import TlsContexts, make_contexts
+from .._transport import Connection, Transport
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
-from . import membership, rendezvous
+from . import debug, startup
 from .calls import Calls
 from .connections import Connections
 from .coroutines import CoroutineRunner
-from .debug import TimeoutReports, counters
+from .debug import TimeoutReports
 from .dispatch import Dispatch
 from .fastpath import FastPath, Parked
-from .futures import RpcFuture, new_future
+from .futures import RpcFuture
 from .hooks import CallHook
 from .liveness import Liveness
 from .pool import WorkerPool
 from .registry import Registry
-from .requests import Pending, Requests
+from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
-from .secret import discard_local as discard_local_secret
-from .shutdown import NEW, RUNNING, STOPPING, Shutdown, State
+from .shutdown import NEW, RUNNING, Shutdown, State
 from .stats import PeerStats
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class Agent:
@@ -133,73 +123,13 @@ class Agent:
             self, bool(getattr(options, "log_debug_info_on_timeout", False)))
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
-        self._schedule_duties()
+        _schedule_duties(self)
 
     # -- start -----------------------------------------------------------------------------------
 
     def start(self, timeout: float) -> "Agent":
         """Rendezvous with the group, start listening and the timer; return self."""
-        store, rank, registry = self.store, self.rank, self.registry
-        host = rendezvous.listen_host(self.options.init_method, getattr(self.options, "listen_addr", None))
-        if self.elastic:
-            secret = membership.join(store, self.name, rank, timeout,
-                                     membership.outlives_rank0(self.options.init_method),
-                                     registry.incarnation)
-        else:
-            secret = rendezvous.claim(store, self.name, rank, self.world_size, timeout)
-        try:
-            self._transport = Transport(rank, secret, self._limits,
-                                        self.connections.on_connect,
-                                        self.fastpath.reading.on_frame,
-                                        self.connections.on_close, host,
-                                        on_fatal=self.fail,
-                                        tls_contexts=self._tls_contexts(),
-                                        features=self._features(),
-                                        shm_threshold=int(getattr(self.options, "shm_threshold", 0)),
-                                        same_host=registry.same_host,
-                                        same_pids=registry.same_pids,
-                                        send_timeout=float(getattr(self.options,
-                                                                   "send_timeout", 0.0)),
-                                        max_outbox=int(getattr(self.options,
-                                                               "max_outbox_bytes", 0)),
-                                        max_private=self.fastpath.max_private,
-                                        local_socket=bool(getattr(self.options, "enable_uds",
-                                                                  False)),
-                                        incarnation=registry.incarnation,
-                                        admit=registry.admit if self.elastic else None)
-        except ValueError as exc:
-            rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}")
-            raise
-        except RpcError as exc:
-            raise rendezvous.fail(store, f"worker {self.name!r} (rank {rank}): {exc}") from exc
-        try:
-            # Peers watch this worker for silence only if they know it sends heartbeats.
-            facts: Dict[str, Any] = {"heartbeat_interval": self.liveness.interval}
-            device_maps = registry.published_device_maps()
-            if device_maps is not None:
-                facts["device_maps"] = device_maps
-            if self.elastic:
-                membership.announce(store, self.name, rank, self._transport.address, facts,
-                                    registry.incarnation)
-                registry.log = membership.EventLog(store)
-                infos = membership.EventLog.members(registry.log.poll())
-            else:
-                infos = rendezvous.publish(store, self.name, rank, self.world_size,
-                                           self._transport.address, timeout, facts)
-                discard_local_secret()  # every rank has joined, so has read it
-        except BaseException:
-            self._transport.close()
-            raise
-        for r, info in infos.items():
-            registry.add(r, info)
-        self.shutdown_protocol.enter(RUNNING)
-        self.scheduler.start(self._start_thread)
-        if self.elastic:
-            registry.follow()
-        self.liveness.start()
-        log.info("worker %s (rank %d of %s) listening on %s:%d%s", self.name, rank,
-                 self.world_size, *self._transport.address,
-                 " (TLS)" if getattr(self.options, "tls_certfile", None) else "")
+        startup.start(self, timeout)
         return self
 
     def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
@@ -210,16 +140,8 @@ class Agent:
 
     def fail(self, error: ThreadFailedError) -> None:
         """A background thread cannot go on: fail every pending call with ``error``, and
-        make every later API call raise it (until ``shutdown``)."""
-        if self.failure is not None or (self._state is not RUNNING
-                                        and self._state is not STOPPING):
-            return
-        self.failure = ThreadFailedError(
-            f"the RPC agent of {self.name} has failed: {error}; call rpc.shutdown() and "
-            f"init_rpc() again")
-        self.failure.__cause__ = error.__cause__
-        log.error("%s", self.failure)
-        self.requests.fail_all(lambda p: self.failure)
+        make every later API call raise it (until ``shutdown``; see shutdown.py)."""
+        self.shutdown_protocol.fail(error)
 
     def check_running(self) -> None:
         """Raise unless the agent runs (and no background thread has failed)."""
@@ -231,29 +153,7 @@ class Agent:
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""
         if self.failure is not None:
-            self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        """Raise a copy of :attr:`failure` (a copy: raising one object again and again
-        would grow its traceback)."""
-        error = ThreadFailedError(str(self.failure))
-        raise error from self.failure.__cause__
-
-    def _features(self) -> int:
-        return handshake.FEATURE_SHM if getattr(self.options, "enable_shm", False) else 0
-
-    def _spare_cpus(self) -> bool:
-        """Whether the workers on this host, computing with torch's thread count each,
-        leave CPUs idle (assuming they all compute with as many threads as this one)."""
-        local = self.registry.workers_on_this_host()
-        return torch.get_num_threads() * max(local, 1) <= _usable_cpus()
-
-    def _tls_contexts(self) -> Optional[TlsContexts]:
-        opts = self.options
-        if not getattr(opts, "tls_certfile", None):
-            return None
-        return make_contexts(opts.tls_certfile, opts.tls_keyfile, opts.tls_cafile,
-                             opts.tls_require_client_cert, getattr(opts, "tls_identity", None))
+            self.shutdown_protocol.raise_failure()
 
     # -- the group (registry.py) -------------------------------------------------------------------
 
@@ -329,26 +229,12 @@ class Agent:
 
     def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
         """Counters of the agent and every layer; of one layer when ``layer`` is given
-        (``"agent"`` for the agent's and the transport's own)."""
-        if layer is not None and layer != "agent":
-            source = self._debug_sources.get(layer)
-            return source() if source is not None else {}
-        info = counters(self)
-        if layer is None:
-            for source in self._debug_sources.values():
-                info.update(source())
-            info["peers"] = self.peer_stats()
-        elif "agent" in self._debug_sources:  # counters upper layers keep for the agent
-            info.update(self._debug_sources["agent"]())
-        return info
+        (``"agent"`` for the agent's and the transport's own; see debug.py)."""
+        return debug.debug_info(self, layer)
 
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
-        """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
-        and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
-        with self._lock:
-            stats = list(self._peer_stats.items())
-            names = {rank: w.name for rank, w in self.registry.workers.items()}
-        return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
+        """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
+        return debug.peer_stats(self)
 
     def new_stats(self, rank: int) -> PeerStats:
         """The traffic counters of peer ``rank``, made on first use."""
@@ -406,42 +292,12 @@ class Agent:
         (see :meth:`FastPath.call`, also for ``after``)."""
         return self.fastpath.call(dst, kind, payload, timeout, what, retry, after)
 
-    def request_parked(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
-                       what: Any = None) -> Tuple[RpcFuture, Optional[Parked]]:
-        """:meth:`request`, parking the reply for a later :meth:`request_sync` to read; the
-        future of the reply, and the parked request (None if it was sent the usual way)."""
-        return self.fastpath.park(dst, kind, payload, timeout, what)
-
-    def wait_parked(self, future: RpcFuture, parked: Optional[Parked]) -> Any:
-        """Wait for the reply of a :meth:`request_parked` request: this thread reads it
-        if it is still parked."""
-        return self.fastpath.wait(future, parked)
-
     def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
                  settled: torch.futures.Future) -> RpcFuture:
         """A request of ``kind`` this worker addresses to itself, served without a message
-        (an ``rpc.remote()`` to self): ``start()`` runs on the worker pool, and the future
-        returned completes when ``settled`` does, or fails with the timeout error at the
-        deadline, as a request's would (torch sends such requests to itself)."""
+        (see :meth:`Calls.run_here`)."""
         self.check_running()
-        rid = self.calls.next_id()
-        p = Pending(new_future(self._pool), self.worker_info, what, timeout, None)
-        self.requests.add(rid, p, time.monotonic() + timeout if timeout > 0 else None)
-
-        def finish(f: torch.futures.Future) -> None:
-            q = self.requests.pending.pop(rid, None)
-            if q is None:
-                return  # timed out or failed already
-            try:
-                f.wait()
-            except BaseException as exc:  # noqa: BLE001 - the work's own error
-                q.future.set_exception(exc)
-            else:
-                q.future.set_result(None)
-
-        torch.futures.Future.add_done_callback(settled, finish)
-        self._start_here(kind, rid, start)
-        return p.future
+        return self.calls.run_here(kind, what, timeout, start, settled)
 
     def _start_here(self, kind: int, rid: int, start: Callable[[], Any]) -> None:
         """Start the work of :meth:`run_here`'s request ``rid`` (the fault-injecting agent
@@ -459,14 +315,6 @@ class Agent:
         """
         (via or self.connections.to(dst)).send(kind, flags, rid, env, bufs, keep)
 
-    def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
-        """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
-        self.calls.send_failed(kind, rid, dst, exc)
-
-    def _request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
-        """Request ``rid`` to ``dst`` may never be answered: retry or fail it."""
-        self.calls.request_lost(rid, dst, exc)
-
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
         self.scheduler.call_later(delay, fn, *args)
@@ -481,28 +329,6 @@ class Agent:
         """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
         self._ready.set()
 
-    # -- the timer's duties (scheduler.py) ---------------------------------------------------------
-
-    def _schedule_duties(self) -> None:
-        """Register the agent's own tick hooks, before any upper layer's."""
-        scheduler, reading = self.scheduler, self.fastpath.reading
-        scheduler.add_tick_hook(lambda: self.requests.expire_due(scheduler.now, scheduler.failed))
-        scheduler.add_tick_hook(lambda: reading.check_lent(scheduler.now),
-                                pending=reading.lends_shared)
-        scheduler.add_tick_hook(lambda: self.fastpath.drain_parked(scheduler.now))
-        scheduler.add_tick_hook(self._housekeeping)
-        scheduler.add_tick_hook(lambda: self.liveness.check(scheduler.now))
-
-    def _housekeeping(self) -> None:
-        """Timer, every TICK: the pool's progress check, the transport's housekeeping."""
-        now = self.scheduler.now
-        if now >= self._next_tick:
-            self._next_tick = now + TICK
-            self._pool.check_progress()
-            if self._transport is not None:
-                self._transport.housekeeping()
-                self.fastpath.poll.set_spare_cpus(self._spare_cpus())
-
     # -- shutdown (shutdown.py) --------------------------------------------------------------------
 
     def shutdown(self, graceful: bool = True, timeout: float = 0,
@@ -513,16 +339,35 @@ class Agent:
         self.shutdown_protocol.shutdown(graceful, timeout, meet)
 
     def check_peers(self, barrier: Optional[str] = None) -> None:
-        """Raise :class:`ShutdownError` naming any worker that is gone.
-
-        A worker is gone when its connection broke without a GOODBYE (seen here, or by
-        another worker and told through the store) and connecting to it again fails.
-        While waiting at the store barrier ``barrier``, the workers that have not
-        arrived are probed as well, and one that stopped without arriving is named.
-        """
+        """Raise :class:`ShutdownError` naming any worker that is gone (see
+        :meth:`Shutdown.check_peers`)."""
         self.shutdown_protocol.check_peers(barrier)
 
     def probe(self, ranks: Iterable[int]) -> None:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
         self.shutdown_protocol.probe(ranks)
+
+
+def _schedule_duties(agent: Agent) -> None:
+    """Register the agent's own tick hooks (scheduler.py), before any upper layer's."""
+    scheduler, fastpath = agent.scheduler, agent.fastpath
+    reading = fastpath.reading
+    scheduler.add_tick_hook(lambda: agent.requests.expire_due(scheduler.now, scheduler.failed))
+    scheduler.add_tick_hook(lambda: reading.check_lent(scheduler.now),
+                            pending=reading.lends_shared)
+    scheduler.add_tick_hook(lambda: fastpath.drain_parked(scheduler.now))
+    scheduler.add_tick_hook(functools.partial(_housekeeping, agent))
+    scheduler.add_tick_hook(lambda: agent.liveness.check(scheduler.now))
+
+
+def _housekeeping(agent: Agent) -> None:
+    """Timer, every TICK: the pool's progress check, the transport's housekeeping, and
+    how long private connections poll."""
+    now = agent.scheduler.now
+    if now >= agent._next_tick:
+        agent._next_tick = now + TICK
+        agent.pool.check_progress()
+        if agent._transport is not None:
+            agent._transport.housekeeping()
+            agent.fastpath.check_cpus()

@@ -1,7 +1,7 @@
 """What an agent tells about itself: its counters, and reports after a timeout.
 
-``counters`` gathers the agent's and the transport's counters (``get_debug_info``'s
-``agent.*`` keys). With ``log_debug_info_on_timeout``, :class:`TimeoutReports` logs this
+``debug_info`` gathers the agent's and the transport's counters (``get_debug_info``'s
+``agent.*`` keys), the layers' and the traffic by peer. With ``log_debug_info_on_timeout``, :class:`TimeoutReports` logs this
 worker's debug info when a call times out, and the callee's once it answers.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Set
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set
 
 import torch
 
@@ -29,6 +29,32 @@ _REPORT_TIMEOUT = 5.0  # seconds a callee has to send its debug info after a tim
 def debug_info_here() -> Dict[str, Any]:
     """The debug info of the worker this runs on (the target of ``get_debug_info(to)``)."""
     return current_agent().debug_info()
+
+
+def debug_info(agent: "Agent", layer: Optional[str] = None) -> Dict[str, Any]:
+    """Counters of ``agent`` and every layer; of one layer when ``layer`` is given
+    (``"agent"`` for the agent's and the transport's own)."""
+    sources = agent._debug_sources
+    if layer is not None and layer != "agent":
+        source = sources.get(layer)
+        return source() if source is not None else {}
+    info = counters(agent)
+    if layer is None:
+        for source in sources.values():
+            info.update(source())
+        info["peers"] = peer_stats(agent)
+    elif "agent" in sources:  # counters upper layers keep for the agent
+        info.update(sources["agent"]())
+    return info
+
+
+def peer_stats(agent: "Agent") -> Dict[str, Dict[str, Any]]:
+    """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
+    and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
+    with agent._lock:
+        stats = list(agent._peer_stats.items())
+        names = {rank: w.name for rank, w in agent.registry.workers.items()}
+    return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
 
 
 def counters(agent: "Agent") -> Dict[str, Any]:

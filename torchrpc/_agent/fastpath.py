@@ -27,8 +27,11 @@ request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
 
 from .._transport import Connection, PollPolicy
 from .._wire import Kind
@@ -46,6 +49,13 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Parked:
@@ -164,6 +174,12 @@ class FastPath:
     def idle_to(self, rank: int) -> List[Connection]:
         """The idle private connections to ``rank``."""
         return list(self._idle.get(rank, ()))
+
+    def check_cpus(self) -> None:
+        """Timer: poll long while the workers on this host, computing with torch's thread
+        count each, leave CPUs idle (assuming they all use as many threads as this one)."""
+        local = self._agent.registry.workers_on_this_host()
+        self.poll.set_spare_cpus(torch.get_num_threads() * max(local, 1) <= _usable_cpus())
 
     def drain_parked(self, now: float) -> None:
         """Timer: unclaimed parked requests older than a tick get their reply read."""

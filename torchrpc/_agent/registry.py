@@ -312,9 +312,8 @@ class Registry:
             # Declared lost by another survivor: drop what this worker has of it too.
             error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
                                     f"the group: {lost}", worker=name)
-            for conn in agent.connections.of(rank):
+            for conn in agent.connections.of(rank):  # its private ones, idle or not, too
                 conn.close(error)
-            agent.fastpath.close_idle(rank, error)
             agent.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:

@@ -71,7 +71,8 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import LifecycleError, NotInitializedError, RpcError, ShutdownError
+from ..errors import (LifecycleError, NotInitializedError, RpcError, ShutdownError,
+                      ThreadFailedError)
 from . import rendezvous
 from .hooks import describe
 
@@ -175,7 +176,7 @@ class Shutdown:
                 error = exc
         self.stop()
         if agent.failure is not None:
-            agent._raise_failure()
+            self.raise_failure()
         if in_meet:
             raise error
         if isinstance(error, ShutdownError):
@@ -206,8 +207,34 @@ class Shutdown:
 
     # -- peers that are gone -----------------------------------------------------------------------
 
+    def fail(self, error: ThreadFailedError) -> None:
+        """:meth:`Agent.fail`: a background thread cannot go on."""
+        agent = self._agent
+        if agent.failure is not None or (agent._state is not RUNNING
+                                         and agent._state is not STOPPING):
+            return
+        agent.failure = ThreadFailedError(
+            f"the RPC agent of {agent.name} has failed: {error}; call rpc.shutdown() and "
+            f"init_rpc() again")
+        agent.failure.__cause__ = error.__cause__
+        log.error("%s", agent.failure)
+        agent.requests.fail_all(lambda p: agent.failure)
+
+    def raise_failure(self) -> None:
+        """Raise a copy of the agent's failure (a copy: raising one object again and
+        again would grow its traceback)."""
+        failure = self._agent.failure
+        error = ThreadFailedError(str(failure))
+        raise error from failure.__cause__
+
     def check_peers(self, barrier: Optional[str] = None) -> None:
-        """:meth:`Agent.check_peers`."""
+        """Raise :class:`ShutdownError` naming any worker that is gone.
+
+        A worker is gone when its connection broke without a GOODBYE (seen here, or by
+        another worker and told through the store) and connecting to it again fails.
+        While waiting at the store barrier ``barrier``, the workers that have not
+        arrived are probed as well, and one that stopped without arriving is named.
+        """
         agent = self._agent
         if agent.store is not None:
             self._share_lost()

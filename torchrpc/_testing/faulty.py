@@ -183,7 +183,7 @@ class FaultyAgent(Agent):
         try:
             Agent._send(self, dst, kind, flags, rid, env, bufs, keep, via)
         except RpcError as exc:
-            self.send_failed(kind, rid, dst, exc)
+            self.calls.send_failed(kind, rid, dst, exc)
 
 
 def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,

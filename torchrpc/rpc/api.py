@@ -456,9 +456,9 @@ def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[A
     retry = functions.retry_policy(func)
     if retry is not None:
         return agent.call(dst, func, args, kwargs, timeout, retry=retry).wait
-    future, parked = agent.request_parked(dst, Kind.CALL, (func, args, kwargs), timeout,
-                                          what=func)
-    return functools.partial(agent.wait_parked, future, parked)
+    future, parked = agent.fastpath.park(dst, Kind.CALL, (func, args, kwargs), timeout,
+                                         what=func)
+    return functools.partial(agent.fastpath.wait, future, parked)
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

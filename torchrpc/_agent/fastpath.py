@@ -27,6 +27,7 @@ request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -116,33 +117,31 @@ class FastPath:
         return p.future.wait()
 
     def park(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any = None,
+             retry: Optional[RetryPolicy] = None, by_future: bool = False,
              waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
-        request (None if it went the usual way). Waiting on the future reads the reply
-        on the waiting thread. ``waited``: the caller waits for it at once, so it does
-        not count against ``_MAX_PARKED``."""
+        request (None if it went the usual way). With ``by_future``, the thread that
+        waits on the future reads the reply itself, and a callback added to it has the
+        pool read it at once (see futures.py); without, the reply is for a :meth:`call`
+        with ``after`` to read. ``waited``: the caller waits at once (``rpc_sync``), so
+        the request does not count against ``_MAX_PARKED``."""
         agent = self._agent
         agent.check_running()
         conn = None
         if (waited or self.num_parked < _MAX_PARKED) and self._private_ok(dst):
             conn = self._checkout(dst)
         if conn is None:
-            return agent.request(dst, kind, payload, timeout, what=what), None
-        rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what)
+            return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
+        rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
         if not sent:
             return p.future, None
         parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
         with self._lock:
             self.num_parked += 1
         self._parked[rid] = parked
+        if by_future:
+            p.future._claim = functools.partial(self._read_parked, parked)
         return p.future, parked
-
-    def wait(self, future: RpcFuture, parked: Optional[Parked]) -> Any:
-        """Wait for the reply of a :meth:`park` request: this thread reads it if it is
-        still parked."""
-        if parked is not None:
-            self._read_parked(parked, False)
-        return future.wait()
 
     def forget(self, conn: Connection) -> None:
         """Private connection ``conn`` closed: it is idle no more."""

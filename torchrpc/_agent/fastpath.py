@@ -121,14 +121,20 @@ class FastPath:
              waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
         request (None if it went the usual way). With ``by_future``, the thread that
-        waits on the future reads the reply itself, and a callback added to it has the
-        pool read it at once (see futures.py); without, the reply is for a :meth:`call`
-        with ``after`` to read. ``waited``: the caller waits at once (``rpc_sync``), so
-        the request does not count against ``_MAX_PARKED``."""
+        waits on the future reads the reply itself, a callback added to it has the pool
+        read it at once (see futures.py), and it parks only if no other reply from
+        ``dst`` is parked (a burst of calls to one worker would otherwise take a
+        connection, and a reading thread on both sides, each); without, the reply is for
+        a :meth:`call` with ``after`` to read. ``waited``: the caller waits at once
+        (``rpc_sync``), so the request does not count against ``_MAX_PARKED``."""
         agent = self._agent
         agent.check_running()
         conn = None
-        if (waited or self.num_parked < _MAX_PARKED) and self._private_ok(dst):
+        if waited:
+            fits = True
+        else:
+            fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
+        if fits and self._private_ok(dst):
             conn = self._checkout(dst)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
@@ -324,6 +330,10 @@ class FastPath:
                             or time.monotonic() + timeout < parked.deadline):
             return False
         return self._parked.pop(parked.rid, None) is not None
+
+    def _parked_to(self, rank: int) -> bool:
+        """Whether an unclaimed parked request waits for a reply from ``rank``."""
+        return any(p.conn.peer_rank == rank for p in list(self._parked.values()))
 
     def _read_parked(self, parked: Parked, later: bool) -> None:
         """Read the reply of ``parked`` if it is still unclaimed: on this thread, or with

@@ -122,11 +122,13 @@ class FastPath:
         """Send a request, parking the reply; the future of the reply, and the parked
         request (None if it went the usual way). With ``by_future``, the thread that
         waits on the future reads the reply itself, a callback added to it has the pool
-        read it at once (see futures.py), and it parks only if no other reply from
-        ``dst`` is parked (a burst of calls to one worker would otherwise take a
-        connection, and a reading thread on both sides, each); without, the reply is for
-        a :meth:`call` with ``after`` to read. ``waited``: the caller waits at once
-        (``rpc_sync``), so the request does not count against ``_MAX_PARKED``."""
+        read it at once (see futures.py), and unless ``waited`` it parks only on an idle
+        private connection (an ``rpc_async`` never waits for a connection to open) and
+        while no other reply from ``dst`` is parked (a burst of calls to one worker
+        would otherwise take a connection, and a reading thread on both sides, each);
+        without, the reply is for a :meth:`call` with ``after`` to read. ``waited``: the
+        caller waits at once (``rpc_sync``), so the request does not count against
+        ``_MAX_PARKED``."""
         agent = self._agent
         agent.check_running()
         conn = None
@@ -135,7 +137,7 @@ class FastPath:
         else:
             fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
         if fits and self._private_ok(dst):
-            conn = self._checkout(dst)
+            conn = self._checkout(dst, opens=waited or not by_future)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
         rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
@@ -208,7 +210,9 @@ class FastPath:
         agent = self._agent
         return self.enabled and dst.id != agent.rank and not agent._transport.secure
 
-    def _checkout(self, dst: WorkerInfo) -> Optional[Connection]:
+    def _checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
+        """An idle private connection to ``dst``, or with ``opens`` a new one; None where
+        there is none to be had (the call then goes over the shared connection)."""
         agent = self._agent
         if dst.id in agent.registry.left:  # it said GOODBYE: nothing sent now is answered
             raise agent.left_error(dst)
@@ -220,6 +224,8 @@ class FastPath:
                 break
             if not conn.closed:
                 return conn
+        if not opens:
+            return None
         agent.connections.to(dst)  # checks the worker; the shared one carries heartbeats
         with self._lock:  # a slot is taken before connecting: callers race here
             opened = self._opening.get(dst.id, 0) + sum(

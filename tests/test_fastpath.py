@@ -107,11 +107,12 @@ def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(ag
     assert transport.opened == [conn]  # reused, not opened again
 
 
-def test_rpc_sync_parks_and_its_wait_reads_the_reply_on_the_calling_thread(agents):
+def test_rpc_sync_leaves_its_reply_for_its_wait_to_read_on_the_calling_thread(agents):
     agent, shared, transport = _agent(agents)
     fut = agent.call(_dst(agent), operator.add, (4, 5), {}, 5, park=True, sync=True)
     (conn,) = transport.opened
-    assert agent.fastpath.num_parked == 1 and conn.reads == 0  # the reply waits unread
+    assert conn.reads == 0  # the reply waits unread, for this future alone
+    assert agent.fastpath.num_parked == 0
     assert fut.wait() == 9
     assert conn.reads == 1 and agent.fastpath.num_parked == 0 and not shared.sent
 
@@ -200,3 +201,12 @@ def test_the_poll_policy_follows_the_cpus_the_host_leaves_spare(agents):
     agent.fastpath.check_cpus()  # one worker on this host: whatever the CPUs say, valid
     assert poll.seconds in (poll.short, poll.spare)
 
+
+
+def test_a_callback_on_an_rpc_sync_future_has_the_pool_read_its_reply(agents):
+    agent, shared, transport = _agent(agents)
+    fut = agent.call(_dst(agent), operator.add, (2, 6), {}, 5, park=True, sync=True)
+    seen: List[Any] = []
+    fut.add_done_callback(lambda f: seen.append(f.wait()))
+    assert _wait_until(lambda: seen == [8])
+    assert agent.fastpath.idle_to(1) == transport.opened

@@ -120,15 +120,18 @@ class FastPath:
              retry: Optional[RetryPolicy] = None, by_future: bool = False,
              waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
-        request (None if it went the usual way). With ``by_future``, the thread that
-        waits on the future reads the reply itself, a callback added to it has the pool
-        read it at once (see futures.py), and unless ``waited`` it parks only on an idle
-        private connection (an ``rpc_async`` never waits for a connection to open) and
-        while no other reply from ``dst`` is parked (a burst of calls to one worker
-        would otherwise take a connection, and a reading thread on both sides, each);
-        without, the reply is for a :meth:`call` with ``after`` to read. ``waited``: the
-        caller waits at once (``rpc_sync``), so the request does not count against
-        ``_MAX_PARKED``."""
+        request (None if it went the usual way, or with ``waited``).
+
+        With ``by_future``, the thread that waits on the future reads the reply itself,
+        and a callback added to it has the pool read it at once (see futures.py); unless
+        ``waited``, it parks only on an idle private connection (an ``rpc_async`` never
+        waits for a connection to open) and while no other reply from ``dst`` is parked
+        (a burst of calls to one worker would otherwise take a connection, and a reading
+        thread on both sides, each). Without ``by_future``, the reply is for a
+        :meth:`call` with ``after`` to read. ``waited`` (with ``by_future``): the caller
+        waits at once (``rpc_sync``), so the reply is for its future alone, and the
+        request does not count against ``_MAX_PARKED``.
+        """
         agent = self._agent
         agent.check_running()
         conn = None
@@ -142,6 +145,9 @@ class FastPath:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
         rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
         if not sent:
+            return p.future, None
+        if waited:
+            p.future._claim = functools.partial(self._read_own, conn, rid, p)
             return p.future, None
         parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
         with self._lock:
@@ -336,6 +342,17 @@ class FastPath:
                             or time.monotonic() + timeout < parked.deadline):
             return False
         return self._parked.pop(parked.rid, None) is not None
+
+    def _read_own(self, conn: Connection, rid: int, p: Pending, later: bool) -> None:
+        """Read the reply of request ``rid``, which only its future waits for: on this
+        thread, or with ``later`` on a pool thread."""
+        if not later:
+            self._read_blocking(conn, rid, p)
+            return
+        try:
+            self._agent.pool.submit(self._read_blocking, conn, rid, p)
+        except RuntimeError:
+            pass  # shutting down: the pending call is failed there, closing ``conn``
 
     def _parked_to(self, rank: int) -> bool:
         """Whether an unclaimed parked request waits for a reply from ``rank``."""

@@ -14,12 +14,16 @@ Theory of operation (parked replies). RRef creation (``remote()``) gets a reply 
 nobody waits for, and usually a ``to_here()`` right after it; ``rpc_sync`` and
 ``rpc_async`` get a reply their caller usually waits for soon. Such a request is sent on
 a private connection and its reply left in the socket ("parked"). Whoever waits for it
-first reads it: the future's ``wait()`` on the caller's own thread, a ``call(after=...)``
-to the same worker that goes out on that connection and reads both replies, or, for a
-parked request nobody claims within a tick or two of the timer, a pool thread
-(``drain_parked``). At most ``_MAX_PARKED`` requests that nobody waits for yet are parked
-at once; beyond that, and wherever private connections are not used, they are plain
-requests.
+first reads it: the future's ``wait()`` on the caller's own thread (a callback added to
+the future has the pool read it at once, see futures.py), a ``call(after=...)`` to the
+same worker that goes out on that connection and reads both replies, or, for a parked
+request nobody claims within a tick or two of the timer, a pool thread
+(``drain_parked``). An ``rpc_sync``'s reply is its future's alone: it is not counted
+among the parked. At most ``_MAX_PARKED`` other requests are parked at once; an
+``rpc_async`` parks only on an idle private connection (it never waits for one to open)
+and while no other reply from its worker is parked (a burst of calls to one worker would
+otherwise take a connection, and a reading thread on both sides, each). Beyond that, and
+wherever private connections are not used, they are plain requests.
 
 Which thread reads the shared connections, and lends that role while it serves a
 request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds.
@@ -120,18 +124,9 @@ class FastPath:
              retry: Optional[RetryPolicy] = None, by_future: bool = False,
              waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
-        request (None if it went the usual way, or with ``waited``).
-
-        With ``by_future``, the thread that waits on the future reads the reply itself,
-        and a callback added to it has the pool read it at once (see futures.py); unless
-        ``waited``, it parks only on an idle private connection (an ``rpc_async`` never
-        waits for a connection to open) and while no other reply from ``dst`` is parked
-        (a burst of calls to one worker would otherwise take a connection, and a reading
-        thread on both sides, each). Without ``by_future``, the reply is for a
-        :meth:`call` with ``after`` to read. ``waited`` (with ``by_future``): the caller
-        waits at once (``rpc_sync``), so the reply is for its future alone, and the
-        request does not count against ``_MAX_PARKED``.
-        """
+        request (None if it went the usual way, or with ``waited``). ``by_future``: the
+        future's waiter reads the reply (else a :meth:`call` with ``after``); ``waited``:
+        the caller waits at once (``rpc_sync``). See the module docs for when it parks."""
         agent = self._agent
         agent.check_running()
         conn = None
@@ -217,8 +212,7 @@ class FastPath:
         return self.enabled and dst.id != agent.rank and not agent._transport.secure
 
     def _checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
-        """An idle private connection to ``dst``, or with ``opens`` a new one; None where
-        there is none to be had (the call then goes over the shared connection)."""
+        """An idle private connection to ``dst``, or with ``opens`` a new one; or None."""
         agent = self._agent
         if dst.id in agent.registry.left:  # it said GOODBYE: nothing sent now is answered
             raise agent.left_error(dst)

@@ -112,7 +112,8 @@ class Agent:
         self.calls = Calls(self)
         # Private connections, parked replies, polling, lent reading roles (fastpath.py).
         self.fastpath = FastPath(self, self.private_calls)
-        self._pool.on_block = self.fastpath.reading.lend_out  # a request that blocks gives up reading
+        # A request that blocks gives its reading role up (see reading.py).
+        self._pool.on_block = self.fastpath.reading.lend_out
         # heartbeats and lost peers (see liveness.py)
         self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
                                  float(getattr(options, "heartbeat_timeout", 0.0)))

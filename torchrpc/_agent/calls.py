@@ -203,7 +203,8 @@ class Calls:
 
     def lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
         """The error of a request to ``dst`` whose connection failed with ``exc``."""
-        if isinstance(exc, (ConnectionLostError, NotInitializedError)) and getattr(exc, "worker", None):
+        if isinstance(exc, (ConnectionLostError, NotInitializedError)) \
+                and getattr(exc, "worker", None):
             return exc
         if dst.id in self._agent.registry.left:
             return self._agent.left_error(dst)

@@ -1,8 +1,9 @@
 """What an agent tells about itself: its counters, and reports after a timeout.
 
 ``debug_info`` gathers the agent's and the transport's counters (``get_debug_info``'s
-``agent.*`` keys), the layers' and the traffic by peer. With ``log_debug_info_on_timeout``, :class:`TimeoutReports` logs this
-worker's debug info when a call times out, and the callee's once it answers.
+``agent.*`` keys), the layers' and the traffic by peer. With
+``log_debug_info_on_timeout``, :class:`TimeoutReports` logs this worker's debug info when
+a call times out, and the callee's once it answers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Heartbeats, and the decision that a peer is lost.
 
 Theory of operation. A worker that dies closes its sockets, so its peers read EOF and
-fail its pending calls at once (``Agent._on_close``). A worker whose host died, or whose
+fail its pending calls at once (``Connections.on_close``). A worker whose host died, or whose
 network is cut, or that hangs, sends nothing. So a worker sends each peer a HEARTBEAT
 frame when it has sent that peer nothing for heartbeat_interval, and the timer closes
 every connection of a peer from which nothing at all came in for heartbeat_timeout,

@@ -93,7 +93,7 @@ class Resend:
         self.attempt = 1
         self.scheduled = False  # the next attempt is due (a second failure must not add one)
         self.sent = False  # a send of it may have reached the callee (so ask before a resend)
-        self.probing = False  # a probe asks the callee about it, unanswered (see Agent._probe_peer)
+        self.probing = False  # a probe asks the callee about it, unanswered (see Probes._probe_peer)
         self.known = False  # a probe's answer said the callee has it
         self.deadline = deadline
         self.kind = kind

@@ -124,7 +124,8 @@ def test_whatever_escapes_a_thread_is_reported_not_lost(caplog, monkeypatch):
 
 
 def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch):
-    monkeypatch.setattr(agent, "_check_lent", raise_once(agent._check_lent))
+    reading = agent.fastpath.reading
+    monkeypatch.setattr(reading, "check_lent", raise_once(reading.check_lent))
     assert wait_until(lambda: errors_about(caplog, "timer thread of solo"))
     with pytest.raises(RpcTimeoutError, match="timed out after 0.3 s"):
         rpc.rpc_sync("solo", helpers.sleep_then, args=(2.0,), timeout=0.3)
@@ -161,13 +162,13 @@ def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
             return self.asked > 1
 
     with agent._lock:
-        agent._all_conns[7] = [Closing()]
+        agent.connections.all[7] = [Closing()]
     try:
         assert all(shared or private
                    for shared, private in agent.liveness._connections_by_peer().values())
     finally:
         with agent._lock:
-            del agent._all_conns[7]
+            del agent.connections.all[7]
 
 
 def test_a_timer_that_cannot_go_on_fails_the_agent_loudly(agent, caplog, monkeypatch):

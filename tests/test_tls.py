@@ -294,7 +294,7 @@ def test_a_group_runs_over_tls(pki):
         assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 2)) == \
             "worker2>worker1>worker2"
         agent = api.current_agent()
-        assert all(isinstance(c.sock, tls.TlsSocket) for lst in agent._all_conns.values() for c in lst)
+        assert all(isinstance(c.sock, tls.TlsSocket) for lst in agent.connections.all.values() for c in lst)
         host, port = agent.registry.addresses[1]
         with socket.create_connection((host, port), timeout=5) as s:  # plain bytes: refused
             s.sendall(handshake.make_hello(0, 0)[0])

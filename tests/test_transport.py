@@ -430,36 +430,31 @@ def test_private_readers_stop_polling_when_polls_keep_missing():
         b.close()
 
 
-def test_private_readers_poll_longer_while_cpus_are_spare(monkeypatch):
+def test_private_readers_poll_longer_while_cpus_are_spare():
     import socket
 
-    from torchrpc._transport import connection, reader
-    short, long = reader._SPIN, 1.0  # long enough to be sure under load
+    from torchrpc._transport import PollPolicy, connection
+    short, long = 200e-6, 1.0  # long enough to be sure under load
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     conn = connection.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
                                  outbound=True)
     conn.set_private(True)
     frame = _wire.pack_header(Kind.RESPONSE, 0, 7, 2, []) + b"ok"
-    monkeypatch.setattr(reader, "_SPIN_SPARE", long)
-    reader.set_spare_cpus(True)
-    assert reader._poll == long
-    reader.set_spare_cpus(False)
-    assert reader._poll == short
+    policy = conn.poll = PollPolicy(short, long)  # the connection's own: no agent changes it
+    policy.set_spare_cpus(True)
+    assert policy.seconds == long
+    policy.set_spare_cpus(False)
+    assert policy.seconds == short
     try:
         # An answer 50 ms after the wait began: beyond the short poll, within the long one.
         for spare, missed in ((False, 1), (True, 0)):
-            # Both settings the same for this round: an agent left running in this
-            # process by another test may call set_spare_cpus from its timer meanwhile.
-            monkeypatch.setattr(reader, "_SPIN", long if spare else short)
-            monkeypatch.setattr(reader, "_SPIN_SPARE", long if spare else short)
-            reader.set_spare_cpus(spare)
+            policy.set_spare_cpus(spare)
             conn._misses = 0
             threading.Timer(0.05, b.sendall, args=(frame,)).start()
             header, env, _ = conn.read_frame()
             assert env == b"ok"
             assert conn._misses == missed, (spare, conn._misses)
     finally:
-        reader.set_spare_cpus(False)
         conn.close()
         b.close()
 

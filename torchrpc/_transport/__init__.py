@@ -2,6 +2,7 @@
 sockets or TLS (and in memory, for tests)."""
 
 from .connection import Connection, Link, Releasable
+from .reader import PollPolicy
 from .tcp import Transport
 
-__all__ = ["Connection", "Link", "Releasable", "Transport"]
+__all__ = ["Connection", "Link", "PollPolicy", "Releasable", "Transport"]

@@ -23,7 +23,8 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence
 from .. import _wire
 from ..errors import ConnectionClosedError, RpcTimeoutError
 from . import handshake, shm
-from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, _reading
+from .reader import (_DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, PollPolicy,
+                     _reading)
 from .sockets import lost
 
 _IOV_MAX = 512
@@ -95,6 +96,8 @@ class Connection(FrameReader):
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
+        # How long they poll: the agent's policy, handed over when the connection opens.
+        self.poll = PollPolicy()
         # Polls that ended without data in a row, and waits so far: a connection whose
         # polls keep missing (the answer takes longer than the poll, or the next call
         # comes much later) stops polling, and tries again every _SPIN_PROBE-th wait.

@@ -55,21 +55,30 @@ def _spin_seconds(text: str) -> float:
 
 
 # How long a private connection's reader polls: _SPIN normally; _SPIN_SPARE while the
-# workers of this host leave CPUs spare (see set_spare_cpus); TORCHRPC_SPIN_US sets both.
+# workers of this host leave CPUs spare (see PollPolicy); TORCHRPC_SPIN_US sets both.
 _SPIN = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "200"))
 _SPIN_SPARE = _spin_seconds(os.environ.get("TORCHRPC_SPIN_US", "2000"))
-_poll = _SPIN
 
 
-def set_spare_cpus(spare: bool) -> None:
-    """Tell the readers whether the workers on this host leave CPUs idle.
+class PollPolicy:
+    """How long the readers of private connections poll before they block.
 
     Polling takes a CPU. Where the workers' compute threads already use every CPU, a
     poll that waits long slows down the computation it waits for, so the readers poll
     only briefly; where CPUs are spare, they poll for as long as a typical call takes.
+    The agent owns one and hands it to its connections (``Connection.poll``).
     """
-    global _poll
-    _poll = _SPIN_SPARE if spare else _SPIN
+
+    __slots__ = ("seconds", "short", "spare")
+
+    def __init__(self, short: Optional[float] = None, spare: Optional[float] = None) -> None:
+        self.short = _SPIN if short is None else short
+        self.spare = _SPIN_SPARE if spare is None else spare
+        self.seconds = self.short  # read by the readers on every wait that polls
+
+    def set_spare_cpus(self, spare: bool) -> None:
+        """Tell the readers whether the workers on this host leave CPUs idle."""
+        self.seconds = self.spare if spare else self.short
 
 
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
@@ -140,7 +149,7 @@ class FrameReader:
         if start == end and self.spin:
             self._waits += 1
             if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
-                spin = _poll
+                spin = self.poll.seconds
         while end - start < n:
             if spin:
                 k = self._spin_recv(mv[end:], spin)

@@ -254,7 +254,7 @@ def view_of(rank: int) -> dict:
     from torchrpc.rpc import api
     agent = api.current_agent()
     return {"connections": sum(1 for c in agent._transport.connections() if c.peer_rank == rank),
-            "lost_connection": rank in agent._lost, "removed": agent.registry.removed.get(rank)}
+            "lost_connection": rank in agent.connections.lost, "removed": agent.registry.removed.get(rank)}
 
 
 def call_outcome(to: str) -> str:
@@ -271,7 +271,7 @@ def connection_census() -> dict:
     from torchrpc.rpc import api
     agent = api.current_agent()
     conns = agent._transport.connections()
-    registered = [c for lst in agent._all_conns.values() for c in lst if not c.closed]
+    registered = [c for lst in agent.connections.all.values() for c in lst if not c.closed]
     return {"private": sum(c.private for c in conns), "shared": sum(not c.private for c in conns),
             "registered_private": sum(c.private for c in registered)}
 
@@ -328,9 +328,9 @@ def goodbye_to(rank: int) -> bool:
     # The caller's shared connection here may still be registering (its handshake ends
     # on the caller's side first); a GOODBYE needs it.
     deadline = time.monotonic() + 10.0
-    while not agent._all_conns.get(rank) and time.monotonic() < deadline:
+    while not agent.connections.all.get(rank) and time.monotonic() < deadline:
         time.sleep(0.01)
-    conns = list(agent._all_conns.get(rank, []))
+    conns = list(agent.connections.all.get(rank, []))
     assert conns, f"no shared connection to rank {rank} to say GOODBYE on"
     for conn in conns:
         agent.shutdown_protocol.goodbye(conn)
@@ -366,7 +366,7 @@ def open_private_connections(to: str, n: int) -> int:
     for t in threads:
         t.join(30)
     agent = current_agent()
-    return len(agent._private.get(agent.resolve(to).id, []))
+    return len(agent.fastpath.idle_to(agent.resolve(to).id))
 
 
 _kept: List[Any] = []

@@ -428,9 +428,9 @@ def black_hole_current_connection(rank: int) -> bool:
     from torchrpc._agent.current import current_agent
     agent = current_agent()
     host, port = agent.registry.addresses[rank]
-    conn = agent._open(agent.registry.workers[rank], host, port, 10.0)
+    conn = agent.connections._open(agent.registry.workers[rank], host, port, 10.0)
     conn.send = lambda *args, **kwargs: None
-    agent._conns[rank] = conn
+    agent.connections.shared[rank] = conn
     _black_holes.append(conn)
     return True
 

@@ -70,7 +70,7 @@ def test_private_connections_per_peer_are_bounded():
     def watch() -> None:
         while not done.is_set():
             with agent._lock:
-                n = sum(1 for c in agent._private_conns.get(1, ()) if c.outbound and not c.closed)
+                n = sum(1 for c in agent.connections.private.get(1, ()) if c.outbound and not c.closed)
             most[0] = max(most[0], n)
             time.sleep(0.005)
     watcher = threading.Thread(target=watch)
@@ -114,7 +114,7 @@ def test_private_connections_a_peer_dials_here_are_bounded():
 
 def test_a_peer_that_does_not_read_fails_sends_in_time_and_the_outbox_stays_bounded(group):
     assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
-    conn = current_agent()._conns[2]
+    conn = current_agent().connections.shared[2]
     sigstop(group.procs[2].pid)
     try:
         outcomes: List = []

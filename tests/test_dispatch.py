@@ -118,7 +118,7 @@ def test_a_probe_is_told_what_arrived_and_gets_the_kept_replies_first(agent):
 
 def test_a_reply_whose_connection_broke_goes_on_the_current_one(agent):
     broken, current = FakeConn(1, fail=True), FakeConn(1)
-    agent._on_connect(current)
+    agent.connections.on_connect(current)
     _serve(agent, broken, Kind.CALL, (operator.add, (1, 2), {}), rid=31)
     assert _reply(agent, current) == (Kind.RESPONSE, 31, 3)
 

@@ -117,7 +117,7 @@ def test_retry_after_a_real_connection_loss(agent):
     # and whichever reply comes first completes the call (the function is idempotent).
     fut = rpc.rpc_async("worker1", rh.slow_bump, args=("broken", 0.5))
     time.sleep(0.1)
-    for conn in list(agent._all_conns.get(1, [])):
+    for conn in list(agent.connections.all.get(1, [])):
         conn.close(ConnectionLostError("cut by the test"))
     probes = agent.debug_info()["agent.num_once_probes"]
     assert fut.wait() in (1, 2)
@@ -221,7 +221,7 @@ def test_autograd_control_messages_are_retried(agent):
 
 def _cut(agent) -> None:
     """Break every connection of this worker with worker1 (as a network fault would)."""
-    for conn in list(agent._all_conns.get(1, [])):
+    for conn in list(agent.connections.all.get(1, [])):
         conn.close(ConnectionLostError("cut by the test"))
 
 

@@ -180,7 +180,7 @@ def test_a_callee_drops_the_private_connections_of_a_caller_that_stops(group):
     opened = rpc.rpc_sync("worker2", helpers.open_private_connections, args=("worker0", 4))
     assert opened >= 2, opened  # several calls at once: several private connections
     with agent._lock:  # worker2's connections to this worker, read here
-        private = [c for c in agent._private_conns.get(2, []) if not c.closed and not c.outbound]
+        private = [c for c in agent.connections.private.get(2, []) if not c.closed and not c.outbound]
     assert len(private) >= opened
     helpers_wait = time.monotonic() + 5
     while _readers_of(2) < len(private) + 1 and time.monotonic() < helpers_wait:
@@ -208,4 +208,4 @@ def _registered_private(rank: int) -> list:
     """The private connections to or from ``rank`` the agent here still tracks."""
     agent = current_agent()
     with agent._lock:
-        return [(c.outbound, c.closed) for c in agent._private_conns.get(rank, [])]
+        return [(c.outbound, c.closed) for c in agent.connections.private.get(rank, [])]

@@ -156,7 +156,7 @@ def test_timeout_logs_the_debug_info_of_caller_and_callee(caplog):
         time.sleep(0.05)
     assert "debug info of worker0:" in caplog.text and "sleep_then" in caplog.text
     mine = next(r for r in caplog.records if "timed out after" in r.getMessage())
-    assert mine.name == "torchrpc._agent.agent"
+    assert mine.name == "torchrpc._agent.debug"
     assert _peer(rpc.get_debug_info(), "worker1")["timeouts"] >= 1
 
 

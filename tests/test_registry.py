@@ -112,7 +112,7 @@ def test_a_member_removed_as_lost_is_dropped_here_too_and_its_rank_taken_again(m
     agent.add_loss_hook(lambda w, error: lost.append(w.name))
     registry._apply_events([_join("w1", 1, 11)])
     conn = FakeConn(1)
-    agent._on_connect(conn)
+    agent.connections.on_connect(conn)
     registry._apply_events([_leave("w1", 1, 11, lost="no heartbeat")])
     assert conn.closed and lost == ["w1"]
     with pytest.raises(WorkerLeftError, match="was lost and removed from the group: no heartb"):

@@ -61,13 +61,13 @@ def test_a_new_agent_has_nothing_to_shut_down(make_agent):
     agent.shutdown(graceful=False)
     assert agent._state is NEW
     with pytest.raises(NotInitializedError, match="is new; call init_rpc"):
-        agent._check_running()
+        agent.check_running()
 
 
 def test_a_connection_made_while_starting_is_not_told_goodbye(make_agent):
     agent = make_agent(2)
     conn = FakeConn(1)
-    agent._on_connect(conn)  # a peer that finished the rendezvous first
+    agent.connections.on_connect(conn)  # a peer that finished the rendezvous first
     assert conn.goodbyes() == 0
 
 
@@ -75,7 +75,7 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
     agent = running(make_agent(3))
     conns = [FakeConn(1), FakeConn(2), FakeConn(2), FakeConn(1, fail=True)]
     for conn in conns:
-        agent._on_connect(conn)
+        agent.connections.on_connect(conn)
     p = pending_to(agent, 1)
     states = []
     agent.add_stop_hook(lambda: states.append(agent._state))
@@ -95,7 +95,7 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
 def test_a_connection_made_while_stopping_is_told_goodbye_at_once(make_agent):
     agent = running(make_agent(2))
     late = FakeConn(1)
-    agent.add_stop_hook(lambda: agent._on_connect(late))  # after the GOODBYEs went out
+    agent.add_stop_hook(lambda: agent.connections.on_connect(late))  # after the GOODBYEs went out
     agent.shutdown(graceful=False)
     assert late.goodbyes() == 1
 
@@ -103,7 +103,7 @@ def test_a_connection_made_while_stopping_is_told_goodbye_at_once(make_agent):
 def test_graceful_shutdown_meets_the_group_in_order(make_agent):
     agent = running(make_agent(1))
     conn = FakeConn(0)
-    agent._on_connect(conn)
+    agent.connections.on_connect(conn)
     steps = []
     agent.add_shutdown_hook(lambda deadline: steps.append(("finish", agent._state)))
     agent.add_stop_hook(lambda: steps.append(("stop", agent._state)))
@@ -128,7 +128,7 @@ def test_goodbye_fails_the_peers_calls_and_a_barrier_it_never_reaches(make_agent
     store = dist.HashStore()
     agent = running(make_agent(2, store))
     conn = FakeConn(1)
-    agent._on_connect(conn)
+    agent.connections.on_connect(conn)
     p = pending_to(agent, 1)
     deliver(agent, conn, Kind.GOODBYE)  # worker1 stopped without a graceful shutdown
     assert agent.has_left(1)
@@ -151,5 +151,5 @@ def test_a_worker_lost_elsewhere_is_named_through_the_store(make_agent):
     with pytest.raises(ShutdownError, match=r"worker\(s\) worker1 \(rank 1\) left the group "
                                             r"without shutting down"):
         agent.check_peers()
-    assert agent._lost[1] == "worker2 lost it: reset"
+    assert agent.connections.lost[1] == "worker2 lost it: reset"
 

@@ -124,7 +124,8 @@ def test_whatever_escapes_a_thread_is_reported_not_lost(caplog, monkeypatch):
 
 
 def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch):
-    monkeypatch.setattr(agent, "_check_lent", raise_once(agent._check_lent))
+    reading = agent.fastpath.reading
+    monkeypatch.setattr(reading, "check_lent", raise_once(reading.check_lent))
     assert wait_until(lambda: errors_about(caplog, "timer thread of solo"))
     with pytest.raises(RpcTimeoutError, match="timed out after 0.3 s"):
         rpc.rpc_sync("solo", helpers.sleep_then, args=(2.0,), timeout=0.3)
@@ -161,13 +162,13 @@ def test_a_peer_whose_connection_closes_meanwhile_is_never_an_empty_list(agent):
             return self.asked > 1
 
     with agent._lock:
-        agent._all_conns[7] = [Closing()]
+        agent.connections.all[7] = [Closing()]
     try:
         assert all(shared or private
                    for shared, private in agent.liveness._connections_by_peer().values())
     finally:
         with agent._lock:
-            del agent._all_conns[7]
+            del agent.connections.all[7]
 
 
 def test_a_timer_that_cannot_go_on_fails_the_agent_loudly(agent, caplog, monkeypatch):
@@ -279,7 +280,7 @@ def test_reader_survives_a_failing_frame_callback_and_reads_on(peers, caplog):
 
 def test_accept_loop_survives_a_failure_and_accepts_the_next(peers, caplog, monkeypatch):
     a, b = peers(0), peers(1)
-    monkeypatch.setattr(b.t, "_spawn", raise_once(b.t._spawn, RuntimeError("can't start new thread")))
+    monkeypatch.setattr(b.t._links, "spawn", raise_once(b.t._links.spawn, RuntimeError("can't start new thread")))
     with pytest.raises(RpcError):
         a.connect(b)
     assert wait_until(lambda: errors_about(caplog, "torchrpc-accept-1"))
@@ -294,7 +295,7 @@ def test_accept_loop_that_cannot_go_on_tells_its_owner(peers, caplog, monkeypatc
 
     def spawn(*args, **kwargs):
         raise RuntimeError("can't start new thread")
-    monkeypatch.setattr(b.t, "_spawn", spawn)
+    monkeypatch.setattr(b.t._links, "spawn", spawn)
     monkeypatch.setattr(_threads, "_PAUSE", 0.0)
     for _ in range(_threads.IN_A_ROW):
         with pytest.raises(RpcError):
@@ -323,7 +324,7 @@ def test_connection_tables_are_read_from_snapshots_while_connections_come(peers)
     def add() -> None:
         while not stop.is_set():
             keep.append(Fake())
-            t._register(keep[-1])
+            t._links.register(keep[-1])
             if len(keep) > 200:
                 del keep[:100]
     adder = threading.Thread(target=add)

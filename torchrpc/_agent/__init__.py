@@ -1,7 +1,9 @@
 """The agent layer: rendezvous, connections, pending requests, worker pool, shutdown."""
 
-from .agent import Agent, Parked, debug_info_here
+from .agent import Agent
+from .debug import debug_info_here
 from .dispatch import run_callable
+from .fastpath import Parked
 from .hooks import AsyncResult, CallHook, CallScope, MessageContext, describe
 from .futures import RpcFuture, fresh_error
 from .pool import current_pool

@@ -43,7 +43,7 @@ import torch
 
 from .. import _wire
 from .._transport import Connection, Releasable
-from .._transport.tcp import LogBudget
+from .._transport.logbudget import LogBudget
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
 from ..errors import (OperatorSchemaError, OverloadedError, RpcError, SerializationError,
@@ -242,7 +242,7 @@ class Dispatch:
                 # no longer waits for; an at-most-once one is resent on another).
                 self.send_reply(dst, kind, rid, env, bufs, keep)
                 return
-            agent.send_failed(kind, rid, dst, exc)
+            agent.calls.send_failed(kind, rid, dst, exc)
 
     def refuse(self, src: WorkerInfo, header: _wire.Header, via: Optional[Connection]) -> None:
         """Fail a request that would wait behind ``max_queued_requests`` others (one-way

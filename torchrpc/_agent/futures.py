@@ -1,8 +1,10 @@
 """The future returned by ``rpc_async``: a ``torch.futures.Future`` that knows the agent.
 
-Two things differ from a plain torch future. Waiting on it from a pool thread
+A few things differ from a plain torch future. Waiting on it from a pool thread
 tells the pool the thread is blocked, so nested blocking calls never starve the
-pool. Callbacks (``then`` / ``add_done_callback``) never run on a transport
+pool. A future whose reply waits unread on a private connection (a parked reply, see
+fastpath.py) has it read by the thread that waits on it, with no reader thread woken;
+asking whether it is done, or adding a callback, has a pool thread read it at once. Callbacks (``then`` / ``add_done_callback``) never run on a transport
 reader thread: if the future completes there, they are handed to the pool, so a
 callback that itself makes a blocking RPC cannot stall the connection whose
 reply it waits for. And ``await fut`` works in any running event loop: the loop
@@ -49,11 +51,18 @@ class RpcFuture(torch.futures.Future):
     """A :class:`torch.futures.Future` completed by the RPC agent."""
 
     _pool: Optional[WorkerPool] = None
+    # Reads a parked reply: ``claim(False)`` on the calling thread, ``claim(True)`` on
+    # the pool (see fastpath.py); None once claimed, or for a reply read elsewhere.
+    _claim: Optional[Callable[[bool], None]] = None
 
     def wait(self) -> Any:
+        claim = self._claim
+        if claim is not None:
+            self._claim = None
+            claim(False)
         pool = current_pool()
         try:
-            if pool is not None and not self.done():
+            if pool is not None and not torch.futures.Future.done(self):
                 with pool.blocking():
                     return torch.futures.Future.wait(self)
             return torch.futures.Future.wait(self)
@@ -71,7 +80,12 @@ class RpcFuture(torch.futures.Future):
         finally:
             del error  # the frame must not hold the exception whose traceback holds it
 
+    def done(self) -> bool:
+        _claim_later(self)
+        return torch.futures.Future.done(self)
+
     def add_done_callback(self, callback: Callable[["RpcFuture"], None]) -> None:
+        _claim_later(self)
         pool = self._pool
 
         def run(fut: Any) -> None:
@@ -107,13 +121,21 @@ class RpcFuture(torch.futures.Future):
         Cancelling the awaiting task leaves the RPC alone: it still completes, and
         its result (or error) is dropped with the future.
         """
-        if not self.done():
+        if not self.done():  # done() has the pool read a parked reply
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
             # Inline, on whichever thread completes it: handing over to the loop is quick.
             torch.futures.Future.add_done_callback(self, functools.partial(_wake, loop, waiter))
             yield from waiter.__await__()
         return self.wait()
+
+
+def _claim_later(fut: RpcFuture) -> None:
+    """Have a pool thread read ``fut``'s parked reply now, if nobody has claimed it."""
+    claim = fut._claim
+    if claim is not None:
+        fut._claim = None
+        claim(True)
 
 
 def _wake(loop: asyncio.AbstractEventLoop, waiter: "asyncio.Future[None]", _fut: Any) -> None:
@@ -193,6 +215,8 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
             combined.set_result(futures)
 
     for fut in futures:
+        if isinstance(fut, RpcFuture):
+            _claim_later(fut)
         _add_done_callback(fut, on_done)
     return combined
 

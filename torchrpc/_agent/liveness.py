@@ -1,7 +1,7 @@
 """Heartbeats, and the decision that a peer is lost.
 
 Theory of operation. A worker that dies closes its sockets, so its peers read EOF and
-fail its pending calls at once (``Agent._on_close``). A worker whose host died, or whose
+fail its pending calls at once (``Connections.on_close``). A worker whose host died, or whose
 network is cut, or that hangs, sends nothing. So a worker sends each peer a HEARTBEAT
 frame when it has sent that peer nothing for heartbeat_interval, and the timer closes
 every connection of a peer from which nothing at all came in for heartbeat_timeout,
@@ -46,7 +46,7 @@ from .. import _wire
 from .._threads import Guard
 from .._transport import Connection, shm
 from .._wire import Kind
-from ..errors import ConnectionLostError, RpcError
+from ..errors import ClosedError, ConnectionLostError, RpcError
 from . import membership
 from .shutdown import RUNNING
 from .worker import WorkerInfo
@@ -121,9 +121,9 @@ class Liveness:
         agent = self._agent
         out = {}
         with self._lock:
-            for rank in set(agent._all_conns) | set(agent._private_conns):
-                shared = [c for c in agent._all_conns.get(rank, ()) if not c.closed]
-                private = [c for c in agent._private_conns.get(rank, ()) if not c.closed]
+            for rank in set(agent.connections.all) | set(agent.connections.private):
+                shared = [c for c in agent.connections.all.get(rank, ()) if not c.closed]
+                private = [c for c in agent.connections.private.get(rank, ()) if not c.closed]
                 if shared or private:
                     out[rank] = (shared, private)
         return out
@@ -146,7 +146,7 @@ class Liveness:
         conns = shared + private
         if now - max(c.last_send for c in conns) < interval:
             return  # traffic to this peer is proof enough
-        conn = self._agent._conns.get(rank)
+        conn = self._agent.connections.shared.get(rank)
         if conn is None or conn.closed:
             # Only where the far end reads (see the theory of operation above).
             conn = next(iter(shared or [c for c in private if c.outbound]), None)
@@ -222,14 +222,14 @@ class Liveness:
             worker=name)
         self.heartbeat_timeouts += 1
         with self._lock:
-            agent._lost[rank] = str(error)
+            agent.connections.lost[rank] = str(error)
             self._silent[rank] = error
         self.suspect(rank, error)  # the loss hooks hear of it (first: see declared)
         with self._lock:
             self.declared.add(rank)  # its calls fail now, with no retry
         for conn in conns:
             conn.close(error)
-        agent._close_idle_private(rank, error)
+        agent.fastpath.close_idle(rank, error)
         agent.requests.fail_peer(rank, error)  # also those no connection carried (a failed send)
 
     # -- losses ----------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Liveness:
             self._confirming.add(rank)
         try:
             agent.pool.submit(self._confirm_loss, rank, reason)
-        except RuntimeError:  # shutting down: nothing to clean up for
+        except ClosedError:  # shutting down: nothing to clean up for
             with self._lock:
                 self._confirming.discard(rank)
 
@@ -267,7 +267,7 @@ class Liveness:
                                             worker=w.name)
             else:
                 try:
-                    agent._connection(w)
+                    agent.connections.to(w)
                 except RpcError as exc:
                     cause = exc
                 else:

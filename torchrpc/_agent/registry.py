@@ -103,7 +103,7 @@ class Registry:
             self.removed.pop(rank, None)
             self.incarnations[rank] = int(info.get("incarnation") or 0)
             self.left.discard(rank)
-            agent._lost.pop(rank, None)  # a new worker under a rank that was lost
+            agent.connections.lost.pop(rank, None)  # a new worker under a rank that was lost
             agent.shutdown_protocol.gone.pop(rank, None)
             self.addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
@@ -312,9 +312,8 @@ class Registry:
             # Declared lost by another survivor: drop what this worker has of it too.
             error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
                                     f"the group: {lost}", worker=name)
-            for conn in agent._connections_of(rank):
+            for conn in agent.connections.of(rank):  # its private ones, idle or not, too
                 conn.close(error)
-            agent._close_idle_private(rank, error)
             agent.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:

@@ -93,7 +93,7 @@ class Resend:
         self.attempt = 1
         self.scheduled = False  # the next attempt is due (a second failure must not add one)
         self.sent = False  # a send of it may have reached the callee (so ask before a resend)
-        self.probing = False  # a probe asks the callee about it, unanswered (see Agent._probe_peer)
+        self.probing = False  # a probe asks the callee about it, unanswered (see Probes._probe_peer)
         self.known = False  # a probe's answer said the callee has it
         self.deadline = deadline
         self.kind = kind
@@ -161,8 +161,8 @@ class Requests:
         if p.stats is not None:
             p.stats.timeouts += 1
         agent = self._agent
-        if agent._log_on_timeout and p.dst.id != agent.rank:
-            agent._report_timeout(p.dst, p.what, p.timeout)
+        if agent.timeout_reports.enabled and p.dst.id != agent.rank:
+            agent.timeout_reports.report(p.dst, p.what, p.timeout)
         p.set_exception(RpcTimeoutError(
             f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
             f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
@@ -189,7 +189,7 @@ class Requests:
                              agent.name, describe(p.what) if p.what else Kind(r.kind).name,
                              p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
                     if r.sent and r.flags & _wire.FLAG_ONCE:
-                        agent._probe_later(p.dst, rid, delay)
+                        agent.calls.probes.later(p.dst, rid, delay)
                     else:
                         agent.call_later(delay, self.resend, rid)
                     return
@@ -205,7 +205,7 @@ class Requests:
             return  # timed out or answered meanwhile
         r = p.resend
         r.scheduled = False
-        self._agent._attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+        self._agent.calls.attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
     def fail_matching(self, match: Callable[[Pending], bool], error: RpcError) -> None:
         """Fail (or retry) the pending requests for which ``match`` is true."""

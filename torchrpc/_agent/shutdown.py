@@ -71,7 +71,8 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import LifecycleError, NotInitializedError, RpcError, ShutdownError
+from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
+                      ShutdownError, ThreadFailedError)
 from . import rendezvous
 from .hooks import describe
 
@@ -175,12 +176,12 @@ class Shutdown:
                 error = exc
         self.stop()
         if agent.failure is not None:
-            agent._raise_failure()
+            self.raise_failure()
         if in_meet:
             raise error
         if isinstance(error, ShutdownError):
             raise error
-        if error is not None and not (agent.rank != 0 and "shutdown barrier" in str(error)):
+        if error is not None and not (agent.rank != 0 and isinstance(error, BarrierTimeoutError)):
             raise ShutdownError(f"graceful shutdown of {agent.name} failed: {error}") from error
 
     def _finish_work(self, deadline: Optional[float]) -> None:
@@ -206,8 +207,34 @@ class Shutdown:
 
     # -- peers that are gone -----------------------------------------------------------------------
 
+    def fail(self, error: ThreadFailedError) -> None:
+        """:meth:`Agent.fail`: a background thread cannot go on."""
+        agent = self._agent
+        if agent.failure is not None or (agent._state is not RUNNING
+                                         and agent._state is not STOPPING):
+            return
+        agent.failure = ThreadFailedError(
+            f"the RPC agent of {agent.name} has failed: {error}; call rpc.shutdown() and "
+            f"init_rpc() again")
+        agent.failure.__cause__ = error.__cause__
+        log.error("%s", agent.failure)
+        agent.requests.fail_all(lambda p: agent.failure)
+
+    def raise_failure(self) -> None:
+        """Raise a copy of the agent's failure (a copy: raising one object again and
+        again would grow its traceback)."""
+        failure = self._agent.failure
+        error = ThreadFailedError(str(failure))
+        raise error from failure.__cause__
+
     def check_peers(self, barrier: Optional[str] = None) -> None:
-        """:meth:`Agent.check_peers`."""
+        """Raise :class:`ShutdownError` naming any worker that is gone.
+
+        A worker is gone when its connection broke without a GOODBYE (seen here, or by
+        another worker and told through the store) and connecting to it again fails.
+        While waiting at the store barrier ``barrier``, the workers that have not
+        arrived are probed as well, and one that stopped without arriving is named.
+        """
         agent = self._agent
         if agent.store is not None:
             self._share_lost()
@@ -215,13 +242,13 @@ class Shutdown:
                 self._probe_absent(barrier)
                 self._check_left(barrier)
         with self._lock:
-            lost = [r for r in agent._lost if r not in agent.registry.left and r not in self.gone]
+            lost = [r for r in agent.connections.lost if r not in agent.registry.left and r not in self.gone]
         for r in lost:
             w = agent.registry.workers.get(r)
             if w is None:
                 continue
             try:
-                agent._connection(w, patient=True)  # a live worker reconnects
+                agent.connections.to(w, patient=True)  # a live worker reconnects
             except RpcError as exc:
                 with self._lock:
                     self.gone[r] = str(exc)
@@ -260,11 +287,11 @@ class Shutdown:
         with self._lock:
             ranks = list(agent.registry.workers)
         for r in ranks:
-            if r != agent.rank and r not in agent._lost and r not in agent.registry.left \
+            if r != agent.rank and r not in agent.connections.lost and r not in agent.registry.left \
                     and store.check([f"lost/{r}"]):
                 why = store.get(f"lost/{r}").decode(errors="replace")
                 with self._lock:
-                    agent._lost[r] = why
+                    agent.connections.lost[r] = why
                 self._shared_lost.add(r)
 
     def _probe_absent(self, barrier: str) -> None:
@@ -302,13 +329,13 @@ class Shutdown:
         for r in ranks:
             with self._lock:
                 w = agent.registry.workers.get(r)
-                if w is None or r == agent.rank or r in agent.registry.left or r in agent._lost:
+                if w is None or r == agent.rank or r in agent.registry.left or r in agent.connections.lost:
                     continue
             try:
-                agent._connection(w)  # once connected, EOF and heartbeats watch it
+                agent.connections.to(w)  # once connected, EOF and heartbeats watch it
             except RpcError as exc:
                 with self._lock:
-                    agent._lost[r] = self.gone[r] = \
+                    agent.connections.lost[r] = self.gone[r] = \
                         f"unreachable while the group shuts down: {exc}"
                 log.warning("%s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", agent.name, w.name, r, exc)
@@ -332,9 +359,7 @@ class Shutdown:
         agent.final_debug_info = agent.debug_info()
         if agent.elastic:
             agent.registry.leave()  # stop following the membership log, announce it
-        with self._lock:
-            conns = [c for lst in agent._all_conns.values() for c in lst]
-        for conn in conns:
+        for conn in agent.connections.every_shared():
             self.goodbye(conn)
         for hook in agent._stop_hooks:
             try:
@@ -347,9 +372,7 @@ class Shutdown:
         agent.requests.fail_all(lambda p: NotInitializedError(
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
-        with self._lock:
-            agent._private.clear()
-        agent._parked.clear()
+        agent.fastpath.clear()
         if agent._transport is not None:
             agent._transport.close()
         agent.coroutines.close()

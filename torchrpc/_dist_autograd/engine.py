@@ -73,8 +73,8 @@ from .._agent.remote_error import capture, rebuild_error
 from .._agent.retry import RetryPolicy
 from .._threads import Guard
 from .._wire import Kind
-from ..errors import (ConnectionLostError, RpcError, RpcTimeoutError, SerializationError,
-                      as_runtime_error)
+from ..errors import (ClosedError, ConnectionLostError, RpcError, RpcTimeoutError,
+                      SerializationError, as_runtime_error)
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId, ReleaseRequest
 from .records import (CONTEXT_ID_BITS, NODE_PREFIX, DistAutogradContext, MessageKey,
                       RecvRecorder, SendRecorder, context_creator, local_pass, make_context_id)
@@ -309,7 +309,7 @@ class DistAutogradEngine(CallHook):
             self._flushing = True
             try:
                 self._agent.pool.submit(self._flush_releases)
-            except RuntimeError:
+            except ClosedError:
                 self._flushing = False  # shutting down
 
     def _flush_releases(self, deadline: Optional[float] = None) -> None:

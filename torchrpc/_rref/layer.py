@@ -97,7 +97,7 @@ class RRefLayer:
         deletes = self.control.take_deletes(dst.id)
         try:
             # Parked: the reply is read by this RRef's to_here() if it comes soon.
-            fut, rref._parked = agent.request_parked(
+            fut, rref._parked = agent.fastpath.park(
                 dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
                 timeout, what=func)
         except BaseException:

@@ -167,7 +167,7 @@ class FaultyAgent(Agent):
         # A request to this worker itself meets the same plan as one that is sent.
         plan = self.faults
         if plan.should_fail(kind):
-            self._request_lost(rid, self.worker_info, ConnectionLostError(
+            self.calls.request_lost(rid, self.worker_info, ConnectionLostError(
                 f"injected fault: a send of {Kind(kind).name} to worker {self.name} (itself) "
                 f"failed ({BACKEND_NAME} messages_to_fail)", worker=self.name))
             return
@@ -183,7 +183,7 @@ class FaultyAgent(Agent):
         try:
             Agent._send(self, dst, kind, flags, rid, env, bufs, keep, via)
         except RpcError as exc:
-            self.send_failed(kind, rid, dst, exc)
+            self.calls.send_failed(kind, rid, dst, exc)
 
 
 def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,

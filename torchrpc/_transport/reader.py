@@ -27,6 +27,7 @@ from .. import _wire
 from .._threads import Guard
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake, shm
+from .sockets import lost
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -52,24 +53,31 @@ def spin_seconds(spin_us: Optional[float]) -> Tuple[float, float]:
     return spin_us / 1e6, spin_us / 1e6
 
 
-# How long a private connection's reader polls: _SPIN normally; _SPIN_SPARE while the
-# workers of this host leave CPUs spare (see set_spare_cpus). The defaults: an agent
-# passes the values of its own spin_us option.
+# How long a private connection's reader polls by default: _SPIN normally; _SPIN_SPARE
+# while the workers of this host leave CPUs spare (see PollPolicy, which an agent builds
+# from its spin_us option).
 _SPIN, _SPIN_SPARE = spin_seconds(None)
-_poll = _SPIN
 
 
-def set_spare_cpus(spare: bool, spins: Optional[Tuple[float, float]] = None) -> None:
-    """Tell the readers whether the workers on this host leave CPUs idle; ``spins``: the
-    (normal, spare) poll seconds of :func:`spin_seconds` (default: the defaults).
+class PollPolicy:
+    """How long the readers of private connections poll before they block.
 
     Polling takes a CPU. Where the workers' compute threads already use every CPU, a
     poll that waits long slows down the computation it waits for, so the readers poll
     only briefly; where CPUs are spare, they poll for as long as a typical call takes.
+    The agent owns one and hands it to its connections (``Connection.poll``).
     """
-    global _poll
-    normal, when_spare = spins or (_SPIN, _SPIN_SPARE)
-    _poll = when_spare if spare else normal
+
+    __slots__ = ("seconds", "short", "spare")
+
+    def __init__(self, short: Optional[float] = None, spare: Optional[float] = None) -> None:
+        self.short = _SPIN if short is None else short
+        self.spare = _SPIN_SPARE if spare is None else spare
+        self.seconds = self.short  # read by the readers on every wait that polls
+
+    def set_spare_cpus(self, spare: bool) -> None:
+        """Tell the readers whether the workers on this host leave CPUs idle."""
+        self.seconds = self.spare if spare else self.short
 
 
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...
@@ -107,6 +115,8 @@ class FrameReader:
         _reading.depth = getattr(_reading, "depth", 0) + 1
         try:
             return self._read_frames()
+        except OSError as exc:
+            error = lost(f"connection to rank {self.peer_rank} broke", exc)
         except _CLOSING as exc:
             error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
         except Exception as exc:  # noqa: BLE001 - reading itself failed: where the next
@@ -138,7 +148,7 @@ class FrameReader:
         if start == end and self.spin:
             self._waits += 1
             if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
-                spin = _poll
+                spin = self.poll.seconds
         while end - start < n:
             if spin:
                 k = self._spin_recv(mv[end:], spin)
@@ -231,7 +241,11 @@ class FrameReader:
         its error raised."""
         try:
             return self._next_frame()
-        except (OSError, ProtocolError, ConnectionLostError) as exc:
+        except OSError as exc:
+            error = lost(f"connection to rank {self.peer_rank} broke", exc)
+            self.close(error)
+            raise error from exc
+        except (ProtocolError, ConnectionLostError) as exc:
             self.close(exc)
             raise ConnectionLostError(f"connection to rank {self.peer_rank} broke: {exc}") \
                 from exc

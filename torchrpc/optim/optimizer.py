@@ -17,7 +17,6 @@ import torch.optim.optimizer as _torch_optimizer
 
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
-from torchrpc.rpc.api import _start_call
 
 
 class _LocalOptimizer:
@@ -205,7 +204,7 @@ class DistributedOptimizer:
         # Start the remote steps, then run this worker's own optimizer here meanwhile;
         # then read the remote replies on this thread.
         pairs = list(zip(self.remote_optimizers, self._numbers))
-        waits = [_start_call(opt.owner(), _local_step, args=(number, context_id))
+        waits = [rpc.rpc_async(opt.owner(), _local_step, args=(number, context_id)).wait
                  for opt, number in pairs if not opt.is_owner()]
         for opt, number in pairs:
             if opt.is_owner():

@@ -7,32 +7,29 @@ handle of the current agent, set by :func:`init_rpc` and cleared by :func:`shutd
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here, describe
+from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RRef
 from .._agent.membership import open_elastic_store
 from .._agent.rendezvous import missing_rank_error, open_store, validate_name
-from .._wire import Kind
-
-from .._agent.futures import new_future
-from ..errors import GroupCallError, InvalidArgumentError, RpcError, WrongTypeError
-from . import _gather, backend_registry, constants, functions
+from ..errors import RpcError
+from . import _gather, backend_registry, constants
+from ._calls import WorkerLike, _invoke, _prepare, _thread_local_var, _wait_all  # noqa: F401
+from ._many import (_broadcast_to_followers, all_gather, barrier, rpc_async_many,  # noqa: F401
+                    rpc_sync_many)
 from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
 from .options import SECRET_ENV, RpcBackendOptions, read_environment
 
 log = logging.getLogger(__name__)
 
-WorkerLike = Union[str, int, WorkerInfo]
 
 # Upper layers (RRefs, distributed autograd) install themselves on each new agent.
 def _install_public_calls(agent: Agent) -> None:
@@ -225,6 +222,14 @@ def get_worker_infos() -> List[WorkerInfo]:
     return current_agent().worker_infos()
 
 
+def device_map_to(to: WorkerLike) -> Dict[Any, Any]:
+    """The device map this worker's options set for its calls to ``to`` (empty when
+    none): for layers built on the public API, such as ``RemoteModule``."""
+    agent = current_agent()
+    device_maps = getattr(agent.options, "device_maps", None) or {}
+    return dict(device_maps.get(agent.resolve(to).name) or {})
+
+
 def get_rpc_timeout() -> float:
     r"""The default timeout of RPCs, in seconds."""
     return current_agent().default_timeout
@@ -318,24 +323,6 @@ def _use_rpc_pickler(rpc_pickler: Any):
         _default_pickler = _internal_rpc_pickler
 
 
-# Per thread: ``future_list``, the futures rpc_async made inside ``with _wait_all()``.
-_thread_local_var = threading.local()
-
-
-@contextlib.contextmanager
-def _wait_all():
-    """Wait, on leaving the block, for every ``rpc_async`` future this thread made in it;
-    raise the first error among them."""
-    futures: List[torch.futures.Future] = []
-    _thread_local_var.future_list = futures
-    try:
-        yield
-    finally:
-        del _thread_local_var.future_list
-        if futures:
-            torch.futures.wait_all(futures)
-
-
 def _all_gather(obj: Any, worker_names: Optional[List[str]] = None,
                 timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
     """Gather ``obj`` from every worker of ``worker_names`` (default: all); a dict by name.
@@ -344,11 +331,6 @@ def _all_gather(obj: Any, worker_names: Optional[List[str]] = None,
     makes it raise a RuntimeError that says "timed out in _all_gather".
     """
     return _gather.all_gather(obj, worker_names, timeout, broadcast=_broadcast_to_followers)
-
-
-def _broadcast_to_followers(sequence_id: Any, objects_map: Dict[str, Any]) -> None:
-    """Runs on a follower of ``_all_gather``: the leader's complete dict."""
-    _gather.finish(sequence_id, objects_map)
 
 
 def _barrier(worker_names: List[str]) -> None:
@@ -367,49 +349,6 @@ def _wait_all_workers(timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT) -> No
         log.error("failed to respond to 'Shutdown Proceed' in time, got error %s",
                   exc)
         raise
-
-
-def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
-             ) -> Tuple[Agent, WorkerInfo, Tuple[Any, ...], Dict[str, Any], float]:
-    agent = current_agent()
-    dst = agent.resolve(to)
-    if not callable(func):
-        raise TypeError(f"func must be callable, got {type(func).__name__}")
-    if args is None:
-        args = ()
-    elif not isinstance(args, tuple):
-        if not isinstance(args, list):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-        args = tuple(args)
-    if kwargs is None:
-        kwargs = {}
-    elif not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-    if timeout == constants.UNSET_RPC_TIMEOUT:
-        timeout = agent.default_timeout
-    elif timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (0: no timeout), got {timeout}")
-    return agent, dst, args, kwargs, float(timeout)
-
-
-def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
-            timeout: float) -> torch.futures.Future:
-    """The one path of rpc_async and rpc_sync (``mode`` "async" or "sync", as in their
-    profiling keys): a future of ``func``'s result on ``to``."""
-    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    retry = functions.retry_policy(func)
-    if _profiler.enabled():
-        fut = _profiler.profiled(mode, agent, dst, func, lambda: agent.call(
-            dst, func, args, kwargs, timeout, retry=retry))
-    else:
-        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry)
-    if mode == "async":
-        futures = getattr(_thread_local_var, "future_list", None)
-        if futures is not None:
-            futures.append(fut)
-    return fut
 
 
 def rpc_async(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -441,31 +380,7 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
     with the remote traceback in the message).
     """
-    if _profiler.enabled():
-        return _invoke("sync", to, func, args, kwargs, timeout).wait()
-    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                              retry=functions.retry_policy(func))
-
-
-def _start_call(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
-                kwargs: Optional[Dict[str, Any]] = None,
-                timeout: float = constants.UNSET_RPC_TIMEOUT) -> Callable[[], Any]:
-    """Start ``func`` on ``to``; a function that waits for its result and returns it.
-
-    The reply waits unread on a private connection where it can, and the thread that
-    waits reads it itself: no reader thread wakes up for it. For a caller that starts
-    calls, works meanwhile and then collects them (``DistributedOptimizer.step``).
-    """
-    if _profiler.enabled():
-        return _invoke("async", to, func, args, kwargs, timeout).wait
-    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    retry = functions.retry_policy(func)
-    if retry is not None:
-        return agent.call(dst, func, args, kwargs, timeout, retry=retry).wait
-    future, parked = agent.request_parked(dst, Kind.CALL, (func, args, kwargs), timeout,
-                                          what=func)
-    return functools.partial(agent.wait_parked, future, parked)
+    return _invoke("sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,
@@ -493,176 +408,6 @@ def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, .
         return _profiler.profiled_remote(agent, dst, func, lambda target: _rref.remote(
             agent, dst, target, args, kwargs, timeout))
     return _rref.remote(agent, dst, func, args, kwargs, timeout)
-
-
-def _resolve_many(agent: Agent, to: Any, what: str) -> List[WorkerInfo]:
-    """The WorkerInfos of a list of destinations (names, ranks or WorkerInfos)."""
-    if isinstance(to, (str, bytes, int, WorkerInfo)) or not isinstance(to, (list, tuple)):
-        raise WrongTypeError(f"{what}() takes a list of workers (names, ranks or WorkerInfos) "
-                             f"as 'to', got {type(to).__name__} {to!r}; for one worker, "
-                             f"pass [{to!r}] or use the single-worker call")
-    if not to:
-        raise InvalidArgumentError(f"{what}() got an empty list of workers as 'to'; pass at "
-                                   f"least one worker name, rank or WorkerInfo")
-    return [agent.resolve(w) for w in to]
-
-
-def rpc_async_many(to: List[WorkerLike], func: Callable[..., Any],
-                   args: Optional[Tuple[Any, ...]] = None,
-                   kwargs: Optional[Dict[str, Any]] = None,
-                   timeout: float = constants.UNSET_RPC_TIMEOUT) -> torch.futures.Future:
-    r"""Run ``func`` on every worker of ``to`` at once; one future of all the results.
-
-    The arguments are pickled once and the same message goes to every worker (unless
-    they hold something made for one peer, such as an RRef). Not in
-    ``torch.distributed.rpc``: there, a loop of :func:`rpc_async` and
-    :func:`torch.futures.wait_all` does the same.
-
-    Args:
-        to (list of str or WorkerInfo or int): the destination workers; a worker may
-            appear more than once (it runs ``func`` once per appearance).
-        func (Callable): a callable, as for :func:`rpc_async`.
-        args (tuple): the argument tuple for every ``func`` invocation.
-        kwargs (dict): keyword arguments for every ``func`` invocation.
-        timeout (float, optional): seconds each call may take, as for :func:`rpc_async`.
-
-    Returns:
-        A :class:`torch.futures.Future` (``await`` works on it) of the list of results,
-        in the order of ``to``. If some calls fail, it fails with a
-        :class:`~torchrpc.errors.GroupCallError` that names every failed worker; its
-        ``errors`` dict holds each one's error and its ``results`` list the results of
-        the others (None where a call failed).
-
-    Example::
-        >>> futs = rpc.rpc_async_many(["worker1", "worker2"], torch.add, args=(t, 1))
-        >>> a, b = futs.wait()
-    """
-    agent = current_agent()
-    dsts = _resolve_many(agent, to, "rpc_async_many")
-    agent, _, args, kwargs, timeout = _prepare(dsts[0], func, args, kwargs, timeout)
-    if _profiler.enabled():  # one profiler event per call, as rpc_async records
-        futures = [_invoke("async", dst, func, args, kwargs, timeout) for dst in dsts]
-    else:
-        futures = agent.request_many(dsts, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                                     retry=functions.retry_policy(func))
-    fut = _combine_results(agent, dsts, futures, func)
-    pending = getattr(_thread_local_var, "future_list", None)
-    if pending is not None:
-        pending.append(fut)
-    return fut
-
-
-def _combine_results(agent: Agent, dsts: List[WorkerInfo], futures: List[torch.futures.Future],
-                     func: Any) -> torch.futures.Future:
-    """One future of the results of ``futures`` (one per worker of ``dsts``)."""
-    out = new_future(agent.pool)
-    results: List[Any] = [None] * len(futures)
-    failures: List[Optional[BaseException]] = [None] * len(futures)
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def done(i: int, f: torch.futures.Future) -> None:
-        try:
-            results[i] = f.wait()
-        except BaseException as exc:  # noqa: BLE001 - collected into the group's error
-            # Without frames: ``out`` keeps it, and a C++ future in a cycle is never freed.
-            failures[i] = exc.with_traceback(None)
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if not last:
-            return
-        errors: Dict[str, BaseException] = {}  # in the order of ``to``
-        for dst, error in zip(dsts, failures):
-            if error is not None:
-                errors.setdefault(dst.name, error)
-        if errors:
-            failed = sum(1 for error in failures if error is not None)
-            out.set_exception(GroupCallError(
-                f"rpc_async_many of {describe(func)}: {failed} of {len(futures)} calls "
-                f"failed, on {', '.join(errors)}: "
-                + "; ".join(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                            if str(e) else f"{name}: {type(e).__name__}"
-                            for name, e in errors.items()), results, errors))
-        else:
-            out.set_result(results)
-
-    for i, f in enumerate(futures):
-        torch.futures.Future.add_done_callback(f, functools.partial(done, i))
-    return out
-
-
-def rpc_sync_many(to: List[WorkerLike], func: Callable[..., Any],
-                  args: Optional[Tuple[Any, ...]] = None,
-                  kwargs: Optional[Dict[str, Any]] = None,
-                  timeout: float = constants.UNSET_RPC_TIMEOUT) -> List[Any]:
-    r"""Run ``func`` on every worker of ``to`` at once and wait: the list of results.
-
-    Takes the same arguments as :func:`rpc_async_many`; raises its
-    :class:`~torchrpc.errors.GroupCallError` if some calls fail. Not in
-    ``torch.distributed.rpc``.
-    """
-    return rpc_async_many(to, func, args, kwargs, timeout).wait()
-
-
-def _gather_names(agent: Agent, workers: Optional[List[WorkerLike]], what: str
-                  ) -> Optional[List[str]]:
-    if workers is None:
-        return None
-    return [w.name for w in _resolve_many(agent, workers, what)]
-
-
-def _collective_timeout(timeout: float) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-    if timeout != constants.UNSET_RPC_TIMEOUT and timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (0: no timeout), got {timeout}")
-    return float(timeout)
-
-
-def barrier(workers: Optional[List[WorkerLike]] = None,
-            timeout: float = constants.UNSET_RPC_TIMEOUT) -> None:
-    r"""Return once every worker of ``workers`` (default: the whole group) has called it.
-
-    Every worker of the set calls ``barrier`` with the same set, the same number of
-    times. It runs on RPC messages among those workers (no rendezvous store). Not in
-    ``torch.distributed.rpc``.
-
-    Args:
-        workers (list of str or WorkerInfo or int, optional): the workers that meet;
-            this worker must be one of them. ``None``: every worker of the group.
-        timeout (float, optional): seconds to wait for the others; 0 means no limit; by
-            default the agent's ``rpc_timeout``. Past it, a "timed out" error names the
-            workers still missing.
-    """
-    agent = current_agent()
-    _gather.all_gather(None, _gather_names(agent, workers, "barrier"),
-                       _collective_timeout(timeout), broadcast=_broadcast_to_followers)
-
-
-def all_gather(obj: Any, workers: Optional[List[WorkerLike]] = None,
-               timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
-    r"""Gather ``obj`` from every worker of ``workers`` (default: the whole group).
-
-    Every worker of the set calls it with its own ``obj``; each gets every object. It
-    runs on RPC messages among those workers (no rendezvous store). Not in
-    ``torch.distributed.rpc``.
-
-    Args:
-        obj (object): this worker's contribution; anything an RPC can carry.
-        workers (list of str or WorkerInfo or int, optional): the workers that gather;
-            this worker must be one of them. ``None``: every worker of the group.
-        timeout (float, optional): as for :func:`barrier`.
-
-    Returns:
-        A dict from worker name to that worker's ``obj``, in the order of the ranks.
-    """
-    agent = current_agent()
-    gathered = _gather.all_gather(obj, _gather_names(agent, workers, "all_gather"),
-                                  _collective_timeout(timeout),
-                                  broadcast=_broadcast_to_followers)
-    ranks = {name: agent.resolve(name).id for name in gathered}
-    return {name: gathered[name] for name in sorted(gathered, key=ranks.__getitem__)}
 
 
 def is_available() -> bool:

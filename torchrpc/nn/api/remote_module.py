@@ -319,13 +319,13 @@ class _RemoteModule(nn.Module):
 
     def _prepare_init(self, remote_device: str) -> None:
         """Set ``on``, ``device`` and ``is_device_map_set`` from ``remote_device``."""
-        if not rpc.api._is_current_rpc_agent_set():
+        try:
+            rpc.get_worker_info()  # raises before init_rpc
+        except NotInitializedError:
             raise _OutsideRpcError("RemoteModule only works in RPC. Call torchrpc.rpc.init_rpc() "
-                                   "before creating one")
+                                   "before creating one") from None
         self.on, self.device = _parse_remote_device(remote_device)
-        agent = rpc.api._get_current_rpc_agent()
-        device_maps = getattr(agent.options, "device_maps", None) or {}
-        self.is_device_map_set = bool(device_maps.get(agent.get_worker_info(self.on).name))
+        self.is_device_map_set = bool(rpc.api.device_map_to(self.on))
 
     def _install_generated_methods(self) -> None:
         """Bind ``forward_async`` and ``forward`` to this module (and, for a scriptable

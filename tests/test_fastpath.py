@@ -1,0 +1,212 @@
+"""The fast path (``torchrpc._agent.fastpath``) driven by messages alone: private
+connections that a fake transport opens, and replies that the test puts on them."""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import deque
+from typing import Any, Deque, List, Tuple
+
+import pytest
+
+from torchrpc import _wire
+from torchrpc._agent import Agent
+from torchrpc._wire import Kind
+from torchrpc.errors import RpcError
+from tests.agent_helpers import Agents, FakeConn, running
+
+
+class FakePrivate(FakeConn):
+    """A private connection: the caller reads what the test (or ``auto``) queued on it."""
+
+    def __init__(self, peer_rank: int, auto: bool) -> None:
+        super().__init__(peer_rank)
+        self.private = True
+        self.auto = auto  # answer every call with the sum of its arguments, at once
+        self.inbox: Deque[Tuple[_wire.Header, bytes, List[Any]]] = deque()
+        self.reads = 0
+
+    def send(self, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
+             keep: Any = None) -> None:
+        super().send(kind, flags, rid, env, bufs, keep)
+        if self.auto:
+            self.answer(rid, sum(_wire.decode(env, bufs)[1][1]))
+
+    def answer(self, rid: int, value: Any) -> None:
+        envelope = _wire.encode(value)[0]
+        self.inbox.append((_wire.Header(Kind.RESPONSE, 0, rid, len(envelope), 0),
+                           bytes(envelope), []))
+
+    def read_frame(self) -> Tuple[_wire.Header, bytes, List[Any]]:
+        self.reads += 1
+        if self.closed or not self.inbox:
+            raise RpcError("closed")
+        return self.inbox.popleft()
+
+
+class PrivateTransport:
+    """Opens a :class:`FakePrivate` for every private connection asked for."""
+
+    secure = False
+
+    def __init__(self, agent: Agent, auto: bool = True) -> None:
+        self.agent = agent
+        self.auto = auto
+        self.opened: List[FakePrivate] = []
+
+    def connect(self, rank: int, host: str, port: int, timeout: float, local: bool = False,
+                private: bool = False) -> Any:
+        assert private, "the shared connection is in the table already"
+        conn = FakePrivate(rank, self.auto)
+        self.opened.append(conn)
+        self.agent.connections.on_connect(conn)
+        return conn
+
+    def connections(self) -> List[Any]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def agents():
+    made = Agents()
+    yield made
+    made.close()
+
+
+def _agent(agents: Agents, auto: bool = True) -> Tuple[Agent, FakeConn, PrivateTransport]:
+    agent = running(agents(world_size=2))
+    transport = agent._transport = PrivateTransport(agent, auto)
+    shared = FakeConn(1)
+    agent.connections.on_connect(shared)
+    return agent, shared, transport
+
+
+def _dst(agent: Agent) -> Any:
+    return agent.registry.workers[1]
+
+
+def _wait_until(predicate: Any, limit: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(agents):
+    agent, shared, transport = _agent(agents)
+    assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (2, 3), {}), 5) == 5
+    (conn,) = transport.opened
+    assert [kind for kind, _, _ in conn.sent] == [Kind.CALL] and not shared.sent
+    assert agent.fastpath.idle_to(1) == [conn]  # back in the free list for the next call
+    assert conn.poll is agent.fastpath.poll  # readers poll as the agent's policy says
+    assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 1), {}), 5) == 2
+    assert transport.opened == [conn]  # reused, not opened again
+
+
+def test_rpc_sync_leaves_its_reply_for_its_wait_to_read_on_the_calling_thread(agents):
+    agent, shared, transport = _agent(agents)
+    fut = agent.call(_dst(agent), operator.add, (4, 5), {}, 5, park=True, sync=True)
+    (conn,) = transport.opened
+    assert conn.reads == 0  # the reply waits unread, for this future alone
+    assert agent.fastpath.num_parked == 0
+    assert fut.wait() == 9
+    assert conn.reads == 1 and agent.fastpath.num_parked == 0 and not shared.sent
+
+
+def test_rpc_async_parks_only_on_an_idle_connection(agents):
+    agent, shared, transport = _agent(agents)
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
+    assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
+    agent.fastpath.close_idle(1, RpcError("unused"))  # nothing idle: nothing closes
+    assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5) == 0
+    (conn,) = transport.opened
+    parked = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)
+    assert [k for k, _, _ in conn.sent] == [Kind.CALL, Kind.CALL] and conn.reads == 1
+    assert parked.wait() == 4 and conn.reads == 2
+    assert not fut.done()  # its reply is for the shared connection's reader
+
+
+def test_a_second_async_call_to_a_worker_with_a_parked_reply_goes_the_shared_way(agents):
+    agent, shared, transport = _agent(agents)
+    agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
+    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, park=True)
+    second = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)
+    assert len(transport.opened[0].sent) == 2 and len(shared.sent) == 1
+    assert first.wait() == 2 and not second.done()
+
+
+def test_a_callback_has_the_pool_read_a_parked_reply_at_once(agents):
+    agent, shared, transport = _agent(agents)
+    agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
+    fut = agent.call(_dst(agent), operator.add, (3, 4), {}, 5, park=True)
+    seen: List[Any] = []
+    fut.add_done_callback(lambda f: seen.append(f.wait()))
+    assert _wait_until(lambda: seen == [7])
+    assert agent.fastpath.num_parked == 0
+
+
+def test_an_unclaimed_parked_reply_is_read_on_the_pool_after_a_tick(agents):
+    agent, shared, transport = _agent(agents, auto=False)
+    fut, parked = agent.fastpath.park(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
+    assert parked is not None and agent.fastpath.num_parked == 1
+    conn = transport.opened[0]
+    conn.answer(parked.rid, 3)
+    agent.fastpath.drain_parked(time.monotonic())  # too young: left for its owner
+    assert conn.reads == 0
+    agent.fastpath.drain_parked(time.monotonic() + 1.0)
+    assert _wait_until(fut.done) and fut.wait() == 3
+    assert _wait_until(lambda: agent.fastpath.num_parked == 0)
+    assert agent.fastpath.idle_to(1) == [conn]
+
+
+def test_a_call_after_a_parked_request_reads_both_replies(agents):
+    agent, shared, transport = _agent(agents, auto=False)
+    fut, parked = agent.fastpath.park(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 0)
+    conn = transport.opened[0]
+    conn.answer(parked.rid, 3)
+    conn.auto = True
+    assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (5, 5), {}), 0,
+                              after=parked) == 10
+    assert fut.done() and fut.wait() == 3 and conn.reads == 2
+    assert agent.fastpath.num_parked == 0 and agent.fastpath.idle_to(1) == [conn]
+
+
+def test_a_private_connection_that_breaks_fails_its_call(agents):
+    agent, shared, transport = _agent(agents, auto=False)
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True, sync=True)
+    with pytest.raises(RpcError, match="closed"):
+        fut.wait()
+    assert agent.fastpath.num_parked == 0 and not agent.fastpath.idle_to(1)
+
+
+def test_without_private_calls_every_call_goes_the_shared_way(agents):
+    agent, shared, transport = _agent(agents)
+    agent.fastpath.enabled = False
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True, sync=True)
+    assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
+    assert not fut.done()
+
+
+def test_the_poll_policy_follows_the_cpus_the_host_leaves_spare(agents):
+    agent, _, _ = _agent(agents)
+    poll = agent.fastpath.poll
+    poll.set_spare_cpus(True)
+    assert poll.seconds == poll.spare
+    poll.set_spare_cpus(False)
+    assert poll.seconds == poll.short
+    agent.fastpath.check_cpus()  # one worker on this host: whatever the CPUs say, valid
+    assert poll.seconds in (poll.short, poll.spare)
+
+
+
+def test_a_callback_on_an_rpc_sync_future_has_the_pool_read_its_reply(agents):
+    agent, shared, transport = _agent(agents)
+    fut = agent.call(_dst(agent), operator.add, (2, 6), {}, 5, park=True, sync=True)
+    seen: List[Any] = []
+    fut.add_done_callback(lambda f: seen.append(f.wait()))
+    assert _wait_until(lambda: seen == [8])
+    assert agent.fastpath.idle_to(1) == transport.opened

@@ -1,0 +1,294 @@
+"""The caller's side of requests (``Calls``, held as ``agent.calls``).
+
+A request is encoded once under the call hooks of the layers above (which add their
+metadata and see the tensors that cross), entered in the pending table (requests.py) and
+sent on the shared connection to its callee, or on a private one by the fast path
+(fastpath.py). Its reply, read by whichever thread reads that connection, completes the
+future here (:meth:`Calls.on_reply`). The caller's side of at-most-once, asking the callee
+before sending a request again, is :class:`~torchrpc._agent.probes.Probes`'.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _wire
+from .._transport import Connection
+from .._wire import Kind
+from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
+from .futures import RpcFuture, fresh_error, new_future
+from .hooks import MessageContext, combine, describe
+from .probes import Probes
+from .remote_error import rebuild_error
+from .requests import Pending, Resend
+from .retry import RetryPolicy
+from .stats import nbytes
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class Calls:
+    """Encoding, sending and completing the requests of one agent."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+        self._rid = itertools.count(1)
+        self.probes = Probes(agent, self)
+        self._max_pending = int(getattr(agent.options, "max_pending_requests", 0))
+
+    def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
+                what: Any = None, oneway: bool = False,
+                retry: Optional[RetryPolicy] = None) -> RpcFuture:
+        """See :meth:`Agent.request`."""
+        rid, p, flags, env, bufs, keep = self.new_request(dst, kind, payload, timeout, what,
+                                                          oneway, retry)
+        self.attempt(rid, p, kind, flags, env, bufs, keep)
+        return p.future
+
+    def request_many(self, dsts: Sequence[WorkerInfo], kind: int, payload: Any, timeout: float,
+                     what: Any = None, retry: Optional[RetryPolicy] = None) -> List[RpcFuture]:
+        """See :meth:`Agent.request_many`."""
+        futures: List[RpcFuture] = []
+        shared: List[Tuple[bytes, Any, Any]] = []
+        for i, dst in enumerate(dsts):
+            try:
+                rid, p, flags, env, bufs, keep = self.new_request(
+                    dst, kind, payload, timeout, what, retry=retry,
+                    encoded=shared[0] if shared else None, share=shared if i == 0 else None)
+            except BaseException as exc:  # noqa: BLE001 - the first raises, others fail alone
+                if i == 0:
+                    raise
+                failed = new_future(self._agent.pool)
+                failed.set_exception(fresh_error(exc))
+                futures.append(failed)
+                continue
+            self.attempt(rid, p, kind, flags, env, bufs, keep)
+            futures.append(p.future)
+        return futures
+
+    def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
+                 settled: torch.futures.Future) -> RpcFuture:
+        """A request of ``kind`` this worker addresses to itself, served without a message
+        (an ``rpc.remote()`` to self): ``start()`` runs on the worker pool, and the future
+        returned completes when ``settled`` does, or fails with the timeout error at the
+        deadline, as a request's would (torch sends such requests to itself)."""
+        agent = self._agent
+        rid = next(self._rid)
+        p = Pending(new_future(agent.pool), agent.worker_info, what, timeout, None)
+        requests = agent.requests
+        requests.add(rid, p, time.monotonic() + timeout if timeout > 0 else None)
+
+        def finish(f: torch.futures.Future) -> None:
+            q = requests.pending.pop(rid, None)
+            if q is None:
+                return  # timed out or failed already
+            try:
+                f.wait()
+            except BaseException as exc:  # noqa: BLE001 - the work's own error
+                q.future.set_exception(exc)
+            else:
+                q.future.set_result(None)
+
+        torch.futures.Future.add_done_callback(settled, finish)
+        agent._start_here(kind, rid, start)
+        return p.future
+
+    def new_request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any,
+                    oneway: bool = False, retry: Optional[RetryPolicy] = None,
+                    private: Optional[Connection] = None,
+                    encoded: Optional[Tuple[bytes, Any, Any]] = None,
+                    share: Optional[List[Tuple[bytes, Any, Any]]] = None) -> Tuple[Any, ...]:
+        """Encode a request and enter it in the pending table (unless one-way).
+
+        ``encoded``: an encoding of ``payload`` made for another destination, used unless
+        a call hook has something to add for this one. ``share``: a list that gets this
+        encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
+        """
+        agent = self._agent
+        # The protocols' at-most-once messages are not refused: losing them would lose state.
+        once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
+        waiting = len(agent.requests.pending)
+        if self._max_pending and waiting >= self._max_pending and not oneway and not once:
+            raise RpcError(
+                f"too many outstanding RPCs: {waiting} requests of {agent.name} wait "
+                f"for replies (max_pending_requests is {self._max_pending}); wait for some "
+                f"of them before sending {describe(what)} to {dst.name}, or raise the option")
+        meta = send_hook = states = None
+        if agent._hooks:
+            meta, send_hook, states = self._outgoing(dst, kind)
+        ctx = MessageContext(agent, dst, kind, replied=not oneway)
+        if encoded is not None and meta is None and send_hook is None and states is None:
+            env, bufs, keep = encoded
+        else:
+            try:
+                env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
+                                               _wire.PAYLOAD_NAMES.get(kind, "payload"))
+            except BaseException:
+                if states is not None:
+                    self._request_failed(dst, states)
+                raise
+            if share is not None and meta is None and send_hook is None and states is None \
+                    and not ctx.per_peer and not ctx.on_settled and ctx.gates is None:
+                share.append((env, bufs, keep))
+        rid = next(self._rid)
+        flags = _wire.FLAG_ONEWAY if oneway else 0
+        now = time.monotonic()
+        stats = agent._peer_stats.get(dst.id) or agent.new_stats(dst.id)
+        stats.calls_out += 1
+        stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
+        p = Pending(new_future(agent.pool), dst, what, timeout, states, stats, now)
+        if states is not None:
+            p.on_failure = functools.partial(self._request_failed, dst, states)
+        if ctx.on_settled:
+            # Inline, wherever the future completes: these are short bookkeeping steps.
+            torch.futures.Future.add_done_callback(
+                p.future, functools.partial(_run_all, ctx.on_settled))
+        p.private = private
+        deadline = now + timeout if timeout > 0 else None
+        if retry is not None and retry.max_attempts > 1:
+            if once:  # internal: the callee runs it once; @idempotent may rerun
+                flags |= _wire.FLAG_ONCE
+            p.resend = Resend(retry, deadline, kind, flags, env, bufs, keep)
+        if not oneway or p.resend is not None:
+            agent.requests.add(rid, p, deadline)
+        return rid, p, flags, env, bufs, keep
+
+    def attempt(self, rid: int, p: Pending, kind: int, flags: int, env: bytes, bufs: Any,
+                keep: Any) -> None:
+        """Send (again) request ``rid`` on the shared connection to its callee."""
+        agent = self._agent
+        r = p.resend
+        was_sent = r is not None and r.sent
+        if r is not None:
+            r.sent = True  # from here the frame may arrive, even if the connection breaks
+        try:
+            conn = p.conn = agent.connections.to(p.dst)
+            agent._send(p.dst, kind, flags, rid, env, bufs, keep, conn)
+        except RpcError as exc:  # raised before the frame was queued: it did not go
+            if r is not None:
+                r.sent = was_sent
+            if flags & _wire.FLAG_ONEWAY and p.resend is None:
+                p.set_exception(self.lost_error(p.dst, exc))
+            else:
+                self.send_failed(kind, rid, p.dst, exc)
+            return
+        if flags & _wire.FLAG_ONEWAY and (p.resend is None
+                                          or agent.requests.pending.pop(rid, None)):
+            p.future.set_result(None)
+
+    def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
+        """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
+        if kind in (Kind.RESPONSE, Kind.ERROR):
+            log.warning("%s could not reply to %s: %s", self._agent.name, dst.name, exc)
+            return
+        self.request_lost(rid, dst, exc)
+
+    def request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
+        """Request ``rid`` to ``dst`` may never be answered (its connection failed):
+        retry or fail it, unless it is settled already."""
+        requests = self._agent.requests
+        p = requests.pending.pop(rid, None)
+        if p is not None:
+            requests.fail(rid, p, self.lost_error(dst, exc))
+
+    def lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
+        """The error of a request to ``dst`` whose connection failed with ``exc``."""
+        if isinstance(exc, (ConnectionLostError, NotInitializedError)) \
+                and getattr(exc, "worker", None):
+            return exc
+        if dst.id in self._agent.registry.left:
+            return self._agent.left_error(dst)
+        return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
+                                   worker=dst.name)
+
+    def on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
+                 buffers: List[torch.Tensor]) -> None:
+        """A reply (``RESPONSE`` or ``ERROR``) came on ``conn``: complete its request."""
+        agent = self._agent
+        pending = agent.requests.pending
+        p = pending.get(header.request_id)
+        if p is None:
+            return  # expired or failed already
+        if p.dst.id != conn.peer_rank:
+            # Only the callee answers a call: a reply from anyone else is dropped.
+            log.warning("%s dropped a reply from rank %d to request %d, which was "
+                        "sent to rank %d", agent.name, conn.peer_rank, header.request_id,
+                        p.dst.id)
+            return
+        if pending.pop(header.request_id, None) is not p:
+            return  # failed meanwhile
+        now = time.monotonic()
+        if p.timeout > 0 and now - p.sent > p.timeout:
+            # Past its deadline, before the timer got to it (a loaded machine): the
+            # deadline holds all the same, as the caller was promised.
+            agent.requests.time_out(p)
+            return
+        if p.resend is not None and p.resend.probing:
+            self.probes.answered(p.resend)  # the reply came before the probe's answer
+        stats = p.stats
+        if stats is not None:
+            stats.latency(now - p.sent)
+            stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
+            if header.kind == Kind.ERROR:
+                stats.errors_out += 1
+        ctx = MessageContext(agent, p.dst, header.kind)
+        recv_hook = None
+        if p.states is not None:
+            recv_hook = lambda meta: self._response_hook(p, meta)  # noqa: E731
+        try:
+            _, value = _wire.decode(envelope, buffers, ctx, recv_hook)
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error
+            if stats is not None and header.kind != Kind.ERROR:
+                stats.errors_out += 1
+            p.future.set_exception(SerializationError(
+                f"cannot unpickle the reply of {p.dst.name} to {describe(p.what)}: {exc}"))
+            return
+        if header.kind == Kind.ERROR:
+            p.future.set_exception(rebuild_error(value))
+        else:
+            p.future.set_result(value)
+
+    def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
+        meta: Dict[str, Any] = {}
+        states: Dict[str, Any] = {}
+        send_hooks = []
+        for hook in self._agent._hooks:
+            out = hook.outgoing_request(dst, kind)
+            if out is not None:
+                meta[hook.key], h, states[hook.key] = out
+                send_hooks.append(h)
+        return (meta or None), combine(send_hooks), (states or None)
+
+    def _request_failed(self, dst: WorkerInfo, states: Dict[str, Any]) -> None:
+        for hook in self._agent._hooks:
+            if hook.key in states:
+                try:
+                    hook.request_failed(dst, states[hook.key])
+                except Exception:  # noqa: BLE001 - the caller's error matters more
+                    log.exception("%s: call hook %r failed", self._agent.name, hook.key)
+
+    def _response_hook(self, p: Pending, meta: Any) -> Optional[Any]:
+        hooks = []
+        for hook in self._agent._hooks:
+            if hook.key in p.states:
+                hooks.append(hook.incoming_response(p.dst, p.states[hook.key],
+                                                    (meta or {}).get(hook.key)))
+        return combine(hooks)
+
+
+def _run_all(actions: List[Any], _fut: Any) -> None:
+    for action in actions:
+        try:
+            action()
+        except Exception:  # noqa: BLE001 - one must not keep the others from running
+            log.exception("an action after a request settled failed")

@@ -1,0 +1,381 @@
+"""The fast paths of calls and replies (``FastPath``, held as ``agent.fastpath``).
+
+Theory of operation (private connections). A blocking call (``rpc_sync``,
+``RRef.to_here``) would otherwise cost two thread switches on the way back: the
+connection's reader takes the reply and wakes the caller, and the GIL goes back and
+forth between them. Instead it goes out on a private connection, used by this one call
+at a time, and the calling thread reads the reply from the socket itself. The call still
+sits in the pending table, so deadlines, lost workers and shutdown fail it like any
+other; failing it closes the private connection, which wakes the caller blocked on it
+(``Pending.set_exception``). The readers of private connections poll a moment before they
+block, for as long as :attr:`FastPath.poll` says.
+
+Theory of operation (parked replies). RRef creation (``remote()``) gets a reply that
+nobody waits for, and usually a ``to_here()`` right after it; ``rpc_sync`` and
+``rpc_async`` get a reply their caller usually waits for soon. Such a request is sent on
+a private connection and its reply left in the socket ("parked"). Whoever waits for it
+first reads it: the future's ``wait()`` on the caller's own thread (a callback added to
+the future has the pool read it at once, see futures.py), a ``call(after=...)`` to the
+same worker that goes out on that connection and reads both replies, or, for a parked
+request nobody claims within a tick or two of the timer, a pool thread
+(``drain_parked``). An ``rpc_sync``'s reply is its future's alone: it is not counted
+among the parked. At most ``_MAX_PARKED`` other requests are parked at once; an
+``rpc_async`` parks only on an idle private connection (it never waits for one to open)
+and while no other reply from its worker is parked (a burst of calls to one worker would
+otherwise take a connection, and a reading thread on both sides, each). Beyond that, and
+wherever private connections are not used, they are plain requests.
+
+Which thread reads the shared connections, and lends that role while it serves a
+request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .._transport import Connection, PollPolicy
+from .._transport.reader import spin_seconds
+from .._wire import Kind
+from ..errors import ClosedError, RpcError
+from .futures import RpcFuture
+from .pool import current_pool
+from .reading import Reading
+from .requests import Pending
+from .retry import RetryPolicy
+from .scheduler import LENT_TICK
+from .shutdown import RUNNING
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+_MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class Parked:
+    """A request sent on a private connection whose reply waits there unread (see
+    :meth:`FastPath.park`)."""
+
+    __slots__ = ("conn", "rid", "deadline", "since")
+
+    def __init__(self, conn: Connection, rid: int, deadline: Optional[float]) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.deadline = deadline
+        self.since = time.monotonic()
+
+
+class FastPath:
+    """Private connections, parked replies, the readers' poll policy and the lending of
+    reading roles, for one agent (see module docs)."""
+
+    def __init__(self, agent: "Agent", enabled: bool) -> None:
+        self._agent = agent
+        self._lock = agent._lock  # the agent's: debug_info counts under it
+        self.enabled = enabled  # whether blocking calls use private connections
+        # handed to every private connection (Connections.on_connect); the spin_us option
+        self.poll = PollPolicy(*spin_seconds(getattr(agent.options, "spin_us", None)))
+        self.reading = Reading(agent)
+        self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
+        self._opening: Dict[int, int] = {}  # rank -> private connections being opened
+        self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
+        self.num_parked = 0  # parked requests whose reply is not read yet
+        self.max_private = int(getattr(agent.options, "max_private_connections", 1 << 30))
+
+    # -- the agent's interface ---------------------------------------------------------------
+
+    def call(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any = None,
+             retry: Optional[RetryPolicy] = None, after: Optional[Parked] = None) -> Any:
+        """Send a request and wait for the reply; the calling thread reads it itself.
+
+        With ``after`` (a request to ``dst`` parked by :meth:`park`), the request goes
+        out on the parked request's connection if it is still unclaimed and this call's
+        deadline is not earlier than the parked one's; this thread then reads both
+        replies.
+        """
+        agent = self._agent
+        agent.check_running()
+        conn = None
+        also: Tuple[int, ...] = ()
+        if after is not None and self._claim(after, timeout):
+            conn, also = after.conn, (after.rid,)
+        elif self._private_ok(dst):
+            # With retry, an attempt that fails on the connection is sent again on the
+            # shared one, and its reply read there (see Requests.fail).
+            conn = self._checkout(dst)
+        if conn is None:
+            return agent.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
+        rid, p, sent = self._send(conn, also, dst, kind, payload, timeout, what, retry)
+        if sent:
+            self._read_blocking(conn, rid, p, also)
+        return p.future.wait()
+
+    def park(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any = None,
+             retry: Optional[RetryPolicy] = None, by_future: bool = False,
+             waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
+        """Send a request, parking the reply; the future of the reply, and the parked
+        request (None if it went the usual way, or with ``waited``). ``by_future``: the
+        future's waiter reads the reply (else a :meth:`call` with ``after``); ``waited``:
+        the caller waits at once (``rpc_sync``). See the module docs for when it parks."""
+        agent = self._agent
+        agent.check_running()
+        conn = None
+        if waited:
+            fits = True
+        else:
+            fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
+        if fits and self._private_ok(dst):
+            conn = self._checkout(dst, opens=waited or not by_future)
+        if conn is None:
+            return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
+        rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
+        if not sent:
+            return p.future, None
+        if waited:
+            p.future._claim = functools.partial(self._read_own, conn, rid, p)
+            return p.future, None
+        parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
+        with self._lock:
+            self.num_parked += 1
+        self._parked[rid] = parked
+        if by_future:
+            p.future._claim = functools.partial(self._read_parked, parked)
+        return p.future, parked
+
+    def forget(self, conn: Connection) -> None:
+        """Private connection ``conn`` closed: it is idle no more."""
+        with self._lock:
+            try:
+                self._idle.get(conn.peer_rank, []).remove(conn)
+            except ValueError:
+                pass  # checked out, or never there
+
+    def close_idle(self, rank: int, reason: BaseException) -> None:
+        """Close the idle private connections to ``rank``, lost: nobody reads them, and
+        the next call to a restarted worker must not go out on one to its predecessor."""
+        with self._lock:
+            idle = list(self._idle.get(rank, ()))
+        for conn in idle:
+            conn.close(reason)
+
+    def clear(self) -> None:
+        """The agent stops: forget the idle connections and the parked requests."""
+        with self._lock:
+            self._idle.clear()
+        self._parked.clear()
+
+    def num_idle(self) -> int:
+        """How many idle private connections wait to be used."""
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
+
+    def idle_to(self, rank: int) -> List[Connection]:
+        """The idle private connections to ``rank``."""
+        return list(self._idle.get(rank, ()))
+
+    def check_cpus(self) -> None:
+        """Timer: poll long while the workers on this host, computing with torch's thread
+        count each, leave CPUs idle (assuming they all use as many threads as this one)."""
+        local = self._agent.registry.workers_on_this_host()
+        self.poll.set_spare_cpus(torch.get_num_threads() * max(local, 1) <= _usable_cpus())
+
+    def drain_parked(self, now: float) -> None:
+        """Timer: unclaimed parked requests older than a tick get their reply read."""
+        if not self._parked:
+            return
+        pool = self._agent.pool
+        for rid in list(self._parked):  # the keys: one C-level copy, see docs/design.md
+            parked = self._parked.get(rid)
+            if parked is not None and now - parked.since > LENT_TICK \
+                    and self._parked.pop(rid, None) is not None:
+                try:
+                    pool.submit(self._drain, parked.conn, rid)
+                except ClosedError:
+                    self._unpark()  # shutting down: the pending call is failed there
+
+    # -- private connections ------------------------------------------------------------------
+
+    def _private_ok(self, dst: WorkerInfo) -> bool:
+        """Whether calls to ``dst`` may use private connections (under TLS there is one
+        connection per peer)."""
+        agent = self._agent
+        return self.enabled and dst.id != agent.rank and not agent._transport.secure
+
+    def _checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
+        """An idle private connection to ``dst``, or with ``opens`` a new one; or None."""
+        agent = self._agent
+        if dst.id in agent.registry.left:  # it said GOODBYE: nothing sent now is answered
+            raise agent.left_error(dst)
+        free = self._idle.get(dst.id)
+        while free:
+            try:
+                conn = free.pop()
+            except IndexError:
+                break
+            if not conn.closed:
+                return conn
+        if not opens:
+            return None
+        agent.connections.to(dst)  # checks the worker; the shared one carries heartbeats
+        with self._lock:  # a slot is taken before connecting: callers race here
+            opened = self._opening.get(dst.id, 0) + sum(
+                1 for c in agent.connections.private.get(dst.id, ())
+                if c.outbound and not c.closed)
+            if opened >= self.max_private:
+                return None  # max_private_connections: this call goes over the shared one
+            self._opening[dst.id] = self._opening.get(dst.id, 0) + 1
+        registry = agent.registry
+        host, port = registry.addresses[dst.id]
+        try:
+            conn = agent._transport.connect(dst.id, host, port, agent.default_timeout or 30.0,
+                                            local=registry.same_host(dst.id), private=True)
+        except RpcError:
+            return None  # the shared connection reports what is wrong
+        finally:
+            with self._lock:  # registered in connections.private by now (on_connect)
+                self._opening[dst.id] -= 1
+        return conn if conn.private else None
+
+    def _checkin(self, dst: WorkerInfo, conn: Connection) -> None:
+        if not conn.closed and self._agent._state is RUNNING:
+            free = self._idle.get(dst.id)
+            if free is None:
+                with self._lock:  # keys change under the lock only (debug_info iterates)
+                    free = self._idle.setdefault(dst.id, [])
+            free.append(conn)
+
+    def _send(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
+              payload: Any, timeout: float, what: Any,
+              retry: Optional[RetryPolicy] = None) -> Tuple[int, Pending, bool]:
+        """Enter a request and send it on private connection ``conn`` (which carries the
+        parked requests ``also``); the request id, its pending record, and whether it was
+        sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
+        calls = self._agent.calls
+        try:
+            rid, p, flags, env, bufs, keep = calls.new_request(dst, kind, payload, timeout, what,
+                                                               retry=retry, private=conn)
+        except BaseException:
+            self._release(dst, conn, also)
+            raise
+        r = p.resend
+        was_sent = r is not None and r.sent
+        if r is not None:
+            r.sent = True  # from here the frame may arrive, even if the connection breaks
+        try:
+            conn.send(kind, flags, rid, env, bufs, keep)
+        except RpcError as exc:  # raised before the frame was queued: it did not go
+            if r is not None:
+                r.sent = was_sent
+            calls.send_failed(kind, rid, dst, exc)
+            self._release(dst, conn, also)
+            return rid, p, False
+        return rid, p, True
+
+    def _release(self, dst: WorkerInfo, conn: Connection, also: Tuple[int, ...]) -> None:
+        """A claimed parked connection carries no new request after all: read the parked
+        reply on the pool; a plain private connection goes back to the free list."""
+        if also:
+            self._agent.pool.submit(self._drain, conn, also[0])
+        else:
+            self._checkin(dst, conn)
+
+    def _read_blocking(self, conn: Connection, rid: int, p: Pending,
+                       also: Tuple[int, ...] = ()) -> None:
+        """:meth:`_read_reply`, as a blocked thread in the eyes of the pool."""
+        pool = current_pool()
+        if pool is None:
+            self._read_reply(conn, rid, p, also)
+        else:
+            with pool.blocking():
+                self._read_reply(conn, rid, p, also)
+
+    def _read_reply(self, conn: Connection, rid: int, p: Pending,
+                    also: Tuple[int, ...] = ()) -> None:
+        """Read replies from private connection ``conn`` until request ``rid`` and the
+        requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
+        calls = self._agent.calls
+        waiting = {rid, *also}
+        while waiting:
+            try:
+                header, envelope, buffers = conn.read_frame()
+            except RpcError as exc:  # broken, or closed because a call failed already
+                for r in waiting:
+                    calls.request_lost(r, p.dst, exc)
+                if also:
+                    self._unpark()
+                return
+            if header.request_id in waiting and (header.kind == Kind.RESPONSE
+                                                 or header.kind == Kind.ERROR):
+                waiting.discard(header.request_id)
+                if not waiting:
+                    p.private = None
+                    if also:
+                        self._unpark()
+                    self._checkin(p.dst, conn)
+                calls.on_reply(conn, header, envelope, buffers)
+            # Nothing else is sent on a private connection; ignore what a peer sends anyway.
+            envelope = buffers = None
+
+    # -- parked replies ------------------------------------------------------------------------
+
+    def _claim(self, parked: Parked, timeout: float) -> bool:
+        """Take ``parked`` over for a request with ``timeout``, if still unclaimed. A
+        request that may time out first does not: its timeout would close the connection
+        under the parked request."""
+        if timeout > 0 and (parked.deadline is None
+                            or time.monotonic() + timeout < parked.deadline):
+            return False
+        return self._parked.pop(parked.rid, None) is not None
+
+    def _read_own(self, conn: Connection, rid: int, p: Pending, later: bool) -> None:
+        """Read the reply of request ``rid``, which only its future waits for: on this
+        thread, or with ``later`` on a pool thread."""
+        if not later:
+            self._read_blocking(conn, rid, p)
+            return
+        try:
+            self._agent.pool.submit(self._read_blocking, conn, rid, p)
+        except ClosedError:
+            pass  # shutting down: the pending call is failed there, closing ``conn``
+
+    def _parked_to(self, rank: int) -> bool:
+        """Whether an unclaimed parked request waits for a reply from ``rank``."""
+        return any(p.conn.peer_rank == rank for p in list(self._parked.values()))
+
+    def _read_parked(self, parked: Parked, later: bool) -> None:
+        """Read the reply of ``parked`` if it is still unclaimed: on this thread, or with
+        ``later`` on a pool thread (the future's waiter does not block for it)."""
+        if self._parked.pop(parked.rid, None) is None:
+            return
+        if not later:
+            self._drain(parked.conn, parked.rid)
+            return
+        try:
+            self._agent.pool.submit(self._drain, parked.conn, parked.rid)
+        except ClosedError:
+            self._unpark()  # shutting down: the pending call is failed there
+
+    def _unpark(self) -> None:
+        with self._lock:
+            self.num_parked -= 1
+
+    def _drain(self, conn: Connection, rid: int) -> None:
+        """Read the reply of parked request ``rid`` (claimed by this thread) from ``conn``."""
+        p = self._agent.requests.pending.get(rid)
+        if p is None:  # failed already (which closed the connection)
+            self._unpark()
+            return
+        self._read_blocking(conn, rid, p, (rid,))
+

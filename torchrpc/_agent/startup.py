@@ -1,0 +1,100 @@
+"""Starting an agent: rendezvous with the group, the transport, the timer.
+
+``start`` claims this worker's rank (or joins a dynamic group), opens the transport with
+the agent's parts as its callbacks, publishes the address and learns everyone else's,
+then starts the agent's threads. A failure before the group has met is written to the
+store, so every other worker's rendezvous fails with it instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from .._transport import Transport, handshake
+from .._transport.tls import TlsContexts, make_contexts
+from ..errors import RpcError
+from . import membership, rendezvous
+from .secret import discard_local as discard_local_secret
+from .shutdown import RUNNING
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+def start(agent: "Agent", timeout: float) -> None:
+    """Rendezvous with the group, start listening and the agent's threads."""
+    store, rank, registry = agent.store, agent.rank, agent.registry
+    host = rendezvous.listen_host(agent.options.init_method,
+                                  getattr(agent.options, "listen_addr", None))
+    if agent.elastic:
+        secret = membership.join(store, agent.name, rank, timeout,
+                                 membership.outlives_rank0(agent.options.init_method),
+                                 registry.incarnation)
+    else:
+        secret = rendezvous.claim(store, agent.name, rank, agent.world_size, timeout)
+    try:
+        agent._transport = _transport(agent, secret, host)
+    except ValueError as exc:
+        rendezvous.fail(store, f"worker {agent.name!r} (rank {rank}): {exc}")
+        raise
+    except RpcError as exc:
+        raise rendezvous.fail(store, f"worker {agent.name!r} (rank {rank}): {exc}") from exc
+    try:
+        # Peers watch this worker for silence only if they know it sends heartbeats.
+        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval}
+        device_maps = registry.published_device_maps()
+        if device_maps is not None:
+            facts["device_maps"] = device_maps
+        if agent.elastic:
+            membership.announce(store, agent.name, rank, agent._transport.address, facts,
+                                registry.incarnation)
+            registry.log = membership.EventLog(store)
+            infos = membership.EventLog.members(registry.log.poll())
+        else:
+            infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
+                                       agent._transport.address, timeout, facts)
+            discard_local_secret()  # every rank has joined, so has read it
+    except BaseException:
+        agent._transport.close()
+        raise
+    for r, info in infos.items():
+        registry.add(r, info)
+    agent.shutdown_protocol.enter(RUNNING)
+    agent.scheduler.start(agent._start_thread)
+    if agent.elastic:
+        registry.follow()
+    agent.liveness.start()
+    log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
+             agent.world_size, *agent._transport.address,
+             " (TLS)" if getattr(agent.options, "tls_certfile", None) else "")
+
+
+def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
+    """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
+    options, registry = agent.options, agent.registry
+    return Transport(agent.rank, secret, agent._limits, agent.connections.on_connect,
+                     agent.fastpath.reading.on_frame, agent.connections.on_close, host,
+                     on_fatal=agent.fail, tls_contexts=_tls_contexts(options),
+                     features=_features(options),
+                     shm_threshold=int(getattr(options, "shm_threshold", 0)),
+                     same_host=registry.same_host, same_pids=registry.same_pids,
+                     send_timeout=float(getattr(options, "send_timeout", 0.0)),
+                     max_outbox=int(getattr(options, "max_outbox_bytes", 0)),
+                     max_private=agent.fastpath.max_private,
+                     local_socket=bool(getattr(options, "enable_uds", False)),
+                     incarnation=registry.incarnation,
+                     admit=registry.admit if agent.elastic else None)
+
+
+def _features(options: Any) -> int:
+    return handshake.FEATURE_SHM if getattr(options, "enable_shm", False) else 0
+
+
+def _tls_contexts(options: Any) -> Optional[TlsContexts]:
+    if not getattr(options, "tls_certfile", None):
+        return None
+    return make_contexts(options.tls_certfile, options.tls_keyfile, options.tls_cafile,
+                         options.tls_require_client_cert, getattr(options, "tls_identity", None))

@@ -10,15 +10,14 @@ environment.
 from __future__ import annotations
 
 import copy
-import os
-from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 
 from .._agent import secret as _secret
 from .._agent.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
-from ..errors import OptionTypeError
-from . import constants
+from . import _checks, constants
+from ._checks import DeviceLike, Field
 
 LISTEN_ADDR_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
@@ -28,128 +27,6 @@ SPIN_US_ENV = "TORCHRPC_SPIN_US"
 SECRET_ENV = _secret.SECRET_ENV
 SECRET_FILE_ENV = _secret.SECRET_FILE_ENV
 VIA_STORE_ENV = _secret.VIA_STORE_ENV
-
-DeviceLike = Union[int, str, torch.device]
-
-
-def _to_device(d: DeviceLike) -> torch.device:
-    if isinstance(d, torch.device):
-        return d
-    if isinstance(d, int) and not isinstance(d, bool):
-        if d < 0:
-            raise ValueError(f"device index must be non-negative, got {d}")
-        return torch.device("cuda", d)
-    if isinstance(d, str):
-        try:
-            return torch.device(d)
-        except RuntimeError as exc:
-            raise ValueError(f"invalid device {d!r}: {exc}") from exc
-    raise TypeError(f"a device must be an int, str or torch.device, got {type(d).__name__}")
-
-
-def normalize_device_map(to: str, device_map: Dict[DeviceLike, DeviceLike]
-                         ) -> Dict[torch.device, torch.device]:
-    """Validate one worker's device map; it must be invertible (no two sources to one target)."""
-    if not isinstance(to, str):
-        raise TypeError(f"device map key must be a worker name (str), got {type(to).__name__}")
-    if not isinstance(device_map, dict):
-        raise TypeError(f"device map for {to!r} must be a dict, got {type(device_map).__name__}")
-    out: Dict[torch.device, torch.device] = {}
-    seen: Dict[torch.device, torch.device] = {}
-    for src, dst in device_map.items():
-        s, d = _to_device(src), _to_device(dst)
-        if d in seen and seen[d] != s:
-            raise ValueError(
-                f"device map for {to!r} is not invertible: both {seen[d]} and {s} map to {d}; "
-                f"every target device may appear once")
-        seen[d] = s
-        out[s] = d
-    return out
-
-
-def _seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    return float(value)
-
-
-def _check_heartbeat(interval: float, timeout: float) -> None:
-    if interval > 0 and 0 < timeout <= interval:
-        raise ValueError(f"heartbeat_timeout ({timeout:g} s) must be longer than "
-                         f"heartbeat_interval ({interval:g} s), or 0 to never time out; "
-                         f"a few intervals is usual")
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _path_or_none(name: str, value: Any) -> Optional[str]:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise TypeError(f"{name} must be a file path (str) or None, got {value!r}")
-    return os.fspath(value)
-
-
-def _name_or_none(name: str, value: Any, fix: str) -> Optional[str]:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty str or None, got {value!r}; {fix}")
-    return value
-
-
-def _spin_us(value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
-        raise ValueError(f"spin_us must be microseconds between 0 and 1e6 (0: never poll) or "
-                         f"None, got {value!r}")
-    return float(value)
-
-
-def _rendezvous_seconds(value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"rendezvous_timeout must be a number of seconds > 0 or None (the "
-                         f"RPC timeout, at least 60 s), got {value!r}")
-    return float(value)
-
-
-def _secret_or_none(value: Any) -> Optional[str]:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        # The value is never shown: it may be a real secret of the wrong type.
-        raise ValueError(f"secret must be a non-empty str or None, got a "
-                         f"{type(value).__name__}; give every worker the same random string "
-                         f"of at least {_secret.MIN_LENGTH} characters")
-    return value
-
-
-def _flag_or_none(name: str, value: Any) -> Optional[bool]:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool or None, got {value!r}")
-    return value
-
-
-def _check_number(cls: str, name: str, value: Any, construction: bool = False,
-                  integer: bool = False) -> None:
-    """Raise torch's TypeError (pybind's wording) when ``value`` is not a number."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        where = (f"{cls}.__init__(): incompatible constructor arguments" if construction
-                 else f"{cls}.{name}: incompatible function arguments")
-        fix = (" (a datetime.timedelta: pass its .total_seconds())"
-               if hasattr(value, "total_seconds") else "")
-        raise OptionTypeError(
-            f"{where}. {name} must be "
-            f"{'an int' if integer else 'a number of seconds (float)'}, got "
-            f"{type(value).__name__} {value!r}{fix}")
 
 
 class RpcBackendOptions:
@@ -163,7 +40,7 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = constants.DEFAULT_INIT_METHOD) -> None:
-        _check_number(type(self).__name__, "rpc_timeout", rpc_timeout, construction=True)
+        _checks.check_number(type(self).__name__, "rpc_timeout", rpc_timeout, construction=True)
         self.rpc_timeout = rpc_timeout
         self.init_method = init_method
 
@@ -174,7 +51,7 @@ class RpcBackendOptions:
 
     @rpc_timeout.setter
     def rpc_timeout(self, value: float) -> None:
-        _check_number(type(self).__name__, "rpc_timeout", value)
+        _checks.check_number(type(self).__name__, "rpc_timeout", value)
         if value < 0:
             raise ValueError(f"rpc_timeout must be a number of seconds >= 0 (0: no timeout), "
                              f"got {value!r}")
@@ -279,6 +156,41 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             (``TORCHRPC_INSECURE_SECRET_IN_STORE=1``; unset: off).
     """
 
+    listen_ifname = Field(_checks.name_or_none,
+                            'Network interface whose address to listen on (None: from the environment).', "name a network interface such as 'eth0'")
+    rendezvous_timeout = Field(_checks.rendezvous_seconds,
+                                 'Seconds for the whole rendezvous (None: from the environment, else the RPC timeout, at least 60 s).')
+    spin_us = Field(_checks.spin_us,
+                      'Microseconds a blocking call polls its socket before it sleeps (None: from the environment, else 2000 with spare CPUs, 200 without).')
+    secret = Field(_checks.secret_or_none,
+                     'The job secret (None: from the environment, else shared by rank 0).')
+    secret_file = Field(_checks.path_or_none,
+                          'A file of mode 0600 holding the job secret (None: from the environment).')
+    insecure_secret_in_store = Field(_checks.flag_or_none,
+                                       'Whether the job secret travels through the store (None: from the environment, else no).')
+    max_message_size = Field(_checks.count,
+                               'The largest frame this worker accepts, in bytes.', 1024)
+    send_timeout = Field(_checks.seconds,
+                           'Seconds a send may make no progress, or wait for outbox room (0: no limit).')
+    max_outbox_bytes = Field(_checks.count,
+                               "Bytes that may wait in one connection's outbox before senders wait for room.", 1)
+    max_pending_requests = Field(_checks.count,
+                                   'Outstanding requests this worker may have at once.', 1)
+    max_private_connections = Field(_checks.count,
+                                      'Private connections to one peer; more blocking calls at once share one.', 0)
+    max_queued_requests = Field(_checks.count,
+                                  'Requests that may wait for a pool thread; calls beyond that are refused.', 1)
+    tls_certfile = Field(_checks.path_or_none,
+                           'PEM certificate of this worker; TLS is on when it is set.')
+    tls_keyfile = Field(_checks.path_or_none,
+                          'PEM private key of this worker, when not inside ``tls_certfile``.')
+    tls_cafile = Field(_checks.path_or_none,
+                         "PEM CA certificates that peers' certificates must chain to.")
+    tls_require_client_cert = Field(_checks.flag,
+                                      'Whether a connecting peer must present a certificate too (mutual TLS).')
+    log_debug_info_on_timeout = Field(_checks.flag,
+                                        'Whether a timed-out call logs the debug info of this worker and of the callee.')
+
     def __init__(self, *, num_worker_threads: int = constants.DEFAULT_NUM_WORKER_THREADS,
                  rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = constants.DEFAULT_INIT_METHOD,
@@ -324,7 +236,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.enable_shm = enable_shm
         self.enable_uds = enable_uds
         self.shm_threshold = shm_threshold
-        self._heartbeat_interval = _seconds("heartbeat_interval", heartbeat_interval)
+        self._heartbeat_interval = _checks.seconds("heartbeat_interval", heartbeat_interval)
         self.heartbeat_timeout = heartbeat_timeout
         self.send_timeout = send_timeout
         self.max_outbox_bytes = max_outbox_bytes
@@ -353,64 +265,6 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self._rendezvous_plan: Optional[Plan] = None
 
     @property
-    def listen_ifname(self) -> Optional[str]:
-        """Network interface whose address to listen on (None: from the environment)."""
-        return self._listen_ifname
-
-    @listen_ifname.setter
-    def listen_ifname(self, value: Optional[str]) -> None:
-        self._listen_ifname = _name_or_none("listen_ifname", value,
-                                            "name a network interface such as 'eth0'")
-
-    @property
-    def rendezvous_timeout(self) -> Optional[float]:
-        """Seconds for the whole rendezvous (None: from the environment, else the RPC
-        timeout, at least 60 s)."""
-        return self._rendezvous_timeout
-
-    @rendezvous_timeout.setter
-    def rendezvous_timeout(self, value: Optional[float]) -> None:
-        self._rendezvous_timeout = _rendezvous_seconds(value)
-
-    @property
-    def spin_us(self) -> Optional[float]:
-        """Microseconds a blocking call polls its socket before it sleeps (None: from the
-        environment, else 2000 with spare CPUs, 200 without)."""
-        return self._spin_us
-
-    @spin_us.setter
-    def spin_us(self, value: Optional[float]) -> None:
-        self._spin_us = _spin_us(value)
-
-    @property
-    def secret(self) -> Optional[str]:
-        """The job secret (None: from the environment, else shared by rank 0)."""
-        return self._secret
-
-    @secret.setter
-    def secret(self, value: Optional[str]) -> None:
-        self._secret = _secret_or_none(value)
-
-    @property
-    def secret_file(self) -> Optional[str]:
-        """A file of mode 0600 holding the job secret (None: from the environment)."""
-        return self._secret_file
-
-    @secret_file.setter
-    def secret_file(self, value: Optional[str]) -> None:
-        self._secret_file = _path_or_none("secret_file", value)
-
-    @property
-    def insecure_secret_in_store(self) -> Optional[bool]:
-        """Whether the job secret travels through the store (None: from the environment,
-        else no)."""
-        return self._insecure_secret_in_store
-
-    @insecure_secret_in_store.setter
-    def insecure_secret_in_store(self, value: Optional[bool]) -> None:
-        self._insecure_secret_in_store = _flag_or_none("insecure_secret_in_store", value)
-
-    @property
     def rendezvous_plan(self) -> Optional[Plan]:
         """The rendezvous plan (deadline, secret source) of the ``init_rpc`` these options
         were read for; None on options that did not go through :func:`read_environment`."""
@@ -423,21 +277,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     @num_worker_threads.setter
     def num_worker_threads(self, value: int) -> None:
-        _check_number(type(self).__name__, "num_worker_threads", value, integer=True)
+        _checks.check_number(type(self).__name__, "num_worker_threads", value, integer=True)
         if value < 1:
             raise ValueError(f"num_worker_threads must be an int >= 1, got {value!r}")
         self._num_worker_threads = value
-
-    @property
-    def max_message_size(self) -> int:
-        """The largest frame this worker accepts, in bytes."""
-        return self._max_message_size
-
-    @max_message_size.setter
-    def max_message_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
-            raise ValueError(f"max_message_size must be an int >= 1024 bytes, got {value!r}")
-        self._max_message_size = value
 
     @property
     def heartbeat_interval(self) -> float:
@@ -446,8 +289,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     @heartbeat_interval.setter
     def heartbeat_interval(self, value: float) -> None:
-        value = _seconds("heartbeat_interval", value)
-        _check_heartbeat(value, self._heartbeat_timeout)
+        value = _checks.seconds("heartbeat_interval", value)
+        _checks.check_heartbeat(value, self._heartbeat_timeout)
         self._heartbeat_interval = value
 
     @property
@@ -457,103 +300,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     @heartbeat_timeout.setter
     def heartbeat_timeout(self, value: float) -> None:
-        value = _seconds("heartbeat_timeout", value)
-        _check_heartbeat(self._heartbeat_interval, value)
+        value = _checks.seconds("heartbeat_timeout", value)
+        _checks.check_heartbeat(self._heartbeat_interval, value)
         self._heartbeat_timeout = value
-
-    @property
-    def send_timeout(self) -> float:
-        """Seconds a send may make no progress, or wait for outbox room (0: no limit)."""
-        return self._send_timeout
-
-    @send_timeout.setter
-    def send_timeout(self, value: float) -> None:
-        self._send_timeout = _seconds("send_timeout", value)
-
-    @property
-    def max_outbox_bytes(self) -> int:
-        """Bytes that may wait in one connection's outbox before senders wait for room."""
-        return self._max_outbox_bytes
-
-    @max_outbox_bytes.setter
-    def max_outbox_bytes(self, value: int) -> None:
-        self._max_outbox_bytes = _count("max_outbox_bytes", value, 1)
-
-    @property
-    def max_pending_requests(self) -> int:
-        """Outstanding requests this worker may have at once."""
-        return self._max_pending_requests
-
-    @max_pending_requests.setter
-    def max_pending_requests(self, value: int) -> None:
-        self._max_pending_requests = _count("max_pending_requests", value, 1)
-
-    @property
-    def max_private_connections(self) -> int:
-        """Private connections to one peer; more blocking calls at once share one."""
-        return self._max_private_connections
-
-    @max_private_connections.setter
-    def max_private_connections(self, value: int) -> None:
-        self._max_private_connections = _count("max_private_connections", value, 0)
-
-    @property
-    def max_queued_requests(self) -> int:
-        """Requests that may wait for a pool thread; calls beyond that are refused."""
-        return self._max_queued_requests
-
-    @max_queued_requests.setter
-    def max_queued_requests(self, value: int) -> None:
-        self._max_queued_requests = _count("max_queued_requests", value, 1)
-
-    @property
-    def tls_certfile(self) -> Optional[str]:
-        """PEM certificate of this worker; TLS is on when it is set."""
-        return self._tls_certfile
-
-    @tls_certfile.setter
-    def tls_certfile(self, value: Optional[str]) -> None:
-        self._tls_certfile = _path_or_none("tls_certfile", value)
-
-    @property
-    def tls_keyfile(self) -> Optional[str]:
-        """PEM private key of this worker, when not inside ``tls_certfile``."""
-        return self._tls_keyfile
-
-    @tls_keyfile.setter
-    def tls_keyfile(self, value: Optional[str]) -> None:
-        self._tls_keyfile = _path_or_none("tls_keyfile", value)
-
-    @property
-    def tls_cafile(self) -> Optional[str]:
-        """PEM CA certificates that peers' certificates must chain to."""
-        return self._tls_cafile
-
-    @tls_cafile.setter
-    def tls_cafile(self, value: Optional[str]) -> None:
-        self._tls_cafile = _path_or_none("tls_cafile", value)
-
-    @property
-    def tls_require_client_cert(self) -> bool:
-        """Whether a connecting peer must present a certificate too (mutual TLS)."""
-        return self._tls_require_client_cert
-
-    @tls_require_client_cert.setter
-    def tls_require_client_cert(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"tls_require_client_cert must be a bool, got {value!r}")
-        self._tls_require_client_cert = value
-
-    @property
-    def log_debug_info_on_timeout(self) -> bool:
-        """Whether a timed-out call logs the debug info of this worker and of the callee."""
-        return self._log_debug_info_on_timeout
-
-    @log_debug_info_on_timeout.setter
-    def log_debug_info_on_timeout(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"log_debug_info_on_timeout must be a bool, got {value!r}")
-        self._log_debug_info_on_timeout = value
 
     @property
     def device_maps(self) -> Dict[str, Dict[torch.device, torch.device]]:
@@ -573,10 +322,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             device_map (Dict of int, str, or torch.device): this worker's devices to the
                 callee's devices. The combined map must be invertible.
         """
-        new = normalize_device_map(to, device_map)
+        new = _checks.normalize_device_map(to, device_map)
         merged = dict(self._device_maps.get(to, {}))
         merged.update(new)
-        self._device_maps[to] = normalize_device_map(to, merged)
+        self._device_maps[to] = _checks.normalize_device_map(to, merged)
 
     def set_devices(self, devices: List[DeviceLike]) -> None:
         """Set local devices used by the agent.
@@ -586,24 +335,24 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         """
         if not isinstance(devices, (list, tuple)):
             raise TypeError(f"devices must be a list, got {type(devices).__name__}")
-        self._devices = [_to_device(d) for d in devices]
+        self._devices = [_checks.to_device(d) for d in devices]
 
 
 def _from_env(environ: MutableMapping[str, str], name: str, parse: Callable[[str], Any],
-              check: Callable[[Any], Any], fix: str) -> Any:
+              check: Callable[[str, Any], Any], fix: str) -> Any:
     """Variable ``name`` parsed and checked as its field is, or None when it is unset or
     empty; a bad value raises a ValueError that names the variable."""
     text = environ.get(name)
     if not text:
         return None
     try:
-        return check(parse(text))
+        return check(name, parse(text))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"environment variable {name}={text!r} is not valid: {fix}") from exc
 
 
 def _env_rendezvous_timeout(environ: MutableMapping[str, str]) -> Optional[float]:
-    return _from_env(environ, RENDEZVOUS_TIMEOUT_ENV, float, _rendezvous_seconds,
+    return _from_env(environ, RENDEZVOUS_TIMEOUT_ENV, float, _checks.rendezvous_seconds,
                      "give a number of seconds > 0, or unset it")
 
 
@@ -636,7 +385,7 @@ def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, st
         read.rendezvous_timeout = rendezvous_timeout(rpc_timeout,
                                                      _env_rendezvous_timeout(environ))
     if read.spin_us is None:
-        read.spin_us = _from_env(environ, SPIN_US_ENV, float, _spin_us,
+        read.spin_us = _from_env(environ, SPIN_US_ENV, float, _checks.spin_us,
                                  "give microseconds between 0 and 1e6 (0: never poll), or "
                                  "unset it")
     if read.secret is None:

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from torchrpc._dist_autograd.engine import _PassState
+from torchrpc._dist_autograd.passes import RootPass
 from torchrpc._dist_autograd.messages import DoneReport
 from torchrpc._agent.remote_error import capture, rebuild_error
 from torchrpc.errors import ConnectionLostError
@@ -24,7 +24,7 @@ def test_a_report_of_a_lost_part_carries_no_credit_and_ends_the_pass_at_the_root
     assert report.credit == 0 and report.pass_id == PASS
     error = rebuild_error(report.error)
     assert isinstance(error, ConnectionLostError) and "worker3" in str(error)
-    state = _PassState()
+    state = RootPass()
     state.add(Fraction(1, 2), None)
     assert not state.done
     state.add(report.credit, error)
@@ -32,7 +32,7 @@ def test_a_report_of_a_lost_part_carries_no_credit_and_ends_the_pass_at_the_root
 
 
 def test_credit_comes_back_in_parts():
-    state = _PassState()
+    state = RootPass()
     for part in (Fraction(1, 2), Fraction(1, 4), Fraction(1, 4)):
         assert not state.done
         state.add(round_trip(DoneReport(PASS, part)).credit, None)

@@ -561,7 +561,9 @@ class Transport:
             self._on_close(conn, reason)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop listening, close every socket and join every thread the transport started."""
+        """Stop listening, close every socket and join every thread the transport started,
+        waiting ``timeout`` seconds at most for all of them together."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closing = True
             sockets = list(self._sockets)
@@ -581,7 +583,7 @@ class Transport:
         with self._lock:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for t in threads:
-            t.join(timeout)
+            t.join(max(deadline - time.monotonic(), 0.0))
         with self._lock:
             conns = list(self._every_conn)
         for conn in conns:  # those without a reader (a caller's idle private ones) too:

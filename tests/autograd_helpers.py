@@ -82,7 +82,8 @@ class SleepInBackward(torch.autograd.Function):
     """Identity forward; its backward sleeps first."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
+                seconds: float) -> torch.Tensor:
         ctx.seconds = seconds
         return x.clone()
 

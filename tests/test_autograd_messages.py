@@ -30,6 +30,7 @@ from torchrpc._dist_autograd.records import (DistAutogradContext, RecvRecorder, 
 from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 
+from .autograd_helpers import SleepInBackward
 from .test_wire import round_trip
 
 PASS = (0, 1)
@@ -272,20 +273,6 @@ class _Net:
                 if k == kind]
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps first."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
 def _count_root_reports(engine: Any, monkeypatch: Any) -> List[Tuple[Fraction, Any, bool]]:
     """Every report the root's books take: (credit, error, whether it ended the pass)."""
     seen: List[Tuple[Fraction, Any, bool]] = []
@@ -357,7 +344,7 @@ def test_every_hop_gets_the_time_the_root_has_left():
     y = net.message(cid, 0, 1, x) * 2
     z = net.message(cid, 1, 2, y) * 3
     # worker1 takes 0.5 s before it sends the gradient of z on to worker2
-    back = net.message(cid, 1, 0, _SleepInBackward.apply(net.message(cid, 2, 1, z), 0.5))
+    back = net.message(cid, 1, 0, SleepInBackward.apply(net.message(cid, 2, 1, z), 0.5))
     net.engines[0].backward(cid, [back.sum()])
     assert torch.equal(net.engines[0].gradients(cid)[x], torch.full((2,), 6.0))
     timeouts = {(src, dst): (req.time_left, timeout) for src, dst, req, timeout in net.requests()}
@@ -372,8 +359,8 @@ def test_a_pass_whose_first_hop_eats_the_time_fails_at_the_root_s_deadline():
     cid = make_context_id(0, 1)
     x = torch.ones(2, requires_grad=True)
     y = net.message(cid, 0, 2, x) * 3  # worker2, which will not answer in time
-    z = _SleepInBackward.apply(net.message(cid, 2, 0, y), 0)
-    slow = _SleepInBackward.apply(net.message(cid, 0, 1, z), 0.7) * 2  # worker1: 0.7 s
+    z = SleepInBackward.apply(net.message(cid, 2, 0, y), 0)
+    slow = SleepInBackward.apply(net.message(cid, 0, 1, z), 0.7) * 2  # worker1: 0.7 s
     back = net.message(cid, 1, 0, slow)
     net.dead.add(2)
     start = time.monotonic()

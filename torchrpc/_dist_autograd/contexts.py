@@ -103,7 +103,7 @@ class ContextTable:
         if ctx is not None:
             return ctx
         lost = self._released.get(context_id)
-        if lost is not None and context_id not in self.contexts:
+        if lost is not None:
             raise ConnectionLostError(f"{lost} (worker {self.name} released the "
                                       f"context then)", worker=lost.worker)
         return self.retrieve(context_id)

@@ -6,8 +6,8 @@ Importing this module turns them off for the whole process: it is for a benchmar
 and nothing else, which is why it lives with the tests and not in the package.
 """
 
-from torchrpc._transport import tcp as _tcp_transport
+from torchrpc._transport import links as _links
 from torchrpc.bench.variants.tcp import TensorPipeRpcBackendOptions  # noqa: F401
 from torchrpc.bench.variants.tcp import __getattr__  # noqa: F401 - the rest of torchrpc.rpc
 
-_tcp_transport._needs_frame_macs = lambda conn: False
+_links.needs_frame_macs = lambda conn: False

@@ -194,11 +194,11 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
                for s in ("torchrpc-tcp", "torchrpc-tcp-nomac")), values
     # What each variant changes, checked in a fresh interpreter (tcp_nomac patches its own).
     probe = ("import socket, {0} as v\n"
-             "from torchrpc._transport import tcp, handshake\n"
+             "from torchrpc._transport import links, handshake\n"
              "o = v.TensorPipeRpcBackendOptions(num_worker_threads=2)\n"
              "c = type('C', (), {{'features': handshake.FEATURE_FRAME_MAC,\n"
              "                    'sock': socket.socket()}})()\n"
-             "print(o.enable_uds, o.enable_shm, tcp._needs_frame_macs(c))\n")
+             "print(o.enable_uds, o.enable_shm, links.needs_frame_macs(c))\n")
     for variant, macs in (("torchrpc.bench.variants.tcp", "True"),
                           ("tests.bench_tcp_nomac", "False")):
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
@@ -252,7 +252,7 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
     report = json.loads(proc.stdout)
     assert report["threads"] == ["default", "1"]
     assert "torch_threads" not in report["options"]  # "threads" says it, per setting
-    names = ["rpc_sync_p50_us", "rpc_sync_p99_us"]
+    names = ["rpc_sync_p50_us", "rpc_sync_p99_us", "noop_p50_us"]
     assert sorted(report["metrics"]) == sorted(f"{name}@threads={label}" for name in names
                                                for label in ("default", "1"))
     for key, entry in report["metrics"].items():
@@ -275,7 +275,7 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     single = json.loads(proc.stdout)
     assert single["threads"] == ["1"] and single["options"]["torch_threads"] == 1
-    assert sorted(single["metrics"]) == names
+    assert sorted(single["metrics"]) == sorted(names)
     assert all(entry["threads"] == "1" for entry in single["metrics"].values())
 
 

@@ -40,7 +40,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import handshake, tcp
+from torchrpc._transport import handshake, sockets
 from torchrpc._wire import Kind
 from torchrpc.rpc import api
 
@@ -254,7 +254,7 @@ class _Target:
             # backlog is full, where a timeout's non-blocking connect fails at once (EAGAIN).
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
             try:
-                s.connect(tcp.local_name(self.host, self.port))
+                s.connect(sockets.local_name(self.host, self.port))
             except OSError:
                 s.close()
                 raise

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, tcp
+from torchrpc._transport import Transport, dial, handshake, sockets
 
 from .group import free_port
 
@@ -53,7 +53,7 @@ def _transport(port: int = 0) -> Transport:
 
 
 def _squat(port: int) -> subprocess.Popen:
-    squatter = _nobody("squat", tcp.local_name("127.0.0.1", port).encode().hex())
+    squatter = _nobody("squat", sockets.local_name("127.0.0.1", port).encode().hex())
     assert squatter.stdout.readline().strip() == "ready"
     return squatter
 
@@ -63,7 +63,7 @@ def test_a_squatted_name_is_refused_by_the_dialer(caplog):
     squatter = _squat(port)
     try:
         with caplog.at_level(logging.ERROR, logger="torchrpc"):
-            assert tcp.Transport._connect_local("127.0.0.1", port, 5) is None
+            assert dial.connect_local("127.0.0.1", port, 5) is None
         assert f"held by process {squatter.pid}" in caplog.text or "not by this user" in caplog.text
         assert "squatter" in caplog.text
     finally:
@@ -78,7 +78,7 @@ def test_a_worker_whose_name_is_squatted_reports_it(caplog):
         with caplog.at_level(logging.ERROR, logger="torchrpc"):
             t = _transport(port)
         try:
-            assert t._local is None  # no local socket: same-host peers use TCP
+            assert t._acceptor.local is None  # no local socket: same-host peers use TCP
             assert "is taken by another process" in caplog.text
         finally:
             t.close()
@@ -90,10 +90,10 @@ def test_a_worker_whose_name_is_squatted_reports_it(caplog):
 def test_another_user_cannot_start_a_handshake_on_the_local_socket(caplog):
     t = _transport()
     try:
-        assert t._local is not None
+        assert t._acceptor.local is not None
         hello = handshake.make_hello(1, 0)[0]
         with caplog.at_level(logging.WARNING, logger="torchrpc"):
-            prober = _nobody("dial", tcp.local_name(*t.address).encode().hex(), hello.hex())
+            prober = _nobody("dial", sockets.local_name(*t.address).encode().hex(), hello.hex())
             out, _ = prober.communicate(timeout=30)
             deadline = time.monotonic() + 5
             while "another user" not in caplog.text and time.monotonic() < deadline:
@@ -103,7 +103,7 @@ def test_another_user_cannot_start_a_handshake_on_the_local_socket(caplog):
         # This user's own processes still get a CHALLENGE there.
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
-        s.connect(tcp.local_name(*t.address))
+        s.connect(sockets.local_name(*t.address))
         s.sendall(hello)
         assert len(s.recv(handshake.CHALLENGE.size)) > 0
         s.close()

@@ -10,6 +10,7 @@ import pytest
 
 from torchrpc._agent.scheduler import LENT_TICK, TICK, Scheduler
 from torchrpc._threads import Guard
+from torchrpc.errors import ClosedError
 
 
 class Pool:
@@ -21,7 +22,7 @@ class Pool:
 
     def submit(self, fn: Any, *args: Any) -> None:
         if self.closed:
-            raise RuntimeError("the worker pool is shut down")
+            raise ClosedError("the worker pool is shut down")
         self.submitted.append((fn, args))
 
 

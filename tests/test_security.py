@@ -16,7 +16,7 @@ from torchrpc import _wire
 from torchrpc._agent import rendezvous
 from torchrpc._agent.current import current_agent
 from torchrpc._transport import handshake
-from torchrpc._transport.tcp import LogBudget
+from torchrpc._transport.logbudget import LogBudget
 from torchrpc._wire import Kind
 from torchrpc.rpc import api
 
@@ -48,7 +48,7 @@ class CreatesFile:
 def fresh_log_budget():
     # The tests read the reasons this worker logs; earlier tests' rejections must not have
     # used up the budget that keeps a flood out of the log (LogBudget: 20 a minute).
-    current_agent()._transport._rejects = LogBudget()
+    current_agent()._transport._links.rejects = LogBudget()
 
 
 def _address(rank: int):

@@ -58,7 +58,7 @@ def test_a_peer_that_cannot_see_our_pids_gets_no_shared_memory_and_the_same_data
     from torchrpc._agent.current import current_agent
     with running_group(2, threads=4, timeout=30.0) as group:
         agent = current_agent()
-        agent._transport._same_pids = lambda rank: False  # before any large send
+        agent._transport._links.same_pids = lambda rank: False  # before any large send
         x = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB
         for i in range(3):
             assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(x + i,)), x + i)

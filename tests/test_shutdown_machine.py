@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import List
 
 import pytest
 import torch.distributed as dist
@@ -232,11 +233,38 @@ def test_closing_the_transport_waits_for_all_its_threads_together():
     stuck = [threading.Thread(target=release.wait, args=(30,), daemon=True) for _ in range(3)]
     for t in stuck:
         t.start()
-    with transport._lock:
-        transport._threads.update(stuck)  # threads that do not end when their socket closes
+    links = transport._links
+    with links._lock:
+        links._threads.update(stuck)  # threads that do not end when their socket closes
     try:
         start = time.monotonic()
         transport.close(0.3)
         assert time.monotonic() - start < 0.9  # not 0.3 s for each thread
     finally:
         release.set()
+
+
+def test_closing_the_transport_as_a_thread_is_being_started_joins_it(monkeypatch):
+    transport = Transport(0, b"s" * 32, _wire.Limits(), lambda conn: None, lambda *a: None,
+                          lambda conn, why: None, "127.0.0.1")
+    links = transport._links
+    registered, closed = threading.Event(), threading.Event()
+    start = threading.Thread.start
+
+    def slow_start(thread: threading.Thread) -> None:
+        registered.set()  # in the table, not started yet: close() comes now
+        closed.wait(0.5)
+        start(thread)
+    spawned: List[threading.Thread] = []
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    spawner = threading.Thread(target=lambda: spawned.append(
+        links.spawn(time.sleep, "torchrpc-test-late", 0.05)))
+    start(spawner)
+    assert registered.wait(10)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        transport.close(5)  # does not try to join a thread that has not started
+    finally:
+        closed.set()
+        spawner.join(10)
+    assert spawned and not spawned[0].is_alive()

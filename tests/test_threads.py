@@ -279,7 +279,7 @@ def test_reader_survives_a_failing_frame_callback_and_reads_on(peers, caplog):
 
 def test_accept_loop_survives_a_failure_and_accepts_the_next(peers, caplog, monkeypatch):
     a, b = peers(0), peers(1)
-    monkeypatch.setattr(b.t, "_spawn", raise_once(b.t._spawn, RuntimeError("can't start new thread")))
+    monkeypatch.setattr(b.t._links, "spawn", raise_once(b.t._links.spawn, RuntimeError("can't start new thread")))
     with pytest.raises(RpcError):
         a.connect(b)
     assert wait_until(lambda: errors_about(caplog, "torchrpc-accept-1"))
@@ -294,7 +294,7 @@ def test_accept_loop_that_cannot_go_on_tells_its_owner(peers, caplog, monkeypatc
 
     def spawn(*args, **kwargs):
         raise RuntimeError("can't start new thread")
-    monkeypatch.setattr(b.t, "_spawn", spawn)
+    monkeypatch.setattr(b.t._links, "spawn", spawn)
     monkeypatch.setattr(_threads, "_PAUSE", 0.0)
     for _ in range(_threads.IN_A_ROW):
         with pytest.raises(RpcError):
@@ -323,7 +323,7 @@ def test_connection_tables_are_read_from_snapshots_while_connections_come(peers)
     def add() -> None:
         while not stop.is_set():
             keep.append(Fake())
-            t._register(keep[-1])
+            t._links.register(keep[-1])
             if len(keep) > 200:
                 del keep[:100]
     adder = threading.Thread(target=add)

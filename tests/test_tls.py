@@ -4,25 +4,25 @@ the HMAC handshake inside TLS, and a whole group running over TLS."""
 from __future__ import annotations
 
 import os
-import queue
 import select
 import socket
 import ssl
 import threading
 import time
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, tcp, tls
+from torchrpc._transport import accept, handshake, tls
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
 
 from . import helpers, pki_helpers
+from . import transport_helpers as th
 from .group import running_group
 
 pytestmark = pki_helpers.needs_openssl
@@ -40,32 +40,12 @@ def pki(tmp_path_factory) -> Dict[str, str]:
     ))
 
 
-def _contexts(pki, cert="worker", ca="ca", require=True, identity=None) -> tls.TlsContexts:
-    return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require, identity)
+_contexts = th.tls_contexts
 
 
-class _Peer:
+def _Peer(rank: int, contexts, secret: bytes = b"s" * 32) -> th.Peer:
     """A bare transport that records what arrives and echoes CALL frames back."""
-
-    def __init__(self, rank: int, contexts, secret: bytes = b"s" * 32) -> None:
-        self.frames: "queue.Queue" = queue.Queue()
-        self.closed: List = []
-        self.t = Transport(rank, secret, _wire.Limits(), lambda c: None, self._on_frame,
-                           lambda c, why: self.closed.append(why), "127.0.0.1",
-                           tls_contexts=contexts)
-
-    def _on_frame(self, conn, header, envelope, buffers) -> None:
-        if header.kind == Kind.CALL:
-            conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
-                      [_wire.tensor_bytes(b) for b in buffers], buffers)
-        else:
-            self.frames.put((header, bytes(envelope), buffers))
-
-    def connect(self, other: "_Peer"):
-        return self.t.connect(other.t.rank, *other.t.address, timeout=5)
-
-    def close(self) -> None:
-        self.t.close()
+    return th.Peer(rank, secret=secret, tls_contexts=contexts)
 
 
 def test_frames_cross_a_tls_link_both_ways_under_concurrency(pki):
@@ -151,9 +131,9 @@ def test_client_rejects_a_server_certificate_from_another_ca(pki):
 def _tracked_sockets(peer: "_Peer", timeout: float = 10.0) -> int:
     """How many sockets the transport still tracks once its handshake threads are done."""
     deadline = time.monotonic() + timeout
-    while peer.t._sockets and time.monotonic() < deadline:
+    while peer.t._links._sockets and time.monotonic() < deadline:
         time.sleep(0.05)
-    return len(peer.t._sockets)
+    return len(peer.t._links._sockets)
 
 
 def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
@@ -184,7 +164,7 @@ def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
 def test_a_trickled_tls_handshake_is_dropped_at_the_handshake_deadline(pki, monkeypatch):
     # One deadline for the whole handshake, TLS included: a byte every 0.2 s would
     # otherwise hold one of the worker's few handshake slots for as long as it likes.
-    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    monkeypatch.setattr(accept, "HANDSHAKE_TIMEOUT", 1.0)
     server = _Peer(0, _contexts(pki))
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls_obj = _contexts(pki).client.wrap_bio(incoming, outgoing)

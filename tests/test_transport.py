@@ -13,7 +13,6 @@ import fcntl
 import os
 import re
 import socket
-import queue
 import threading
 import time
 from typing import Any, List, Optional
@@ -24,7 +23,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import Transport, handshake, shm
+from torchrpc._transport import handshake, shm
 from torchrpc._wire import Kind
 from torchrpc.errors import ProtocolError
 from torchrpc.rpc import api
@@ -217,39 +216,16 @@ def test_requests_run_on_the_reader_yet_never_hold_up_the_connection(group):
 # Bare transports: who may use shared memory
 
 
-class _Peer:
+def _Peer(rank: int, shm_on: bool = True, same_host: bool = True, same_pids: bool = True,
+          copy_back: bool = False) -> th.Peer:
     """A bare transport that echoes CALL frames and records everything else."""
-
-    def __init__(self, rank: int, shm_on: bool = True, same_host: bool = True,
-                 same_pids: bool = True, copy_back: bool = False) -> None:
-        self.frames: "queue.Queue" = queue.Queue()
-        self.copy_back = copy_back  # echo copies (else a buffer in shared memory goes back)
-        self.closed: List[Any] = []
-        self.t = Transport(rank, b"s" * 32, _wire.Limits(), lambda c: None, self._on_frame,
-                           lambda c, why: self.closed.append(why), "127.0.0.1",
-                           features=handshake.FEATURE_SHM if shm_on else 0,
-                           shm_threshold=THRESHOLD, same_host=lambda r: same_host,
-                           same_pids=lambda r: same_pids)
-
-    def _on_frame(self, conn, header, envelope, buffers) -> None:
-        if header.kind == Kind.CALL:
-            if self.copy_back:
-                buffers = [b.clone() for b in buffers]
-            conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
-                      [_wire.tensor_bytes(b) for b in buffers], buffers)
-        else:
-            self.frames.put((header, buffers))
-
-    def connect(self, other: "_Peer"):
-        return self.t.connect(other.t.rank, *other.t.address, timeout=5)
-
-    def close(self) -> None:
-        self.t.close()
+    return th.Peer(rank, shm_on=shm_on, same_host=same_host, same_pids=same_pids,
+                   copy_back=copy_back, shm_threshold=THRESHOLD)
 
 
-def _call(conn, peer: _Peer, data: torch.Tensor) -> torch.Tensor:
+def _call(conn, peer: th.Peer, data: torch.Tensor) -> torch.Tensor:
     conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(data)], data)
-    header, bufs = peer.frames.get(timeout=20)
+    header, _, bufs = peer.frames.get(timeout=20)
     assert header.kind == Kind.RESPONSE
     return bufs[0]
 
@@ -330,7 +306,7 @@ def test_senders_retire_idle_and_outgrown_segments():
         for n in (LARGE, 4 * LARGE, 16 * LARGE):
             back = _call(conn, a, torch.zeros(n, dtype=torch.uint8))
             del back
-        b_conn = next(iter(b.t._shm_conns))
+        b_conn = next(iter(b.t._links._shm_conns))
         # A bigger segment retires the smaller free ones (the last may still have been
         # in use by the peer when the next was made).
         assert 1 <= conn.shm_tx.num_segments <= 2 and 1 <= b_conn.shm_tx.num_segments <= 2
@@ -366,7 +342,7 @@ def test_an_echo_goes_back_in_the_senders_own_segment_which_waits_for_both_sides
         assert seg.wrapped == 1 and seg.returns.value == seg.released + 1
         where = th.mapping_of(first)
         assert th.is_segment(where) and seg.name.split(".")[0] in where, where
-        b_conn = next(iter(b.t._shm_conns))
+        b_conn = next(iter(b.t._links._shm_conns))
         assert b_conn.shm_tx is None or b_conn.shm_tx.num_segments == 0  # the peer made none
         # While the returned tensor lives, its segment is not reused: the next echo gets
         # another one, and the first keeps its bytes.
@@ -393,13 +369,13 @@ def test_a_forged_return_reference_closes_the_connection():
         for forge in (lambda s: shm.return_ref(s.number + 1, 0),  # no segment of ours
                       lambda s: shm.return_ref(s.number, s.capacity),  # beyond its end
                       lambda s: shm.return_ref(s.number, 0)):  # nothing returned is due
-            before = set(b.t._shm_conns)
+            before = set(b.t._links._shm_conns)
             conn = a.connect(b)
             back = _call(conn, a, torch.zeros(LARGE, dtype=torch.uint8))
             del back
             (seg,) = conn.shm_tx._segments
             _wait(lambda: seg.free, "the echo's segment free again")
-            (peer,) = set(b.t._shm_conns) - before
+            (peer,) = set(b.t._links._shm_conns) - before
             closed = len(a.closed)
             head = _wire.pack_header(Kind.RESPONSE, _wire.FLAG_SHM, 9, 1,
                                      [LARGE | _wire.SHM_BIT])
@@ -412,11 +388,7 @@ def test_a_forged_return_reference_closes_the_connection():
         b.close()
 
 
-def _wait(cond, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+_wait = th.wait_for
 
 
 def test_private_readers_stop_polling_when_polls_keep_missing():

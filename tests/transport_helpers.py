@@ -1,4 +1,5 @@
-"""Functions that the transport tests run on remote workers, and the memory-test worker.
+"""Bare transports in this process for the transport tests, functions that those tests
+run on remote workers, and the memory-test worker.
 
 ``python -m tests.transport_helpers memory RANK PORT OUT`` is one member of the two-worker
 group of the peak-RSS test: rank 0 echoes a large tensor off rank 1 and writes both
@@ -9,14 +10,81 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import resource
 import sys
 import threading
-from typing import Any, Dict, List
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 import torchrpc.rpc as rpc
+from torchrpc import _wire
+from torchrpc._transport import Connection, Transport, handshake, tls
+from torchrpc._wire import Kind
+
+def tls_contexts(pki: Dict[str, str], cert: str = "worker", ca: str = "ca",
+                 require: bool = True, identity: Optional[str] = None) -> tls.TlsContexts:
+    """TLS contexts with ``cert`` (and its key) from ``pki`` (see pki_helpers.make_pki)."""
+    return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require, identity)
+
+
+class Peer:
+    """A bare transport in this process that records what arrives.
+
+    With ``echo``, CALL frames go back as RESPONSE frames (copies with ``copy_back``,
+    else a buffer in shared memory goes back into the caller's segment); every other
+    frame lands in ``frames`` as (header, envelope, buffers), every close reason in
+    ``closed``, and every inbound connection in ``accepted``. ``shm_on`` offers shared
+    memory from ``shm_threshold`` bytes on to peers that ``same_host`` and ``same_pids``
+    accept.
+    """
+
+    def __init__(self, rank: int, secret: bytes = b"s" * 32, shm_on: bool = False,
+                 same_host: bool = True, same_pids: bool = True, copy_back: bool = False,
+                 tls_contexts: Optional[tls.TlsContexts] = None, local_socket: bool = False,
+                 echo: bool = True, shm_threshold: int = 64 << 10) -> None:
+        self.frames: "queue.Queue" = queue.Queue()
+        self.accepted: "queue.Queue[Connection]" = queue.Queue()
+        self.closed: List[Any] = []
+        self.echo = echo
+        self.copy_back = copy_back
+        self.t = Transport(rank, secret, _wire.Limits(), self._on_connect, self._on_frame,
+                           lambda c, why: self.closed.append(why), "127.0.0.1",
+                           features=handshake.FEATURE_SHM if shm_on else 0,
+                           shm_threshold=shm_threshold, same_host=lambda r: same_host,
+                           same_pids=lambda r: same_pids, tls_contexts=tls_contexts,
+                           local_socket=local_socket)
+
+    def _on_connect(self, conn: Connection) -> None:
+        if not conn.outbound:
+            self.accepted.put(conn)
+
+    def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
+                  buffers: List[torch.Tensor]) -> None:
+        if self.echo and header.kind == Kind.CALL:
+            if self.copy_back:
+                buffers = [b.clone() for b in buffers]
+            conn.send(Kind.RESPONSE, 0, header.request_id, bytes(envelope),
+                      [_wire.tensor_bytes(b) for b in buffers], buffers)
+        else:
+            self.frames.put((header, bytes(envelope), buffers))
+
+    def connect(self, other: "Peer", **kwargs: Any) -> Connection:
+        return self.t.connect(other.t.rank, *other.t.address, timeout=5, **kwargs)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
 
 _held: Dict[str, Any] = {}
 _lock = threading.Lock()

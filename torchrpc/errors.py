@@ -26,6 +26,10 @@ class RendezvousError(RpcError):
     """Workers could not agree on the group: duplicate names or ranks, bad store."""
 
 
+class BarrierTimeoutError(RendezvousError):
+    """Not every worker arrived at the shutdown barrier by its deadline."""
+
+
 class ProtocolError(RpcError):
     """A peer broke the wire protocol: bad magic, version, kind or lengths."""
 
@@ -44,6 +48,14 @@ class ConnectionLostError(RpcError):
 
 class WorkerLeftError(ConnectionLostError):
     """The worker shut down and left the group."""
+
+
+class ClosedError(RpcError):
+    """Work was handed to a worker pool or a connection after it closed."""
+
+
+class ConnectionClosedError(ClosedError, ConnectionLostError):
+    """A frame was sent on a connection that is closed (by this side, or because it broke)."""
 
 
 class RpcTimeoutError(RpcError):

@@ -30,7 +30,7 @@ import torch
 
 from .. import _threads
 from .._threads import Guard
-from ..errors import NotInitializedError
+from ..errors import ClosedError, NotInitializedError
 from .futures import fresh_error
 from .pool import WorkerPool
 
@@ -106,7 +106,7 @@ class CoroutineRunner:
         """On the loop: a coroutine ended; complete its future on the pool."""
         try:
             self._pool.submit(_settle, task, fut)
-        except RuntimeError:  # the pool is closed (shutdown): nothing will block here
+        except ClosedError:  # the pool is closed (shutdown): nothing will block here
             _settle(task, fut)
 
     def close(self, timeout: float = _CANCEL_WAIT + 10) -> None:

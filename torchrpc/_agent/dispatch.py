@@ -43,7 +43,7 @@ import torch
 
 from .. import _wire
 from .._transport import Connection, Releasable
-from .._transport.tcp import LogBudget
+from .._transport.logbudget import LogBudget
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
 from ..errors import (OperatorSchemaError, OverloadedError, RpcError, SerializationError,

@@ -46,7 +46,7 @@ from .. import _wire
 from .._threads import Guard
 from .._transport import Connection, shm
 from .._wire import Kind
-from ..errors import ConnectionLostError, RpcError
+from ..errors import ClosedError, ConnectionLostError, RpcError
 from . import membership
 from .shutdown import RUNNING
 from .worker import WorkerInfo
@@ -248,7 +248,7 @@ class Liveness:
             self._confirming.add(rank)
         try:
             agent.pool.submit(self._confirm_loss, rank, reason)
-        except RuntimeError:  # shutting down: nothing to clean up for
+        except ClosedError:  # shutting down: nothing to clean up for
             with self._lock:
                 self._confirming.discard(rank)
 

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from .._threads import Guard
+from ..errors import ClosedError
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,11 @@ class WorkerPool:
         return self._pending
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on a pool thread. Exceptions are logged, never lost silently."""
+        """Run ``fn(*args)`` on a pool thread. Exceptions are logged, never lost silently;
+        ClosedError once the pool is closed."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("the worker pool is shut down")
+                raise ClosedError("the worker pool is shut down")
             self._pending += 1
             spawn = (self._pending > self._idle and len(self._threads) - self._blocked < self._size
                      and len(self._threads) < HARD_CAP)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .._transport.shm import pid_namespace
 from . import secret
 from .worker import check_worker_name
-from ..errors import RendezvousError
+from ..errors import BarrierTimeoutError, RendezvousError
 
 LISTEN_ENV = "TORCHRPC_LISTEN_ADDR"
 IFNAME_ENV = "TORCHRPC_IFNAME"
@@ -305,7 +305,7 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
                     break
                 raise
         if deadline is not None and time.monotonic() > deadline:
-            raise RendezvousError(
+            raise BarrierTimeoutError(
                 f"timed out at the shutdown barrier: {arrived} of {world_size} workers "
                 f"arrived")
         time.sleep(delay)

@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from .._threads import Guard
+from ..errors import ClosedError
 from .futures import mark_reader_thread
 from .pool import WorkerPool
 
@@ -149,7 +150,7 @@ class Scheduler:
         for _, _, fn, args in due:
             try:
                 self._pool.submit(fn, *args)
-            except RuntimeError:
+            except ClosedError:
                 pass  # the pool is shut down: so is everything a callback would do
             except Exception as exc:  # noqa: BLE001 - the other callbacks still run
                 guard.failed(exc)

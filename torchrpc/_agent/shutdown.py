@@ -74,7 +74,8 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import LifecycleError, NotInitializedError, RpcError, ShutdownError
+from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
+                      ShutdownError)
 from . import rendezvous
 from .hooks import describe
 
@@ -201,7 +202,7 @@ class Shutdown:
             raise error
         if isinstance(error, ShutdownError):
             raise error
-        if error is not None and not (agent.rank != 0 and "shutdown barrier" in str(error)):
+        if error is not None and not (agent.rank != 0 and isinstance(error, BarrierTimeoutError)):
             raise ShutdownError(f"graceful shutdown of {agent.name} failed: {error}") from error
 
     def _finish_work(self, deadline: Optional[float]) -> None:

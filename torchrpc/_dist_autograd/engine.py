@@ -65,7 +65,7 @@ import torch
 from .._agent import Agent, WorkerInfo
 from .._threads import Guard
 from .._wire import Kind
-from ..errors import ConnectionLostError, RpcError
+from ..errors import ClosedError, ConnectionLostError, RpcError
 from .checks import check_arguments, check_roots
 from .contexts import ContextTable
 from .driver import PassDriver, send_control
@@ -150,7 +150,7 @@ class DistAutogradEngine:
             self._flushing = True
             try:
                 self._agent.pool.submit(self._flush_releases)
-            except RuntimeError:
+            except ClosedError:
                 self._flushing = False  # shutting down
 
     def _flush_releases(self, deadline: Optional[float] = None) -> None:

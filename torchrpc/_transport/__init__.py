@@ -1,6 +1,7 @@
-"""The transport layer: authenticated TCP connections carrying wire frames."""
+"""The transport layer: authenticated connections carrying wire frames, over TCP, Unix
+sockets or TLS (and in memory, for tests)."""
 
-from .connection import Connection, Releasable
+from .connection import Connection, Link, Releasable
 from .tcp import Transport
 
-__all__ = ["Connection", "Releasable", "Transport"]
+__all__ = ["Connection", "Link", "Releasable", "Transport"]

@@ -18,14 +18,33 @@ import errno
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 from .. import _wire
-from ..errors import ConnectionLostError, RpcTimeoutError
+from ..errors import ConnectionClosedError, RpcTimeoutError
 from . import handshake, shm
 from .reader import _DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, _reading
+from .sockets import lost
 
 _IOV_MAX = 512
+
+
+class Link(Protocol):
+    """What a connection needs of its byte stream: a connected stream socket, a TLS
+    session over one (``tls.TlsSocket``) or an in-memory pair (``memory.py``). Every link
+    passes ``tests/test_transport_conformance.py``."""
+
+    def sendmsg(self, buffers: Sequence[Any]) -> int:
+        """Send from the buffers in order; the number of bytes sent."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """Receive into ``buffer``, waiting for some bytes; 0 at end-of-stream."""
+
+    def shutdown(self, how: int) -> None:
+        """End the stream; a reader blocked in ``recv_into`` wakes with end-of-stream."""
+
+    def close(self) -> None:
+        """Let the stream's resources go."""
 
 
 class Releasable(list):
@@ -39,7 +58,7 @@ class Releasable(list):
 class Connection(FrameReader):
     """One authenticated socket to a peer worker."""
 
-    def __init__(self, sock: socket.socket, peer_rank: int, limits: _wire.Limits,
+    def __init__(self, sock: Link, peer_rank: int, limits: _wire.Limits,
                  on_frame: FrameCallback, on_close: CloseCallback, outbound: bool) -> None:
         self.sock = sock
         self.peer_rank = peer_rank
@@ -133,7 +152,7 @@ class Connection(FrameReader):
                 self._wait_for_room(size, staged, returned)
             if self._closed:
                 self._unsend(staged, returned)
-                raise ConnectionLostError(
+                raise ConnectionClosedError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
             if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
@@ -199,11 +218,12 @@ class Connection(FrameReader):
                 with self._lock:
                     self._writing = False
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
-                    why = (f"send to rank {self.peer_rank} made no progress for "
-                           f"{self.send_timeout:g} s (send_timeout): the peer does not read")
+                    error = lost(f"send to rank {self.peer_rank} made no progress for "
+                                 f"{self.send_timeout:g} s (send_timeout): the peer does "
+                                 f"not read", exc)
                 else:
-                    why = f"send to rank {self.peer_rank} failed: {exc}"
-                self.close(ConnectionLostError(why))
+                    error = lost(f"send to rank {self.peer_rank} failed", exc)
+                self.close(error)
                 return
 
     def _sendall(self, iov: List[Any]) -> None:

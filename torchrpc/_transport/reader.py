@@ -28,6 +28,7 @@ from .. import _wire
 from .._threads import Guard
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake, shm
+from .sockets import lost
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -106,6 +107,8 @@ class FrameReader:
         _reading.depth = getattr(_reading, "depth", 0) + 1
         try:
             return self._read_frames()
+        except OSError as exc:
+            error = lost(f"connection to rank {self.peer_rank} broke", exc)
         except _CLOSING as exc:
             error = exc  # a ProtocolError (bad or truncated frame) is logged by the transport
         except Exception as exc:  # noqa: BLE001 - reading itself failed: where the next
@@ -230,7 +233,11 @@ class FrameReader:
         its error raised."""
         try:
             return self._next_frame()
-        except (OSError, ProtocolError, ConnectionLostError) as exc:
+        except OSError as exc:
+            error = lost(f"connection to rank {self.peer_rank} broke", exc)
+            self.close(error)
+            raise error from exc
+        except (ProtocolError, ConnectionLostError) as exc:
             self.close(exc)
             raise ConnectionLostError(f"connection to rank {self.peer_rank} broke: {exc}") \
                 from exc

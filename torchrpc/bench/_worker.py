@@ -36,7 +36,8 @@ import torch
 from torch.distributed import TCPStore
 
 from .options import BenchOptions
-from .workloads import PAIR_RUNNERS, Turns, WorkerContext, memory_mb, peak_rss_mb
+from .callees import memory_mb, peak_rss_mb
+from .workloads import PAIR_RUNNERS, Turns, WorkerContext
 
 TIMEOUT_MARKER = "Timeout ("
 """How faulthandler's watchdog starts its report; the launcher looks for it in the log."""

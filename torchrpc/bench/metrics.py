@@ -34,7 +34,7 @@ class Target:
         return number <= self.value if self.op == "<=" else number >= self.value
 
     def describe(self) -> str:
-        """A short human form, e.g. ``ratio <= 0.5 (issue 2)``."""
+        """A short human form, e.g. ``ratio <= 0.4 (issue 20)``."""
         what = "ratio" if self.kind == "ratio" else "value"
         return f"{what} {self.op} {self.value:g} ({self.source})"
 
@@ -76,8 +76,9 @@ def scale_metric(workers: int, phase: str) -> str:
     return f"scale_{workers}w_{phase}_s"
 
 
-_ECHO_TARGETS = {1.0: Target("ratio", ">=", 1.5, "issue 4"),
-                 64.0: Target("ratio", ">=", 2.0, "issue 4")}
+_ECHO_TARGETS = {1.0: Target("ratio", ">=", 2.0, "issue 20"),
+                 64.0: Target("ratio", ">=", 3.0, "issue 20"),
+                 256.0: Target("ratio", ">=", 3.0, "issue 20")}
 
 SCALE_PHASES = (("init", "init_rpc"), ("all_to_all", "all-to-all"),
                 ("shutdown", "graceful shutdown"))
@@ -99,17 +100,19 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
     if workload == "latency":
         return [
             MetricSpec("rpc_sync_p50_us", "small rpc_sync p50", "us", "lower", workload,
-                       Target("ratio", "<=", 0.5, "issue 2")),
+                       Target("ratio", "<=", 0.4, "issue 20")),
             MetricSpec("rpc_sync_p99_us", "small rpc_sync p99", "us", "lower", workload),
+            MetricSpec("noop_p50_us", "no-op rpc_sync (int argument) p50", "us", "lower",
+                       workload, Target("ratio", "<=", 0.15, "issue 20")),
         ]
     if workload == "throughput":
         return [MetricSpec("rpc_async_calls_per_s",
                            f"{options.throughput_calls} concurrent rpc_async", "calls/s",
-                           "higher", workload, Target("ratio", ">=", 1.5, "issue 2"))]
+                           "higher", workload, Target("ratio", ">=", 3.0, "issue 20"))]
     if workload == "remote":
         return [
             MetricSpec("remote_to_here_p50_us", "remote() + to_here() p50", "us", "lower",
-                       workload, Target("ratio", "<=", 0.6, "issue 3")),
+                       workload, Target("ratio", "<=", 0.3, "issue 20")),
             MetricSpec("remote_to_here_p99_us", "remote() + to_here() p99", "us", "lower",
                        workload),
         ]
@@ -125,8 +128,8 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                   for s in options.echo_sizes_mb if s >= 64]
         largest = max(options.echo_sizes_mb)
         # The bound is about big payloads; below 64 MB the process's own footprint
-        # (torch alone is ~300 MB) dominates and a 3x bound means nothing.
-        rss_target = (Target("absolute", "<=", 3 * largest, "issue 4: 3x payload")
+        # (torch alone is ~300 MB) dominates and a 2x bound means nothing.
+        rss_target = (Target("absolute", "<=", 2 * largest, "issue 20: 2x payload")
                       if largest >= 64 else None)
         specs += [
             MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
@@ -143,7 +146,7 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
         dims = "-".join(str(d) for d in options.train_dims)
         return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "
                            f"{options.train_batch}", "ms", "lower", workload,
-                           Target("ratio", "<=", 0.8, "issue 5"))]
+                           Target("ratio", "<=", 0.5, "issue 20"))]
     if workload == "fanout":
         n = options.fanout_callees
         return [

@@ -2,7 +2,7 @@
 
 Everything here runs in a spawned worker with one system's modules in hand. The caller
 (rank 0) runs one ``run_*`` function, which returns ``(metrics, details)``; the callee
-(rank 1) only serves calls, executing the module-level functions below, which both workers
+(rank 1) only serves calls, executing the functions of :mod:`.callees`, which both workers
 import by reference when a call is unpickled.
 
 None of this imports an RPC module: the modules arrive in :class:`WorkerContext`.
@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib
-import itertools
 import os
-import resource
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -23,8 +20,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from .callees import (PSTrainer, add_one, echo, make_ps_table, make_stage, memory_mb, mlp, noop,
+                      peak_rss_mb, ps_train, remote_peak_rss_mb, stage_forward,
+                      stage_param_rrefs, worker_pid)
 from .metrics import echo_memcpy_metric, echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
@@ -98,45 +97,6 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def memory_mb() -> dict[str, float]:
-    """This process's memory now, in MiB: ``rss`` (resident), ``private`` (resident and
-    not shared with other processes, e.g. by torch's libraries: what the process adds to
-    the machine) and ``threads`` (a count). Empty where ``/proc`` is missing."""
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/smaps_rollup", encoding="ascii") as rollup:
-            for line in rollup:
-                key, _, rest = line.partition(":")
-                if key in ("Rss", "Private_Clean", "Private_Dirty"):
-                    out[key] = int(rest.split()[0]) / 1024.0
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Threads:"):
-                    out["threads"] = float(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return {}
-    return {"rss": out.get("Rss", 0.0),
-            "private": out.get("Private_Clean", 0.0) + out.get("Private_Dirty", 0.0),
-            "threads": out.get("threads", 0.0)}
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process, in MiB.
-
-    Reads ``VmHWM`` from ``/proc/self/status``: the same high-water mark as ``ru_maxrss``,
-    but per address space, so it is not inflated by the parent's size, which Linux folds
-    into ``ru_maxrss`` across ``fork`` + ``exec``. Falls back to ``ru_maxrss`` elsewhere.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def _small_call(options: BenchOptions) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """The function and arguments of the "small call" used by the latency workloads."""
     if options.small_call == "add":
@@ -151,126 +111,12 @@ def _check_small_result(value: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Functions executed on the callee
-
-
-def add_one(x: torch.Tensor) -> torch.Tensor:
-    """A tiny Python function: ``x + 1``."""
-    return x + 1
-
-
-def echo(x: Any) -> Any:
-    """Return the argument unchanged."""
-    return x
-
-
-def remote_peak_rss_mb() -> float:
-    """Peak RSS of the process this runs in (called over RPC on the callee)."""
-    return peak_rss_mb()
-
-
-def noop() -> None:
-    """Do nothing; used to make sure the peer has finished earlier work."""
-
-
-def _mlp(dims: list[int], final_relu: bool) -> nn.Sequential:
-    """Linear layers between consecutive ``dims`` with ReLU between them."""
-    layers: list[nn.Module] = []
-    for i, (d_in, d_out) in enumerate(itertools.pairwise(dims)):
-        layers.append(nn.Linear(d_in, d_out))
-        if final_relu or i < len(dims) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def worker_pid() -> int:
-    """This worker's process id."""
-    return os.getpid()
-
-
-def make_stage(dims: list[int], seed: int) -> nn.Module:
-    """Build the callee's half of the MLP (last layers, no final activation)."""
-    torch.manual_seed(seed)
-    return _mlp(dims, final_relu=False)
-
-
-def stage_forward(stage_rref: Any, x: torch.Tensor) -> torch.Tensor:
-    """Run the module that ``stage_rref`` owns on ``x``."""
-    return stage_rref.local_value()(x)
-
-
-def stage_param_rrefs(stage_rref: Any, rpc_module_name: str) -> list[Any]:
-    """RRefs to the parameters of the module ``stage_rref`` owns.
-
-    The RRef class is looked up by module name so that this works for whichever system
-    the worker runs.
-    """
-    rref_cls = importlib.import_module(rpc_module_name).RRef
-    return [rref_cls(p) for p in stage_rref.local_value().parameters()]
-
-
-class PSTrainer:
-    """One trainer of the ``ps`` workload, built on its worker with ``rpc.remote``.
-
-    The model is an embedding table on the parameter server (``table``, an RRef to the
-    server's ``nn.EmbeddingBag``) under a small MLP of the trainer's own. Each step looks
-    up the batch's rows on the server, runs the MLP, and inside a distributed autograd
-    context runs ``backward`` and a ``DistributedOptimizer`` (SGD) step over the table's
-    parameters and the MLP's. Uses only the system's public API, found by module name.
-    """
-
-    def __init__(self, table: Any, modules: dict[str, str], dims: list[int], bag: int,
-                 batch: int, lr: float, seed: int) -> None:
-        self.rpc = importlib.import_module(modules["rpc"])
-        self.autograd = importlib.import_module(modules["autograd"])
-        optim = importlib.import_module(modules["optim"])
-        self.table = table
-        self.server = table.owner()
-        torch.manual_seed(seed)
-        self.head = _mlp(dims[1:], final_relu=False)
-        params = self.rpc.rpc_sync(self.server, stage_param_rrefs,
-                                   args=(table, modules["rpc"]))
-        params += [self.rpc.RRef(p) for p in self.head.parameters()]
-        self.optimizer = optim.DistributedOptimizer(torch.optim.SGD, params, lr=lr)
-        # A fixed batch whose class is a function of its rows, so the loss can fall.
-        self.rows = torch.randint(0, dims[0], (batch, bag))
-        self.targets = self.rows[:, 0] % dims[-1]
-
-    def step(self) -> float:
-        """One training step; returns the loss."""
-        with self.autograd.context() as context_id:
-            embedded = self.rpc.rpc_sync(self.server, stage_forward,
-                                         args=(self.table, self.rows))
-            loss = F.cross_entropy(self.head(embedded), self.targets)
-            self.autograd.backward(context_id, [loss])
-            self.optimizer.step(context_id)
-        return float(loss)
-
-
-def make_ps_table(rows: int, width: int, seed: int) -> nn.Module:
-    """The parameter server's embedding table: each sample is the mean of its rows."""
-    torch.manual_seed(seed)
-    return nn.EmbeddingBag(rows, width, mode="mean")
-
-
-def ps_train(trainer: Any, steps: int) -> dict[str, list[float]]:
-    """Run ``steps`` steps of the trainer ``trainer`` (an RRef this worker owns): the
-    milliseconds and the loss of each."""
-    local = trainer.local_value()
-    times, losses = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        losses.append(local.step())
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"ms": times, "losses": losses}
-
-
-# ----------------------------------------------------------------------------------------
 # Workloads, run on the caller
 
 
 def run_latency(ctx: WorkerContext) -> Result:
-    """Small ``rpc_sync`` calls one after the other: p50 and p99 in microseconds."""
+    """Small ``rpc_sync`` calls one after the other: p50 and p99 in microseconds; then
+    the p50 of a no-op call with an int argument (no tensor at all)."""
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.rpc_sync(ctx.peer, func, args=args))
@@ -282,8 +128,16 @@ def run_latency(ctx: WorkerContext) -> Result:
         start = clock()
         ctx.rpc.rpc_sync(ctx.peer, func, args=args)
         samples.append((clock() - start) / 1e3)
+    noops = []
+    for i in range(opts.latency_warmup + opts.latency_calls):
+        start = clock()
+        if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
+            raise AssertionError(f"no-op call did not return its argument {i}")
+        noops.append((clock() - start) / 1e3)
+    del noops[:opts.latency_warmup]
     metrics = {"rpc_sync_p50_us": percentile(samples, 50),
-               "rpc_sync_p99_us": percentile(samples, 99)}
+               "rpc_sync_p99_us": percentile(samples, 99),
+               "noop_p50_us": percentile(noops, 50)}
     details = {"calls": len(samples), "min_us": min(samples), "max_us": max(samples),
                "mean_us": sum(samples) / len(samples), "small_call": opts.small_call}
     return metrics, details
@@ -411,7 +265,7 @@ def run_train(ctx: WorkerContext) -> Result:
     dims = list(opts.train_dims)
     split = max(1, (len(dims) - 1) // 2)
     torch.manual_seed(0)
-    local_stage = _mlp(dims[:split + 1], final_relu=True)
+    local_stage = mlp(dims[:split + 1], final_relu=True)
     remote_stage = rpc.remote(ctx.peer, make_stage, args=(dims[split:], 1))
     params = [rpc.RRef(p) for p in local_stage.parameters()]
     params += rpc.rpc_sync(ctx.peer, stage_param_rrefs,

@@ -1,0 +1,92 @@
+"""Dialing: the client side of the handshake, over TCP or a same-host Unix socket."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Optional
+
+from ..errors import AuthenticationError, ConnectionLostError
+from . import handshake
+from .connection import Connection
+from .links import Links
+from .sockets import HANDSHAKE_TIMEOUT, local_name, lost, peer_credentials, recv_exact, tune
+
+log = logging.getLogger(__name__)
+
+
+def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
+         local: bool = False, private: bool = False) -> Connection:
+    """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``;
+    with ``local`` (the peer shares this host), through its Unix socket.
+
+    A ``private`` connection gets no reader: whoever sends a request on it reads
+    the reply with :meth:`Connection.read_frame`.
+    """
+    sock = connect_local(host, port, timeout) if local else None
+    if sock is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=min(timeout, HANDSHAKE_TIMEOUT))
+        except OSError as exc:
+            raise lost(f"cannot connect to {host}:{port}", exc) from exc
+    if not links.track(sock):
+        sock.close()
+        raise ConnectionLostError("the transport is shut down")
+    try:
+        links.bound(sock)
+        binding = b""
+        if links.tls is not None:
+            sock, binding = links.secure(sock, False, host)
+        offer = links.features if private else links.features & ~handshake.FEATURE_PRIVATE
+        hello, nonce = handshake.make_hello(links.rank, offer, links.incarnation)
+        sock.sendall(hello)
+        challenge = recv_exact(sock, handshake.CHALLENGE.size)
+        proof, server_rank, features = handshake.answer_challenge(
+            links.secret, challenge, links.rank, nonce, peer_rank, offer, binding,
+            links.incarnation)
+        sock.sendall(proof)
+        if recv_exact(sock, 1) != handshake.ACCEPT:
+            raise AuthenticationError("the peer refused the handshake")
+        sock.settimeout(None)
+        tune(sock)
+    except (OSError, AuthenticationError) as exc:
+        links.forget(sock)
+        sock.close()
+        if isinstance(exc, AuthenticationError):
+            raise
+        raise lost(f"handshake with {host}:{port} failed", exc) from exc
+    conn = links.open(sock, peer_rank, True, features & offer,
+                      (nonce, handshake.CHALLENGE.unpack(challenge)[2]),
+                      (links.rank, server_rank))
+    links.on_connect(conn)
+    if not conn.private:
+        try:
+            links.spawn(conn.read_loop, f"torchrpc-conn-{links.rank}-{peer_rank}")
+        except Exception as exc:  # no thread to read it: the connection is useless
+            error = ConnectionLostError(f"cannot start a reader for the connection to "
+                                        f"{host}:{port}: {exc}")
+            conn.close(error)
+            raise error from exc
+    return conn
+
+
+def connect_local(host: str, port: int, timeout: float) -> Optional[socket.socket]:
+    """A Unix socket connected to the local socket of the worker at ``host:port``, or
+    None when it has none or another user's process holds its name."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(min(timeout, HANDSHAKE_TIMEOUT))
+    try:
+        sock.connect(local_name(host, port))
+    except OSError as exc:
+        log.debug("no local socket for %s:%d (%s); using TCP", host, port, exc)
+        sock.close()
+        return None
+    pid, uid = peer_credentials(sock)
+    if uid != os.getuid():
+        log.error("the local socket of the worker at %s:%d is held by process "
+                  "%d of uid %d, not by this user: refused (a squatter); using TCP",
+                  host, port, pid, uid)
+        sock.close()
+        return None
+    return sock

@@ -56,7 +56,7 @@ class NoTransport:
     def connections(self) -> List[Any]:
         return []
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         pass
 
 

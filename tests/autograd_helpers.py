@@ -7,6 +7,7 @@ name, it calls the function directly, so the same code is the local reference.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -75,6 +76,26 @@ class Explode(torch.autograd.Function):
 
 def explode(x: torch.Tensor) -> torch.Tensor:
     return Explode.apply(x) * 2
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps first."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor,  # type: ignore[override]
+                seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def slow_scale(t: torch.Tensor, factor: float, seconds: float) -> torch.Tensor:
+    """``t * factor``, whose backward takes ``seconds``."""
+    return SleepInBackward.apply(t, seconds) * factor
 
 
 @rpc.functions.async_execution

@@ -382,6 +382,26 @@ def test_error_in_backward_names_the_worker():
                      [2 * x.detach()])
 
 
+def test_a_pass_whose_first_hop_eats_the_time_fails_at_the_root_s_deadline():
+    # backward goes to worker1 first (1.5 s of its 2), then to worker2 (3 s): the second
+    # hop gets what is left, so the pass fails at the root's deadline, not 2 s after it
+    old = rpc.get_rpc_timeout()
+    x = rand(3, seed=23)
+    rpc._set_rpc_timeout(2)
+    try:
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker2", h.slow_scale, args=(x, 3.0, 3.0))
+            loss = rpc.rpc_sync("worker1", h.slow_scale, args=(y, 2.0, 1.5)).sum()
+            start = time.monotonic()
+            with pytest.raises(RpcTimeoutError, match="timed out"):
+                dist_autograd.backward(cid, [loss])
+            elapsed = time.monotonic() - start
+    finally:
+        rpc._set_rpc_timeout(old)
+    assert 1.5 < elapsed < 3.0, elapsed
+    time.sleep(1.5)  # worker2's part ends before the next test
+
+
 def test_unknown_context_id():
     x = rand(1, seed=22)
     with pytest.raises(RuntimeError, match="123456789"):

@@ -4,12 +4,19 @@ alone: no sockets, no threads of the agent, no other process (see agent_helpers.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+from typing import List
 
 import pytest
 import torch.distributed as dist
 
+from torchrpc import _wire
+from torchrpc._agent.coroutines import CoroutineRunner
+from torchrpc._agent.pool import WorkerPool
 from torchrpc._agent.shutdown import (NEW, RUNNING, STOPPED, STOPPING, TRANSITIONS, State,
                                       advance)
+from torchrpc._transport.tcp import Transport
 from torchrpc._wire import Kind
 from torchrpc.errors import (LifecycleError, NotInitializedError, ShutdownError,
                              WorkerLeftError)
@@ -153,3 +160,111 @@ def test_a_worker_lost_elsewhere_is_named_through_the_store(make_agent):
         agent.check_peers()
     assert agent.connections.lost[1] == "worker2 lost it: reset"
 
+
+
+# -- the one deadline bounds every wait ---------------------------------------------------------
+
+
+def test_a_shutdown_deadline_bounds_the_wait_for_a_busy_worker_thread(make_agent):
+    agent = running(make_agent(1))
+    release, busy = threading.Event(), threading.Event()
+    agent.pool.submit(lambda: (busy.set(), release.wait(30)))
+    assert busy.wait(10)
+    try:
+        start = time.monotonic()
+        agent.shutdown(graceful=True, timeout=0.5)
+        assert time.monotonic() - start < 3  # not the 10 s a join of a pool thread allows
+        assert agent._state is STOPPED
+    finally:
+        release.set()
+
+
+def test_rank_0_waits_at_the_last_barrier_until_the_deadline_only(make_agent):
+    store = dist.HashStore()
+    agent = running(make_agent(2, store))
+    for barrier in ("shutdown/1", "shutdown/2"):  # worker1 got that far, and no further
+        store.set(f"{barrier}/1", "1")
+        store.add(barrier, 1)
+    start = time.monotonic()
+    with pytest.raises(ShutdownError, match="timed out at the shutdown barrier"):
+        agent.shutdown(graceful=True, timeout=1.0)
+    assert time.monotonic() - start < 4  # not the 30 s rank 0 gives the others otherwise
+    assert agent._state is STOPPED
+
+
+def test_closing_the_pool_waits_for_all_its_threads_together():
+    pool = WorkerPool(3, "test-close")
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    for _ in range(3):
+        pool.submit(lambda: (started.release(), release.wait(30)))
+    for _ in range(3):
+        assert started.acquire(timeout=10)
+    try:
+        start = time.monotonic()
+        stuck = pool.close(0.3)
+        assert time.monotonic() - start < 0.9  # not 0.3 s for each thread
+        assert len(stuck) == 3
+    finally:
+        release.set()
+
+
+def test_closing_the_coroutine_loop_waits_at_most_its_timeout():
+    pool = WorkerPool(1, "test-loop")
+    loop = CoroutineRunner("worker0", pool)
+    blocked = threading.Event()
+
+    async def hog() -> None:
+        blocked.set()
+        time.sleep(1.5)  # holds the loop's thread: nothing can cancel it
+    fut = loop.submit(hog())
+    assert blocked.wait(10)
+    start = time.monotonic()
+    loop.close(0.2)
+    assert time.monotonic() - start < 1.0
+    fut.wait()
+    pool.close()
+
+
+def test_closing_the_transport_waits_for_all_its_threads_together():
+    transport = Transport(0, b"s" * 32, _wire.Limits(), lambda conn: None, lambda *a: None,
+                          lambda conn, why: None, "127.0.0.1")
+    release = threading.Event()
+    stuck = [threading.Thread(target=release.wait, args=(30,), daemon=True) for _ in range(3)]
+    for t in stuck:
+        t.start()
+    links = transport._links
+    with links._lock:
+        links._threads.update(stuck)  # threads that do not end when their socket closes
+    try:
+        start = time.monotonic()
+        transport.close(0.3)
+        assert time.monotonic() - start < 0.9  # not 0.3 s for each thread
+    finally:
+        release.set()
+
+
+def test_closing_the_transport_as_a_thread_is_being_started_joins_it(monkeypatch):
+    transport = Transport(0, b"s" * 32, _wire.Limits(), lambda conn: None, lambda *a: None,
+                          lambda conn, why: None, "127.0.0.1")
+    links = transport._links
+    registered, closed = threading.Event(), threading.Event()
+    start = threading.Thread.start
+
+    def slow_start(thread: threading.Thread) -> None:
+        registered.set()  # in the table, not started yet: close() comes now
+        closed.wait(0.5)
+        start(thread)
+    spawned: List[threading.Thread] = []
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    spawner = threading.Thread(target=lambda: spawned.append(
+        links.spawn(time.sleep, "torchrpc-test-late", 0.05)))
+    start(spawner)
+    assert registered.wait(10)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        transport.close(5)  # does not try to join a thread that has not started
+    finally:
+        closed.set()
+        spawner.join(10)
+    assert spawned and not spawned[0].is_alive()

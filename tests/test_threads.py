@@ -218,8 +218,8 @@ def test_a_release_that_fails_spares_the_other_workers(agent, caplog, monkeypatc
         sent.append(dst.id)
     monkeypatch.setattr(agent, "resolve", lambda rank: WorkerInfo(f"w{rank}", rank))
     monkeypatch.setattr(agent, "request", request)
-    with engine._lock:
-        engine._releases = {5: [1], 6: [2]}
+    engine.contexts.owe(5, [1])
+    engine.contexts.owe(6, [2])
     engine._flush_releases()
     assert sent == [6]
     assert errors_about(caplog, "sending autograd context releases")

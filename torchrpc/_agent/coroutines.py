@@ -109,8 +109,9 @@ class CoroutineRunner:
         except ClosedError:  # the pool is closed (shutdown): nothing will block here
             _settle(task, fut)
 
-    def close(self) -> None:
-        """Cancel the coroutines still running, stop the loop and join its thread."""
+    def close(self, timeout: float = _CANCEL_WAIT + 10) -> None:
+        """Cancel the coroutines still running, stop the loop and join its thread, waiting
+        ``timeout`` seconds at most."""
         with self._lock:
             self._closed = True
             loop, thread = self._loop, self._thread
@@ -121,7 +122,7 @@ class CoroutineRunner:
         except RuntimeError:
             pass  # closed already
         if thread is not threading.current_thread():
-            thread.join(_CANCEL_WAIT + 10)
+            thread.join(timeout)
 
 
 def _settle(task: "asyncio.Future[Any]", fut: torch.futures.Future) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 from .._threads import Guard
@@ -172,7 +173,9 @@ class WorkerPool:
             _current.pool = None
 
     def close(self, timeout: float = 10.0) -> list[str]:
-        """Stop every thread after the queued work; return names of threads that did not stop."""
+        """Stop every thread after the queued work, waiting ``timeout`` seconds at most for
+        all of them together; return names of threads that did not stop."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
             threads = list(self._threads)
@@ -182,7 +185,7 @@ class WorkerPool:
         stuck = []
         for t in threads:
             if t is not me:
-                t.join(timeout)
+                t.join(max(deadline - time.monotonic(), 0.0))
                 if t.is_alive():
                     stuck.append(t.name)
         return stuck

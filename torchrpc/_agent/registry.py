@@ -239,12 +239,13 @@ class Registry:
         agent stops."""
         self._members_thread = self._agent._start_thread("members", self._follow)
 
-    def leave(self) -> None:
-        """Dynamic group, stopping: stop following the log and announce the departure."""
+    def leave(self, timeout: float = 10.0) -> None:
+        """Dynamic group, stopping: stop following the log (waiting ``timeout`` seconds at
+        most for the members thread) and announce the departure."""
         agent = self._agent
         self._members_stop.set()
         if self._members_thread is not None:
-            self._members_thread.join(10)
+            self._members_thread.join(timeout)
         try:
             membership.leave(agent.store, agent.name, agent.rank, self.incarnation)
         except Exception as exc:  # noqa: BLE001 - the store host may be gone already

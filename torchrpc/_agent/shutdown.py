@@ -35,8 +35,9 @@ Graceful shutdown of a fixed group meets every worker at three store barriers:
    the user RRefs. Their messages are finished as in 1. Barrier ``shutdown/2``: every
    reply is out, so nobody will send this worker a request again.
 3. Enter ``STOPPING``. Barrier ``shutdown/3``: rank 0, which usually hosts the store,
-   waits up to 30 s for every worker to count in there before it stops (and takes the
-   store with it); the others count in and go on at once.
+   waits up to 30 s (never past the shutdown's deadline) for every worker to count in
+   there before it stops (and takes the store with it); the others count in and go on
+   at once.
 
 While it waits (for its requests, or at barriers 1 and 2), a worker checks its peers
 (:meth:`Shutdown.check_peers`): a peer whose connection broke without a GOODBYE and that
@@ -58,7 +59,9 @@ say GOODBYE on every shared connection (a peer that reads it fails at once, with
 :class:`WorkerLeftError`, the calls it has pending here, and sends nothing more), run the
 upper layers' stop hooks, enter ``STOPPED`` (the timer's callbacks are dropped), then fail
 what is still pending and close the transport, the coroutine loop, the threads and the
-pool.
+pool. The one deadline of a shutdown (its ``timeout``, counted from its start) bounds
+every wait: the barriers, the outstanding requests, and the joins of the threads, which
+together wait :data:`STOP_WAIT` seconds at most even without a timeout.
 """
 
 from __future__ import annotations
@@ -105,6 +108,23 @@ TRANSITIONS: Dict[State, FrozenSet[State]] = {
     STOPPED: frozenset(),
 }
 """The transitions an agent may make: state -> the states it may enter next."""
+
+
+STOP_WAIT = 15.0
+"""The most seconds stopping waits for the agent's threads to end, all of them together."""
+
+LAST_BARRIER_WAIT = 30.0
+"""The most seconds rank 0 waits at the last barrier for the others to count in."""
+
+
+def _earlier(when: float, deadline: Optional[float]) -> float:
+    """``when``, or ``deadline`` if there is one and it comes first."""
+    return when if deadline is None else min(when, deadline)
+
+
+def _left(until: float) -> float:
+    """Seconds from now until ``until`` (a ``time.monotonic()``), at least 0."""
+    return max(until - time.monotonic(), 0.0)
 
 
 def advance(current: State, target: State) -> State:
@@ -170,11 +190,12 @@ class Shutdown:
                 rendezvous.barrier(store, "shutdown/2", world_size, deadline,
                                    lambda: self.check_peers("shutdown/2"), rank=rank)
                 self.enter(STOPPING)
-                rendezvous.barrier(store, "shutdown/3", world_size,
-                                   time.monotonic() + 30.0 if rank == 0 else time.monotonic())
+                now = time.monotonic()
+                last = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
+                rendezvous.barrier(store, "shutdown/3", world_size, last)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
-        self.stop()
+        self.stop(deadline)
         if agent.failure is not None:
             self.raise_failure()
         if in_meet:
@@ -351,14 +372,17 @@ class Shutdown:
         except RpcError:
             pass
 
-    def stop(self) -> None:
-        """Stop the agent, graceful or not (see the module docs)."""
+    def stop(self, deadline: Optional[float] = None) -> None:
+        """Stop the agent, graceful or not (see the module docs). Waiting for its threads
+        to end takes :data:`STOP_WAIT` seconds at most, all of them together, and ends
+        at ``deadline`` (a ``time.monotonic()``) if that comes first."""
         agent = self._agent
+        until = _earlier(time.monotonic() + STOP_WAIT, deadline)
         if agent._state is not STOPPING:  # a graceful shutdown entered it already
             self.enter(STOPPING)
         agent.final_debug_info = agent.debug_info()
         if agent.elastic:
-            agent.registry.leave()  # stop following the membership log, announce it
+            agent.registry.leave(_left(until))  # stop following the membership log, announce it
         for conn in agent.connections.every_shared():
             self.goodbye(conn)
         for hook in agent._stop_hooks:
@@ -374,11 +398,11 @@ class Shutdown:
             f"to {describe(p.what)} arrived"))
         agent.fastpath.clear()
         if agent._transport is not None:
-            agent._transport.close()
-        agent.coroutines.close()
-        agent.scheduler.join(10)
-        agent.liveness.join(10)
-        stuck = agent._pool.close()
+            agent._transport.close(_left(until))
+        agent.coroutines.close(_left(until))
+        agent.scheduler.join(_left(until))
+        agent.liveness.join(_left(until))
+        stuck = agent._pool.close(_left(until))
         if stuck:
             log.warning("%d worker threads of %s were still busy at shutdown: %s",
                         len(stuck), agent.name, stuck[:4])

@@ -8,6 +8,7 @@ string to parse) costs several times more, once per message of every backward pa
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 from typing import Any, Optional, Tuple
 
@@ -48,9 +49,19 @@ def _credit(numerator: int, denominator: int) -> Fraction:
     return Fraction(numerator, denominator)
 
 
+def _check_time_left(time_left: object) -> None:
+    if time_left is None:
+        return
+    if type(time_left) is not float or not (math.isfinite(time_left) and time_left >= 0):
+        raise ValueError(f"time_left must be None or a float of seconds >= 0, got "
+                         f"{time_left!r}")
+
+
 def _backward_request(context_id: int, pass_id: PassId, numerator: int, denominator: int,
-                      grads: Tuple[Tuple[MessageKey, torch.Tensor], ...]) -> "BackwardRequest":
-    return BackwardRequest(context_id, pass_id, _credit(numerator, denominator), grads)
+                      grads: Tuple[Tuple[MessageKey, torch.Tensor], ...],
+                      time_left: Optional[float]) -> "BackwardRequest":
+    return BackwardRequest(context_id, pass_id, _credit(numerator, denominator), grads,
+                           time_left)
 
 
 def _backward_reply(numerator: int, denominator: int,
@@ -70,25 +81,29 @@ class BackwardRequest:
     The callee runs its part of pass ``pass_id`` from those records and forwards the
     gradients of what it had received, splitting ``credit`` among the requests it
     sends; with nothing to forward, or on an error, it returns ``credit`` to the
-    root in a :class:`DoneReport`.
+    root in a :class:`DoneReport`. ``time_left``: the seconds left until the root's
+    deadline when the request was built (None: the pass has no deadline); the callee
+    counts its own deadline from when the request arrives.
     """
 
     context_id: int
     pass_id: PassId
     credit: Fraction
     grads: Tuple[Tuple[MessageKey, torch.Tensor], ...]
+    time_left: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_id("context_id", self.context_id)
         _check_pass(self.pass_id)
         _check_credit(self.credit)
+        _check_time_left(self.time_left)
         if not self.grads:
             raise ValueError("a BackwardRequest must carry at least one gradient")
 
     def __reduce__(self) -> Tuple[Any, ...]:
         c = self.credit
         return _backward_request, (self.context_id, self.pass_id, c.numerator, c.denominator,
-                                   self.grads)
+                                   self.grads, self.time_left)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,14 +95,14 @@ class Links:
                 with self._lock:
                     self._threads.discard(threading.current_thread())
         t = threading.Thread(target=run, name=name, daemon=True)
+        # Started under the lock: close() never sees a thread it cannot join yet.
         with self._lock:
             self._threads.add(t)
-        try:
-            t.start()
-        except BaseException:
-            with self._lock:
+            try:
+                t.start()
+            except BaseException:
                 self._threads.discard(t)
-            raise
+                raise
         return t
 
     def spawn_loop(self, loop: Callable[..., None], name: str, *args: Any) -> threading.Thread:
@@ -269,7 +269,9 @@ class Links:
 
     def close(self, listeners: Iterable[Any], timeout: float) -> None:
         """Refuse new sockets, close ``listeners`` and then every socket, join every
-        thread started here, and close every connection."""
+        thread started here (``timeout`` seconds at most for all of them together), and
+        close every connection."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closing = True
             sockets = list(self._sockets)
@@ -287,7 +289,7 @@ class Links:
         with self._lock:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for t in threads:
-            t.join(timeout)
+            t.join(max(deadline - time.monotonic(), 0.0))
         with self._lock:
             conns = list(self._every_conn)
         for conn in conns:  # those without a reader (a caller's idle private ones) too:

@@ -93,5 +93,6 @@ class Transport:
         self._links.housekeeping()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop listening, close every socket and join every thread the transport started."""
+        """Stop listening, close every socket and join every thread the transport started,
+        waiting ``timeout`` seconds at most for all of them together."""
         self._links.close(self._acceptor.listeners, timeout)

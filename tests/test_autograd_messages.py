@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Tuple
 import pytest
 import torch
 
-from torchrpc._agent import WorkerInfo
+from torchrpc._agent import Extensions, WorkerInfo
 from torchrpc._agent.remote_error import capture, rebuild_error
 from torchrpc._dist_autograd.engine import install
 from torchrpc._dist_autograd.messages import BackwardRequest, DoneReport
@@ -157,7 +157,7 @@ class _FakeAgent:
         self.name = f"worker{rank}"
         self.info = WorkerInfo(self.name, rank)
         self.default_timeout = timeout
-        self.extensions: dict = {}
+        self.extensions = Extensions()
         self.handlers: dict = {}
         self.loss_hooks: list = []
 

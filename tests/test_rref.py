@@ -15,6 +15,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc._agent.current import handle
+from torchrpc._rref import RREF_LAYER
 from torchrpc.errors import RpcTimeoutError
 
 from . import helpers
@@ -51,7 +52,7 @@ def wait_clean(names=("worker0", "worker1", "worker2"), timeout: float = 10.0) -
                and c["num_pending_users"] == 0 for c in all_counts.values()):
             return
         if time.monotonic() > deadline:
-            layer = handle.agent.extensions["rref"]
+            layer = handle.agent.extensions[RREF_LAYER]
             for fid, r in list(layer._users.items()):
                 print("LEFT", fid, r, [repr(x)[:300] for x in gc.get_referrers(r)])
             raise AssertionError(f"RRef tables did not drain: {all_counts}")

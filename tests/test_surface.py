@@ -12,6 +12,7 @@ import torch
 
 import torchrpc
 import torchrpc.rpc as rpc
+from torchrpc._agent import Extensions, Slot
 from torchrpc.rpc import backend_registry, constants
 
 PKG = pathlib.Path(torchrpc.__file__).parent
@@ -71,6 +72,57 @@ def test_layers_import_only_downward():
             if layer in ALLOWED and target not in ALLOWED[layer]:
                 problems.append(f"{path}: layer {layer} imports {mod}")
     assert not problems, "\n".join(problems)
+
+
+UPPER = ("optim", "nn", "autograd", "examples", "bench", "_testing")
+"""Layers built on the RPC API as a user's code is: the public names only."""
+
+
+def _private_api_uses(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(("rpc.api", "rpc")):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield f"imports {alias.name} from {node.module}"
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("api", "rpc"):
+                yield f"uses {name}.{node.attr}"
+
+
+def test_upper_layers_use_only_the_public_rpc_api():
+    problems = [f"{path}: {use}" for layer in UPPER for path in (PKG / layer).rglob("*.py")
+                for use in _private_api_uses(path)]
+    assert not problems, "\n".join(problems)
+
+
+def _string_keyed_extensions(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Subscript):
+            target, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            target, key = node.func.value, node.args[0]
+        else:
+            continue
+        if isinstance(target, ast.Attribute) and target.attr == "extensions" \
+                and isinstance(key, ast.Constant) and isinstance(key.value, str):
+            yield f"line {node.lineno}: extensions keyed by {key.value!r}"
+
+
+def test_layers_reach_each_other_by_typed_slots_not_strings():
+    problems = [f"{path}: {use}" for path in PKG.rglob("*.py")
+                for use in _string_keyed_extensions(path)]
+    assert not problems, "\n".join(problems)
+    ext = Extensions()
+    slot: Slot[list] = Slot("things")
+    assert ext.get(slot) is None and ext.setdefault(slot, list) == [] and ext[slot] == []
+    with pytest.raises(TypeError, match="Slot"):
+        ext.get("things")
+    with pytest.raises(LookupError, match="no other layer"):
+        ext[Slot("other")]
 
 
 def test_public_names_match_torch():

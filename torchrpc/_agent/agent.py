@@ -47,7 +47,7 @@ from .debug import TimeoutReports
 from .dispatch import Dispatch
 from .fastpath import FastPath, Parked
 from .futures import RpcFuture
-from .hooks import CallHook
+from .hooks import CallHook, Extensions
 from .liveness import Liveness
 from .pool import WorkerPool
 from .registry import Registry
@@ -91,8 +91,8 @@ class Agent:
         self._stop_hooks: List[Callable[[], None]] = []
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
-        # Upper layers keep their per-agent state here, by name ("rref", "autograd", ...).
-        self.extensions: Dict[str, Any] = {}
+        # Upper layers keep their per-agent objects here, each under its owner's Slot.
+        self.extensions = Extensions()
         # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
         # the request path; written only by the shutdown protocol's transitions.
         self._state: State = NEW

@@ -11,7 +11,7 @@ what must happen before the request runs or after it is answered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -20,6 +20,63 @@ from .worker import WorkerInfo
 
 if TYPE_CHECKING:
     from .agent import Agent
+
+
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    """The key of one upper layer's object in :class:`Extensions`, defined by the layer that
+    owns the object: a layer reaches another's object only by importing its slot."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
+
+
+class Extensions:
+    """The objects upper layers keep per agent (the RRef layer, the autograd engine, the
+    profiling hook...), each under its owner's :class:`Slot`; never keyed by a string."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: Dict[Slot[Any], Any] = {}
+
+    @staticmethod
+    def _check(slot: Any) -> None:
+        if not isinstance(slot, Slot):
+            raise TypeError(f"extensions are keyed by a Slot that their layer defines, got "
+                            f"{slot!r}; import the owner's slot instead of naming it")
+
+    def install(self, slot: Slot[T], obj: T) -> T:
+        """Keep ``obj`` under ``slot``, replacing what was there; returns ``obj``."""
+        self._check(slot)
+        self._items[slot] = obj
+        return obj
+
+    def get(self, slot: Slot[T]) -> Optional[T]:
+        """The object under ``slot``, or None when its layer is not installed."""
+        self._check(slot)
+        return self._items.get(slot)
+
+    def setdefault(self, slot: Slot[T], make: Callable[[], T]) -> T:
+        """The object under ``slot``, made with ``make()`` and kept when there is none."""
+        self._check(slot)
+        obj = self._items.get(slot)
+        if obj is None:
+            obj = self._items.setdefault(slot, make())
+        return obj
+
+    def __getitem__(self, slot: Slot[T]) -> T:
+        obj = self.get(slot)
+        if obj is None:
+            raise LookupError(f"no {slot.name} layer is installed on this agent")
+        return obj
 
 
 class MessageContext:

@@ -5,7 +5,7 @@ See :mod:`torchrpc._dist_autograd.engine` for the theory of operation.
 
 from .api import backward, backward_rref, context, get_gradients, is_available
 from .records import DistAutogradContext, RecvRpc
-from .engine import EXTENSION_KEY, DistAutogradEngine, engine_of, install
+from .engine import ENGINE, DistAutogradEngine, engine_of, install
 
-__all__ = ["DistAutogradContext", "DistAutogradEngine", "EXTENSION_KEY", "RecvRpc", "backward",
+__all__ = ["DistAutogradContext", "DistAutogradEngine", "ENGINE", "RecvRpc", "backward",
            "backward_rref", "context", "engine_of", "get_gradients", "install", "is_available"]

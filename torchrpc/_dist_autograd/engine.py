@@ -62,7 +62,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from .._agent import Agent, WorkerInfo
+from .._agent import Agent, Slot, WorkerInfo
+from .._rref import RREF_LAYER
 from .._threads import Guard
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
@@ -72,7 +73,7 @@ from .driver import PassDriver, send_control
 from .messages import ReleaseRequest
 from .passes import PassBook
 from .records import NODE_PREFIX, DistAutogradContext, context_creator
-from .recording import EXTENSION_KEY, Recorder
+from .recording import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,17 @@ class DistAutogradEngine:
                      len(contexts), worker.name)
 
 
+ENGINE: "Slot[DistAutogradEngine]" = Slot("autograd")
+"""Where an agent keeps its distributed autograd engine."""
+
+
 def install(agent: Agent) -> DistAutogradEngine:
     """Put distributed autograd on ``agent`` (called by ``init_rpc`` for every new agent)."""
     engine = DistAutogradEngine(agent)
-    agent.extensions[EXTENSION_KEY] = engine
+    agent.extensions.install(ENGINE, engine)
+    rrefs = agent.extensions.get(RREF_LAYER)
+    if rrefs is not None:  # RRef.backward of a tensor runs this engine's pass
+        rrefs.backward = engine.backward
     agent.add_call_hook(engine.recorder)
     agent.register_handler(Kind.AUTOGRAD_BACKWARD, engine.driver.on_backward)
     agent.register_handler(Kind.AUTOGRAD_RELEASE, engine._on_release)
@@ -256,7 +264,7 @@ def install(agent: Agent) -> DistAutogradEngine:
 
 def engine_of(agent: Agent) -> DistAutogradEngine:
     """The engine installed on ``agent``."""
-    engine = agent.extensions.get(EXTENSION_KEY)
+    engine = agent.extensions.get(ENGINE)
     if engine is None:
         raise RuntimeError("distributed autograd is not installed on this RPC agent")
     return engine

@@ -23,7 +23,7 @@ from .contexts import ContextTable
 from .records import DistAutogradContext, RecvRecorder, SendRecorder
 
 EXTENSION_KEY = "autograd"
-"""The engine's name in ``Agent.extensions`` and in a message's metadata."""
+"""The key of distributed autograd's part in a message's metadata."""
 
 OWN_KINDS = frozenset((int(Kind.AUTOGRAD_BACKWARD), int(Kind.AUTOGRAD_RELEASE),
                        int(Kind.AUTOGRAD_DONE)))

@@ -41,13 +41,13 @@ from torch.autograd.profiler import record_function
 from torch.autograd.profiler_util import FunctionEvent
 
 from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerInfo, describe
-from .._agent import run_callable
+from .._agent import Slot, run_callable
 from . import callee, events
 from .callee import CalleeScope, ServerProfile
 from .events import REMOTE_OP, Call, Options
 
-EXTENSION_KEY = "profiler"
-"""The profiling hook's name in ``Agent.extensions``."""
+PROFILING_HOOK: "Slot[ProfilingHook]" = Slot("profiler")
+"""Where an agent keeps its profiling hook."""
 
 _local = threading.local()  # .pending: the Call whose request is being sent on this thread
 _hooks: "weakref.WeakSet[ProfilingHook]" = weakref.WeakSet()
@@ -163,7 +163,7 @@ def _watch_all_requests() -> None:
 def enable_gil_profiling(agent: Agent, flag: bool) -> None:
     """Sample, or stop sampling, how long ``agent``'s threads wait for the GIL when they
     send or serve a request (``agent.gil_average_wait_time_us`` in its debug info)."""
-    hook = agent.extensions.get(EXTENSION_KEY)
+    hook = agent.extensions.get(PROFILING_HOOK)
     if hook is None:
         raise RuntimeError(f"worker {agent.name} has no profiling hook")
     hook.gil_profiling = bool(flag)
@@ -308,7 +308,7 @@ def install(agent: Agent) -> None:
     _kineto = bool(getattr(agent.options, "profile_kineto", False))
     events.install()
     hook = ProfilingHook(agent)
-    agent.extensions[EXTENSION_KEY] = hook
+    agent.extensions.install(PROFILING_HOOK, hook)
     agent.add_call_hook(hook)
     agent.add_debug_source("agent", hook.debug_info)
     with _hooks_lock:

@@ -2,7 +2,7 @@
 
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 from .layer import RRefLayer, delete_all_users, install, live_users, remote
-from .rref import RRef
+from .rref import RREF_LAYER, RRef
 
-__all__ = ["GloballyUniqueId", "Msg", "OwnerEntry", "RRef", "RRefBook", "RRefLayer",
+__all__ = ["RREF_LAYER", "GloballyUniqueId", "Msg", "OwnerEntry", "RRef", "RRefBook", "RRefLayer",
            "delete_all_users", "install", "live_users", "remote"]

@@ -24,7 +24,7 @@ from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
 from .control import ControlMessages
-from .rref import RRef, _creation_error, _gid, _layer_of, _rebuild_rref
+from .rref import RREF_LAYER, RRef, _creation_error, _gid, _layer_of, _rebuild_rref
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class RRefLayer:
         # _get_type) are seen as user calls are (profiling).
         self.public_rpc_async: Callable[..., torch.futures.Future] = functools.partial(
             _agent_rpc_async, agent)
-        agent.extensions["rref"] = self
+        # Distributed autograd's backward of an RRef's tensor, set by its engine.
+        self.backward: Optional[Callable[[int, List[torch.Tensor], bool], None]] = None
+        agent.extensions.install(RREF_LAYER, self)
         agent.register_handler(Kind.RREF_REMOTE_CALL, self._on_remote_call)
         agent.register_handler(Kind.RREF_FETCH, self._on_fetch)
         agent.register_handler(Kind.RREF_USER_DELETE, self._on_user_delete)

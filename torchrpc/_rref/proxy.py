@@ -114,7 +114,7 @@ def _backward_local(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
     if ctx_id == -1:
         value.backward(retain_graph=retain_graph)
         return
-    engine = rref._layer.agent.extensions.get("autograd")
-    if engine is None:
+    backward = rref._layer.backward
+    if backward is None:
         raise RuntimeError("distributed autograd is not available on this worker")
-    engine.backward(ctx_id, [value], retain_graph)
+    backward(ctx_id, [value], retain_graph)

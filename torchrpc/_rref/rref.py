@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Optional, Tuple, TypeVar
 
 import torch
 
-from .._agent import Agent, MessageContext, Parked, WorkerInfo, fresh_error
+from .._agent import Agent, MessageContext, Parked, Slot, WorkerInfo, fresh_error
 from .._agent.current import current_agent, handle as agent_handle
 from .._agent.futures import RpcFuture, new_future
 from .._wire import Kind, PassThrough, register_message_reducer, register_rebuilder
@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+RREF_LAYER: "Slot[RRefLayer]" = Slot("rref")
+"""Where an agent keeps its RRef layer."""
+
 
 def _layer_of(agent: Agent) -> "RRefLayer":
-    layer = agent.extensions.get("rref")
+    layer = agent.extensions.get(RREF_LAYER)
     if layer is None:
         raise RuntimeError("the RRef layer is not installed on this agent")
     return layer
@@ -361,7 +364,7 @@ def _reduce_rref(rref: RRef, ctx: Any) -> Tuple[Any, ...]:
                            "value of rpc_sync, rpc_async or remote")
     if rref._error is not None:
         raise PassThrough(fresh_error(rref._error))  # a fork raises the creation error itself
-    return ctx.agent.extensions["rref"].fork(rref, ctx)
+    return ctx.agent.extensions[RREF_LAYER].fork(rref, ctx)
 
 
 def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
@@ -370,7 +373,7 @@ def _rebuild_rref(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: i
     ctx = context
     if not isinstance(ctx, MessageContext):
         raise RuntimeError("an RRef can only be unpickled as part of an RPC message")
-    layer = ctx.agent.extensions["rref"]
+    layer = ctx.agent.extensions[RREF_LAYER]
     rref = layer.adopt_fork(rref_id, fork_id, owner, by_owner, ctx.peer, ctx.replied)
     if not rref.confirmed_by_owner():
         # As in torch, a function given a forked RRef runs once the owner knows of it.

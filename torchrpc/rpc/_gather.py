@@ -15,12 +15,12 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from .._agent import Agent
+from .._agent import Agent, Slot
 from .._agent.current import current_agent
 from ..errors import RpcError, RpcTimeoutError, WorkerLeftError
 from . import constants
 
-_EXTENSION_KEY = "torchrpc.rpc.gather"
+_GATHERINGS: "Slot[_Gatherings]" = Slot("gatherings")
 SequenceId = Tuple[Tuple[str, ...], int]
 # How often a waiting gather looks for workers that died meanwhile (seconds).
 _PEER_CHECK_S = 0.5
@@ -80,10 +80,7 @@ class _Gatherings:
 
 
 def _gatherings(agent: Agent) -> _Gatherings:
-    book = agent.extensions.get(_EXTENSION_KEY)
-    if book is None:
-        book = agent.extensions.setdefault(_EXTENSION_KEY, _Gatherings())
-    return book
+    return agent.extensions.setdefault(_GATHERINGS, _Gatherings)
 
 
 def _gather_to_leader(seq: SequenceId, name: str, obj: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
-from .._rref import RRef
+from .._rref import RREF_LAYER, RRef
 from .._agent.membership import open_elastic_store
 from .._agent.rendezvous import missing_rank_error, open_store, validate_name
 from ..errors import RpcError
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # Upper layers (RRefs, distributed autograd) install themselves on each new agent.
 def _install_public_calls(agent: Agent) -> None:
-    agent.extensions["rref"].public_rpc_async = rpc_async
+    agent.extensions[RREF_LAYER].public_rpc_async = rpc_async
 
 
 _agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install,

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torchrpc import _wire
 from torchrpc._agent.coroutines import CoroutineRunner
 from torchrpc._agent.pool import WorkerPool
-from torchrpc._agent.shutdown import (NEW, RUNNING, STOPPED, STOPPING, TRANSITIONS, State,
-                                      advance)
+from torchrpc._agent.shutdown import (NEW, RUNNING, STOP_WAIT, STOPPED, STOPPING, TRANSITIONS,
+                                      State, advance)
 from torchrpc._transport.tcp import Transport
 from torchrpc._wire import Kind
 from torchrpc.errors import (LifecycleError, NotInitializedError, ShutdownError,
@@ -78,6 +78,20 @@ def test_a_connection_made_while_starting_is_not_told_goodbye(make_agent):
     assert conn.goodbyes() == 0
 
 
+def test_stop_hooks_get_the_shutdowns_deadline(make_agent):
+    agent = running(make_agent(2))
+    untils: List[float] = []
+    agent.add_stop_hook(untils.append)
+    start = time.monotonic()
+    agent.shutdown_protocol.stop(start + 0.5)
+    assert len(untils) == 1 and start < untils[0] <= start + 0.5
+    other = running(make_agent(2))
+    other.add_stop_hook(untils.append)
+    start = time.monotonic()
+    other.shutdown(graceful=False)  # no deadline: the stop's own bound, STOP_WAIT
+    assert start < untils[1] <= time.monotonic() + STOP_WAIT
+
+
 def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pending(make_agent):
     agent = running(make_agent(3))
     conns = [FakeConn(1), FakeConn(2), FakeConn(2), FakeConn(1, fail=True)]
@@ -85,7 +99,7 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
         agent.connections.on_connect(conn)
     p = pending_to(agent, 1)
     states = []
-    agent.add_stop_hook(lambda: states.append(agent._state))
+    agent.add_stop_hook(lambda until: states.append(agent._state))
     agent.shutdown(graceful=False)
     assert [c.goodbyes() for c in conns] == [1, 1, 1, 0]  # the broken one: closing anyway
     assert states == [STOPPING]
@@ -102,7 +116,7 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
 def test_a_connection_made_while_stopping_is_told_goodbye_at_once(make_agent):
     agent = running(make_agent(2))
     late = FakeConn(1)
-    agent.add_stop_hook(lambda: agent.connections.on_connect(late))  # after the GOODBYEs went out
+    agent.add_stop_hook(lambda until: agent.connections.on_connect(late))  # after the GOODBYEs went out
     agent.shutdown(graceful=False)
     assert late.goodbyes() == 1
 
@@ -113,7 +127,7 @@ def test_graceful_shutdown_meets_the_group_in_order(make_agent):
     agent.connections.on_connect(conn)
     steps = []
     agent.add_shutdown_hook(lambda deadline: steps.append(("finish", agent._state)))
-    agent.add_stop_hook(lambda: steps.append(("stop", agent._state)))
+    agent.add_stop_hook(lambda until: steps.append(("stop", agent._state)))
     agent.shutdown(graceful=True, timeout=10,
                    meet=lambda: steps.append(("meet", agent._state)))
     assert steps == [("finish", RUNNING), ("meet", RUNNING), ("finish", RUNNING),

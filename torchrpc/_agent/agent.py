@@ -88,7 +88,7 @@ class Agent:
         # Hooks asked about every request served, not only those that carry their key.
         self.serve_all: List[CallHook] = []
         self._shutdown_hooks: List[Callable[[Optional[float]], None]] = []
-        self._stop_hooks: List[Callable[[], None]] = []
+        self._stop_hooks: List[Callable[[float], None]] = []
         # Layer name ("rref", "autograd") -> counters of that layer.
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
@@ -189,8 +189,9 @@ class Agent:
         """``hook(deadline)`` runs first in a graceful shutdown (settle control messages)."""
         self._shutdown_hooks.append(hook)
 
-    def add_stop_hook(self, hook: Callable[[], None]) -> None:
-        """``hook()`` runs in every shutdown, graceful or not, before connections close."""
+    def add_stop_hook(self, hook: Callable[[float], None]) -> None:
+        """``hook(until)`` runs in every shutdown, graceful or not, before connections
+        close; ``until`` (a ``time.monotonic()``) bounds what it waits for."""
         self._stop_hooks.append(hook)
 
     def add_loss_hook(self, hook: Callable[[WorkerInfo, RpcError], None]) -> None:

@@ -41,9 +41,11 @@ class Connections:
         self.lost: Dict[int, str] = {}  # rank -> why it seems lost (connections broke, silent)
         self._connect_locks: Dict[int, threading.Lock] = {}
 
-    def to(self, dst: WorkerInfo, patient: bool = False) -> Connection:
+    def to(self, dst: WorkerInfo, patient: bool = False,
+           limit: Optional[float] = None) -> Connection:
         """The shared connection to ``dst``, opened if there is none; ``patient``: wait
-        for a suspect peer as long as for any other."""
+        for a suspect peer as long as for any other; ``limit``: seconds the caller has
+        left, which bound the wait to connect."""
         agent = self._agent
         conn = self.shared.get(dst.id)
         if conn is not None and not conn.closed:
@@ -67,6 +69,8 @@ class Connections:
             hb_timeout = agent.liveness.timeout
             if lost is not None and hb_timeout > 0 and not patient:
                 timeout = min(timeout, max(hb_timeout, 1.0))  # don't wait long on the dead
+            if limit is not None:
+                timeout = min(timeout, limit)
             try:
                 conn = self._open(dst, host, port, timeout)
             except RpcError as exc:

@@ -151,6 +151,7 @@ class Shutdown:
         self._lost_seen = 0  # the store's count of losses when last looked at
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
+        self.deadline: Optional[float] = None  # of the graceful shutdown under way
 
     # -- transitions -------------------------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Shutdown:
         if agent._state is not RUNNING:
             return
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        self.deadline = deadline
         error: Optional[BaseException] = None
         in_meet = False  # an error of ``meet`` is raised as it is
         if graceful and agent.elastic:
@@ -269,7 +271,8 @@ class Shutdown:
             if w is None:
                 continue
             try:
-                agent.connections.to(w, patient=True)  # a live worker reconnects
+                # a live worker reconnects, within the shutdown's deadline
+                agent.connections.to(w, patient=True, limit=self._time_left())
             except RpcError as exc:
                 with self._lock:
                     self.gone[r] = str(exc)
@@ -353,7 +356,8 @@ class Shutdown:
                 if w is None or r == agent.rank or r in agent.registry.left or r in agent.connections.lost:
                     continue
             try:
-                agent.connections.to(w)  # once connected, EOF and heartbeats watch it
+                # once connected, EOF and heartbeats watch it
+                agent.connections.to(w, limit=self._time_left())
             except RpcError as exc:
                 with self._lock:
                     agent.connections.lost[r] = self.gone[r] = \
@@ -372,6 +376,10 @@ class Shutdown:
         except RpcError:
             pass
 
+    def _time_left(self) -> Optional[float]:
+        """Seconds left to the graceful shutdown under way; None without a deadline."""
+        return None if self.deadline is None else _left(self.deadline)
+
     def stop(self, deadline: Optional[float] = None) -> None:
         """Stop the agent, graceful or not (see the module docs). Waiting for its threads
         to end takes :data:`STOP_WAIT` seconds at most, all of them together, and ends
@@ -387,7 +395,7 @@ class Shutdown:
             self.goodbye(conn)
         for hook in agent._stop_hooks:
             try:
-                hook()
+                hook(until)
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
                 log.exception("a stop hook of %s failed", agent.name)
         self.enter(STOPPED)

@@ -56,12 +56,13 @@ class ControlMessages:
         self._sender = _threads.start(f"torchrpc-rref-{self.agent.name}", self._guard,
                                       self._send_loop)
 
-    def stop(self) -> None:
-        """Stop the sender thread and join it (unless this is it)."""
+    def stop(self, until: float) -> None:
+        """Stop the sender thread and join it (unless this is it), waiting no later than
+        ``until`` (a ``time.monotonic()``)."""
         self._queue.put(None)
         sender = self._sender
         if sender is not None and sender is not threading.current_thread():
-            sender.join(10)
+            sender.join(max(until - time.monotonic(), 0.0))
 
     def post(self, msgs: List[Msg]) -> None:
         """Send ``msgs`` from the sender thread; deletions wait to travel with others."""

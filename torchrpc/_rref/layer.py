@@ -323,8 +323,8 @@ class RRefLayer:
         self._delete_users()
         self.control.flush(time.monotonic() + timeout if timeout > 0 else None)
 
-    def _stop(self) -> None:
-        self.control.stop()
+    def _stop(self, until: float) -> None:
+        self.control.stop(until)
         with self._users_lock:
             users = list(self._users.values())
         for rref in users:

@@ -16,4 +16,4 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 PYEOF
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_cuda.py tests/test_device_maps.py 2>&1 | tee "$out/gpu_tests.txt"
+    tests/rpc/test_cuda.py tests/rpc/test_device_maps.py 2>&1 | tee "$out/gpu_tests.txt"

@@ -157,7 +157,7 @@ def pid() -> int:
     return os.getpid()
 
 
-# -- connection churn (tests/test_churn.py) --------------------------------------------------
+# -- connection churn (tests/agent/test_churn.py) --------------------------------------------------
 
 _churn: Dict[str, Any] = {}
 _FAULT_KINDS = ("CALL", "RESPONSE", "RREF_REMOTE_CALL", "RREF_FETCH", "RREF_USER_DELETE",
@@ -283,7 +283,7 @@ def _churn_drive(start_at: float, seconds: float, seed: int) -> None:
                             rpc.get_debug_info()["agent.num_heartbeat_timeouts"]}
 
 
-# -- soak with a worker killed and replaced (tests/test_soak_churn.py) -------------------------
+# -- soak with a worker killed and replaced (tests/system/test_soak_churn.py) -------------------------
 
 def census() -> Dict[str, Any]:
     """This worker's threads (apart from its pool's, which it keeps up to the pool size),

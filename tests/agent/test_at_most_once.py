@@ -1,0 +1,82 @@
+"""At most once: a request whose connection broke after it was delivered does not run
+again on the callee (here a part of a backward pass, which would add its gradients
+twice): the caller asks the callee first (a probe) and does not send it again. And a
+reply goes back on the connection its request came on, the one the caller watches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import List
+
+import pytest
+import torch
+
+import torchrpc.autograd as dist_autograd
+import torchrpc.rpc as rpc
+from torchrpc._agent.current import current_agent
+from torchrpc.errors import ConnectionLostError
+
+from .. import helpers, robust_helpers
+from ..group import running_group
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    with running_group(2, threads=4, timeout=30.0) as g:
+        yield g
+
+
+def _cut(rank: int) -> int:
+    """Break every connection of this worker with ``rank`` (as a network fault would)."""
+    conns = [c for c in current_agent()._transport.connections() if c.peer_rank == rank]
+    for c in conns:
+        c.close(ConnectionLostError("connection cut by the test"))
+    return len(conns)
+
+
+def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
+    before = rpc.rpc_sync("worker1", helpers.debug_info)["agent.num_duplicate_requests"]
+    mine = rpc.get_debug_info()
+    with dist_autograd.context() as ctx:
+        x = torch.ones(4, requires_grad=True)
+        y = rpc.rpc_sync("worker1", helpers.scale_slowly, args=(x,))
+        errors: List[BaseException] = []
+
+        def backward() -> None:
+            try:
+                dist_autograd.backward(ctx, [y.sum()])
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+        t = threading.Thread(target=backward)
+        t.start()
+        time.sleep(0.7)  # worker1 runs its part (2 s); the request was delivered
+        assert _cut(1) >= 2  # the shared connection and the private one the part went on
+        t.join(30)
+        assert not t.is_alive() and not errors, errors
+        assert rpc.rpc_sync("worker1", robust_helpers.count, args=("backward",)) == 1
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.weight_gradient, args=(ctx,)),
+                           torch.ones(4))
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((4,), 3.0))
+    # The probe found the part running there: the frame was not sent again.
+    info = rpc.rpc_sync("worker1", helpers.debug_info)
+    assert info["agent.num_duplicate_requests"] == before, info
+    now = rpc.get_debug_info()
+    # One probe, then one a second later for each second the part still ran (see _RECHECK).
+    assert now["agent.num_once_probes"] >= mine["agent.num_once_probes"] + 1, now
+    assert now["agent.num_resends_avoided"] == mine["agent.num_resends_avoided"] + 1, now
+    assert now["agent.num_resends_after_probe"] == mine["agent.num_resends_after_probe"], now
+
+
+def test_a_reply_goes_back_on_the_connection_its_request_came_on():
+    # worker1's current connection to this worker swallows what it writes (a link that
+    # broke while worker1 has not noticed); a reply sent there would never arrive.
+    assert rpc.rpc_sync("worker1", robust_helpers.black_hole_current_connection, args=(0,))
+    try:
+        # rpc_async: on the shared connection (an rpc_sync may take a private one).
+        for _ in range(3):
+            assert rpc.rpc_async("worker1", helpers.whoami, timeout=5).wait() == "worker1"
+        assert rpc.rpc_async("worker1", helpers.add, args=(torch.ones(2), 1),
+                             timeout=5).wait().tolist() == [2.0, 2.0]
+    finally:
+        assert rpc.rpc_sync("worker1", robust_helpers.close_black_holes, timeout=10) == 1

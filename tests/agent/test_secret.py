@@ -1,0 +1,118 @@
+"""The job secret never travels through the rendezvous store, and no other user can read
+the file that shares it between the workers of one host."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+import torch.distributed as dist
+
+import torchrpc.rpc as rpc
+from torchrpc._agent import current, secret
+from torchrpc.errors import RendezvousError
+from torchrpc.rpc import api
+
+from ..group import running_group
+
+
+@pytest.fixture
+def private_runtime(tmp_path, monkeypatch):
+    """A fresh XDG_RUNTIME_DIR, so the tests never touch the real per-user directory."""
+    base = tmp_path / "run"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    monkeypatch.delenv(secret.SECRET_FILE_ENV, raising=False)
+    monkeypatch.setattr(current.handle, "launcher_secret", None)
+    return base
+
+
+def _source(**fields):
+    """The secret source of an init_rpc with these options, in this environment."""
+    _, plan = api._read_environment(rpc.TensorPipeRpcBackendOptions(**fields))
+    return plan.secret
+
+
+def test_launcher_secret_is_checked_and_leaves_the_environment(private_runtime, monkeypatch):
+    monkeypatch.setenv(secret.SECRET_ENV, "short")
+    with pytest.raises(RendezvousError, match="at least 32"):
+        secret.launcher_secret(_source())
+    value = "a" * 40
+    monkeypatch.setenv(secret.SECRET_ENV, value)
+    assert secret.launcher_secret(_source()) == value.encode()
+    assert secret.SECRET_ENV not in os.environ  # child processes don't inherit it
+    assert secret.launcher_secret(_source()) == value.encode()  # a second init_rpc still has it
+    assert value not in repr(_source()) and value not in repr(
+        rpc.TensorPipeRpcBackendOptions(secret=value))
+    other = "c" * 40  # the option wins over the variable
+    assert secret.launcher_secret(_source(secret=other)) == other.encode()
+
+
+def test_secret_file_must_be_private(private_runtime, monkeypatch, tmp_path):
+    path = tmp_path / "job.secret"
+    path.write_text("b" * 32 + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv(secret.SECRET_FILE_ENV, str(path))
+    with pytest.raises(RendezvousError, match="chmod 600"):
+        secret.launcher_secret(_source())
+    path.chmod(0o600)
+    assert secret.launcher_secret(_source()) == b"b" * 32
+
+
+def test_squatted_runtime_directory_is_refused(private_runtime):
+    squat = private_runtime / "torchrpc"
+    squat.mkdir()
+    squat.chmod(0o777)  # as if another user had created it first
+    with pytest.raises(RendezvousError, match="mode 0700"):
+        secret.runtime_dir()
+
+
+def test_another_host_is_told_how_to_provide_a_secret(private_runtime):
+    _, locator = secret.create_local("host-a")
+    try:
+        with pytest.raises(RendezvousError, match=secret.SECRET_ENV) as info:
+            secret.read_local(locator, "host-b")
+        assert secret.SECRET_FILE_ENV in str(info.value)
+        assert secret.read_local(locator, "host-a")  # same host, same user: readable
+    finally:
+        secret.discard_local()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
+                    reason="needs root to run a probe as the user nobody")
+def test_another_user_cannot_read_the_shared_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # the real default: /tmp/torchrpc-<uid>
+    value, locator = secret.create_local("h")
+    path = os.path.join(secret.runtime_dir(), locator.rpartition("/")[2])
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(secret.runtime_dir()).st_mode) == 0o700
+        # The system python, no torch: the probe only tries to read the file.
+        probe = ("import sys\n"
+                 "try:\n    open(sys.argv[1], 'rb').read()\nexcept PermissionError:\n"
+                 "    print('denied')\nelse:\n    print('READ')\n")
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", probe,
+                              path], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "denied", out
+    finally:
+        secret.discard_local()
+    assert not os.path.exists(path)
+
+
+def test_the_store_holds_no_secret():
+    with running_group(2, threads=2, timeout=30.0) as g:
+        # What anyone who reaches the store's port sees.
+        store = dist.PrefixStore("torchrpc", dist.TCPStore(
+            "127.0.0.1", g.port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+        job_secret = api.current_agent()._transport._secret
+        assert not store.check(["secret"]) and not store.check(["insecure_secret"])
+        locator = store.get("secret_locator").decode()
+        assert job_secret.decode() not in locator
+        # Every rank has joined: rank 0 removed the file, so nothing is left to read.
+        name = locator.rpartition("/")[2]
+        assert not os.path.exists(os.path.join(secret.runtime_dir(), name))

@@ -1,0 +1,140 @@
+"""CUDA tensors and device maps (issue 18), on machines without a GPU.
+
+A CUDA tensor travels as its bytes plus the device it lands on, which the sender's device
+map names (a request) or the inverse of the caller's map (a reply); without an entry for
+its device, the call fails with torch's error before anything is sent. Here a stand-in
+for CUDA tensors (``tests.cuda_helpers.FakeCuda``, mocked at the serialization layer
+only) maps to ``cpu``, a target torch allows too; ``tests/rpc/test_cuda.py`` runs the real
+thing where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc import _wire
+from torchrpc._agent.current import current_agent
+from torchrpc.errors import DeviceMapError
+
+from .. import cuda_helpers as ch
+from ..group import running_group
+
+TORCH_WORDS = ("TensorPipe RPC backend only supports CPU tensors by default, please move your "
+               "tensors to CPU before sending them over RPC, or call `set_device_map` on "
+               "`TensorPipeRpcBackendOptions` to explicitly configure device mapping.")
+
+
+class _To:
+    """A message context whose device map sends every CUDA device to ``target``."""
+
+    def __init__(self, target: str) -> None:
+        self.target = torch.device(target)
+
+    def target_device(self, device: torch.device) -> torch.device:
+        return self.target
+
+
+def _round_trip(value, context):
+    env, bufs, _ = _wire.encode(value, context)
+    received = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in bufs]
+    return env, _wire.decode(env, received)[1]
+
+
+@pytest.mark.parametrize("n", [3, 100_000])  # inline and out of band
+def test_a_cuda_tensor_travels_as_bytes_and_lands_on_the_mapped_device(n):
+    x = ch.fake_cuda(torch.arange(float(n)))
+    _, out = _round_trip((x, 7), _To("cpu"))
+    assert type(out[0]) is torch.Tensor and out[0].device == torch.device("cpu")
+    assert torch.equal(out[0], torch.arange(float(n))) and out[1] == 7
+
+
+def test_the_target_device_is_in_the_message_and_needs_the_device_on_arrival():
+    env, bufs, _ = _wire.encode(ch.fake_cuda(torch.ones(2)), _To("cuda:1"))
+    assert b"cuda:1" in env
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            _wire.decode(env, bufs)
+
+
+def test_a_leaf_that_requires_grad_arrives_as_a_leaf_that_requires_grad():
+    x = ch.fake_cuda(torch.ones(3)).requires_grad_()
+    _, out = _round_trip(x, _To("cpu"))
+    assert out.is_leaf and out.requires_grad and torch.equal(out.detach(), torch.ones(3))
+
+
+def test_a_target_that_is_not_a_device_of_ours_is_refused_on_arrival():
+    env, bufs, _ = _wire.encode(ch.fake_cuda(torch.ones(2)), _To("cuda:1"))
+    hostile = env.replace(b"cuda:1", b"meta:1")
+    with pytest.raises(Exception, match="not a CUDA device"):
+        _wire.decode(hostile, bufs)
+
+
+def test_outside_an_rpc_message_a_cuda_tensor_is_encoded_as_its_cpu_copy():
+    _, out = _round_trip(ch.fake_cuda(torch.ones(2)), None)
+    assert out.device == torch.device("cpu")
+
+
+# -- between workers -----------------------------------------------------------------------
+
+# worker0 maps cuda:0 -> worker1's cpu and cpu -> worker1's cuda:0 (invertible); worker1 has
+# no map at all.
+MAPS = {"device_maps": {"worker1": {"cuda:0": "cpu", "cpu": "cuda:0"}}}
+
+
+@pytest.fixture(scope="module")
+def group():
+    with running_group(2, threads=4, timeout=30.0, self_options=MAPS) as g:
+        yield g
+
+
+def _calls_out(name: str) -> int:
+    return current_agent().peer_stats().get(name, {}).get("calls_out", 0)
+
+
+def test_a_mapped_cuda_tensor_arrives_on_the_callees_mapped_device(group):
+    assert rpc.rpc_sync("worker1", ch.where, args=(ch.fake_cuda(torch.ones(2)),)) == \
+        "Tensor on cpu"
+    assert rpc.remote("worker1", ch.where, args=(ch.fake_cuda(torch.ones(2)),)).to_here() == \
+        "Tensor on cpu"
+
+
+def test_cpu_tensors_stay_on_cpu(group):
+    assert rpc.rpc_sync("worker1", ch.where, args=(torch.ones(2),)) == "Tensor on cpu"
+
+
+@pytest.mark.parametrize("how", ["rpc_sync", "rpc_async", "remote"])
+def test_an_unmapped_cuda_tensor_fails_with_torchs_error_before_anything_is_sent(group, how):
+    before = _calls_out("worker1")
+    call = getattr(rpc, how)
+    with pytest.raises(RuntimeError) as info:
+        call("worker1", ch.where, args=(ch.fake_cuda(torch.ones(2), index=1),))
+    assert isinstance(info.value, DeviceMapError)
+    text = str(info.value)
+    assert text.startswith(TORCH_WORDS)
+    assert "Request device mapping is not available for destination worker1" in text
+    assert "cuda:1" in text and "set_device_map('worker1'" in text
+    assert _calls_out("worker1") == before
+    assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+
+
+def test_a_worker_without_a_map_cannot_send_cuda_tensors(group):
+    said = rpc.rpc_sync("worker1", ch.send_fake_cuda, args=("worker0",))
+    assert said.startswith("DeviceMapError: " + TORCH_WORDS), said
+    assert "Request device mapping is not available for destination worker0" in said
+
+
+def test_a_reply_travels_back_through_the_inverse_map(group):
+    # worker1's cuda:0 is the target of worker0's cpu, so it comes back to worker0's cpu.
+    out = rpc.rpc_sync("worker1", ch.make_fake_cuda, args=(4,))
+    assert type(out) is torch.Tensor and out.device == torch.device("cpu")
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_reply_on_a_device_outside_the_inverse_map_fails_with_torchs_error(group):
+    with pytest.raises(RuntimeError, match="Response device mapping is not available for "
+                                           "destination worker0") as info:
+        rpc.rpc_sync("worker1", ch.make_fake_cuda, args=(4, 1))
+    assert TORCH_WORDS in str(info.value)
+    assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]

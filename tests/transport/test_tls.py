@@ -1,0 +1,305 @@
+"""TLS links: a self-signed CA made here with the openssl command line tool, mutual TLS,
+the HMAC handshake inside TLS, and a whole group running over TLS."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+from typing import Dict
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+from torchrpc import _wire
+from torchrpc._transport import accept, handshake, tls
+from torchrpc._wire import Kind
+from torchrpc.errors import AuthenticationError, RpcError
+from torchrpc.rpc import api
+
+from .. import helpers, pki_helpers
+from .. import transport_helpers as th
+from ..group import running_group
+
+pytestmark = pki_helpers.needs_openssl
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Dict[str, str]:
+    return pki_helpers.make_pki(tmp_path_factory.mktemp("pki"), ("ca", "rogue_ca"), (
+        ("worker", "ca", "IP:127.0.0.1"),
+        ("rogue", "rogue_ca", "IP:127.0.0.1"),
+        ("elsewhere", "ca", "IP:10.9.9.9"),  # the job's CA, another host's address
+        ("job_a", "ca", "URI:torchrpc://job-a"),  # a job identity, no address
+        ("job_b", "ca", "URI:torchrpc://job-b"),
+        ("other", "ca", "IP:127.0.0.1"),  # the job's CA and this address: another holder
+    ))
+
+
+_contexts = th.tls_contexts
+
+
+def _Peer(rank: int, contexts, secret: bytes = b"s" * 32) -> th.Peer:
+    """A bare transport that records what arrives and echoes CALL frames back."""
+    return th.Peer(rank, secret=secret, tls_contexts=contexts)
+
+
+def test_frames_cross_a_tls_link_both_ways_under_concurrency(pki):
+    server, client = _Peer(0, _contexts(pki)), _Peer(1, _contexts(pki))
+    try:
+        conn = client.connect(server)
+        assert isinstance(conn.sock, tls.TlsSocket)
+        assert conn.sock.ssl_object.version() == "TLSv1.3"
+        assert conn.sock.ssl_object.getpeercert()["subject"] == ((("commonName", "worker"),),)
+        payloads = {}
+
+        def send(i: int) -> None:
+            for j in range(5):
+                rid = i * 100 + j
+                data = torch.full((((i + j) % 3) * (4 << 20) + 7,), rid % 251, dtype=torch.uint8)
+                payloads[rid] = data
+                conn.send(Kind.CALL, 0, rid, f"env{rid}".encode(), [_wire.tensor_bytes(data)], data)
+
+        assert not helpers.run_in_threads(send, [(i,) for i in range(4)])
+        for _ in range(len(payloads)):
+            header, env, bufs = client.frames.get(timeout=30)
+            assert header.kind == Kind.RESPONSE and env == f"env{header.request_id}".encode()
+            assert torch.equal(bufs[0], payloads[header.request_id])
+    finally:
+        client.close()
+        server.close()
+
+
+def test_plain_client_cannot_talk_to_a_tls_worker(pki, caplog):
+    server = _Peer(0, _contexts(pki))
+    try:
+        with socket.create_connection(server.t.address, timeout=5) as s:
+            s.sendall(handshake.make_hello(1, 0)[0])
+            s.settimeout(5)
+            try:
+                data = s.recv(100)
+            except ConnectionResetError:
+                data = b""
+            assert not data.startswith(b"TRPH") and len(data) < handshake.CHALLENGE.size
+        plain = _Peer(1, None)
+        with pytest.raises(RpcError):
+            plain.connect(server)
+        plain.close()
+    finally:
+        server.close()
+
+
+def test_mutual_tls_rejects_a_certificate_from_another_ca(pki):
+    server = _Peer(0, _contexts(pki))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))  # trusts our CA, presents a rogue cert
+    try:
+        with pytest.raises(RpcError):
+            rogue.connect(server)
+    finally:
+        rogue.close()
+        server.close()
+    # Without mutual TLS, the server takes any client certificate; the job secret still
+    # decides who gets in.
+    server = _Peer(0, _contexts(pki, require=False))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))
+    outsider = _Peer(2, _contexts(pki, cert="rogue"), secret=b"x" * 32)
+    try:
+        assert isinstance(rogue.connect(server).sock, tls.TlsSocket)
+        with pytest.raises(RpcError, match="authentication"):
+            outsider.connect(server)
+    finally:
+        rogue.close()
+        outsider.close()
+        server.close()
+
+
+def test_client_rejects_a_server_certificate_from_another_ca(pki):
+    server = _Peer(0, _contexts(pki, cert="rogue", ca="ca"))
+    client = _Peer(1, _contexts(pki))
+    try:
+        with pytest.raises(RpcError, match="certificate verify failed"):
+            client.connect(server)
+    finally:
+        client.close()
+        server.close()
+
+
+def _tracked_sockets(peer: "_Peer", timeout: float = 10.0) -> int:
+    """How many sockets the transport still tracks once its handshake threads are done."""
+    deadline = time.monotonic() + timeout
+    while peer.t._links._sockets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(peer.t._links._sockets)
+
+
+def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
+    # Each TLS session holds a 256 KiB receive buffer: one kept after a failed handshake
+    # would let garbage connections grow a worker's memory without bound.
+    server = _Peer(0, _contexts(pki))
+    rogue = _Peer(1, _contexts(pki, cert="rogue"))
+    try:
+        for i in range(30):
+            with socket.create_connection(server.t.address, timeout=5) as s:
+                # A TLS handshake record header, then garbage.
+                s.sendall(b"\x16\x03\x01\x00\xc8" + os.urandom(200))
+        for _ in range(3):
+            with pytest.raises(RpcError):
+                rogue.connect(server)  # fails the TLS handshake on both sides
+        assert _tracked_sockets(server) == 0
+        assert _tracked_sockets(rogue) == 0
+        client = _Peer(2, _contexts(pki))
+        try:
+            assert isinstance(client.connect(server).sock, tls.TlsSocket)  # still serving
+        finally:
+            client.close()
+    finally:
+        rogue.close()
+        server.close()
+
+
+def test_a_trickled_tls_handshake_is_dropped_at_the_handshake_deadline(pki, monkeypatch):
+    # One deadline for the whole handshake, TLS included: a byte every 0.2 s would
+    # otherwise hold one of the worker's few handshake slots for as long as it likes.
+    monkeypatch.setattr(accept, "HANDSHAKE_TIMEOUT", 1.0)
+    server = _Peer(0, _contexts(pki))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_obj = _contexts(pki).client.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls_obj.do_handshake()
+    client_hello = outgoing.read()
+    try:
+        with socket.create_connection(server.t.address, timeout=5) as s:
+            start = time.monotonic()
+            closed = False
+            for i in range(len(client_hello)):
+                if time.monotonic() - start > 6:
+                    break
+                try:
+                    s.sendall(client_hello[i:i + 1])
+                    if select.select([s], [], [], 0.2)[0]:
+                        closed = not s.recv(100)
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed and time.monotonic() - start < 4, time.monotonic() - start
+    finally:
+        server.close()
+
+
+def test_bad_certificate_options_name_the_option(pki, tmp_path):
+    with pytest.raises(ValueError, match="tls_certfile"):
+        tls.make_contexts(str(tmp_path / "missing.pem"), None, pki["ca"], True)
+    with pytest.raises(ValueError, match="tls_cafile"):
+        tls.make_contexts(pki["worker"], pki["worker.key"], str(tmp_path / "no-ca.pem"), True)
+    with pytest.raises(TypeError, match="tls_certfile"):
+        rpc.TensorPipeRpcBackendOptions(tls_certfile=3)
+    with pytest.raises(ValueError, match="tls_cafile is required"):  # no system trust store
+        tls.make_contexts(pki["worker"], pki["worker.key"], None, True)
+    with pytest.raises(ValueError, match="tls_identity"):
+        rpc.TensorPipeRpcBackendOptions(tls_identity="")
+
+
+def test_a_certificate_must_name_the_peer_address(pki):
+    # Both certificates chain to the job's CA, but name another host's address.
+    for server_cert, client_cert, who in (("elsewhere", "worker", "server"),
+                                          ("worker", "elsewhere", "client")):
+        server = _Peer(0, _contexts(pki, cert=server_cert))
+        client = _Peer(1, _contexts(pki, cert=client_cert))
+        try:
+            with pytest.raises(RpcError):
+                client.connect(server)
+        finally:
+            client.close()
+            server.close()
+    with pytest.raises(AuthenticationError, match="does not name its address 127.0.0.1"):
+        tls.check_identity({"subjectAltName": (("IP Address", "10.9.9.9"),)}, None, "127.0.0.1")
+    tls.check_identity({"subjectAltName": (("DNS", "localhost"),)}, None, "127.0.0.1")
+
+
+def test_a_job_identity_replaces_the_address_check(pki, caplog):
+    server = _Peer(0, _contexts(pki, cert="job_a", identity="torchrpc://job-a"))
+    client = _Peer(1, _contexts(pki, cert="job_a", identity="torchrpc://job-a"))
+    other_job = _Peer(2, _contexts(pki, cert="job_b", identity="torchrpc://job-a"))
+    try:
+        assert isinstance(client.connect(server).sock, tls.TlsSocket)
+        with pytest.raises(RpcError):
+            other_job.connect(server)  # the server finds its certificate of another job
+        assert "does not carry the job identity 'torchrpc://job-a'" in caplog.text
+        # A worker configured for another job refuses this one's server itself.
+        other_job.close()
+        other_job = _Peer(3, _contexts(pki, cert="job_b", identity="torchrpc://job-b"))
+        with pytest.raises(AuthenticationError, match="job identity 'torchrpc://job-b'"):
+            other_job.connect(server)
+    finally:
+        client.close()
+        other_job.close()
+        server.close()
+
+
+def _relay_once(pki, target) -> "tuple[socket.socket, threading.Thread]":
+    """A party in the middle holding another certificate of the job's CA: it ends the
+    client's TLS session, opens one to ``target`` and passes the handshake through."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(pki["other"], pki["other.key"])
+    server_ctx.load_verify_locations(pki["ca"])
+    server_ctx.verify_mode = ssl.CERT_OPTIONAL
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname = False
+    client_ctx.load_verify_locations(pki["ca"])
+    client_ctx.load_cert_chain(pki["other"], pki["other.key"])
+
+    def run() -> None:
+        raw, _ = listener.accept()
+        with server_ctx.wrap_socket(raw, server_side=True) as a, \
+                client_ctx.wrap_socket(socket.create_connection(target)) as b:
+            for src, dst, n in ((a, b, handshake.HELLO.size), (b, a, handshake.CHALLENGE.size),
+                                (a, b, handshake.PROOF.size), (b, a, 1)):
+                data = b""
+                while len(data) < n:
+                    chunk = src.recv(n - len(data))
+                    if not chunk:
+                        return
+                    data += chunk
+                dst.sendall(data)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_the_hmac_handshake_is_bound_to_the_tls_session(pki):
+    server, client = _Peer(0, _contexts(pki)), _Peer(1, _contexts(pki))
+    listener, relay = _relay_once(pki, server.t.address)
+    try:
+        with pytest.raises(AuthenticationError, match="tampered"):
+            client.t.connect(0, *listener.getsockname(), timeout=5)
+        relay.join(10)
+        assert isinstance(client.connect(server).sock, tls.TlsSocket)  # directly: fine
+    finally:
+        listener.close()
+        client.close()
+        server.close()
+
+
+def test_a_group_runs_over_tls(pki):
+    with running_group(3, threads=4, timeout=30.0, options=pki_helpers.tls_options(pki)):
+        big = torch.randn(4 << 20)
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(big,)), big)
+        assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 2)) == \
+            "worker2>worker1>worker2"
+        agent = api.current_agent()
+        assert all(isinstance(c.sock, tls.TlsSocket) for lst in agent.connections.all.values() for c in lst)
+        host, port = agent.registry.addresses[1]
+        with socket.create_connection((host, port), timeout=5) as s:  # plain bytes: refused
+            s.sendall(handshake.make_hello(0, 0)[0])
+            s.settimeout(5)
+            try:
+                assert not s.recv(100).startswith(b"TRPH")
+            except ConnectionResetError:
+                pass

@@ -1,0 +1,96 @@
+"""Shared-memory segments never outlive their group, and large echoes stay within 3x RSS.
+
+Both start their own worker processes: the leak test kills two of them with SIGKILL,
+the memory test measures fresh processes' peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import torchrpc.rpc as rpc
+
+from .. import helpers
+from .. import transport_helpers as th
+from ..group import ROOT, Group, free_port, sigstop, worker_env
+from .test_transport import LARGE, THRESHOLD, torchrpc_segments
+
+
+def _memfds(pid: int) -> int:
+    """Shared-memory segments (memfds) process ``pid`` has open."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:torchrpc-")
+        except OSError:
+            pass  # closed meanwhile
+    return n
+
+
+def test_no_segment_files_left_after_sigkill():
+    """Segments of killed workers, and segments sent to killed workers, are removed: they
+    are memfds, never files, and a sender lets go of those of a connection that died."""
+    group = Group(4, threads=4, timeout=30.0, options={"shm_threshold": THRESHOLD})
+    pids = [os.getpid()] + [p.pid for p in group.procs.values()]
+    before = _memfds(os.getpid())
+    try:
+        group.init_self()
+        for r in (1, 2, 3):
+            assert rpc.rpc_sync(f"worker{r}", helpers.whoami) == f"worker{r}"
+        # worker2 talks to worker1 already; then worker1 stops reading, and worker0 and
+        # worker2 each send it a large tensor: two segments exist that nobody will map.
+        assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 1)) == "worker2>worker1"
+        sigstop(group.procs[1].pid)
+        fut = rpc.rpc_async("worker1", th.hold, args=("x", torch.ones(LARGE)), timeout=0)
+        rpc.rpc_sync("worker2", th.fire, args=("worker1", LARGE))
+        deadline = time.monotonic() + 10
+        while not (_memfds(os.getpid()) and _memfds(group.procs[2].pid)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _memfds(os.getpid()) > before and _memfds(group.procs[2].pid) >= 1
+        assert not torchrpc_segments(pids)
+        # Both die: worker2 (the creator of one) and worker1 (the would-be receiver).
+        group.kill(2)
+        group.kill(1)
+        with pytest.raises(Exception):
+            fut.wait()
+        assert rpc.rpc_sync("worker3", helpers.whoami) == "worker3"  # the rest go on
+        assert _memfds(os.getpid()) == before  # this sender let go of what it sent worker1
+    finally:
+        group.abandon(30)
+    assert not torchrpc_segments(pids)
+    assert _memfds(os.getpid()) == before  # and a stopped agent holds none
+
+
+@pytest.mark.parametrize("shm_on", [True, False], ids=["shm", "socket"])
+def test_echo_of_256mb_keeps_peak_rss_within_3x(tmp_path, shm_on):
+    payload = 256 << 20
+    port = free_port()
+    out = tmp_path / "rss.json"
+    env = worker_env(port, 2, {"SHM": "1" if shm_on else "0", "PAYLOAD": str(payload)})
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.transport_helpers", "memory",
+                               str(r), str(port), str(out)], cwd=ROOT, env=env)
+             for r in (0, 1)]
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    report = json.loads(out.read_text())
+    assert report["ok"]
+    # The bound is on what the echo adds above the process's own baseline (Python plus
+    # torch, about 300 MiB here): the caller must hold two payloads (sent and echoed).
+    limit_kib = 3 * payload // 1024
+    for who in ("caller", "callee"):
+        growth = report[who]["vmhwm_kib"] - report["base"][who]["vmhwm_kib"]
+        assert growth <= limit_kib, (who, growth // 1024, "MiB above baseline", report)

@@ -20,6 +20,8 @@ import torchrpc.rpc as rpc
 from torchrpc import _threads, _wire
 from torchrpc._agent import WorkerInfo
 from torchrpc._agent.current import current_agent, handle
+from torchrpc._dist_autograd import ENGINE
+from torchrpc._rref import RREF_LAYER
 from torchrpc._threads import Guard
 from torchrpc._transport import Transport, handshake
 from torchrpc._wire import Kind
@@ -199,7 +201,7 @@ def test_a_request_whose_serving_fails_costs_only_that_request(agent, caplog, mo
 
 
 def test_rref_sender_survives_and_still_flushes(agent, caplog, monkeypatch):
-    control = agent.extensions["rref"].control
+    control = agent.extensions[RREF_LAYER].control
     monkeypatch.setattr(control, "_send_deletes", raise_once(control._send_deletes))
     control._queue.put(("deletes", None))
     assert wait_until(lambda: errors_about(caplog, "RRef sender thread of solo"))
@@ -209,7 +211,7 @@ def test_rref_sender_survives_and_still_flushes(agent, caplog, monkeypatch):
 
 
 def test_a_release_that_fails_spares_the_other_workers(agent, caplog, monkeypatch):
-    engine = agent.extensions["autograd"]
+    engine = agent.extensions[ENGINE]
     sent: List[int] = []
 
     def request(dst, kind, payload, *args, **kwargs):

@@ -236,3 +236,16 @@ def test_functions_import_without_agent_and_rref_generic():
         return x
     assert f._wrapped_async_rpc_function is not None and f.__name__ == "f"
     assert rpc.RRef[torch.Tensor] is not None
+
+
+def test_every_module_and_class_stays_small():
+    problems = []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            problems.append(f"{path}: {text.count(chr(10))} lines (at most 500)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                problems.append(f"{path}: class {node.name} has "
+                                f"{node.end_lineno - node.lineno + 1} lines (at most 300)")
+    assert not problems, "\n".join(problems)

@@ -78,8 +78,7 @@ class Parked:
 
 
 class FastPath:
-    """Private connections, parked replies, the readers' poll policy and the lending of
-    reading roles, for one agent (see module docs)."""
+    """One agent's private connections, parked replies, poll policy and reading part."""
 
     def __init__(self, agent: "Agent", enabled: bool) -> None:
         self._agent = agent

@@ -235,8 +235,7 @@ class Registry:
     # -- dynamic membership ------------------------------------------------------------------------
 
     def follow(self) -> None:
-        """Start the members thread (dynamic groups), which follows the log until the
-        agent stops."""
+        """Start the members thread (dynamic groups): it follows the log until the end."""
         self._members_thread = self._agent._start_thread("members", self._follow)
 
     def leave(self, timeout: float = 10.0) -> None:

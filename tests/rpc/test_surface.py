@@ -249,3 +249,12 @@ def test_every_module_and_class_stays_small():
                 problems.append(f"{path}: class {node.name} has "
                                 f"{node.end_lineno - node.lineno + 1} lines (at most 300)")
     assert not problems, "\n".join(problems)
+
+
+def test_followers_run_the_broadcast_of_rpc_api_by_name():
+    # torch's tests patch rpc.api._broadcast_to_followers on the followers; the leader's
+    # call must name that function, so it is defined in rpc.api itself.
+    assert rpc.api._broadcast_to_followers.__module__ == "torchrpc.rpc.api"
+    for name in ("_all_gather", "_barrier", "_wait_all_workers",
+                 "_delete_all_user_and_unforked_owner_rrefs"):
+        assert getattr(rpc.api, name).__module__ == "torchrpc.rpc.api", name

@@ -19,7 +19,7 @@ from .._agent.current import current_agent
 from .._agent.futures import new_future
 from .._wire import Kind
 from ..errors import GroupCallError, InvalidArgumentError, WrongTypeError
-from . import _gather, constants, functions
+from . import constants, functions
 from ._calls import WorkerLike, _invoke, _prepare, _thread_local_var
 
 
@@ -146,53 +146,3 @@ def _collective_timeout(timeout: float) -> float:
     if timeout != constants.UNSET_RPC_TIMEOUT and timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (0: no timeout), got {timeout}")
     return float(timeout)
-
-
-def barrier(workers: Optional[List[WorkerLike]] = None,
-            timeout: float = constants.UNSET_RPC_TIMEOUT) -> None:
-    r"""Return once every worker of ``workers`` (default: the whole group) has called it.
-
-    Every worker of the set calls ``barrier`` with the same set, the same number of
-    times. It runs on RPC messages among those workers (no rendezvous store). Not in
-    ``torch.distributed.rpc``.
-
-    Args:
-        workers (list of str or WorkerInfo or int, optional): the workers that meet;
-            this worker must be one of them. ``None``: every worker of the group.
-        timeout (float, optional): seconds to wait for the others; 0 means no limit; by
-            default the agent's ``rpc_timeout``. Past it, a "timed out" error names the
-            workers still missing.
-    """
-    agent = current_agent()
-    _gather.all_gather(None, _gather_names(agent, workers, "barrier"),
-                       _collective_timeout(timeout), broadcast=_broadcast_to_followers)
-
-
-def all_gather(obj: Any, workers: Optional[List[WorkerLike]] = None,
-               timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
-    r"""Gather ``obj`` from every worker of ``workers`` (default: the whole group).
-
-    Every worker of the set calls it with its own ``obj``; each gets every object. It
-    runs on RPC messages among those workers (no rendezvous store). Not in
-    ``torch.distributed.rpc``.
-
-    Args:
-        obj (object): this worker's contribution; anything an RPC can carry.
-        workers (list of str or WorkerInfo or int, optional): the workers that gather;
-            this worker must be one of them. ``None``: every worker of the group.
-        timeout (float, optional): as for :func:`barrier`.
-
-    Returns:
-        A dict from worker name to that worker's ``obj``, in the order of the ranks.
-    """
-    agent = current_agent()
-    gathered = _gather.all_gather(obj, _gather_names(agent, workers, "all_gather"),
-                                  _collective_timeout(timeout),
-                                  broadcast=_broadcast_to_followers)
-    ranks = {name: agent.resolve(name).id for name in gathered}
-    return {name: gathered[name] for name in sorted(gathered, key=ranks.__getitem__)}
-
-
-def _broadcast_to_followers(sequence_id: Any, objects_map: Dict[str, Any]) -> None:
-    """Runs on a follower of ``_all_gather``: the leader's complete dict."""
-    _gather.finish(sequence_id, objects_map)

@@ -22,8 +22,7 @@ from .._agent.rendezvous import missing_rank_error, open_store, validate_name
 from ..errors import RpcError
 from . import _gather, backend_registry, constants
 from ._calls import WorkerLike, _invoke, _prepare, _thread_local_var, _wait_all  # noqa: F401
-from ._many import (_broadcast_to_followers, all_gather, barrier, rpc_async_many,  # noqa: F401
-                    rpc_sync_many)
+from ._many import _collective_timeout, _gather_names, rpc_async_many, rpc_sync_many  # noqa: F401
 from .backend_registry import BackendType
 from .internal import _internal_rpc_pickler
 from .options import SECRET_ENV, RpcBackendOptions, read_environment
@@ -321,6 +320,57 @@ def _use_rpc_pickler(rpc_pickler: Any):
         yield
     finally:
         _default_pickler = _internal_rpc_pickler
+
+
+def _broadcast_to_followers(sequence_id: Any, objects_map: Dict[str, Any]) -> None:
+    """Runs on a follower of ``_all_gather``: the leader's complete dict. It lives here, as
+    in torch, because followers run it by this module's name (tests patch it here)."""
+    _gather.finish(sequence_id, objects_map)
+
+
+def barrier(workers: Optional[List[WorkerLike]] = None,
+            timeout: float = constants.UNSET_RPC_TIMEOUT) -> None:
+    r"""Return once every worker of ``workers`` (default: the whole group) has called it.
+
+    Every worker of the set calls ``barrier`` with the same set, the same number of
+    times. It runs on RPC messages among those workers (no rendezvous store). Not in
+    ``torch.distributed.rpc``.
+
+    Args:
+        workers (list of str or WorkerInfo or int, optional): the workers that meet;
+            this worker must be one of them. ``None``: every worker of the group.
+        timeout (float, optional): seconds to wait for the others; 0 means no limit; by
+            default the agent's ``rpc_timeout``. Past it, a "timed out" error names the
+            workers still missing.
+    """
+    agent = current_agent()
+    _gather.all_gather(None, _gather_names(agent, workers, "barrier"),
+                       _collective_timeout(timeout), broadcast=_broadcast_to_followers)
+
+
+def all_gather(obj: Any, workers: Optional[List[WorkerLike]] = None,
+               timeout: float = constants.UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
+    r"""Gather ``obj`` from every worker of ``workers`` (default: the whole group).
+
+    Every worker of the set calls it with its own ``obj``; each gets every object. It
+    runs on RPC messages among those workers (no rendezvous store). Not in
+    ``torch.distributed.rpc``.
+
+    Args:
+        obj (object): this worker's contribution; anything an RPC can carry.
+        workers (list of str or WorkerInfo or int, optional): the workers that gather;
+            this worker must be one of them. ``None``: every worker of the group.
+        timeout (float, optional): as for :func:`barrier`.
+
+    Returns:
+        A dict from worker name to that worker's ``obj``, in the order of the ranks.
+    """
+    agent = current_agent()
+    gathered = _gather.all_gather(obj, _gather_names(agent, workers, "all_gather"),
+                                  _collective_timeout(timeout),
+                                  broadcast=_broadcast_to_followers)
+    ranks = {name: agent.resolve(name).id for name in gathered}
+    return {name: gathered[name] for name in sorted(gathered, key=ranks.__getitem__)}
 
 
 def _all_gather(obj: Any, worker_names: Optional[List[str]] = None,

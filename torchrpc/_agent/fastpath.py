@@ -129,14 +129,14 @@ class FastPath:
         future's waiter reads the reply (else a :meth:`call` with ``after``); ``waited``:
         the caller waits at once (``rpc_sync``). See the module docs for when it parks."""
         agent = self._agent
-        agent.check_running()
         conn = None
-        if waited:
-            fits = True
-        else:
-            fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
-        if fits and self._private_ok(dst):
-            conn = self._checkout(dst, opens=waited or not by_future)
+        # An rpc_async parks only on an idle private connection: with none, no more checks.
+        if waited or not by_future or self._idle.get(dst.id):
+            agent.check_running()
+            fits = waited or (self.num_parked < _MAX_PARKED
+                              and not (by_future and self._parked_to(dst.id)))
+            if fits and self._private_ok(dst):
+                conn = self._checkout(dst, opens=waited or not by_future)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
         rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)

@@ -40,6 +40,7 @@ from .._transport import Connection, Transport
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
 from . import debug, startup
+from .rendezvous import Plan
 from .calls import Calls
 from .connections import Connections
 from .coroutines import CoroutineRunner
@@ -128,9 +129,10 @@ class Agent:
 
     # -- start -----------------------------------------------------------------------------------
 
-    def start(self, timeout: float) -> "Agent":
-        """Rendezvous with the group, start listening and the timer; return self."""
-        startup.start(self, timeout)
+    def start(self, plan: Plan) -> "Agent":
+        """Rendezvous with the group under ``plan``, start listening and the timer;
+        return self."""
+        startup.start(self, plan)
         return self
 
     def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:

@@ -169,14 +169,11 @@ def interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def listen_host(init_method: str, configured: Optional[str],
-                ifname: Optional[str] = None) -> str:
-    """The address to listen on: configured, else the address of interface ``ifname``,
-    else the interface that reaches the master."""
+def listen_host(init_method: str, configured: Optional[str]) -> str:
+    """The address to listen on: configured (``init_rpc`` turns a configured interface
+    into its address), else the interface that reaches the master."""
     if configured:
         return configured
-    if ifname:
-        return interface_address(ifname)
     host = master_host(init_method)
     if host is None or _is_loopback(host):
         return "127.0.0.1"

@@ -24,17 +24,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start(agent: "Agent", timeout: float) -> None:
-    """Rendezvous with the group, start listening and the agent's threads."""
+def start(agent: "Agent", plan: rendezvous.Plan) -> None:
+    """Rendezvous with the group under ``plan``, start listening and the agent's threads."""
     store, rank, registry = agent.store, agent.rank, agent.registry
     host = rendezvous.listen_host(agent.options.init_method,
                                   getattr(agent.options, "listen_addr", None))
     if agent.elastic:
-        secret = membership.join(store, agent.name, rank, timeout,
+        secret = membership.join(store, agent.name, rank, plan,
                                  membership.outlives_rank0(agent.options.init_method),
                                  registry.incarnation)
     else:
-        secret = rendezvous.claim(store, agent.name, rank, agent.world_size, timeout)
+        secret = rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
     try:
         agent._transport = _transport(agent, secret, host)
     except ValueError as exc:
@@ -55,7 +55,7 @@ def start(agent: "Agent", timeout: float) -> None:
             infos = membership.EventLog.members(registry.log.poll())
         else:
             infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
-                                       agent._transport.address, timeout, facts)
+                                       agent._transport.address, plan, facts)
             discard_local_secret()  # every rank has joined, so has read it
     except BaseException:
         agent._transport.close()

@@ -34,7 +34,7 @@ from .._agent import Agent, WorkerInfo
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from ..rpc import backend_registry, constants
-from ..rpc.options import TensorPipeRpcBackendOptions
+from ..rpc.options import TensorPipeRpcBackendOptions, rendezvous_plan_of
 
 BACKEND_NAME = "FAULTY_TENSORPIPE"
 
@@ -200,10 +200,7 @@ def _init_backend(store: Any, name: str, rank: int, world_size: int, options: An
                         f"BackendType.{BACKEND_NAME} with "
                         f"torchrpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
     agent = FaultyAgent(store, name, rank, world_size, options)
-    if options.rendezvous_plan is not None:  # set when init_rpc read the options
-        return agent.start(options.rendezvous_plan)
-    timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
-    return agent.start(max(timeout, 60.0))
+    return agent.start(rendezvous_plan_of(options))
 
 
 if not backend_registry.backend_registered(BACKEND_NAME):

@@ -15,9 +15,8 @@ from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
 
 from .._agent import Agent
-from .._agent.rendezvous import rendezvous_timeout
 from . import constants
-from .options import TensorPipeRpcBackendOptions
+from .options import TensorPipeRpcBackendOptions, rendezvous_plan_of
 
 BackendValue = collections.namedtuple(
     "BackendValue", ["construct_rpc_backend_options_handler", "init_backend_handler"])
@@ -39,12 +38,7 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
             f"{rpc_backend_options!r} is a {type(rpc_backend_options).__name__}; build the "
             f"options of BackendType.TENSORPIPE with torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
     agent = Agent(store, name, rank, world_size, rpc_backend_options)
-    plan = rpc_backend_options.rendezvous_plan  # set when init_rpc read the options
-    if plan is None:
-        timeout = (rpc_backend_options.rpc_timeout
-                   or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds())
-        return agent.start(rendezvous_timeout(timeout, rpc_backend_options.rendezvous_timeout))
-    return agent.start(plan)
+    return agent.start(rendezvous_plan_of(rpc_backend_options))
 
 
 class _Members(type):

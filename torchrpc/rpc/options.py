@@ -356,6 +356,19 @@ def _env_rendezvous_timeout(environ: MutableMapping[str, str]) -> Optional[float
                      "give a number of seconds > 0, or unset it")
 
 
+def _rpc_timeout_or_default(options: RpcBackendOptions) -> float:
+    return options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+
+
+def rendezvous_plan_of(options: TensorPipeRpcBackendOptions) -> Plan:
+    """The rendezvous plan ``init_rpc`` read for ``options``; for options that did not go
+    through it (a backend started directly), one from their timeouts, starting now."""
+    if options.rendezvous_plan is not None:
+        return options.rendezvous_plan
+    return Plan(Deadline(rendezvous_timeout(_rpc_timeout_or_default(options),
+                                            options.rendezvous_timeout)))
+
+
 def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, str],
                      launcher_secret: Optional[str] = None
                      ) -> Tuple[RpcBackendOptions, Plan]:
@@ -367,7 +380,7 @@ def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, st
     Options of a registered third-party backend are returned as they are; only the
     rendezvous timeout applies to them. Options already read are returned as they are.
     """
-    rpc_timeout = options.rpc_timeout or constants.DEFAULT_RENDEZVOUS_TIMEOUT.total_seconds()
+    rpc_timeout = _rpc_timeout_or_default(options)
     if not isinstance(options, TensorPipeRpcBackendOptions):
         deadline = Deadline(rendezvous_timeout(rpc_timeout, _env_rendezvous_timeout(environ)))
         return options, Plan(deadline)

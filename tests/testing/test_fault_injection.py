@@ -72,6 +72,30 @@ def test_delayed_call_times_out_and_late_reply_is_dropped(agent):
     assert agent.faults.delayed["RESPONSE"] >= 1
 
 
+def test_faults_meet_the_private_connections_of_blocking_calls(agent):
+    # The faulty backend runs the production fast path: blocking calls go out on private
+    # connections, and the plan meets their frames there.
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+    private = agent.fastpath.idle_to(1)
+    assert private and all(isinstance(c, faulty.FaultyConnection) for c in private)
+    plan = agent.inject(fail=["CALL"], num_fail_sends=1)
+    with pytest.raises(ConnectionLostError, match="injected fault.*worker1") as info:
+        rpc.rpc_sync("worker1", rh.bump, args=("private",))
+    assert info.value.worker == "worker1" and plan.failed == {"CALL": 1}
+    assert rpc.rpc_sync("worker1", rh.bump, args=("private",)) == 1
+
+
+def test_a_held_back_request_arrives_after_its_caller_timed_out(agent):
+    # The caller's timeout closes its private connection; the frame held back was on the
+    # wire already, and arrives as it would over TCP.
+    agent.inject(delay={"CALL": 1.0})
+    with pytest.raises(RpcTimeoutError):
+        rpc.rpc_sync("worker1", rh.bump, args=("held back",), timeout=0.2)
+    agent.inject()
+    assert _count("held back") == 0
+    wait_for("the held-back call to run", lambda: _count("held back") == 1, 5.0)
+
+
 def test_idempotent_call_is_retried_with_backoff(agent):
     plan = agent.inject(fail=["CALL"], num_fail_sends=2)
     start = time.monotonic()

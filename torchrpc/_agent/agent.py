@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
-    private_calls = True
-    """Whether blocking calls use private connections (see fastpath.py)."""
+    connection_type: Callable[..., Connection] = Connection
+    """What the transport makes its connections with (the tests' faulty agent sends
+    through a subclass that fails, drops and delays frames)."""
 
     def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
         self.name = name
@@ -112,7 +113,7 @@ class Agent:
         # Sending requests and completing them with their replies (calls.py).
         self.calls = Calls(self)
         # Private connections, parked replies, polling, lent reading roles (fastpath.py).
-        self.fastpath = FastPath(self, self.private_calls)
+        self.fastpath = FastPath(self)
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
         # heartbeats and lost peers (see liveness.py)
@@ -321,12 +322,7 @@ class Agent:
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
         """Send one frame to ``dst`` (on ``via``, if given); raise
-        :class:`RpcError` when it cannot.
-
-        Every frame of a reply, and of a request not sent privately, leaves through
-        here; the fault-injecting agent of the tests (``torchrpc._testing.faulty``)
-        overrides it.
-        """
+        :class:`RpcError` when it cannot."""
         (via or self.connections.to(dst)).send(kind, flags, rid, env, bufs, keep)
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:

@@ -80,10 +80,10 @@ class Parked:
 class FastPath:
     """One agent's private connections, parked replies, poll policy and reading part."""
 
-    def __init__(self, agent: "Agent", enabled: bool) -> None:
+    def __init__(self, agent: "Agent") -> None:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
-        self.enabled = enabled  # whether blocking calls use private connections
+        self.enabled = True  # whether blocking calls use private connections
         # handed to every private connection (Connections.on_connect); the spin_us option
         self.poll = PollPolicy(*spin_seconds(getattr(agent.options, "spin_us", None)))
         self.reading = Reading(agent)
@@ -207,8 +207,7 @@ class FastPath:
     # -- private connections ------------------------------------------------------------------
 
     def _private_ok(self, dst: WorkerInfo) -> bool:
-        """Whether calls to ``dst`` may use private connections (under TLS there is one
-        connection per peer)."""
+        """Whether calls to ``dst`` may use private connections (not under TLS)."""
         agent = self._agent
         return self.enabled and dst.id != agent.rank and not agent._transport.secure
 
@@ -277,6 +276,7 @@ class FastPath:
         except RpcError as exc:  # raised before the frame was queued: it did not go
             if r is not None:
                 r.sent = was_sent
+            p.private = None  # nobody reads ``conn`` for it: a retry goes the shared way
             calls.send_failed(kind, rid, dst, exc)
             self._release(dst, conn, also)
             return rid, p, False

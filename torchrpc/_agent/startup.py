@@ -86,7 +86,8 @@ def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
                      max_private=agent.fastpath.max_private,
                      local_socket=bool(getattr(options, "enable_uds", False)),
                      incarnation=registry.incarnation,
-                     admit=registry.admit if agent.elastic else None)
+                     admit=registry.admit if agent.elastic else None,
+                     connection_type=agent.connection_type)
 
 
 def _features(options: Any) -> int:

@@ -4,11 +4,14 @@ Like torch's faulty agent, it fails or delays the sends of chosen message kinds:
 ``messages_to_fail`` names kinds whose first ``num_fail_sends`` sends (each kind
 counted apart) fail as if the connection had broken, before any byte leaves;
 ``messages_to_delay`` maps kinds to seconds by which every send of that kind is
-held back (without blocking the sender). Kinds are named as in
+held back (without blocking the sender) and then delivered, even if its connection
+closed meanwhile, as bytes sent before a TCP close are. Kinds are named as in
 :class:`torchrpc._wire.Kind` (``CALL``, ``RESPONSE``, ``RREF_USER_DELETE``, ...) or
 by torch's message type names (``PYTHON_CALL``, ``SCRIPT_REMOTE_CALL``,
 ``CLEANUP_AUTOGRAD_CONTEXT_REQ``, ...). Every request and reply goes through the
-fault plan; heartbeats and GOODBYE do not. It talks to normal workers, so one
+fault plan at the connection it leaves on (private connections of blocking calls
+included), and a request to the worker itself meets it before it starts; heartbeats
+and GOODBYE meet it only when a plan names them. It talks to normal workers, so one
 faulty worker in a group is enough.
 
 Import this module on every process that uses the backend::
@@ -28,9 +31,10 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 from .._agent import Agent, WorkerInfo
+from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from ..rpc import backend_registry, constants
@@ -129,16 +133,57 @@ class FaultyTensorPipeRpcBackendOptions(TensorPipeRpcBackendOptions):
         self.num_fail_sends = num_fail_sends
 
 
-class FaultyAgent(Agent):
-    """An agent whose sends go through a :class:`FaultPlan` first."""
+class FaultyConnection(Connection):
+    """A connection whose frames meet its agent's :class:`FaultPlan` before they leave.
 
-    private_calls = False  # every frame must leave through _send, where faults are injected
+    Every frame goes through :meth:`send`, on the shared connection and on the private
+    ones of blocking calls alike, so the faulty backend runs the production fast paths.
+    """
+
+    def __init__(self, agent: "FaultyAgent", *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._agent = agent
+
+    def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
+             buffers: Sequence[memoryview], keepalive: Any = None) -> None:
+        plan = self._agent.faults
+        if plan.should_fail(kind):
+            name = self._agent.peer(self.peer_rank).name
+            raise ConnectionLostError(
+                f"injected fault: a send of {Kind(kind).name} to worker {name} failed "
+                f"({BACKEND_NAME} messages_to_fail)", worker=name)
+        if plan.should_drop(kind):
+            return  # lost on the way, as if in the buffers of a connection that breaks
+        seconds = plan.delay_for(kind)
+        if seconds > 0:  # held back without blocking the sender
+            self._agent.call_later(seconds, self._send_late, kind, flags, request_id,
+                                   envelope, buffers, keepalive)
+            return
+        super().send(kind, flags, request_id, envelope, buffers, keepalive)
+
+    def _send_late(self, kind: int, flags: int, request_id: int, envelope: bytes,
+                   buffers: Sequence[memoryview], keepalive: Any) -> None:
+        # A held-back frame is on the wire already: as TCP delivers what was sent before
+        # a close, one whose connection closed meanwhile goes on the shared connection.
+        agent = self._agent
+        peer = agent.peer(self.peer_rank)
+        try:
+            conn = agent.connections.to(peer) if self.closed else self
+            Connection.send(conn, kind, flags, request_id, envelope, buffers, keepalive)
+        except RpcError as exc:
+            agent.calls.send_failed(kind, request_id, peer, exc)
+
+
+class FaultyAgent(Agent):
+    """An agent whose connections are :class:`FaultyConnection` objects; a request to itself
+    meets the same plan."""
 
     def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
         super().__init__(store, name, rank, world_size, options)
         self.faults = FaultPlan(getattr(options, "messages_to_fail", ()),
                                 getattr(options, "num_fail_sends", 0),
                                 getattr(options, "messages_to_delay", None))
+        self.connection_type = functools.partial(FaultyConnection, self)
 
     def inject(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
                delay: Optional[Dict[Any, float]] = None, drop: Iterable[Any] = (),
@@ -147,21 +192,9 @@ class FaultyAgent(Agent):
         self.faults = FaultPlan(fail, num_fail_sends, delay, drop, num_drop_sends)
         return self.faults
 
-    def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-              keep: Any, via: Any = None) -> None:
-        plan = self.faults
-        if plan.should_fail(kind):
-            raise ConnectionLostError(
-                f"injected fault: a send of {Kind(kind).name} to worker {dst.name} failed "
-                f"({BACKEND_NAME} messages_to_fail)", worker=dst.name)
-        if plan.should_drop(kind):
-            return  # lost on the way, as if in the buffers of a connection that breaks
-        seconds = plan.delay_for(kind)
-        if seconds > 0:
-            self.call_later(seconds, self._send_late, dst, kind, flags, rid, env, bufs, keep,
-                            via)
-            return
-        super()._send(dst, kind, flags, rid, env, bufs, keep, via)
+    def peer(self, rank: int) -> WorkerInfo:
+        """The worker of ``rank``; one named by its rank if it is not a member (any more)."""
+        return self.registry.workers.get(rank) or WorkerInfo(str(rank), rank)
 
     def _start_here(self, kind: int, rid: int, start: Any) -> None:
         # A request to this worker itself meets the same plan as one that is sent.
@@ -177,13 +210,6 @@ class FaultyAgent(Agent):
                             start)
             return
         super()._start_here(kind, rid, start)
-
-    def _send_late(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
-                   bufs: Any, keep: Any, via: Any = None) -> None:
-        try:
-            Agent._send(self, dst, kind, flags, rid, env, bufs, keep, via)
-        except RpcError as exc:
-            self.calls.send_failed(kind, rid, dst, exc)
 
 
 def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,

@@ -50,8 +50,11 @@ class Links:
                  shm_threshold: int = 0, same_host: Optional[Callable[[int], bool]] = None,
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0, max_private: int = 0,
-                 incarnation: int = 0, on_fatal: Optional[Fatal] = None) -> None:
+                 incarnation: int = 0, on_fatal: Optional[Fatal] = None,
+                 connection_type: Callable[..., Connection] = Connection) -> None:
         self.rank = rank
+        # What makes a connection: Connection, or a subclass (the tests' fault injection).
+        self.connection_type = connection_type
         self.secret = secret
         self.limits = limits
         self.features = features
@@ -169,8 +172,8 @@ class Links:
         """The connection on ``sock``, which passed the handshake with ``features``
         agreed; ``nonces`` and ``ranks`` are the (client's, server's), from which its
         frame MACs are keyed. Registered, before anyone hears of it."""
-        conn = Connection(sock, peer_rank, self.limits, self._on_frame, self._closed,
-                          outbound=outbound)
+        conn = self.connection_type(sock, peer_rank, self.limits, self._on_frame,
+                                    self._closed, outbound=outbound)
         conn.features = features
         conn.set_private(bool(features & handshake.FEATURE_PRIVATE))
         if needs_frame_macs(conn):

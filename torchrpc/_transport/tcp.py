@@ -45,7 +45,8 @@ class Transport:
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0,
                  max_private: int = 0, incarnation: int = 0,
-                 admit: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
+                 admit: Optional[Callable[[int, int], Optional[str]]] = None,
+                 connection_type: Callable[..., Connection] = Connection) -> None:
         self.rank = rank
         self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
         self._secret = secret
@@ -60,7 +61,7 @@ class Transport:
                             same_host=same_host, same_pids=same_pids,
                             send_timeout=send_timeout, max_outbox=max_outbox,
                             max_private=max_private, incarnation=incarnation,
-                            on_fatal=on_fatal)
+                            on_fatal=on_fatal, connection_type=connection_type)
         self._acceptor = Acceptor(self._links, host, port, local_socket, admit)
         self.address: Tuple[str, int] = self._acceptor.address
 

@@ -1,5 +1,6 @@
 """The one piece of process state: the handle of the current agent (and what this
-process read once for every agent it starts: the launcher's secret)."""
+process read once for every agent it starts: the launcher's secret; and what upper
+layers keep for the process rather than for one agent, in typed slots)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import NotInitializedError
+from .hooks import Extensions
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -21,6 +23,9 @@ class _Handle:
         # TORCHRPC_SECRET, read by the first init_rpc and removed from the environment (so
         # child processes do not inherit it); every later init_rpc of this process uses it.
         self.launcher_secret: Optional[str] = None
+        # What a layer keeps for the process, not for one agent (the profiler's tables:
+        # torch's profiles outlive agents), each under its owner's Slot.
+        self.process = Extensions()
 
 
 handle = _Handle()

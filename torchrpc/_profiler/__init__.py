@@ -31,7 +31,6 @@ The callee side, including ``rpc._server_process_global_profile``, is in
 from __future__ import annotations
 
 import inspect
-import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -42,23 +41,27 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerInfo, describe
 from .._agent import Slot, run_callable
+from .._agent.current import handle
 from . import callee, events
 from .callee import CalleeScope, ServerProfile
 from .events import REMOTE_OP, Call, Options
+from .state import state
 
 PROFILING_HOOK: "Slot[ProfilingHook]" = Slot("profiler")
 """Where an agent keeps its profiling hook."""
 
-_local = threading.local()  # .pending: the Call whose request is being sent on this thread
-_hooks: "weakref.WeakSet[ProfilingHook]" = weakref.WeakSet()
-_hooks_lock = threading.Lock()
-_kineto = False  # the current agent's profile_kineto option
 
 
 def enabled() -> bool:
     """Whether RPCs made on this thread are profiled: a legacy profiler is recording on
-    it, or a Kineto one and the agent's ``profile_kineto`` option is on."""
-    return torch.autograd._profiler_enabled() and (_kineto or events.is_legacy())
+    it, or a Kineto one and the current agent's ``profile_kineto`` option is on."""
+    if not torch.autograd._profiler_enabled():
+        return False
+    if events.is_legacy():
+        return True
+    agent = handle.agent
+    hook = agent.extensions.get(PROFILING_HOOK) if agent is not None else None
+    return hook is not None and hook.kineto
 
 
 def profiling_key(mode: str, func_name: str, src_name: str, dst_name: str) -> str:
@@ -88,16 +91,18 @@ class ProfilingHook(CallHook):
 
     def __init__(self, agent: Agent) -> None:
         self._agent = weakref.ref(agent)
+        self.kineto = bool(getattr(agent.options, "profile_kineto", False))
+        self._thread = state().thread  # .pending: the Call being sent on each thread
         self.gil_profiling = False
         self._gil_waits = [0, 0.0]  # samples, total microseconds
 
     def outgoing_request(self, dst: WorkerInfo, kind: int) -> Any:
         if self.gil_profiling:
             self._sample_gil_wait()
-        call = getattr(_local, "pending", None)
+        call = getattr(self._thread, "pending", None)
         if call is None:
             return None
-        _local.pending = None
+        self._thread.pending = None
         return tuple(call.options), None, call
 
     def incoming_request(self, src: WorkerInfo, kind: int, meta: Any) -> Optional[CallScope]:
@@ -154,10 +159,10 @@ def _options(meta: Any) -> Optional[Options]:
 
 def _watch_all_requests() -> None:
     """Route every served request to the hooks while a server profile is entered."""
-    on = bool(callee.server_profiles())
-    with _hooks_lock:
-        for hook in list(_hooks):
-            hook.watch_all(on)
+    agent = handle.agent
+    hook = agent.extensions.get(PROFILING_HOOK) if agent is not None else None
+    if hook is not None:  # an agent installed later watches from its start (install)
+        hook.watch_all(bool(callee.server_profiles()))
 
 
 def enable_gil_profiling(agent: Agent, flag: bool) -> None:
@@ -231,14 +236,14 @@ def profiled(mode: str, agent: Agent, dst: WorkerInfo, func: Any,
     once the event has ended.
     """
     call, rf = _begin(mode, agent, dst, func)
-    _local.pending = call
+    state().thread.pending = call
     try:
         fut = send()
     except BaseException:
         rf.__exit__(None, None, None)
         raise
     finally:
-        _local.pending = None
+        state().thread.pending = None
     ended = rf._call_end_callbacks_on_future(fut)
     rf.__exit__(None, None, None)
     out = _ProfiledFuture()
@@ -265,7 +270,7 @@ def profiled_remote(agent: Agent, dst: WorkerInfo, func: Any,
     call, rf = _begin("remote", agent, dst, func)
     call.done = torch.futures.Future()
     local = dst.id == agent.rank
-    _local.pending = None if local else call
+    state().thread.pending = None if local else call
     try:
         # To itself, the value is made on the pool with no request: profile it there.
         rref = send(_profiled_locally(func, call) if local else func)
@@ -273,7 +278,7 @@ def profiled_remote(agent: Agent, dst: WorkerInfo, func: Any,
         rf.__exit__(None, None, None)
         raise
     finally:
-        _local.pending = None
+        state().thread.pending = None
     ended = rf._call_end_callbacks_on_future(call.done)
     rf.__exit__(None, None, None)
     rref._profiling_future = ended
@@ -304,15 +309,11 @@ def _profiled_locally(func: Any, call: Call) -> Callable[..., Any]:
 
 def install(agent: Agent) -> None:
     """Add the profiling hook to ``agent`` (called by ``init_rpc``)."""
-    global _kineto
-    _kineto = bool(getattr(agent.options, "profile_kineto", False))
     events.install()
     hook = ProfilingHook(agent)
     agent.extensions.install(PROFILING_HOOK, hook)
     agent.add_call_hook(hook)
     agent.add_debug_source("agent", hook.debug_info)
-    with _hooks_lock:
-        _hooks.add(hook)
     hook.watch_all(bool(callee.server_profiles()))
 
 

@@ -17,7 +17,6 @@ of them.
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -26,6 +25,7 @@ from torch.autograd.profiler_util import FunctionEvent, Interval
 from .._agent import CallScope
 from . import events
 from .events import Options
+from .state import state
 
 
 class ServerProfile:
@@ -38,30 +38,29 @@ class ServerProfile:
         self.open = True
 
 
-_lock = threading.Lock()
-_server_profiles: List[ServerProfile] = []  # entered, innermost last
-
-
 def server_profiles() -> List[ServerProfile]:
     """The server profiles entered now (a copy)."""
-    with _lock:
-        return list(_server_profiles)
+    st = state()
+    with st.lock:
+        return list(st.server_profiles)
 
 
 def start_server_profile(options: Options) -> ServerProfile:
     """Begin collecting every request this process serves."""
     profile = ServerProfile(options)
-    with _lock:
-        _server_profiles.append(profile)
+    st = state()
+    with st.lock:
+        st.server_profiles.append(profile)
     return profile
 
 
 def stop_server_profile(profile: ServerProfile) -> List[List[FunctionEvent]]:
     """Stop ``profile``; the events of each request it collected, one list per request."""
-    with _lock:
+    st = state()
+    with st.lock:
         profile.open = False
-        if profile in _server_profiles:
-            _server_profiles.remove(profile)
+        if profile in st.server_profiles:
+            st.server_profiles.remove(profile)
         return list(profile.requests)
 
 
@@ -100,7 +99,7 @@ class CalleeScope(CallScope):
         for server in self._servers:
             shift = base - server.start_us if base is not None else 0.0
             copies = [_moved(e, shift) for e in functions]  # on the server profile's clock
-            with _lock:
+            with state().lock:
                 if server.open and copies:
                     server.requests.append(copies)
         if self._caller is None:

@@ -17,13 +17,13 @@ pass through unchanged when there is nothing to add:
 
 A Kineto profile takes no foreign events: the callee's events are replayed as empty
 ``record_function`` blocks on the thread that waits for the result (see
-:func:`torchrpc._profiler._replay`), and each replay is noted in :data:`_replayed`. A
+:func:`torchrpc._profiler._replay`), and each replay is noted in the profiler state. A
 third wrapper, of ``torch.autograd.profiler.profile._parse_kineto_results``, gives each
 replayed event found in the parsed events the callee's duration, the callee's rank as
 ``node_id`` and ``is_remote``; it is marked async, so that its stretched time range
 does not make the waiting thread's later events its children.
 
-A finished RPC waits in :data:`_completed` until the parse of the profile that holds
+A finished RPC waits in the process's :class:`~.state.ProfilerState` until the parse of the profile that holds
 its event takes it. The event is found by its name and start time: the time window in
 which the RPC's ``record_function`` was entered, in the records' clock (wall-clock
 microseconds).
@@ -31,10 +31,8 @@ microseconds).
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import DeviceType, profiler_legacy
@@ -42,19 +40,10 @@ from torch.autograd import profiler as torch_profiler
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent, Interval
 
 from .._agent.current import handle as _current
+from .state import MAX_COMPLETED, Replay, state
 
 REMOTE_OP = "#remote_op: "
-_MAX_COMPLETED = 4096  # finished RPCs kept for a parse; the oldest go first
 _WINDOW_SLACK_US = 50.0  # clock granularity allowed around an RPC event's start window
-
-_local = threading.local()  # .options: the Options of the legacy profile on this thread
-_lock = threading.Lock()
-_completed: Dict[str, List["Call"]] = {}
-_order: Deque["Call"] = collections.deque()
-_installed = False
-# Kineto replays not yet parsed: (event name, wall ns before, wall ns after, callee
-# duration in us, callee rank); the oldest go first.
-_replayed: Deque[Tuple[str, int, int, float, int]] = collections.deque(maxlen=_MAX_COMPLETED)
 _REPLAY_SLACK_NS = 50_000  # clock granularity allowed around a replay's window
 
 
@@ -93,12 +82,12 @@ def is_legacy() -> bool:
 
 def current_options() -> Options:
     """The options of the legacy profile running on this thread (defaults if unknown)."""
-    return getattr(_local, "options", None) or Options()
+    return getattr(state().thread, "options", None) or Options()
 
 
 def set_options(options: Optional[Options]) -> None:
     """Record (or, with None, forget) the options of this thread's legacy profile."""
-    _local.options = options
+    state().thread.options = options
 
 
 class Call:
@@ -133,36 +122,38 @@ class Call:
 
 
 def _add_completed(call: Call) -> None:
-    with _lock:
-        _completed.setdefault(call.name, []).append(call)
-        _order.append(call)
-        while len(_order) > _MAX_COMPLETED:
-            _drop(_order.popleft())
+    st = state()
+    with st.lock:
+        st.completed.setdefault(call.name, []).append(call)
+        st.order.append(call)
+        while len(st.order) > MAX_COMPLETED:
+            _drop(st.completed, st.order.popleft())
 
 
-def _drop(call: Call) -> None:
-    """Remove ``call`` from :data:`_completed` (the lock is held)."""
-    calls = _completed.get(call.name)
+def _drop(completed: Dict[str, List[Call]], call: Call) -> None:
+    """Remove ``call`` from ``completed`` (the state's lock is held)."""
+    calls = completed.get(call.name)
     if calls is not None and call in calls:
         calls.remove(call)
         if not calls:
-            del _completed[call.name]
+            del completed[call.name]
 
 
 def _take(name: str, start_us: float) -> Optional[Call]:
     """The finished RPC named ``name`` whose event started at ``start_us``, removed."""
-    with _lock:
+    st = state()
+    with st.lock:
         best, best_gap = None, None
-        for call in _completed.get(name, ()):
+        for call in st.completed.get(name, ()):
             lo, hi = call.window
             if lo - _WINDOW_SLACK_US <= start_us <= hi + _WINDOW_SLACK_US:
                 gap = abs(start_us - (lo + hi) / 2)
                 if best_gap is None or gap < best_gap:
                     best, best_gap = call, gap
         if best is not None:
-            _drop(best)
+            _drop(st.completed, best)
             try:
-                _order.remove(best)
+                st.order.remove(best)
             except ValueError:
                 pass
         return best
@@ -213,10 +204,11 @@ def add_remote_events(functions: List[FunctionEvent],
             if event.node_id == -1:
                 event.node_id = rank
     start = _start_record(thread_records)
-    if start is None or not _completed:
+    completed = state().completed
+    if start is None or not completed:
         return start.start_us() if start is not None else None
     base = start.start_us()
-    names = set(_completed)
+    names = set(completed)
     local = {(e.id, e.name): e for e in functions if e.name in names}
     added: List[FunctionEvent] = []
     for records in thread_records:
@@ -265,18 +257,20 @@ _torch_parse_kineto = torch_profiler.profile._parse_kineto_results
 
 def note_replay(name: str, t0_ns: int, t1_ns: int, duration_us: float, node_id: int) -> None:
     """A callee event was replayed into a Kineto profile between ``t0_ns`` and ``t1_ns``."""
-    with _lock:
-        _replayed.append((name, t0_ns, t1_ns, duration_us, node_id))
+    st = state()
+    with st.lock:
+        st.replayed.append((name, t0_ns, t1_ns, duration_us, node_id))
 
 
 def give_durations(functions: List[FunctionEvent], trace_start_ns: int) -> None:
     """Give the replayed remote events among ``functions`` (times in microseconds from
     ``trace_start_ns``) the durations they had on the callee."""
-    with _lock:
-        pending = list(_replayed)
+    st = state()
+    with st.lock:
+        pending = list(st.replayed)
     if not pending:
         return
-    by_name: Dict[str, List[Tuple[str, int, int, float, int]]] = {}
+    by_name: Dict[str, List[Replay]] = {}
     for replay in pending:
         by_name.setdefault(replay[0], []).append(replay)
     used = set()
@@ -295,17 +289,17 @@ def give_durations(functions: List[FunctionEvent], trace_start_ns: int) -> None:
                 fe.node_id = replay[4]
                 break
     if used:
-        with _lock:
-            kept = [r for r in _replayed if id(r) not in used]
-            _replayed.clear()
-            _replayed.extend(kept)
+        with st.lock:
+            kept = [r for r in st.replayed if id(r) not in used]
+            st.replayed.clear()
+            st.replayed.extend(kept)
 
 
 def _parse_kineto_results(self: Any, result: Any, *args: Any, **kwargs: Any) -> List[FunctionEvent]:
     """torch's ``profile._parse_kineto_results``, with the callee's durations given to the
     replayed remote events."""
     functions = _torch_parse_kineto(self, result, *args, **kwargs)
-    if _replayed:
+    if state().replayed:
         give_durations(functions, result.trace_start_ns())
     return functions
 
@@ -325,10 +319,8 @@ def _start_trace(self: Any) -> None:
 
 def install() -> None:
     """Wrap torch's three functions (see module docs); idempotent."""
-    global _installed
-    if _installed:
+    if profiler_legacy._parse_legacy_records is _parse_legacy_records:
         return
-    _installed = True
     _parse_legacy_records.__wrapped__ = _torch_parse  # type: ignore[attr-defined]
     _start_trace.__wrapped__ = _torch_start_trace  # type: ignore[attr-defined]
     _parse_kineto_results.__wrapped__ = _torch_parse_kineto  # type: ignore[attr-defined]

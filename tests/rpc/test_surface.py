@@ -258,3 +258,69 @@ def test_followers_run_the_broadcast_of_rpc_api_by_name():
     for name in ("_all_gather", "_barrier", "_wait_all_workers",
                  "_delete_all_user_and_unforked_owner_rrefs"):
         assert getattr(rpc.api, name).__module__ == "torchrpc.rpc.api", name
+
+
+# The only module-level mutable state in torchrpc, and why it is process state rather than
+# an agent's (docs/design.md, "Process state"). Everything else an agent or a layer keeps
+# is its own, or lives on the current-agent handle (_agent/current.py).
+PROCESS_STATE = {
+    # Which pool, reading role or private read the running thread is in: state of threads.
+    "_agent/futures.py:_reader": "per-thread context",
+    "_agent/pool.py:_current": "per-thread context",
+    "_agent/reading.py:_inline": "per-thread context",
+    "_transport/reader.py:_reading": "per-thread context",
+    # Secret files this process wrote, removed at its exit at the latest.
+    "_agent/secret.py:_lock": "process resources",
+    "_agent/secret.py:_files": "process resources",
+    # Caches of pure functions, and the types they made.
+    "_agent/worker.py:_checked": "cache",
+    "errors.py:_runtime_twins": "cache",
+    "errors.py:_twins_lock": "cache",
+    "nn/api/_scriptable.py:_lock": "cache",
+    "nn/api/_scriptable.py:_cache": "cache",
+    # Tensors' .grad is process state: one lock for accumulating into it.
+    "_dist_autograd/records.py:_GRAD_SLOTS": "lock over process-wide tensors",
+    # Reducers by type, registered at import, as copyreg's.
+    "_wire/pickler.py:_MESSAGE_REDUCERS": "type registry",
+    # The local optimizers of this process, held weakly (their RRefs keep them).
+    "optim/optimizer.py:_by_number": "weak registry",
+    # torch's private API, which ported tests use: rpc.api._default_pickler is swapped by
+    # _use_rpc_pickler, and rpc.api._thread_local_var is torch's.
+    "rpc/_calls.py:_thread_local_var": "torch's private API",
+    "rpc/api.py:global _default_pickler": "torch's private API",
+}
+_MUTABLE_CALLS = {"local", "Lock", "RLock", "Condition", "Event", "WeakSet",
+                  "WeakValueDictionary", "WeakKeyDictionary", "deque", "OrderedDict",
+                  "defaultdict", "set", "dict", "list"}
+
+
+def _module_state(tree: ast.Module):
+    """Module-level names bound to an empty container, a lock or a thread-local, and the
+    names functions rebind with ``global``."""
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        value = node.value
+        empty = isinstance(value, (ast.List, ast.Set, ast.Dict)) and not (
+            value.keys if isinstance(value, ast.Dict) else value.elts)
+        call = isinstance(value, ast.Call) and (
+            getattr(value.func, "attr", None) or getattr(value.func, "id", None)) in _MUTABLE_CALLS
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if empty or call:
+            yield from (t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            yield from (f"global {name}" for name in node.names)
+
+
+def test_no_module_state_beyond_the_handle_and_the_listed():
+    found = {f"{path.relative_to(PKG).as_posix()}:{name}"
+             for path in PKG.rglob("*.py") for name in _module_state(ast.parse(path.read_text()))}
+    new = sorted(found - set(PROCESS_STATE))
+    assert not new, (f"module-level mutable state {new}: keep it on the agent (a Slot in "
+                     f"agent.extensions), or on the current-agent handle (handle.process)")
+    assert not set(PROCESS_STATE) - found, "PROCESS_STATE lists state that is gone"
+    # The scan finds what it must: a thread-local, a global rebinding, an empty table.
+    tree = ast.parse("import threading\n_a = threading.local()\n_b: dict = {}\n"
+                     "def f():\n    global _c\n")
+    assert list(_module_state(tree)) == ["_a", "_b", "global _c"]

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,16 +40,20 @@ def worker_env(port: int, world_size: int, extra: Optional[Dict[str, str]] = Non
 FORK_ENV = "TORCHRPC_TEST_FORK"  # "0": start group members as new interpreters
 
 
-def start_module(module: str, args: List[str], env: Dict[str, str], capture: bool = False) -> Any:
+def start_module(module: str, args: List[str], env: Dict[str, str], capture: bool = False,
+                 fresh: bool = False, prefix: Sequence[str] = ()) -> Any:
     """``python -m module *args`` with environment ``env``: forked from the test zygote
     (``tests.zygote``, which has imported torch once for all), or a new interpreter where
-    ``TORCHRPC_TEST_FORK=0``. Either answers ``subprocess.Popen``'s pid, poll, wait,
-    send_signal and kill; with ``capture``, also ``stdout`` (text, stderr merged in) and
-    ``communicate``."""
-    if os.environ.get(FORK_ENV, "1") == "0":
+    ``TORCHRPC_TEST_FORK=0``, with ``fresh`` (a process whose memory must be its own) or
+    with a command ``prefix`` (``ip netns exec NS``: a worker in another network). Either
+    answers ``subprocess.Popen``'s pid, poll, wait, send_signal and kill; with
+    ``capture``, also ``stdout`` (text, stderr merged in) and ``communicate``. Every test
+    starts its worker processes here."""
+    if fresh or prefix or os.environ.get(FORK_ENV, "1") == "0":
         pipes: Dict[str, Any] = (dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                                  if capture else {})
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, **pipes)
+        return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], cwd=ROOT,
+                                env=env, **pipes)
     from tests import zygote
     return zygote.spawn(module, args, env, ROOT, capture)
 

@@ -7,11 +7,10 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from ..group import ROOT, free_port, worker_env
+from ..group import free_port, start_module, worker_env
 from ..agent.test_lifecycle import assert_ok, launch
 
 NS = ("trpc_ns_a", "trpc_ns_b")
@@ -21,10 +20,10 @@ ADDRS = ("10.231.7.1", "10.231.7.2")
 def test_thirty_two_workers_init_call_everyone_and_shut_down(tmp_path):
     # 32 processes forked from one that imported torch and torchrpc (see scenarios.forked).
     world = 32
-    proc = subprocess.run([sys.executable, "-m", "tests.scenarios", "forked", "all_to_all",
-                           str(world), str(tmp_path)], cwd=ROOT, timeout=600,
-                          env=worker_env(free_port(), world), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = start_module("tests.scenarios", ["forked", "all_to_all", str(world), str(tmp_path)],
+                        worker_env(free_port(), world), capture=True, fresh=True)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
     outs = [(int((tmp_path / f"{r}.status").read_text()), (tmp_path / str(r)).read_text())
             for r in range(world)]
     assert_ok(outs)
@@ -75,10 +74,8 @@ def _run_on_two_hosts(extra_env):
     procs = []
     for rank, ns in enumerate(NS):
         env = worker_env(int(port), 2, {"MASTER_ADDR": ADDRS[0], **extra_env})
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scenarios", "multihost",
-             str(rank), "2", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
+        procs.append(start_module("tests.scenarios", ["multihost", str(rank), "2", "0"], env,
+                                  capture=True, prefix=("ip", "netns", "exec", ns)))
     outs = []
     for p in procs:
         try:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +17,7 @@ import torchrpc.rpc as rpc
 
 from .. import helpers
 from .. import transport_helpers as th
-from ..group import ROOT, Group, free_port, sigstop, worker_env
+from ..group import Group, free_port, sigstop, start_module, worker_env
 from .test_transport import LARGE, THRESHOLD, torchrpc_segments
 
 
@@ -75,9 +73,9 @@ def test_echo_of_256mb_keeps_peak_rss_within_3x(tmp_path, shm_on):
     port = free_port()
     out = tmp_path / "rss.json"
     env = worker_env(port, 2, {"SHM": "1" if shm_on else "0", "PAYLOAD": str(payload)})
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.transport_helpers", "memory",
-                               str(r), str(port), str(out)], cwd=ROOT, env=env)
-             for r in (0, 1)]
+    # New interpreters: a forked worker would count the zygote's pages in its peak RSS.
+    procs = [start_module("tests.transport_helpers", ["memory", str(r), str(port), str(out)],
+                          env, fresh=True) for r in (0, 1)]
     try:
         codes = [p.wait(120) for p in procs]
     finally:

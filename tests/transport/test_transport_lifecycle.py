@@ -68,7 +68,7 @@ def test_no_segment_files_left_after_sigkill():
 
 
 @pytest.mark.parametrize("shm_on", [True, False], ids=["shm", "socket"])
-def test_echo_of_256mb_keeps_peak_rss_within_3x(tmp_path, shm_on):
+def test_echo_of_256mb_keeps_peak_rss_within_the_payloads_it_holds(tmp_path, shm_on):
     payload = 256 << 20
     port = free_port()
     out = tmp_path / "rss.json"
@@ -87,8 +87,10 @@ def test_echo_of_256mb_keeps_peak_rss_within_3x(tmp_path, shm_on):
     report = json.loads(out.read_text())
     assert report["ok"]
     # The bound is on what the echo adds above the process's own baseline (Python plus
-    # torch, about 300 MiB here): the caller must hold two payloads (sent and echoed).
-    limit_kib = 3 * payload // 1024
-    for who in ("caller", "callee"):
+    # torch, about 230 MiB here), with 32 MiB for the allocator: the caller holds two
+    # payloads at once (sent and echoed), the callee one; no transport copy stays alive.
+    slack_kib = 32 << 10
+    for who, payloads in (("caller", 2), ("callee", 1)):
         growth = report[who]["vmhwm_kib"] - report["base"][who]["vmhwm_kib"]
-        assert growth <= limit_kib, (who, growth // 1024, "MiB above baseline", report)
+        assert growth <= payloads * payload // 1024 + slack_kib, \
+            (who, growth // 1024, "MiB above baseline", report)

@@ -197,7 +197,7 @@ def test_creation_failure_is_recorded_on_the_rref():
     rref = rpc.remote("worker1", helpers.raise_value_error, args=("no value",))
     with pytest.raises(ValueError, match="no value"):
         rref.to_here()
-    wait_for("the creation failure is recorded", lambda: rref._error is not None, 5)
+    wait_for("the creation failure is recorded", lambda r=rref: r._error is not None, 5)
     with pytest.raises(ValueError, match="no value"):
         rpc.rpc_sync("worker2", helpers.rref_to_here, args=(rref,))  # a fork raises too
     slow = rpc.remote("worker1", helpers.sleep_then, args=(2.0, 1), timeout=0.2)
@@ -234,7 +234,7 @@ def test_unclaimed_creation_reply_is_read_for_the_rref():
     rref = rpc.remote("worker1", helpers.echo, args=(7,))
     failed = rpc.remote("worker2", helpers.raise_value_error, args=("unread",))
     wait_for("the parked creation replies are read",
-             lambda: rref.confirmed_by_owner() and failed._error is not None, 5)
+             lambda r=rref, f=failed: r.confirmed_by_owner() and f._error is not None, 5)
     with pytest.raises(ValueError, match="unread"):
         failed.to_here()
     assert rref.to_here() == 7
@@ -247,10 +247,8 @@ def test_many_creations_in_flight_then_fetched_in_any_order():
     refs = [rpc.remote(f"worker{1 + i % 2}", helpers.sleep_then, args=(0.01, i))
             for i in range(40)]
     assert [r.to_here() for r in reversed(refs)] == list(reversed(range(40)))
-    try:
-        wait_for("no reply parked", lambda: rpc.get_debug_info()["agent.num_parked"] == 0, 5)
-    except AssertionError:
-        raise AssertionError(rpc.get_debug_info()) from None
+    wait_for("no reply parked", lambda: rpc.get_debug_info()["agent.num_parked"] == 0, 5,
+             state=rpc.get_debug_info)
     del refs
     wait_clean()
 

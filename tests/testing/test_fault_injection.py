@@ -163,7 +163,7 @@ def test_internal_request_retry_facility(agent):
     fut = agent.request(w1, Kind.CALL, payload, 5.0, oneway=True,
                         retry=RetryPolicy(max_attempts=4, initial_backoff=0.01))
     assert fut.wait() is None and plan.failed == {"CALL": 2}
-    time.sleep(0.2)
+    wait_for("the one-way message arrives", lambda: _count("internal") >= 2, 10)
     assert _count("internal") == 2
     # A retry never outlives the deadline: backoff longer than the time left fails now.
     agent.inject(fail=["CALL"], num_fail_sends=1)

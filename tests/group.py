@@ -179,11 +179,14 @@ def sigstop(pid: int, limit: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def wait_for(what: str, check: Callable[[], Any], limit: float) -> float:
-    """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``."""
+def wait_for(what: str, check: Callable[[], Any], limit: float,
+             state: Optional[Callable[[], Any]] = None) -> float:
+    """Poll ``check`` until true; how long it took; fail naming ``what`` after ``limit``,
+    with ``state()`` in the message when given."""
     start = time.monotonic()
     while not check():
         if time.monotonic() - start > limit:
-            raise AssertionError(f"{what}: not after {limit:g} s")
+            seen = "" if state is None else f"; {state()!r}"
+            raise AssertionError(f"{what}: not after {limit:g} s{seen}")
         time.sleep(0.05)
     return time.monotonic() - start

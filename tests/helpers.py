@@ -221,6 +221,15 @@ def echo_rrefs(data: Any) -> Any:
     return data
 
 
+def owns_rref(rref_id: Any) -> bool:
+    """Whether this worker has an owner entry for ``rref_id`` (its creation arrived)."""
+    from torchrpc._agent.current import current_agent
+    from torchrpc._rref import RREF_LAYER
+    book = current_agent().extensions[RREF_LAYER].book
+    with book._lock:
+        return tuple(rref_id) in book.owners
+
+
 def rref_counts() -> dict:
     import gc
     gc.collect()
@@ -386,8 +395,9 @@ def keep_remote(to: str, value: Any) -> Any:
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds`` (a slow part of a backward pass) and,
-    with ``counted``, counts its runs (``bump("backward")``)."""
+    """Identity whose backward sleeps ``seconds`` (a slow part of a backward pass); it counts
+    its starts (see :func:`slow_backward_starts`) and, with ``counted``, its runs
+    (``bump("backward")``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float, counted: bool) -> torch.Tensor:
@@ -396,11 +406,18 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        from tests.robust_helpers import bump
         if ctx.counted:
-            from tests.robust_helpers import bump
             bump("backward")
+        bump("slow backward")
         time.sleep(ctx.seconds)
         return grad, None, None
+
+
+def slow_backward_starts() -> int:
+    """How many times a backward pass entered the slow part of ``_SlowBackward`` here."""
+    from tests.robust_helpers import count
+    return count("slow backward")
 
 
 def slow_identity(x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ def bump_then_fail(key: str) -> None:
 
 @rpc.functions.idempotent
 def slow_bump(key: str, seconds: float) -> int:
+    """Count the start under ``started:key``, run for ``seconds``, then count ``key``."""
+    bump(f"started:{key}")
     time.sleep(seconds)
     return bump(key)
 
@@ -392,6 +394,7 @@ def serve_once_kind() -> None:
 def _serve_once(src: Any, key: str) -> int:
     """ONCE_KIND's handler: a key that starts with "slow" runs for a second first."""
     if key.startswith("slow"):
+        bump(f"started:{key}")  # so a test can see it running
         time.sleep(1.0)
     return bump(key)
 

@@ -6,7 +6,6 @@ reply goes back on the connection its request came on, the one the caller watche
 from __future__ import annotations
 
 import threading
-import time
 from typing import List
 
 import pytest
@@ -18,7 +17,7 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
 from .. import helpers, robust_helpers
-from ..group import running_group
+from ..group import running_group, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +49,9 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
                 errors.append(exc)
         t = threading.Thread(target=backward)
         t.start()
-        time.sleep(0.7)  # worker1 runs its part (2 s); the request was delivered
+        # worker1 runs its part (2 s): the request was delivered.
+        wait_for("worker1 runs its part", lambda: rpc.rpc_sync(
+            "worker1", robust_helpers.count, args=("backward",)) >= 1, 10)
         assert _cut(1) >= 2  # the shared connection and the private one the part went on
         t.join(30)
         assert not t.is_alive() and not errors, errors

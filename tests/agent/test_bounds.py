@@ -22,7 +22,7 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError, RpcError
 
 from .. import helpers
-from ..group import running_group, sigstop
+from ..group import running_group, sigstop, wait_for
 
 SEND_TIMEOUT = 1.5
 OUTBOX = 8 << 20
@@ -181,9 +181,7 @@ def test_the_pool_never_grows_past_its_hard_cap(monkeypatch):
         time.sleep(0.5)
         assert pool.num_threads == 6
         release.set()
-        deadline = time.monotonic() + 10
-        while len(ran) < 20 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("the queued work runs", lambda: len(ran) >= 20, 10, state=lambda: sorted(ran))
         assert sorted(ran) == list(range(20))  # the queued work ran on the capped threads
     finally:
         release.set()

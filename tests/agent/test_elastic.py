@@ -22,7 +22,7 @@ from torchrpc.errors import WorkerLeftError
 
 from .. import helpers
 from ..handshake_helpers import authenticate
-from ..group import free_port, start_module, worker_env
+from ..group import free_port, start_module, wait_for, worker_env
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-elastic-")
@@ -36,19 +36,17 @@ def spawn(name: str, rank: int, stop: str, scenario: str = "elastic_member"
 
 
 def names_everywhere(expected, who=("w0", "w1"), timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = {"w0": sorted(w.name for w in rpc.get_worker_infos())}
+    seen: dict = {}
+
+    def converged() -> bool:
+        seen["w0"] = sorted(w.name for w in rpc.get_worker_infos())
         for name in who[1:]:
             if name in seen["w0"]:
                 seen[name] = sorted(w.name for w in rpc.rpc_sync(name, helpers.worker_infos))
             else:
                 seen[name] = "not joined yet"
-        if all(v == sorted(expected) for v in seen.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"membership did not converge to {expected}: {seen}")
-        time.sleep(0.05)
+        return all(v == sorted(expected) for v in seen.values())
+    wait_for(f"membership converges to {expected}", converged, timeout, state=lambda: seen)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,7 +18,7 @@ from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.optim import DistributedOptimizer
 
 from .. import helpers
-from ..group import Group, running_group, sigstop
+from ..group import Group, running_group, sigstop, wait_for
 
 
 def _fail_times(futs: List, start: float) -> List[float]:
@@ -126,7 +126,8 @@ def test_heartbeat_detects_a_silent_worker():
     try:
         group.init_self()
         assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
-        time.sleep(1.0)  # worker2 has sent a heartbeat on the idle connection
+        wait_for("a heartbeat from worker2 on the idle connection",
+                 lambda: 2 in current_agent().liveness.beating, 10)
         futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(30.0, 1)) for _ in range(4)]
         time.sleep(0.2)
         start = time.monotonic()
@@ -149,7 +150,8 @@ def test_a_silent_worker_that_runs_on_this_host_is_starved_not_dead():
     with running_group(2, threads=2, timeout=30.0,
                        self_options={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}):
         assert rpc.rpc_sync("worker1", helpers.whoami) == "worker1"
-        time.sleep(0.6)  # worker1 has sent heartbeats: it is watched
+        # worker1 has sent heartbeats: it is watched.
+        wait_for("a heartbeat from worker1", lambda: 1 in current_agent().liveness.beating, 10)
         assert rpc.rpc_sync("worker1", helpers.stop_heartbeats)
         time.sleep(3.0)  # three heartbeat timeouts of silence
         assert rpc.get_debug_info()["agent.num_heartbeat_timeouts"] == 0

@@ -15,6 +15,7 @@ from torchrpc._agent import Agent
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError
 from tests.agent_helpers import Agents, FakeConn, running
+from tests.group import wait_for
 
 
 class FakePrivate(FakeConn):
@@ -89,13 +90,6 @@ def _dst(agent: Agent) -> Any:
     return agent.registry.workers[1]
 
 
-def _wait_until(predicate: Any, limit: float = 5.0) -> bool:
-    deadline = time.monotonic() + limit
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return predicate()
-
-
 def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(agents):
     agent, shared, transport = _agent(agents)
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (2, 3), {}), 5) == 5
@@ -145,7 +139,7 @@ def test_a_callback_has_the_pool_read_a_parked_reply_at_once(agents):
     fut = agent.call(_dst(agent), operator.add, (3, 4), {}, 5, park=True)
     seen: List[Any] = []
     fut.add_done_callback(lambda f: seen.append(f.wait()))
-    assert _wait_until(lambda: seen == [7])
+    wait_for("the callback sees the reply", lambda: seen == [7], 5, state=lambda: seen)
     assert agent.fastpath.num_parked == 0
 
 
@@ -158,8 +152,9 @@ def test_an_unclaimed_parked_reply_is_read_on_the_pool_after_a_tick(agents):
     agent.fastpath.drain_parked(time.monotonic())  # too young: left for its owner
     assert conn.reads == 0
     agent.fastpath.drain_parked(time.monotonic() + 1.0)
-    assert _wait_until(fut.done) and fut.wait() == 3
-    assert _wait_until(lambda: agent.fastpath.num_parked == 0)
+    wait_for("the pool reads the parked reply", fut.done, 5)
+    assert fut.wait() == 3
+    wait_for("no reply parked", lambda: agent.fastpath.num_parked == 0, 5)
     assert agent.fastpath.idle_to(1) == [conn]
 
 
@@ -208,5 +203,5 @@ def test_a_callback_on_an_rpc_sync_future_has_the_pool_read_its_reply(agents):
     fut = agent.call(_dst(agent), operator.add, (2, 6), {}, 5, park=True, sync=True)
     seen: List[Any] = []
     fut.add_done_callback(lambda f: seen.append(f.wait()))
-    assert _wait_until(lambda: seen == [8])
+    wait_for("the callback sees the reply", lambda: seen == [8], 5, state=lambda: seen)
     assert agent.fastpath.idle_to(1) == transport.opened

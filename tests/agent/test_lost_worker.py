@@ -126,10 +126,12 @@ def test_a_backward_pass_through_a_stopped_worker_fails_naming_it(group):
     names = ("worker2", "worker4")
     base = {n: rpc.rpc_sync(n, helpers.autograd_contexts, timeout=10) for n in names}
     base0 = rpc.get_debug_info()["num_autograd_contexts"]
+    starts = rpc.rpc_sync("worker2", helpers.slow_backward_starts, timeout=10)
     out: List = []
     runner = _backward_in_thread(out)
     _wait_for("the forward pass", lambda: out, 30)
-    time.sleep(1.0)  # worker2 is in its slow part of the backward pass
+    _wait_for("worker2 in its slow part of the backward pass", lambda: rpc.rpc_sync(
+        "worker2", helpers.slow_backward_starts, timeout=10) > starts, 30)
     assert len(out) == 1, out
     group.procs[3].send_signal(signal.SIGSTOP)
     stopped = time.monotonic()

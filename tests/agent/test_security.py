@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import struct
-import time
 
 import pytest
 
@@ -22,7 +21,7 @@ from torchrpc.rpc import api
 from torchrpc.rpc.options import LISTEN_ADDR_ENV, read_environment
 
 from .. import helpers, robust_helpers as rh
-from ..group import running_group
+from ..group import running_group, wait_for
 from ..handshake_helpers import authenticate, recv_exact
 
 
@@ -120,10 +119,11 @@ def test_hostile_pickle_without_the_secret_is_never_unpickled(tmp_path, caplog):
             s.sendall(wrong + frame)
             assert _closed_by_peer(s)
         # 4. A replayed HELLO/PROOF pair can't pass either: the server's nonce is fresh.
-    time.sleep(0.3)
+    def failures() -> list:
+        return [r.getMessage() for r in caplog.records if "failed the handshake" in r.getMessage()]
+    wait_for("three handshake failures logged", lambda: len(failures()) >= 3, 10, state=failures)
     assert not os.path.exists(canary)
-    reasons = [r.getMessage() for r in caplog.records if "failed the handshake" in r.getMessage()]
-    assert len(reasons) >= 3, reasons
+    reasons = failures()
     assert any("not a torchrpc handshake" in r for r in reasons)
     assert any("wrong job secret" in r for r in reasons)
     _still_serving()
@@ -149,10 +149,8 @@ def test_bad_frames_from_an_authenticated_peer_close_that_connection(name, build
             assert _closed_by_peer(s), name
     # This worker logs the reason on its reading thread just after the close that the
     # peer saw: wait for it.
-    deadline = time.monotonic() + 10.0
-    while not any("closed its connection with rank 1" in r.getMessage() for r in caplog.records):
-        assert time.monotonic() < deadline, f"no reason logged for {name}"
-        time.sleep(0.02)
+    wait_for(f"a reason logged for {name}", lambda: any(
+        "closed its connection with rank 1" in r.getMessage() for r in caplog.records), 10.0)
     # Nothing was allocated for the lengths the header claimed.
     assert rpc.rpc_sync("worker1", rh.rss_kib) - before < 64 * 1024
     _still_serving()
@@ -172,9 +170,10 @@ def test_truncated_frames_close_with_a_logged_reason(caplog):
             s = _authenticate(*_address(rank), claim_rank=claim, server_rank=rank)
             s.sendall(data)
             s.close()
-    time.sleep(0.5)
-    logged = [r.getMessage() for r in caplog.records if "truncated frame" in r.getMessage()]
-    assert len(logged) >= len(cases), logged
+    def logged() -> list:
+        return [r.getMessage() for r in caplog.records if "truncated frame" in r.getMessage()]
+    wait_for("a truncated frame logged for each case", lambda: len(logged()) >= len(cases), 10,
+             state=logged)
     _still_serving()
 
 

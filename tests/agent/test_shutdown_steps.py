@@ -12,7 +12,7 @@ import torchrpc.rpc as rpc
 import torchrpc.rpc.api as api
 from torchrpc.errors import ShutdownError
 from tests import helpers
-from tests.group import Group
+from tests.group import Group, wait_for
 
 
 def test_rref_leak_is_reported_when_asked_and_the_group_still_stops():
@@ -77,6 +77,12 @@ def test_a_failing_step_stops_this_worker_and_the_others_are_told():
         group.abandon(30)
 
 
+def _at_first_barrier(rank: int) -> bool:
+    """Whether worker ``rank`` has reached graceful shutdown's first store barrier."""
+    from torchrpc._agent.current import current_agent
+    return current_agent().store.check([f"shutdown/1/{rank}"])
+
+
 def test_all_gather_names_a_worker_that_died_after_sending():
     # worker1's shutdown sent its part of the first gather, then it is killed: the
     # leader cannot hand it the result and names it instead of hanging.
@@ -84,7 +90,7 @@ def test_all_gather_names_a_worker_that_died_after_sending():
     try:
         group.init_self()
         assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
-        time.sleep(1.0)  # worker2 waits in shutdown's first step
+        wait_for("worker2 waits in shutdown's first step", lambda: _at_first_barrier(2), 10)
         group.kill(2)
         start = time.monotonic()
         with pytest.raises(ShutdownError, match="worker2"):

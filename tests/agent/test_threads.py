@@ -28,7 +28,7 @@ from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcError, RpcTimeoutError, ThreadFailedError
 
 from .. import helpers
-from ..group import free_port
+from ..group import free_port, wait_for
 
 
 class Boom(Exception):
@@ -52,16 +52,6 @@ def errors_about(caplog: Any, words: str) -> List[logging.LogRecord]:
     """ERROR records of the torchrpc loggers that mention ``words`` and carry a traceback."""
     return [r for r in caplog.records if r.name.split(".")[0] == "torchrpc"
             and r.levelno == logging.ERROR and words in r.getMessage() and r.exc_info is not None]
-
-
-def wait_until(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    return cond()
 
 
 @pytest.fixture
@@ -128,7 +118,8 @@ def test_whatever_escapes_a_thread_is_reported_not_lost(caplog, monkeypatch):
 def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch):
     reading = agent.fastpath.reading
     monkeypatch.setattr(reading, "check_lent", raise_once(reading.check_lent))
-    assert wait_until(lambda: errors_about(caplog, "timer thread of solo"))
+    wait_for("an error about the timer thread of solo",
+             lambda: errors_about(caplog, "timer thread of solo"), 10)
     with pytest.raises(RpcTimeoutError, match="timed out after 0.3 s"):
         rpc.rpc_sync("solo", helpers.sleep_then, args=(2.0,), timeout=0.3)
     assert agent.scheduler.thread.is_alive() and agent.failure is None
@@ -146,8 +137,9 @@ def test_heartbeat_survives_and_goes_on_beating(agent, caplog, monkeypatch):
     monkeypatch.setattr(liveness, "_beat", beat)
     monkeypatch.setattr(liveness, "_connections_by_peer",
                         raise_once(liveness._connections_by_peer))
-    assert wait_until(lambda: errors_about(caplog, "heartbeat thread of solo"))
-    assert wait_until(lambda: len(beats) >= 3)
+    wait_for("an error about the heartbeat thread of solo",
+             lambda: errors_about(caplog, "heartbeat thread of solo"), 10)
+    wait_for("three heartbeats", lambda: len(beats) >= 3, 10)
     assert liveness.thread.is_alive() and agent.failure is None
 
 
@@ -204,7 +196,8 @@ def test_rref_sender_survives_and_still_flushes(agent, caplog, monkeypatch):
     control = agent.extensions[RREF_LAYER].control
     monkeypatch.setattr(control, "_send_deletes", raise_once(control._send_deletes))
     control._queue.put(("deletes", None))
-    assert wait_until(lambda: errors_about(caplog, "RRef sender thread of solo"))
+    wait_for("an error about the RRef sender thread of solo",
+             lambda: errors_about(caplog, "RRef sender thread of solo"), 10)
     control.flush(time.monotonic() + 10)  # the sender still answers
     assert control._sender.is_alive() and agent.failure is None
     assert rpc.remote("solo", helpers.add, args=(1, 2)).to_here() == 3
@@ -275,7 +268,8 @@ def test_reader_survives_a_failing_frame_callback_and_reads_on(peers, caplog):
     a.on_frame = lambda conn, header, env, bufs: replies.put(header.request_id)
     conn = a.connect(b)
     conn.send(Kind.CALL, 0, 1, b"e", [])  # its frame callback raises: no reply
-    assert wait_until(lambda: errors_about(caplog, "reader of the connection to rank 0"))
+    wait_for("an error about the reader of the connection to rank 0",
+             lambda: errors_about(caplog, "reader of the connection to rank 0"), 10)
     assert _call(conn, replies, 2) == 2
     assert not conn.closed and not b.closed
 
@@ -285,7 +279,8 @@ def test_accept_loop_survives_a_failure_and_accepts_the_next(peers, caplog, monk
     monkeypatch.setattr(b.t._links, "spawn", raise_once(b.t._links.spawn, RuntimeError("can't start new thread")))
     with pytest.raises(RpcError):
         a.connect(b)
-    assert wait_until(lambda: errors_about(caplog, "torchrpc-accept-1"))
+    wait_for("an error about torchrpc-accept-1",
+             lambda: errors_about(caplog, "torchrpc-accept-1"), 10)
     replies: "queue.Queue" = queue.Queue()
     a.on_frame = lambda conn, header, env, bufs: replies.put(header.request_id)
     assert _call(a.connect(b), replies, 3) == 3
@@ -302,7 +297,7 @@ def test_accept_loop_that_cannot_go_on_tells_its_owner(peers, caplog, monkeypatc
     for _ in range(_threads.IN_A_ROW):
         with pytest.raises(RpcError):
             a.connect(b)
-    assert wait_until(lambda: b.fatal)
+    wait_for("b records a fatal error", lambda: b.fatal, 10)
     assert "torchrpc-accept-1 cannot go on: RuntimeError" in str(b.fatal[0])
 
 

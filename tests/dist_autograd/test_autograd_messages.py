@@ -31,6 +31,7 @@ from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 
 from ..autograd_helpers import SleepInBackward
+from ..group import wait_for
 from ..wire.test_wire import round_trip
 
 PASS = (0, 1)
@@ -325,9 +326,8 @@ def test_a_lost_worker_s_error_reaches_the_root():
     root = threading.Thread(target=run)
     start = time.monotonic()
     root.start()
-    while not any(dst == 2 for _, dst, _, _ in net.requests()):
-        assert time.monotonic() - start < 10
-        time.sleep(0.01)
+    # Waiting, not only sent: a loss declared before it waits would never fail it.
+    wait_for("a request to rank 2 waits", lambda: any(dst == 2 for dst, _ in net._waiting), 10)
     net.lose(2)
     root.join(10)
     assert not root.is_alive() and time.monotonic() - start < 10

@@ -15,7 +15,7 @@ from torchrpc._dist_autograd.records import DistAutogradContext, RecvRecorder, S
 from torchrpc.errors import RpcTimeoutError, SerializationError
 
 from .. import autograd_helpers as h, helpers
-from ..group import running_group
+from ..group import running_group, wait_for
 
 WORKERS = ["worker0", "worker1", "worker2"]
 
@@ -52,15 +52,6 @@ def assert_all_close(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- the public surface ------------------------------------------------------------------------
@@ -422,15 +413,14 @@ def test_using_a_context_after_exit_raises():
         dist_autograd.get_gradients(cid)
     # The release reaches the other workers asynchronously, on another connection than
     # a call made right after: wait for it, then the context is gone there too.
-    deadline = time.monotonic() + 10
-    while True:
+    def gone() -> bool:
         try:
             rpc.rpc_sync("worker1", h.param_grad, args=(cid, "w1"))
         except RuntimeError as exc:
             assert str(cid) in str(exc)
-            break
-        assert time.monotonic() < deadline, "worker1 kept a context that was exited"
-        time.sleep(0.02)
+            return True
+        return False
+    wait_for("worker1 drops the context that was exited", gone, 10)
 
 
 def test_bad_roots():
@@ -473,7 +463,8 @@ def test_thousand_contexts_are_all_released():
     def counts():
         return [h.num_contexts()] + [rpc.rpc_sync(w, h.num_contexts) for w in WORKERS[1:]]
 
-    assert wait_for(lambda: counts() == [0, 0, 0]), counts()
+    wait_for("every worker releases every context", lambda: counts() == [0, 0, 0], 10,
+             state=counts)
     # Each worker took part in all 1000 contexts (500 from here, 500 passed on by the
     # other); the releases rode along with later calls or came in batches: far fewer
     # messages than contexts.
@@ -495,7 +486,7 @@ def test_releases_ride_along_and_survive_failed_requests():
     for _ in range(20):
         with dist_autograd.context():
             rpc.rpc_sync(worker, h.scale, args=(x, 2.0))
-    assert wait_for(released_there)
+    wait_for(f"{worker} releases the contexts", released_there, 10)
     after = info()
     # The release of each step went with the next step's call, not in a message of its own.
     carried = (after["num_piggybacked_releases_received"]
@@ -515,5 +506,6 @@ def test_releases_ride_along_and_survive_failed_requests():
             else:
                 with pytest.raises(RpcTimeoutError):
                     rpc.rpc_sync(worker, helpers.sleep_then, args=(1.0,), timeout=0.2)
-        assert wait_for(released_there), rpc.rpc_sync(worker, h.num_contexts)
-    assert wait_for(lambda: h.num_contexts() == 0)
+        wait_for(f"{worker} releases the contexts", released_there, 10,
+                 state=lambda: rpc.rpc_sync(worker, h.num_contexts))
+    wait_for("this worker releases the contexts", lambda: h.num_contexts() == 0, 10)

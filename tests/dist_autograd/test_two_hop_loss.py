@@ -104,8 +104,10 @@ def _lose(group: Group, rank: int, how: signal.Signals, when: str, fn: Callable[
         lost = time.monotonic()
         runner.go.set()  # type: ignore[attr-defined]
     else:  # during: the far worker is in its slow part of the backward pass
+        starts = rpc.rpc_sync(far, helpers.slow_backward_starts, timeout=10)
         runner.go.set()  # type: ignore[attr-defined]
-        time.sleep(1.0)
+        _wait_for(f"{far} in its slow part of the backward pass", lambda: rpc.rpc_sync(
+            far, helpers.slow_backward_starts, timeout=10) > starts, 30)
         group.procs[rank].send_signal(how)
         lost = time.monotonic()
     runner.join(BOUND + SLACK + 10)

@@ -1,13 +1,13 @@
 """RemoteModule behaves as torch.distributed.nn's, over real worker processes: remote
 devices, pickling over RPC, init_from_module_rref, errors, and TorchScript."""
 
+import contextlib
 import gc
 import io
 import os
 import pickle
 import subprocess
 import sys
-import time
 from typing import Tuple
 
 import pytest
@@ -19,7 +19,7 @@ from torchrpc.nn import RemoteModule
 from torchrpc.nn.api.remote_module import _REMOTE_MODULE_PICKLED_ATTRIBUTES, _RemoteModule
 
 from .. import helpers
-from ..group import ROOT, running_group
+from ..group import ROOT, running_group, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,14 +113,17 @@ EXPECTED = ("3", 2, torch.ones(1))
 
 
 def wait_drained(names=("worker1", "worker2"), timeout: float = 10.0) -> dict:
-    """Wait until no worker owns an RRef; return the last counts."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Wait until no worker owns an RRef, for at most ``timeout``; return the last counts
+    (the caller asserts on them)."""
+    counts: dict = {}
+
+    def drained() -> bool:
         gc.collect()
-        counts = {n: rpc.rpc_sync(n, helpers.rref_counts) for n in names}
-        if all(c["num_owner_rrefs"] == 0 for c in counts.values()) or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.05)
+        counts.update({n: rpc.rpc_sync(n, helpers.rref_counts) for n in names})
+        return all(c["num_owner_rrefs"] == 0 for c in counts.values())
+    with contextlib.suppress(AssertionError):
+        wait_for("no worker owns an RRef", drained, timeout)
+    return counts
 
 
 # -- placement and construction -------------------------------------------------------------

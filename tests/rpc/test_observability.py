@@ -22,7 +22,7 @@ from torchrpc._agent import stats
 from torchrpc.errors import RpcTimeoutError
 
 from .. import helpers
-from ..group import ROOT, running_group
+from ..group import ROOT, running_group, wait_for
 
 warnings.filterwarnings("ignore", message=".*profiler_legacy.profile.*deprecated")
 
@@ -150,10 +150,9 @@ def test_timeout_logs_the_debug_info_of_caller_and_callee(caplog):
     with pytest.raises(RpcTimeoutError):
         rpc.rpc_sync("worker1", helpers.sleep_then, args=(3.0,), timeout=0.3)
     assert time.monotonic() - t0 < 2.0  # the report does not delay the timeout error
-    deadline = time.monotonic() + 10
-    while "debug info of worker1, whose call timed out" not in caplog.text:
-        assert time.monotonic() < deadline, caplog.text
-        time.sleep(0.05)
+    wait_for("worker1's debug info logged",
+             lambda: "debug info of worker1, whose call timed out" in caplog.text, 10,
+             state=lambda: caplog.text)
     assert "debug info of worker0:" in caplog.text and "sleep_then" in caplog.text
     mine = next(r for r in caplog.records if "timed out after" in r.getMessage())
     assert mine.name == "torchrpc._agent.debug"

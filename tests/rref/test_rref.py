@@ -19,7 +19,7 @@ from torchrpc._rref import RREF_LAYER
 from torchrpc.errors import RpcTimeoutError
 
 from .. import helpers
-from ..group import running_group
+from ..group import running_group, wait_for
 
 REPORT = tempfile.mkdtemp(prefix="torchrpc-rref-")
 THREADS = 4
@@ -44,19 +44,20 @@ def counts(name: str) -> dict:
 
 
 def wait_clean(names=("worker0", "worker1", "worker2"), timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    last: dict = {}
+
+    def drained() -> bool:
         gc.collect()
-        all_counts = {n: counts(n) for n in names}
-        if all(c["num_owner_rrefs"] == 0 and c["num_pending_children"] == 0
-               and c["num_pending_users"] == 0 for c in all_counts.values()):
-            return
-        if time.monotonic() > deadline:
-            layer = handle.agent.extensions[RREF_LAYER]
-            for fid, r in list(layer._users.items()):
-                print("LEFT", fid, r, [repr(x)[:300] for x in gc.get_referrers(r)])
-            raise AssertionError(f"RRef tables did not drain: {all_counts}")
-        time.sleep(0.05)
+        last.update({n: counts(n) for n in names})
+        return all(c["num_owner_rrefs"] == 0 and c["num_pending_children"] == 0
+                   and c["num_pending_users"] == 0 for c in last.values())
+    try:
+        wait_for("RRef tables drain", drained, timeout)
+    except AssertionError:
+        layer = handle.agent.extensions[RREF_LAYER]
+        for fid, r in list(layer._users.items()):
+            print("LEFT", fid, r, [repr(x)[:300] for x in gc.get_referrers(r)])
+        raise AssertionError(f"RRef tables did not drain: {last}") from None
 
 
 def test_remote_and_to_here():
@@ -65,10 +66,8 @@ def test_remote_and_to_here():
     assert torch.equal(rref1.to_here() + rref2.to_here(), torch.full((2,), 6.0))
     assert not rref1.is_owner()
     assert rref1.owner() == rpc.get_worker_info("worker1") and rref1.owner_name() == "worker1"
-    deadline = time.monotonic() + 10  # the creation's ack may still be in flight
-    while not rref1.confirmed_by_owner() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert rref1.confirmed_by_owner()
+    # The creation's ack may still be in flight.
+    wait_for("the owner confirms the RRef", rref1.confirmed_by_owner, 10)
     with pytest.raises(RuntimeError, match="owner"):
         rref1.local_value()
     assert rpc.remote(2, min, args=(4, 5)).to_here() == 4
@@ -198,9 +197,7 @@ def test_creation_failure_is_recorded_on_the_rref():
     rref = rpc.remote("worker1", helpers.raise_value_error, args=("no value",))
     with pytest.raises(ValueError, match="no value"):
         rref.to_here()
-    deadline = time.monotonic() + 5
-    while rref._error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for("the creation failure is recorded", lambda r=rref: r._error is not None, 5)
     with pytest.raises(ValueError, match="no value"):
         rpc.rpc_sync("worker2", helpers.rref_to_here, args=(rref,))  # a fork raises too
     slow = rpc.remote("worker1", helpers.sleep_then, args=(2.0, 1), timeout=0.2)
@@ -212,10 +209,7 @@ def test_creation_failure_is_recorded_on_the_rref():
     gc.disable()
     try:
         del rref, slow
-        deadline = time.monotonic() + 5
-        while any(r() is not None for r in alive) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert all(r() is None for r in alive), "a failed RRef is only freed by the gc"
+        wait_for("failed RRefs freed without the gc", lambda: all(r() is None for r in alive), 5)
     finally:
         gc.enable()
     time.sleep(2.0)
@@ -239,10 +233,8 @@ def test_unclaimed_creation_reply_is_read_for_the_rref():
     # the RRef is confirmed and a failed creation is recorded without any call.
     rref = rpc.remote("worker1", helpers.echo, args=(7,))
     failed = rpc.remote("worker2", helpers.raise_value_error, args=("unread",))
-    deadline = time.monotonic() + 5
-    while not (rref.confirmed_by_owner() and failed._error is not None):
-        assert time.monotonic() < deadline, "the parked creation replies were never read"
-        time.sleep(0.01)
+    wait_for("the parked creation replies are read",
+             lambda r=rref, f=failed: r.confirmed_by_owner() and f._error is not None, 5)
     with pytest.raises(ValueError, match="unread"):
         failed.to_here()
     assert rref.to_here() == 7
@@ -255,10 +247,8 @@ def test_many_creations_in_flight_then_fetched_in_any_order():
     refs = [rpc.remote(f"worker{1 + i % 2}", helpers.sleep_then, args=(0.01, i))
             for i in range(40)]
     assert [r.to_here() for r in reversed(refs)] == list(reversed(range(40)))
-    deadline = time.monotonic() + 5
-    while rpc.get_debug_info()["agent.num_parked"] != 0:
-        assert time.monotonic() < deadline, rpc.get_debug_info()
-        time.sleep(0.01)
+    wait_for("no reply parked", lambda: rpc.get_debug_info()["agent.num_parked"] == 0, 5,
+             state=rpc.get_debug_info)
     del refs
     wait_clean()
 

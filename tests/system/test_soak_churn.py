@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 import torchrpc.rpc as rpc
 
 from .. import robust_helpers as rh
-from ..group import free_port, start_module, worker_env
+from ..group import free_port, start_module, wait_for, worker_env
 
 SECONDS = float(os.environ.get("TORCHRPC_SOAK_CHURN_SECONDS", "12"))
 EVERY = float(os.environ.get("TORCHRPC_SOAK_CHURN_EVERY", "4"))
@@ -46,18 +46,12 @@ def _members() -> List[str]:
 
 
 def _wait_joined(names: List[str], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not set(names) <= set(_members()):
-        assert time.monotonic() < deadline, f"{names} did not join: {_members()}"
-        time.sleep(0.05)
+    wait_for(f"{names} join", lambda: set(names) <= set(_members()), timeout, state=_members)
 
 
 def _wait_removed(timeout: float = 30.0) -> None:
     """Wait until the survivors have removed the killed victim (its name is free)."""
-    deadline = time.monotonic() + timeout
-    while VICTIM in _members():
-        assert time.monotonic() < deadline, f"{VICTIM} was not removed: {_members()}"
-        time.sleep(0.02)
+    wait_for(f"{VICTIM} removed", lambda: VICTIM not in _members(), timeout, state=_members)
 
 
 def _census() -> Dict[str, Dict[str, int]]:

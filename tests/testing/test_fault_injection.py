@@ -140,12 +140,12 @@ def test_retry_after_a_real_connection_loss(agent):
     # The connection breaks while the call runs: the retry goes over a new connection,
     # and whichever reply comes first completes the call (the function is idempotent).
     fut = rpc.rpc_async("worker1", rh.slow_bump, args=("broken", 0.5))
-    time.sleep(0.1)
+    wait_for("the call runs on worker1", lambda: _count("started:broken") == 1, 10)
     for conn in list(agent.connections.all.get(1, [])):
         conn.close(ConnectionLostError("cut by the test"))
     probes = agent.debug_info()["agent.num_once_probes"]
     assert fut.wait() in (1, 2)
-    time.sleep(0.6)
+    wait_for("both runs end", lambda: _count("broken") >= 2, 10)
     assert _count("broken") == 2  # it ran twice: that is what idempotent allows
     assert agent.debug_info()["agent.num_once_probes"] == probes  # resent without asking
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
@@ -163,7 +163,7 @@ def test_internal_request_retry_facility(agent):
     fut = agent.request(w1, Kind.CALL, payload, 5.0, oneway=True,
                         retry=RetryPolicy(max_attempts=4, initial_backoff=0.01))
     assert fut.wait() is None and plan.failed == {"CALL": 2}
-    time.sleep(0.2)
+    wait_for("the one-way message arrives", lambda: _count("internal") >= 2, 10)
     assert _count("internal") == 2
     # A retry never outlives the deadline: backoff longer than the time left fails now.
     agent.inject(fail=["CALL"], num_fail_sends=1)
@@ -197,7 +197,9 @@ def test_rref_creation_failure_and_timeout_surface_on_use(agent):
     with pytest.raises(RpcTimeoutError):
         rref.to_here()
     agent.inject()
-    time.sleep(0.6)  # the late creation lands; the owner's bookkeeping settles at shutdown
+    # The late creation lands; the owner's bookkeeping settles at shutdown.
+    wait_for("the late creation lands on worker1",
+             lambda: rpc.rpc_sync("worker1", helpers.owns_rref, args=(rref._rref_id,)), 10)
 
 
 def test_rref_control_messages_are_retried(agent):
@@ -209,16 +211,14 @@ def test_rref_control_messages_are_retried(agent):
     # A user -> user fork (to this worker itself): FORK_REQUEST to the owner, CHILD_ACCEPT back.
     assert rpc.rpc_sync("worker0", helpers.rref_value_plus, args=(rref, 1)) == 42
     del rref
-    deadline = time.monotonic() + 15
-    while True:
+    last: dict = {}
+
+    def settled() -> bool:
         gc.collect()
-        mine = helpers.rref_counts()
-        owner = rpc.rpc_sync("worker1", helpers.rref_counts)
-        if owner["num_owner_rrefs"] == 0 and mine["num_pending_children"] == 0 \
-                and mine["num_user_rrefs"] == 0:
-            break
-        assert time.monotonic() < deadline, (plan.failed, mine, owner)
-        time.sleep(0.05)
+        last.update(mine=helpers.rref_counts(), owner=rpc.rpc_sync("worker1", helpers.rref_counts))
+        return last["owner"]["num_owner_rrefs"] == 0 and last["mine"]["num_pending_children"] == 0 \
+            and last["mine"]["num_user_rrefs"] == 0
+    wait_for("the RRef tables settle", settled, 15, state=lambda: (plan.failed, last))
     assert plan.failed == {"RREF_FORK_REQUEST": 2, "RREF_CHILD_ACCEPT": 2, "RREF_USER_DELETE": 2}
 
 
@@ -231,10 +231,8 @@ def test_autograd_control_messages_are_retried(agent):
         y = rpc.rpc_sync("worker1", helpers.add, args=(x, 2.0))
         dist_autograd.backward(ctx, [(y * y).sum()])
         assert torch.allclose(dist_autograd.get_gradients(ctx)[x], 2 * (x.detach() + 2))
-    deadline = time.monotonic() + 10
-    while rpc.rpc_sync("worker1", helpers.debug_info)["num_autograd_contexts"] != 0:
-        assert time.monotonic() < deadline, "the retried release never arrived"
-        time.sleep(0.05)
+    wait_for("the retried release arrives", lambda: rpc.rpc_sync(
+        "worker1", helpers.debug_info)["num_autograd_contexts"] == 0, 10)
     assert plan.failed == {"AUTOGRAD_BACKWARD": 1, "AUTOGRAD_RELEASE": 1}
 
 
@@ -278,7 +276,8 @@ def test_a_once_request_lost_before_delivery_is_sent_again_after_the_probe(agent
     plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1)
     fut = agent.request(once_kind, rh.ONCE_KIND, "lost", 20.0, what="once",
                         retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
-    time.sleep(0.3)  # the frame "left" (its send returned) but never arrived
+    # The frame "left" (its send returned) but never arrived.
+    wait_for("the frame is dropped", lambda: plan.dropped == {"PROFILED_CALL": 1}, 10)
     assert plan.dropped == {"PROFILED_CALL": 1} and not fut.done() and _count("lost") == 0
     _cut(agent)
     assert fut.wait() == 1
@@ -295,18 +294,18 @@ def test_a_probe_that_cannot_be_sent_is_retried_under_the_policy(agent, once_kin
                         num_fail_sends=2)
     fut = agent.request(once_kind, rh.ONCE_KIND, "reprobed", 20.0, what="once",
                         retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
-    time.sleep(0.2)
+    wait_for("the frame is dropped", lambda: plan.dropped == {"PROFILED_CALL": 1}, 10)
     _cut(agent)
     assert fut.wait() == 1 and _count("reprobed") == 1
     assert plan.failed == {"ONCE_PROBE": 2}  # attempts 2 and 3; attempt 4 asked and resent
     probes, avoided, after = _probe_counters(agent.debug_info())
     assert (probes - mine[0], avoided - mine[1], after - mine[2]) == (1, 0, 1)
     # Out of attempts: a probe that keeps failing fails the request, naming the worker.
-    agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1, fail=["ONCE_PROBE"],
-                 num_fail_sends=9)
+    plan = agent.inject(drop=[rh.ONCE_KIND], num_drop_sends=1, fail=["ONCE_PROBE"],
+                        num_fail_sends=9)
     fut = agent.request(once_kind, rh.ONCE_KIND, "given up", 20.0, what="once",
                         retry=RetryPolicy(max_attempts=3, initial_backoff=0.05))
-    time.sleep(0.2)
+    wait_for("the frame is dropped", lambda: plan.dropped == {"PROFILED_CALL": 1}, 10)
     _cut(agent)
     with pytest.raises(ConnectionLostError, match="gave up after 3 attempts"):
         fut.wait()
@@ -354,7 +353,7 @@ def test_a_once_reply_lost_after_the_probe_found_it_running_comes_on_the_next_pr
     theirs = _probe_counters(rpc.rpc_sync("worker1", helpers.debug_info))
     plan = agent.inject(drop=["RESPONSE"], num_drop_sends=1)
     rpc.rpc_sync("worker1", rh.start_once_request, args=("worker0", "slow-rerun", 20.0))
-    time.sleep(0.3)  # it runs here now
+    wait_for("the request runs here", lambda: rh.count("started:slow-rerun") == 1, 10)
     _cut(agent)
     start = time.monotonic()
     _settle()
@@ -379,8 +378,9 @@ def test_the_requests_of_one_peer_are_asked_about_in_one_probe(agent, once_kind)
     futs = [agent.request(once_kind, rh.ONCE_KIND, key, 20.0, what="once",
                           retry=RetryPolicy(max_attempts=5, initial_backoff=0.05))
             for key in keys]
-    time.sleep(0.3)
-    assert plan.dropped == {"PROFILED_CALL": 1}
+    wait_for("the first frame is dropped and the others run on worker1",
+             lambda: plan.dropped == {"PROFILED_CALL": 1}
+             and _count("started:slow-batch-1") == _count("started:slow-batch-2") == 1, 10)
     _cut(agent)
     assert [f.wait() for f in futs] == [1, 1, 1]
     assert [_count(key) for key in keys] == [1, 1, 1]

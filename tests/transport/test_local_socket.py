@@ -9,14 +9,13 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 
 import pytest
 
 from torchrpc import _wire
 from torchrpc._transport import Transport, dial, handshake, sockets
 
-from ..group import free_port
+from ..group import free_port, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
                                 reason="needs root to run a process as the user nobody")
@@ -95,9 +94,8 @@ def test_another_user_cannot_start_a_handshake_on_the_local_socket(caplog):
         with caplog.at_level(logging.WARNING, logger="torchrpc"):
             prober = _nobody("dial", sockets.local_name(*t.address).encode().hex(), hello.hex())
             out, _ = prober.communicate(timeout=30)
-            deadline = time.monotonic() + 5
-            while "another user" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for("the refusal logged", lambda: "another user" in caplog.text, 5,
+                     state=lambda: caplog.text)
         assert out.strip() == "got 0", out  # closed without a CHALLENGE
         assert f"uid {_uid_of('nobody')}" in caplog.text
         # This user's own processes still get a CHALLENGE there.

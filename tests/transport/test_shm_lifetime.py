@@ -15,7 +15,7 @@ import torch
 import torchrpc.rpc as rpc
 
 from .. import helpers
-from ..group import Group, running_group
+from ..group import Group, running_group, wait_for
 from .test_transport import torchrpc_segments
 
 _MEMFD = re.compile(r"/memfd:torchrpc-\d+-(\d+)-")  # the creator's pid
@@ -35,10 +35,8 @@ def test_segments_of_workers_killed_together_leave_nothing_behind():
         pids = [p.pid for p in group.procs.values()]
         # worker1 sends 4 MiB tensors to worker2 (and gets them back) as fast as it can.
         assert rpc.rpc_sync("worker1", helpers.stream_to, args=("worker2", 4 << 20, 60.0))
-        deadline = time.monotonic() + 20
-        while not all(_memfd_mappings(pid) for pid in pids):
-            assert time.monotonic() < deadline, "no shared memory between worker1 and worker2"
-            time.sleep(0.05)
+        wait_for("shared memory between worker1 and worker2",
+                 lambda: all(_memfd_mappings(pid) for pid in pids), 20)
         for _ in range(20):  # while they run: not one file in /dev/shm
             assert torchrpc_segments(pids) == []
             time.sleep(0.02)

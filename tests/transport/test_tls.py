@@ -23,7 +23,7 @@ from torchrpc.rpc import api
 
 from .. import helpers, pki_helpers
 from .. import transport_helpers as th
-from ..group import running_group
+from ..group import running_group, wait_for
 
 pytestmark = pki_helpers.needs_openssl
 
@@ -128,12 +128,10 @@ def test_client_rejects_a_server_certificate_from_another_ca(pki):
         server.close()
 
 
-def _tracked_sockets(peer: "_Peer", timeout: float = 10.0) -> int:
-    """How many sockets the transport still tracks once its handshake threads are done."""
-    deadline = time.monotonic() + timeout
-    while peer.t._links._sockets and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return len(peer.t._links._sockets)
+def _wait_untracked(peer: "_Peer", timeout: float = 10.0) -> None:
+    """Wait until the transport tracks no socket (its handshake threads are done)."""
+    wait_for("the transport tracks no socket", lambda: not peer.t._links._sockets, timeout,
+             state=lambda: len(peer.t._links._sockets))
 
 
 def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
@@ -149,8 +147,8 @@ def test_a_failed_tls_handshake_leaves_nothing_behind(pki):
         for _ in range(3):
             with pytest.raises(RpcError):
                 rogue.connect(server)  # fails the TLS handshake on both sides
-        assert _tracked_sockets(server) == 0
-        assert _tracked_sockets(rogue) == 0
+        _wait_untracked(server)
+        _wait_untracked(rogue)
         client = _Peer(2, _contexts(pki))
         try:
             assert isinstance(client.connect(server).sock, tls.TlsSocket)  # still serving

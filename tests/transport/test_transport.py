@@ -30,7 +30,7 @@ from torchrpc.rpc import api
 
 from .. import helpers
 from .. import transport_helpers as th
-from ..group import running_group
+from ..group import running_group, wait_for
 from ..wire.test_wire import DTYPES, Inner, Outer, assert_same, sample
 
 THRESHOLD = 64 << 10
@@ -273,24 +273,17 @@ def test_bad_shared_memory_references_close_only_that_connection():
             head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
             ref = bad_name.encode().ljust(_wire.SHM_REF_SIZE, b"\0")
             conn.sock.sendall(_authentic(conn, head, b"e") + ref)
-            deadline = time.monotonic() + 10
-            while not conn.closed and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert conn.closed
-        deadline = time.monotonic() + 10
-        while not any(isinstance(why, ProtocolError) for why in b.closed) \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert any(isinstance(why, ProtocolError) for why in b.closed)
+            wait_for(f"the connection that named {bad_name!r} closes", lambda: conn.closed, 10)
+        wait_for("b records a ProtocolError",
+                 lambda: any(isinstance(why, ProtocolError) for why in b.closed), 10)
         # A peer that never negotiated shared memory is refused such frames.
         conn = a.connect(c)
         assert conn.shm_rx is None and conn.shm_tx is None
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 3, 1, [LARGE | _wire.SHM_BIT])
         conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
-        deadline = time.monotonic() + 10
-        while not (conn.closed and c.closed) and time.monotonic() < deadline:
-            time.sleep(0.01)  # both ends: c records its reason a moment after a sees EOF
-        assert conn.closed and any("did not negotiate" in str(w) for w in c.closed)
+        # Both ends: c records its reason a moment after a sees EOF.
+        wait_for("both ends close", lambda: conn.closed and c.closed, 10)
+        assert any("did not negotiate" in str(w) for w in c.closed), c.closed
         # The first connection is unaffected.
         assert torch.equal(_call(good, a, torch.full((LARGE,), 3, dtype=torch.uint8)),
                            torch.full((LARGE,), 3, dtype=torch.uint8))
@@ -311,11 +304,14 @@ def test_senders_retire_idle_and_outgrown_segments():
         # in use by the peer when the next was made).
         assert 1 <= conn.shm_tx.num_segments <= 2 and 1 <= b_conn.shm_tx.num_segments <= 2
         assert conn.shm_rx.num_segments <= 2 and b_conn.shm_rx.num_segments <= 2
-        time.sleep(0.2)  # the peer's reader drops its last buffers
         now = time.monotonic() + shm.IDLE_RETIRE + 1
-        conn.shm_tx.housekeeping(now)
-        b_conn.shm_tx.housekeeping(now)
-        assert conn.shm_tx.num_segments == 0 and b_conn.shm_tx.num_segments == 0
+
+        def retired() -> bool:
+            conn.shm_tx.housekeeping(now)
+            b_conn.shm_tx.housekeeping(now)
+            return conn.shm_tx.num_segments == 0 and b_conn.shm_tx.num_segments == 0
+        # Each segment is retired once the peer's reader has dropped its last buffers.
+        wait_for("both senders retire every segment", retired, 10)
         a.t.housekeeping()
         b.t.housekeeping()
         assert conn.shm_rx.num_segments == 0 and b_conn.shm_rx.num_segments == 0
@@ -526,9 +522,7 @@ def test_frames_altered_on_the_path_are_refused(alter):
         conn = a.t.connect(1, *relay.address, timeout=5)
         assert conn.mac_tx is not None  # plain TCP: every frame carries a MAC
         conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(torch.ones(4))], None)
-        deadline = time.monotonic() + 10
-        while not b.closed and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("b closes the connection", lambda: b.closed, 10)
         assert any(isinstance(why, ProtocolError) and "failed authentication" in str(why)
                    for why in b.closed), b.closed
         if alter is not _replay_first_frame:  # a replay's first copy is genuine
@@ -583,10 +577,8 @@ def test_a_segment_that_could_shrink_is_refused_not_mapped():
         conn = a.connect(b)
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
         conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref(f"{name}.{fd}"))
-        deadline = time.monotonic() + 10
-        while not any("not sealed" in str(why) for why in b.closed) \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("b refuses the segment", lambda: any("not sealed" in str(why) for why in b.closed),
+                 10)
         assert any(isinstance(why, ProtocolError) and "not sealed" in str(why)
                    for why in b.closed), b.closed
         os.ftruncate(fd, 0)  # had it been mapped, reading it now would be SIGBUS

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torchrpc.rpc as rpc
 
 from .. import helpers
 from .. import transport_helpers as th
-from ..group import Group, free_port, sigstop, start_module, worker_env
+from ..group import Group, free_port, sigstop, start_module, wait_for, worker_env
 from .test_transport import LARGE, THRESHOLD, torchrpc_segments
 
 
@@ -48,11 +47,9 @@ def test_no_segment_files_left_after_sigkill():
         sigstop(group.procs[1].pid)
         fut = rpc.rpc_async("worker1", th.hold, args=("x", torch.ones(LARGE)), timeout=0)
         rpc.rpc_sync("worker2", th.fire, args=("worker1", LARGE))
-        deadline = time.monotonic() + 10
-        while not (_memfds(os.getpid()) and _memfds(group.procs[2].pid)) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _memfds(os.getpid()) > before and _memfds(group.procs[2].pid) >= 1
+        wait_for("worker0 and worker2 each make a segment",
+                 lambda: _memfds(os.getpid()) > before and _memfds(group.procs[2].pid) >= 1, 10,
+                 state=lambda: (before, _memfds(os.getpid()), _memfds(group.procs[2].pid)))
         assert not torchrpc_segments(pids)
         # Both die: worker2 (the creator of one) and worker1 (the would-be receiver).
         group.kill(2)

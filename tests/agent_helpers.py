@@ -21,8 +21,6 @@ from torchrpc.rpc.options import TensorPipeRpcBackendOptions
 class FakeConn:
     """The transport's connection, as the agent sees it: records what is sent on it."""
 
-    rx_buffered = 0  # no frames read ahead
-
     def __init__(self, peer_rank: int, fail: bool = False) -> None:
         self.peer_rank = peer_rank
         self.private = False

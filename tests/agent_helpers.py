@@ -31,7 +31,7 @@ class FakeConn:
         self.payloads: List[Tuple[bytes, Any]] = []  # envelope and buffers, in that order
 
     def send(self, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-             keep: Any = None, more: bool = False) -> None:
+             keep: Any = None) -> None:
         if self.fail:
             raise RpcError("broken")
         self.sent.append((kind, flags, rid))

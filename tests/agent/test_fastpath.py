@@ -29,8 +29,8 @@ class FakePrivate(FakeConn):
         self.reads = 0
 
     def send(self, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-             keep: Any = None, more: bool = False) -> None:
-        super().send(kind, flags, rid, env, bufs, keep, more)
+             keep: Any = None) -> None:
+        super().send(kind, flags, rid, env, bufs, keep)
         if self.auto:
             self.answer(rid, sum(_wire.decode(env, bufs)[1][1]))
 

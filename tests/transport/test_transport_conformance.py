@@ -184,52 +184,6 @@ def test_both_directions_at_once_from_several_threads(pair):
         assert pair.frames[dst].empty()
 
 
-def _writers() -> List[str]:
-    import threading
-    return [t.name for t in threading.enumerate() if t.name.startswith("torchrpc-writer-")]
-
-
-def test_a_burst_left_to_the_writer_thread_arrives_in_order_and_intact(pair):
-    # Sends that say more follow, back to back, from two threads: the connection's
-    # writer thread writes them (a link without one, its senders); nothing is lost,
-    # reordered per thread or torn, and a close stops the writer.
-    n = 400
-    sizes = [0, 7, THRESHOLD + 3, 100]
-
-    def burst(i: int) -> None:
-        for j in range(n):
-            rid = i * 10000 + j
-            t = _payload(rid, sizes[j % 4])
-            pair.a.send(Kind.CALL, 0, rid, b"%d" % rid, [_wire.tensor_bytes(t)], [t], True)
-
-    errors = helpers.run_in_threads(burst, [(0,), (1,)], timeout=120)
-    assert not errors, errors[0]
-    if pair.kind != "memory":  # the transport's connections have a writer, idle a while
-        assert pair.a._writer and f"torchrpc-writer-{pair.a.peer_rank}" in _writers()
-    last = {0: -1, 1: -1}
-    for _ in range(2 * n):
-        header, env, bufs = _receive(pair, pair.b)
-        i, j = divmod(header.request_id, 10000)
-        assert j == last[i] + 1 and env == b"%d" % header.request_id
-        last[i] = j
-        assert torch.equal(bufs[0], _payload(header.request_id, sizes[j % 4]))
-    pair.a.close()
-    th.wait_for(lambda: not pair.a._writer, "the writer thread to stop at the close")
-
-
-def test_a_lone_send_is_written_by_its_sender(pair):
-    if pair.kind == "memory":
-        pytest.skip("the in-memory link has no writer thread")
-    pair.a.stop_writer()  # any writer of an earlier burst is gone
-    th.wait_for(lambda: not pair.a._writer, "the writer to stop")
-    pair.a._writer_stop = False
-    pair.a.last_send = 0.0  # long ago: this send starts no burst
-    pair.a.send(Kind.CALL, 0, 1, b"lone", [], None, True)
-    assert not pair.a._writer and _receive(pair, pair.b)[1] == b"lone"
-    pair.a.send(Kind.CALL, 0, 2, b"alone", [], None, False)  # nothing follows: inline too
-    assert not pair.a._writer and _receive(pair, pair.b)[1] == b"alone"
-
-
 @pytest.mark.parametrize("closer", ["a", "b"])
 def test_a_close_is_seen_by_the_other_side_as_a_lost_connection(pair, closer):
     conn = pair.a if closer == "a" else pair.b

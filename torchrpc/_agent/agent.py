@@ -320,10 +320,10 @@ class Agent:
         self._pool.submit(start)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-              keep: Any, via: Optional[Connection] = None, more: bool = False) -> None:
-        """Send one frame to ``dst`` (on ``via``, if given; ``more``: others follow, see
-        :meth:`Connection.send`); raise :class:`RpcError` when it cannot."""
-        (via or self.connections.to(dst)).send(kind, flags, rid, env, bufs, keep, more)
+              keep: Any, via: Optional[Connection] = None) -> None:
+        """Send one frame to ``dst`` (on ``via``, if given); raise
+        :class:`RpcError` when it cannot."""
+        (via or self.connections.to(dst)).send(kind, flags, rid, env, bufs, keep)
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""

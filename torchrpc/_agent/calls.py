@@ -173,9 +173,7 @@ class Calls:
             r.sent = True  # from here the frame may arrive, even if the connection breaks
         try:
             conn = p.conn = agent.connections.to(p.dst)
-            # With other requests outstanding this one may be part of a burst.
-            agent._send(p.dst, kind, flags, rid, env, bufs, keep, conn,
-                        len(agent.requests.pending) > 1)
+            agent._send(p.dst, kind, flags, rid, env, bufs, keep, conn)
         except RpcError as exc:  # raised before the frame was queued: it did not go
             if r is not None:
                 r.sent = was_sent

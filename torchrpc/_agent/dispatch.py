@@ -235,8 +235,7 @@ class Dispatch:
             stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
         keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
-            # With requests queued behind this one, more replies follow.
-            agent._send(dst, kind, 0, rid, env, bufs, keep, via, agent._pool.num_pending > 0)
+            agent._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
             if via is not None and (not via.private or (dst.id, rid) in self.once):
                 # Broken: answer on the current connection (the caller ignores a reply it

@@ -145,7 +145,7 @@ class FaultyConnection(Connection):
         self._agent = agent
 
     def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
-             buffers: Sequence[memoryview], keepalive: Any = None, more: bool = False) -> None:
+             buffers: Sequence[memoryview], keepalive: Any = None) -> None:
         plan = self._agent.faults
         if plan.should_fail(kind):
             name = self._agent.peer(self.peer_rank).name
@@ -159,7 +159,7 @@ class FaultyConnection(Connection):
             self._agent.call_later(seconds, self._send_late, kind, flags, request_id,
                                    envelope, buffers, keepalive)
             return
-        super().send(kind, flags, request_id, envelope, buffers, keepalive, more)
+        super().send(kind, flags, request_id, envelope, buffers, keepalive)
 
     def _send_late(self, kind: int, flags: int, request_id: int, envelope: bytes,
                    buffers: Sequence[memoryview], keepalive: Any) -> None:

@@ -4,11 +4,7 @@ Senders hand the header, envelope and tensor memory to ``sendmsg`` as one scatte
 list. Writes are combined: a thread that finds the connection busy leaves its frame in
 the outbox and returns; the thread that is writing flushes everything queued in one
 ``sendmsg``, so many small messages under load cost few system calls while a lone
-message goes out at once. A send that comes within ``BURST`` of the connection's last
-write while its sender knows that more follow (``more``: other requests outstanding, or
-requests queued behind the one replied to) is left to the connection's writer thread:
-the sender goes on at once, and the frames queued while the writer waits for the GIL
-leave together. A lone call, or a call and its reply in turn, is written by its sender.
+message goes out at once.
 
 Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at least
 ``shm_threshold`` bytes go through shared memory instead (``shm.py``): the sender copies
@@ -32,12 +28,6 @@ from .reader import (_DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader
 from .sockets import lost
 
 _IOV_MAX = 512
-# A send this soon (seconds) after its connection's last write, with more to follow, is
-# part of a burst (a loop of rpc_async, a callee's stream of replies): the connection's
-# writer thread writes it with those that follow in one system call, while the sender
-# goes on.
-BURST = 200e-6
-WRITER_IDLE = 2.0  # seconds without a burst after which a writer thread exits
 
 
 class Link(Protocol):
@@ -83,13 +73,6 @@ class Connection(FrameReader):
         self._room = threading.Condition(self._lock)  # _outbox got emptier, or closed
         self._room_waiters = 0  # threads in _wait_for_room: only they need a notify
         self._writing = False
-        # Starts a thread (the transport's ``spawn``); where set, bursts are written by
-        # this connection's writer thread (see BURST), started on the first one.
-        self.spawn_writer: Optional[Callable[..., Any]] = None
-        self._writer = False  # a writer thread runs (or is being started)
-        self._handed = False  # a sender left the writing to the writer, which has not begun
-        self._writer_stop = False
-        self._kick = threading.Event()  # set: the writer has frames to write, or must stop
         # Bounds, set by the transport: bytes that may wait in the outbox before a sender
         # waits for room (0: no bound), and how long it waits (0: as long as it takes).
         self.max_outbox = 0
@@ -135,11 +118,8 @@ class Connection(FrameReader):
     # -- sending -------------------------------------------------------------------------------
 
     def send(self, kind: int, flags: int, request_id: int, envelope: bytes,
-             buffers: Sequence[memoryview], keepalive: Any = None, more: bool = False) -> None:
+             buffers: Sequence[memoryview], keepalive: Any = None) -> None:
         """Queue one frame; write it now unless another thread is already writing.
-
-        ``more``: the sender knows that more frames for this connection follow; within
-        ``BURST`` of the last write, the connection's writer thread writes them all.
 
         With shared memory, large buffers are copied into segments here, by the
         calling thread, and the frame carries their names instead.
@@ -186,49 +166,7 @@ class Connection(FrameReader):
             if self._writing:
                 return
             self._writing = True
-            burst = more and self.spawn_writer is not None and not self._writer_stop \
-                and time.monotonic() - self.last_send < BURST
-            start = False
-            if burst:
-                self._handed = True
-                start, self._writer = not self._writer, True
-        if not burst:
-            self._drain()
-        elif not start or self._start_writer():
-            self._kick.set()
-        else:
-            self._drain()
-
-    def _start_writer(self) -> bool:
-        """Start this connection's writer thread; False if no thread can start."""
-        try:
-            self.spawn_writer(self._write_bursts, f"torchrpc-writer-{self.peer_rank}")
-        except Exception:  # noqa: BLE001 - out of threads: the sender writes itself
-            with self._lock:
-                self._writer = self._handed = False
-            return False
-        return True
-
-    def _write_bursts(self) -> None:
-        """The writer thread: write what senders left in the outbox whenever kicked; exit
-        after WRITER_IDLE without work, or once stopped."""
-        kick = self._kick
-        while True:
-            kicked = kick.wait(0 if self._writer_stop else WRITER_IDLE)
-            with self._lock:
-                kick.clear()
-                mine, self._handed = self._handed, False
-                if not mine:
-                    if kicked and not self._writer_stop:
-                        continue  # the late kick of a burst this thread wrote already
-                    self._writer = False  # idle, or stopped: a later burst starts another
-                    return
-            self._drain()  # the writing role is this thread's until the outbox is empty
-
-    def stop_writer(self) -> None:
-        """Make the writer thread (if any) exit; later bursts are written by their senders."""
-        self._writer_stop = True
-        self._kick.set()
+        self._drain()
 
     def _unsend(self, staged: Any, returned: Any) -> None:
         """A frame that was to carry shared-memory buffers is not sent: undo them."""
@@ -320,7 +258,6 @@ class Connection(FrameReader):
             self._outbox = []
             self._outbox_bytes = 0
             self._room.notify_all()
-        self.stop_writer()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

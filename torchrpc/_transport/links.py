@@ -176,8 +176,6 @@ class Links:
                                     self._closed, outbound=outbound)
         conn.features = features
         conn.set_private(bool(features & handshake.FEATURE_PRIVATE))
-        if not conn.private:  # one call at a time on a private one: no bursts
-            conn.spawn_writer = self.spawn
         if needs_frame_macs(conn):
             c2s, s2c = handshake.frame_keys(self.secret, nonces[0], nonces[1], *ranks)
             tx, rx = (c2s, s2c) if outbound else (s2c, c2s)
@@ -293,9 +291,6 @@ class Links:
                 pass
         with self._lock:
             threads = [t for t in self._threads if t is not threading.current_thread()]
-            conns = list(self._every_conn)
-        for conn in conns:  # writer threads wait for bursts, not on their sockets
-            conn.stop_writer()
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.0))
         with self._lock:

@@ -259,15 +259,17 @@ class Calls:
             p.future.set_result(value)
 
     def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
-        meta: Dict[str, Any] = {}
-        states: Dict[str, Any] = {}
-        send_hooks = []
+        found = None  # made only when a hook has something for this request (rarely)
         for hook in self._agent._hooks:
             out = hook.outgoing_request(dst, kind)
             if out is not None:
-                meta[hook.key], h, states[hook.key] = out
-                send_hooks.append(h)
-        return (meta or None), combine(send_hooks), (states or None)
+                if found is None:
+                    found = ({}, [], {})
+                found[0][hook.key], h, found[2][hook.key] = out
+                found[1].append(h)
+        if found is None:
+            return None, None, None
+        return found[0], combine(found[1]), found[2]
 
     def _request_failed(self, dst: WorkerInfo, states: Dict[str, Any]) -> None:
         for hook in self._agent._hooks:

@@ -42,8 +42,7 @@ def _retry(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def test_connection_churn_with_faults_kills_no_thread_and_loses_no_worker(tmp_path):
     watch = ThreadWatch().install()
     try:
-        # Ranks 1-7 inject faults; rank 0 (here) is a plain agent, so private connections
-        # (which the faulty agent does not use) churn too.
+        # Ranks 1-7 inject faults; rank 0 (here) is a plain agent.
         with running_group(WORLD, threads=4, timeout=60.0, backend=faulty.BACKEND_NAME,
                            self_backend="TENSORPIPE", options=OPTIONS,
                            extra_env={WATCH_ENV: str(tmp_path)}):

@@ -2,7 +2,8 @@
 
 Like torch's faulty agent, it fails or delays the sends of chosen message kinds:
 ``messages_to_fail`` names kinds whose first ``num_fail_sends`` sends (each kind
-counted apart) fail as if the connection had broken, before any byte leaves;
+counted apart) fail as if the connection had broken, before any byte leaves (a private
+connection, which carries one call, then breaks indeed, so that its other end sees it);
 ``messages_to_delay`` maps kinds to seconds by which every send of that kind is
 held back (without blocking the sender) and then delivered, even if its connection
 closed meanwhile, as bytes sent before a TCP close are. Kinds are named as in
@@ -149,9 +150,12 @@ class FaultyConnection(Connection):
         plan = self._agent.faults
         if plan.should_fail(kind):
             name = self._agent.peer(self.peer_rank).name
-            raise ConnectionLostError(
+            error = ConnectionLostError(
                 f"injected fault: a send of {Kind(kind).name} to worker {name} failed "
                 f"({BACKEND_NAME} messages_to_fail)", worker=name)
+            if self.private:  # its one call's other end learns of it as of a real break
+                self.close(error)
+            raise error
         if plan.should_drop(kind):
             return  # lost on the way, as if in the buffers of a connection that breaks
         seconds = plan.delay_for(kind)

@@ -134,6 +134,13 @@ class FaultyTensorPipeRpcBackendOptions(TensorPipeRpcBackendOptions):
         self.num_fail_sends = num_fail_sends
 
 
+def injected_failure(kind: int, worker: str, what: str = "") -> ConnectionLostError:
+    """The error of a send of ``kind`` to ``worker`` that the fault plan fails."""
+    return ConnectionLostError(f"injected fault: a send of {Kind(kind).name} to worker "
+                               f"{worker}{what} failed ({BACKEND_NAME} messages_to_fail)",
+                               worker=worker)
+
+
 class FaultyConnection(Connection):
     """A connection whose frames meet its agent's :class:`FaultPlan` before they leave.
 
@@ -149,10 +156,7 @@ class FaultyConnection(Connection):
              buffers: Sequence[memoryview], keepalive: Any = None) -> None:
         plan = self._agent.faults
         if plan.should_fail(kind):
-            name = self._agent.peer(self.peer_rank).name
-            error = ConnectionLostError(
-                f"injected fault: a send of {Kind(kind).name} to worker {name} failed "
-                f"({BACKEND_NAME} messages_to_fail)", worker=name)
+            error = injected_failure(kind, self._agent.peer(self.peer_rank).name)
             if self.private:  # its one call's other end learns of it as of a real break
                 self.close(error)
             raise error
@@ -204,9 +208,8 @@ class FaultyAgent(Agent):
         # A request to this worker itself meets the same plan as one that is sent.
         plan = self.faults
         if plan.should_fail(kind):
-            self.calls.request_lost(rid, self.worker_info, ConnectionLostError(
-                f"injected fault: a send of {Kind(kind).name} to worker {self.name} (itself) "
-                f"failed ({BACKEND_NAME} messages_to_fail)", worker=self.name))
+            self.calls.request_lost(rid, self.worker_info,
+                                    injected_failure(kind, self.name, " (itself)"))
             return
         seconds = plan.delay_for(kind)
         if seconds > 0:

@@ -6,7 +6,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -27,6 +27,36 @@ def bump(key: str) -> int:
 def count(key: str) -> int:
     with _counts_lock:
         return _counts.get(key, 0)
+
+
+def async_call_outcome(to: str, timeout: float) -> Tuple[str, float]:
+    """``rpc_async(to, whoami).wait()`` from here: the name it returns or its error's type
+    and text, and the seconds it took."""
+    from .helpers import whoami
+    start = time.monotonic()
+    try:
+        outcome = rpc.rpc_async(to, whoami, timeout=timeout).wait()
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, time.monotonic() - start
+
+
+_outcomes: Dict[str, Tuple[str, float]] = {}
+
+
+def start_async_call_outcome(key: str, to: str, timeout: float, after: float) -> bool:
+    """In a thread, ``after`` seconds from now: :func:`async_call_outcome`, kept under
+    ``key`` for :func:`outcome_of` (so that the call that starts it is answered first)."""
+    def run() -> None:
+        time.sleep(after)
+        _outcomes[key] = async_call_outcome(to, timeout)
+    _outcomes.pop(key, None)
+    threading.Thread(target=run, name="test-outcome", daemon=True).start()
+    return True
+
+
+def outcome_of(key: str) -> Any:
+    return _outcomes.get(key)
 
 
 @rpc.functions.idempotent(max_attempts=3, initial_backoff=0.2, backoff_multiplier=2.0)

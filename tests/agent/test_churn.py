@@ -2,7 +2,8 @@
 closes its connections at random (either side, cleanly or broken) and the fault-injecting
 ones fail and delay sends, with heartbeats every 0.1 s and calls that time out. No thread
 of any worker may raise or log an error, no healthy worker may be timed out as silent,
-and the group must still shut down gracefully.
+no call may wait out its timeout for a request or reply that was lost, and the group must
+still shut down gracefully.
 
 ``TORCHRPC_CHURN_SECONDS`` changes the 10 s.
 """
@@ -68,6 +69,8 @@ def test_connection_churn_with_faults_kills_no_thread_and_loses_no_worker(tmp_pa
         assert r["counts"].get("ok", 0) >= 20, summary  # calls got through all along
         assert r["counts"].get("closed", 0) >= 20, summary
         assert r["heartbeat_timeouts"] == 0, r
+        # A lost request fails with its connection; none may wait out its 10 s timeout.
+        assert r["counts"].get("RpcTimeoutError", 0) == 0, summary
     assert sum(r["counts"].get("timed_out_on_purpose", 0) for r in results) > 0, summary
     for name, report in reports.items():
         assert not report["raised"], (name, report["raised"][:5])

@@ -96,6 +96,50 @@ def test_a_held_back_request_arrives_after_its_caller_timed_out(agent):
     wait_for("the held-back call to run", lambda: _count("held back") == 1, 5.0)
 
 
+def test_an_injected_failure_of_a_reply_breaks_its_connection(agent):
+    # A caller learns that its reply will not come only from the break, as with a real
+    # failed send: worker1's call fails at once instead of at its 20 s timeout. A reply
+    # that fails on a shared connection is tried again on the current one: that fails too.
+    # The break fails this worker's own calls to worker1 too, so worker1 calls on its own.
+    plan = agent.inject(fail=["RESPONSE"], num_fail_sends=2)
+    rpc.rpc_sync("worker1", rh.start_async_call_outcome, args=("reply", "worker0", 20.0, 0.2))
+
+    def outcome():
+        try:
+            return rpc.rpc_sync("worker1", rh.outcome_of, args=("reply",))
+        except ConnectionLostError:  # a poll that met the break
+            return None
+
+    wait_for("worker1's call to end", outcome, 30.0)
+    got, seconds = outcome()
+    assert got.startswith("ConnectionLostError") and "worker0" in got, got
+    assert seconds < 10.0 and plan.failed["RESPONSE"] >= 1
+    agent.inject()
+    assert rpc.rpc_sync("worker1", rh.async_call_outcome, args=("worker0", 20.0))[0] == "worker0"
+
+
+def test_requests_on_a_connection_this_worker_closes_fail_at_once(agent):
+    # Closing a shared connection drops the frames in its outbox, and no reply comes on
+    # it: the requests that went out on it fail now, not at their timeout.
+    futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
+            for k in range(4)]
+    on_shared = {p.conn for p in list(agent.requests.pending.values()) if p.conn is not None}
+    assert on_shared, "no request went out on a shared connection"
+    start = time.monotonic()
+    for conn in on_shared:
+        conn.close()
+    outcomes = []
+    for k, fut in enumerate(futs):
+        try:
+            outcomes.append(fut.wait())
+        except ConnectionLostError as exc:
+            assert "closed by this worker" in str(exc) and exc.worker == "worker1"
+            outcomes.append("closed")
+    assert "closed" in outcomes and time.monotonic() - start < 10.0
+    assert all(o in ("closed", k) for k, o in enumerate(outcomes)), outcomes
+    assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+
+
 def test_idempotent_call_is_retried_with_backoff(agent):
     plan = agent.inject(fail=["CALL"], num_fail_sends=2)
     start = time.monotonic()

@@ -151,15 +151,21 @@ class Connections:
                     self.shared[rank] = open_conns[0]
                 else:
                     del self.shared[rank]
-        if agent._state is not RUNNING or reason is None:
+        if agent._state is not RUNNING:
             return
         w = agent.registry.workers.get(rank)
+        name = w.name if w else f"rank{rank}"
         if rank in agent.registry.left:
             # A request sent while the GOODBYE was on its way was on this connection.
             if w is not None:
                 agent.requests.fail_peer(rank, agent.left_error(w))
             return
-        name = w.name if w else f"rank{rank}"
+        if reason is None:
+            # Closed here: the frames still in its outbox are gone, and no reply comes on it.
+            agent.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(
+                f"a connection to worker {name} (rank {rank}) was closed by this worker with "
+                f"this request on it", worker=name))
+            return
         if open_conns:
             # The peer is still reachable, but what went out on this connection may be lost.
             agent.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(

@@ -157,7 +157,10 @@ class FaultyConnection(Connection):
         plan = self._agent.faults
         if plan.should_fail(kind):
             error = injected_failure(kind, self._agent.peer(self.peer_rank).name)
-            if self.private:  # its one call's other end learns of it as of a real break
+            # The other end learns of a failed send only as of a real one, by the break:
+            # a private connection's one call, and the caller of a reply, which has no
+            # other way to know that the reply will not come.
+            if self.private or kind == Kind.RESPONSE or kind == Kind.ERROR:
                 self.close(error)
             raise error
         if plan.should_drop(kind):

@@ -77,6 +77,26 @@ def test_a_failing_step_stops_this_worker_and_the_others_are_told():
         group.abandon(30)
 
 
+def test_a_shutdown_that_waits_for_requests_says_which_and_its_deadline_names_them(
+        monkeypatch, caplog):
+    from torchrpc._agent import shutdown as protocol
+    monkeypatch.setattr(protocol, "REPORT_WAIT", 0.3)
+    group = Group(2, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(3.0, 7), timeout=20)
+        with caplog.at_level("WARNING", logger="torchrpc"):
+            with pytest.raises(ShutdownError, match=r"1 RPCs still outstanding at shutdown: "
+                                                    r"tests\.helpers\.sleep_then to worker1 "
+                                                    r"\(sent 1\.\d s ago, timeout 20 s\)"):
+                rpc.shutdown(graceful=True, timeout=1.5)
+        said = [r.getMessage() for r in caplog.records if "waits for 1 outstanding" in r.getMessage()]
+        assert said and "tests.helpers.sleep_then to worker1 (sent 0." in said[0], said
+        assert fut.done() and not rpc.api._is_current_rpc_agent_set()
+    finally:
+        group.abandon(30)
+
+
 def _at_first_barrier(rank: int) -> bool:
     """Whether worker ``rank`` has reached graceful shutdown's first store barrier."""
     from torchrpc._agent.current import current_agent

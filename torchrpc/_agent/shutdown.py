@@ -116,6 +116,10 @@ STOP_WAIT = 15.0
 LAST_BARRIER_WAIT = 30.0
 """The most seconds rank 0 waits at the last barrier for the others to count in."""
 
+REPORT_WAIT = 5.0
+"""Seconds a graceful shutdown waits for outstanding requests before it logs which, and
+again every as many seconds after."""
+
 
 def _earlier(when: float, deadline: Optional[float]) -> float:
     """``when``, or ``deadline`` if there is one and it comes first."""
@@ -221,12 +225,31 @@ class Shutdown:
     def _wait_pending(self, deadline: Optional[float]) -> None:
         delay = 0.001
         pending = self._agent.requests.pending
+        report_at = time.monotonic() + REPORT_WAIT
         while pending:
             self.check_peers()
-            if deadline is not None and time.monotonic() > deadline:
-                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown")
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                raise ShutdownError(f"{len(pending)} RPCs still outstanding at shutdown: "
+                                    f"{self.outstanding()}")
+            if now > report_at:
+                log.warning("shutdown of %s waits for %d outstanding RPCs: %s",
+                            self._agent.name, len(pending), self.outstanding())
+                report_at = now + REPORT_WAIT
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def outstanding(self, limit: int = 3) -> str:
+        """The oldest ``limit`` outstanding requests: what, to whom, since when, and their
+        timeouts (for the messages of a shutdown that waits for them)."""
+        now = time.monotonic()
+        oldest = sorted(list(self._agent.requests.pending.values()), key=lambda p: p.sent)
+        said = [f"{describe(p.what)} to {p.dst.name} (sent {now - p.sent:.1f} s ago, "
+                + (f"timeout {p.timeout:g} s)" if p.timeout > 0 else "no timeout)")
+                for p in oldest[:limit]]
+        if len(oldest) > limit:
+            said.append(f"and {len(oldest) - limit} more")
+        return "; ".join(said) or "none"
 
     # -- peers that are gone -----------------------------------------------------------------------
 

@@ -90,7 +90,8 @@ def test_a_shutdown_that_waits_for_requests_says_which_and_its_deadline_names_th
                                                     r"tests\.helpers\.sleep_then to worker1 "
                                                     r"\(sent 1\.\d s ago, timeout 20 s\)"):
                 rpc.shutdown(graceful=True, timeout=1.5)
-        said = [r.getMessage() for r in caplog.records if "waits for 1 outstanding" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records
+                if "waits for 1 outstanding" in r.getMessage()]
         assert said and "tests.helpers.sleep_then to worker1 (sent 0." in said[0], said
         assert fut.done() and not rpc.api._is_current_rpc_agent_set()
     finally:

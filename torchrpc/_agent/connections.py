@@ -160,17 +160,13 @@ class Connections:
             if w is not None:
                 agent.requests.fail_peer(rank, agent.left_error(w))
             return
-        if reason is None:
-            # Closed here: the frames still in its outbox are gone, and no reply comes on it.
+        if reason is None or open_conns:
+            # Closed here (the frames still in its outbox are gone), or broken while the peer
+            # is still reachable: what went out on this connection may be lost.
+            how = ("was closed by this worker with this request on it" if reason is None
+                   else f"broke with this request on it: {reason}")
             agent.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(
-                f"a connection to worker {name} (rank {rank}) was closed by this worker with "
-                f"this request on it", worker=name))
-            return
-        if open_conns:
-            # The peer is still reachable, but what went out on this connection may be lost.
-            agent.requests.fail_matching(lambda p: p.conn is conn, ConnectionLostError(
-                f"a connection to worker {name} (rank {rank}) broke with this request on it: "
-                f"{reason}", worker=name))
+                f"a connection to worker {name} (rank {rank}) {how}", worker=name))
             return
         with self._lock:
             self.lost[rank] = str(reason)

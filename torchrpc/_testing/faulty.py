@@ -2,8 +2,9 @@
 
 Like torch's faulty agent, it fails or delays the sends of chosen message kinds:
 ``messages_to_fail`` names kinds whose first ``num_fail_sends`` sends (each kind
-counted apart) fail as if the connection had broken, before any byte leaves (a private
-connection, which carries one call, then breaks indeed, so that its other end sees it);
+counted apart) fail as if the connection had broken, before any byte leaves (where the
+other end could learn of it no other way, the connection then breaks indeed: a private
+one, which carries one call, and any one a reply fails on);
 ``messages_to_delay`` maps kinds to seconds by which every send of that kind is
 held back (without blocking the sender) and then delivered, even if its connection
 closed meanwhile, as bytes sent before a TCP close are. Kinds are named as in

@@ -26,7 +26,7 @@ from torchrpc._dist_autograd.messages import BackwardRequest, DoneReport
 from torchrpc._dist_autograd.passes import (PassBook, RootPass, deadline_of, plan_forward,
                                             time_left)
 from torchrpc._dist_autograd.records import (DistAutogradContext, RecvRecorder, SendRecorder,
-                                             make_context_id)
+                                             local_pass, make_context_id)
 from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 
@@ -370,3 +370,47 @@ def test_a_pass_whose_first_hop_eats_the_time_fails_at_the_root_s_deadline():
     assert 0.7 < elapsed < 1.4, elapsed  # a fresh RPC timeout for the second hop: 1.7 s
     (_, _, req, timeout), = [r for r in net.requests() if r[1] == 2]
     assert timeout == req.time_left and timeout < 0.35
+
+
+def _counting_clones(monkeypatch) -> List[torch.Tensor]:
+    """Record every ``Tensor.clone`` that Python code makes from here on."""
+    made: List[torch.Tensor] = []
+    clone = torch.Tensor.clone
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        return clone(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    return made
+
+
+def test_a_local_pass_copies_no_gradient_that_reaches_one_leaf(monkeypatch):
+    # The weight and bias gradients of a layer are made and taken one after the other: a
+    # freed gradient's id comes back for the next, which is still not shared.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    out = model(torch.randn(8, 64))
+    ctx = DistAutogradContext(7)
+    clones = _counting_clones(monkeypatch)
+    local_pass(ctx, [out], [torch.ones_like(out)])
+    assert clones == []
+    grads = ctx._grads
+    assert set(map(id, grads)) == set(map(id, model.parameters()))
+    out.backward(torch.ones_like(out))  # the same pass, by torch's local engine
+    for p in model.parameters():
+        assert torch.allclose(grads[p], p.grad) and p.grad.data_ptr() != grads[p].data_ptr()
+
+
+def test_a_local_pass_copies_a_gradient_that_reaches_two_leaves(monkeypatch):
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    out = a + b  # both leaves get the one gradient tensor
+    ctx = DistAutogradContext(8)
+    clones = _counting_clones(monkeypatch)
+    local_pass(ctx, [out], [torch.full((3,), 2.0)])
+    assert len(clones) == 1
+    ga, gb = ctx._grads[a], ctx._grads[b]
+    assert torch.equal(ga, torch.full((3,), 2.0)) and torch.equal(gb, ga)
+    assert ga.data_ptr() != gb.data_ptr()
+    assert a.grad is None and b.grad is None  # .grad gets back its own value

@@ -38,6 +38,7 @@ Nothing here does I/O; :mod:`torchrpc._dist_autograd.engine` moves the messages.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -351,18 +352,29 @@ class _SharedGradGuard:
     __slots__ = ("seen",)
 
     def __init__(self) -> None:
-        self.seen: Set[int] = set()
+        # id -> a weak reference to the gradient seen under it. Not a strong one: the
+        # accumulator takes a gradient without copying only while nothing else holds it.
+        # By id alone, a gradient freed during the pass would make the next one that
+        # gets its id look shared (the weight and bias of a layer do), and be copied.
+        self.seen: Dict[int, Any] = {}
 
     def __call__(self, grads: Tuple[Optional[torch.Tensor], ...]
                  ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
         g = grads[0]
         if g is None:
             return None
-        key = id(g)  # no reference: holding one would make every accumulator copy
-        if key in self.seen:
+        key = id(g)
+        seen = self.seen.get(key, _UNSEEN)
+        if seen is not _UNSEEN and (seen is None or seen() is g):
             return (g.clone(),)
-        self.seen.add(key)
+        try:
+            self.seen[key] = weakref.ref(g)
+        except TypeError:  # a tensor type without weak references: known by id alone
+            self.seen[key] = None
         return None
+
+
+_UNSEEN = object()
 
 
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]

@@ -198,6 +198,12 @@ def run_echo(ctx: WorkerContext) -> Result:
         del x
     metrics["peak_rss_caller_MB"] = peak_rss_mb()
     metrics["peak_rss_callee_MB"] = ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)
+    # What the echoes added to each process's peak: the payload copies it held at once,
+    # without the footprint of torch and the agent (a few hundred MiB either way).
+    metrics["rss_growth_caller_MB"] = (metrics["peak_rss_caller_MB"]
+                                       - details["rss_after_init_caller_MB"])
+    metrics["rss_growth_callee_MB"] = (metrics["peak_rss_callee_MB"]
+                                       - details["rss_after_init_callee_MB"])
     # After the peak RSS is read: the copy's second tensor must not count in it.
     for size_mb in opts.echo_sizes_mb:
         if size_mb >= 64:

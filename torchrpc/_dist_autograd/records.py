@@ -356,7 +356,7 @@ class _SharedGradGuard:
         # accumulator takes a gradient without copying only while nothing else holds it.
         # By id alone, a gradient freed during the pass would make the next one that
         # gets its id look shared (the weight and bias of a layer do), and be copied.
-        self.seen: Dict[int, Any] = {}
+        self.seen: Dict[int, weakref.ref] = {}
 
     def __call__(self, grads: Tuple[Optional[torch.Tensor], ...]
                  ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
@@ -364,17 +364,11 @@ class _SharedGradGuard:
         if g is None:
             return None
         key = id(g)
-        seen = self.seen.get(key, _UNSEEN)
-        if seen is not _UNSEEN and (seen is None or seen() is g):
+        ref = self.seen.get(key)
+        if ref is not None and ref() is g:
             return (g.clone(),)
-        try:
-            self.seen[key] = weakref.ref(g)
-        except TypeError:  # a tensor type without weak references: known by id alone
-            self.seen[key] = None
+        self.seen[key] = weakref.ref(g)  # every Tensor class takes weak references
         return None
-
-
-_UNSEEN = object()
 
 
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]

@@ -282,3 +282,17 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
 def test_echo_of_64_mb_and_more_is_also_reported_against_one_memcpy() -> None:
     names = [spec.name for spec in metric_specs("echo", BenchOptions(echo_sizes_mb=(1.0, 64.0)))]
     assert "echo_64MB_per_memcpy" in names and "echo_1MB_per_memcpy" not in names
+
+
+def test_the_featureless_floor_runs_latency_and_throughput_and_errs_on_the_rest() -> None:
+    proc = run_bench("--quick", "--workloads", "latency,throughput,remote", "--systems",
+                     "floor,floor-self", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for name in ("rpc_sync_p50_us", "noop_p50_us", "rpc_async_calls_per_s"):
+        values = report["metrics"][name]["values"]
+        assert all(isinstance(values[s], (int, float)) and values[s] > 0
+                   for s in ("floor", "floor-self")), (name, values)
+    # The floor has no remote(): that workload is an error row of each floor system.
+    errors = report["metrics"]["remote_to_here_p50_us"]["errors"]
+    assert all("remote" in errors[s] for s in ("floor", "floor-self")), errors

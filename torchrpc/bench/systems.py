@@ -9,6 +9,9 @@ shows up as an error row instead of taking the whole benchmark down.
 ``torchrpc-tcp`` is torchrpc over plain TCP, as between hosts (no Unix socket, no shared
 memory), frame MACs included.
 
+``floor`` and ``floor-self`` are a featureless RPC (``variants/floor.py``): what any
+pure-Python design costs on this machine, for the latency and throughput workloads only.
+
 ``shim`` is torch again under another label. It exists to develop and test the harness
 end to end without depending on torchrpc being complete.
 """
@@ -48,6 +51,10 @@ SYSTEMS: dict[str, SystemSpec] = {
     "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="torchrpc.bench.variants.tcp",
                                autograd="torchrpc.autograd", optim="torchrpc.optim"),
     "shim": SystemSpec("shim", **_TORCH_MODULES),
+    "floor": SystemSpec("floor", rpc="torchrpc.bench.variants.floor",
+                        autograd="torchrpc.autograd", optim="torchrpc.optim"),
+    "floor-self": SystemSpec("floor-self", rpc="torchrpc.bench.variants.floor_self",
+                             autograd="torchrpc.autograd", optim="torchrpc.optim"),
 }
 """Built-in systems, selectable with ``--systems``."""
 

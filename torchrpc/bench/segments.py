@@ -16,6 +16,7 @@ import argparse
 import collections
 import multiprocessing
 import os
+import queue
 import socket
 import sys
 import time
@@ -149,8 +150,16 @@ def main(argv: List[str] | None = None) -> int:
                                                out)) for r in (0, 1)]
     for p in procs:
         p.start()
+    report = ""
     try:
-        report = out.get(timeout=300)
+        deadline = time.monotonic() + 300
+        while not report:
+            try:
+                report = out.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode for p in procs):
+                    sys.stderr.write("a worker failed or hung: no report\n")
+                    return 1
     finally:
         for p in procs:
             p.join(60)

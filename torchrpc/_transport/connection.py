@@ -161,12 +161,15 @@ class Connection(FrameReader):
             if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
                 parts.append(self.mac_tx.tag(head, envelope))
             parts.extend(data)
-            self._outbox.append((parts, keepalive))
-            self._outbox_bytes += size
             if self._writing:
+                self._outbox.append((parts, keepalive))
+                self._outbox_bytes += size
                 return
             self._writing = True
-        self._drain()
+        # Nobody writes and nothing waits (a writer empties the outbox before it stops):
+        # this frame goes out now, without the outbox; what others queue meanwhile, after.
+        if self._write(parts):
+            self._drain()
 
     def _unsend(self, staged: Any, returned: Any) -> None:
         """A frame that was to carry shared-memory buffers is not sent: undo them."""
@@ -213,21 +216,27 @@ class Connection(FrameReader):
                 self._outbox_bytes = 0
                 if self._room_waiters:
                     self._room.notify_all()
-            iov = [p for parts, _ in batch for p in parts]
-            try:
-                self._sendall(iov)
-                self.last_send = time.monotonic()
-            except OSError as exc:
-                with self._lock:
-                    self._writing = False
-                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
-                    error = lost(f"send to rank {self.peer_rank} made no progress for "
-                                 f"{self.send_timeout:g} s (send_timeout): the peer does "
-                                 f"not read", exc)
-                else:
-                    error = lost(f"send to rank {self.peer_rank} failed", exc)
-                self.close(error)
+            if not self._write([p for parts, _ in batch for p in parts]):
                 return
+
+    def _write(self, iov: List[Any]) -> bool:
+        """As the writer: write ``iov`` whole; on failure stop writing, close the
+        connection and return False."""
+        try:
+            self._sendall(iov)
+            self.last_send = time.monotonic()
+            return True
+        except OSError as exc:
+            with self._lock:
+                self._writing = False
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO expired
+                error = lost(f"send to rank {self.peer_rank} made no progress for "
+                             f"{self.send_timeout:g} s (send_timeout): the peer does "
+                             f"not read", exc)
+            else:
+                error = lost(f"send to rank {self.peer_rank} failed", exc)
+            self.close(error)
+            return False
 
     def _sendall(self, iov: List[Any]) -> None:
         sock = self.sock

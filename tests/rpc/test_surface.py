@@ -272,6 +272,12 @@ PROCESS_STATE = {
     # Secret files this process wrote, removed at its exit at the latest.
     "_agent/secret.py:_lock": "process resources",
     "_agent/secret.py:_files": "process resources",
+    # Each thread's reusable pickler, holding nothing between messages.
+    "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
+    # Tools that are not an agent: the benchmark's featureless floor RPC (its connections)
+    # and the segment timer's event log, one per process they run in.
+    "bench/variants/floor.py:_state": "the floor system's process state",
+    "_testing/segments.py:_EVENTS": "a tool's per-process log",
     # Caches of pure functions, and the types they made.
     "_agent/worker.py:_checked": "cache",
     "errors.py:_runtime_twins": "cache",

@@ -46,6 +46,7 @@ import functools
 import io
 import pickle
 import sys
+import threading
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -130,33 +131,68 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     that path names ``obj``, or, a sequence, the items of the tuple ``obj``.
     """
     retry: dict = {}
-    for _ in range(2):
-        enc = _Encoder(send_hook, retry, context)
-        out = io.BytesIO()
-        pickler = _Pickler(out, 5, buffer_callback=enc.in_band)
-        pickler.enc = enc
-        if meta is None:
-            out.write(_NONE_META)
-        else:
+    # This thread's pickler, taken while in use (an encode nested in a reduction makes
+    # its own): building one costs more than pickling a small call does.
+    cached = _pickler_of_thread.__dict__.pop("p", None) or _ThreadPickler()
+    out, pickler = cached.out, cached.pickler
+    try:
+        for _ in range(2):
+            enc = _Encoder(send_hook, retry, context)
+            cached.enc = pickler.enc = enc
+            if meta is None:
+                out.write(_NONE_META)
+            else:
+                try:
+                    pickler.dump(meta)
+                except Exception as exc:
+                    raise SerializationError(
+                        f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
             try:
-                pickler.dump(meta)
+                pickler.dump(obj)
+            except SerializationError:
+                raise
+            except PassThrough as wrapper:
+                raise wrapper.take() from None
             except Exception as exc:
-                raise SerializationError(
-                    f"cannot pickle message metadata {_describe(meta)}: {exc}") from exc
-        try:
-            pickler.dump(obj)
-        except SerializationError:
-            raise
-        except PassThrough as wrapper:
-            raise wrapper.take() from None
-        except Exception as exc:
-            # locate() pickles parts again without the context: no RRef forks twice
-            raise SerializationError(f"cannot pickle {locate(obj, exc, names)}: "
-                                     f"{exc}") from exc
-        if not enc.conflict:
-            break
-        retry = enc.retry_ranges
-    return out.getvalue(), enc.views, enc.keepalive
+                # locate() pickles parts again without the context: no RRef forks twice
+                raise SerializationError(f"cannot pickle {locate(obj, exc, names)}: "
+                                         f"{exc}") from exc
+            if not enc.conflict:
+                break
+            retry = enc.retry_ranges
+            cached.reset()
+        envelope = out.getvalue()
+    finally:
+        cached.reset()
+    if len(envelope) <= _KEEP_PICKLER_MAX:  # a big one's buffer is not kept for later
+        _pickler_of_thread.p = cached
+    return envelope, enc.views, enc.keepalive
+
+
+class _ThreadPickler:
+    """A pickler and its stream, reused by the encodes of one thread; between messages
+    it holds nothing (its memo would keep what it pickled alive)."""
+
+    __slots__ = ("out", "pickler", "enc")
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.enc: Optional[_Encoder] = None
+        self.pickler = _Pickler(self.out, 5, buffer_callback=self.in_band)
+
+    def in_band(self, buf: pickle.PickleBuffer) -> bool:
+        assert self.enc is not None
+        return self.enc.in_band(buf)
+
+    def reset(self) -> None:
+        self.pickler.clear_memo()
+        self.pickler.enc = self.enc = None  # type: ignore[assignment]
+        self.out.seek(0)
+        self.out.truncate()
+
+
+_pickler_of_thread = threading.local()
+_KEEP_PICKLER_MAX = 64 * 1024
 
 
 _NONE_META = pickle.dumps(None, protocol=5)

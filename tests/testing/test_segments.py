@@ -1,4 +1,4 @@
-"""``python -m torchrpc.bench.segments``: two real workers, one table of segments."""
+"""``python -m torchrpc._testing.segments``: two real workers, one table of segments."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_segments_cover_a_call_from_the_callers_call_to_its_return() -> None:
-    proc = subprocess.run([sys.executable, "-m", "torchrpc.bench.segments", "--call", "add",
+    proc = subprocess.run([sys.executable, "-m", "torchrpc._testing.segments", "--call", "add",
                            "--calls", "300"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

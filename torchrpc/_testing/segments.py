@@ -1,4 +1,4 @@
-"""``python -m torchrpc.bench.segments``: where the time of one small ``rpc_sync`` goes.
+"""``python -m torchrpc._testing.segments``: where the time of one small ``rpc_sync`` goes.
 
 Two torchrpc workers on this host; the caller makes ``--calls`` blocking calls of a no-op
 (``noop(i)``) or of ``torch.add(torch.ones(2), 1)``. Both processes note the time at the
@@ -24,9 +24,14 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from .callees import noop
 
 _EVENTS: List[Tuple[int, str]] = []
+
+
+def noop(x: int) -> int:
+    """The no-op call: returns its argument."""
+    return x
+
 _ON = [False]
 
 
@@ -134,7 +139,7 @@ def _median(values: List[float]) -> float:
 
 
 def main(argv: List[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchrpc.bench.segments",
+    parser = argparse.ArgumentParser(prog="python -m torchrpc._testing.segments",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--call", choices=("noop", "add"), default="noop")
     parser.add_argument("--threads", type=int, default=1,

@@ -85,7 +85,9 @@ class FastPath:
         self._lock = agent._lock  # the agent's: debug_info counts under it
         self.enabled = True  # whether blocking calls use private connections
         # handed to every private connection (Connections.on_connect); the spin_us option
-        self.poll = PollPolicy(*spin_seconds(getattr(agent.options, "spin_us", None)))
+        spin_us = getattr(agent.options, "spin_us", None)
+        short, spare = spin_seconds(spin_us)
+        self.poll = PollPolicy(short, spare, crowded=0.0 if spin_us is None else short)
         self.reading = Reading(agent)
         self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._opening: Dict[int, int] = {}  # rank -> private connections being opened
@@ -186,9 +188,11 @@ class FastPath:
 
     def check_cpus(self) -> None:
         """Timer: poll long while the workers on this host, computing with torch's thread
-        count each, leave CPUs idle (assuming they all use as many threads as this one)."""
-        local = self._agent.registry.workers_on_this_host()
-        self.poll.set_spare_cpus(torch.get_num_threads() * max(local, 1) <= _usable_cpus())
+        count each, leave CPUs idle (assuming they all use as many threads as this one),
+        and not at all while they outnumber the CPUs."""
+        local = max(self._agent.registry.workers_on_this_host(), 1)
+        cpus = _usable_cpus()
+        self.poll.set_spare_cpus(torch.get_num_threads() * local <= cpus, local > cpus)
 
     def drain_parked(self, now: float) -> None:
         """Timer: unclaimed parked requests older than a tick get their reply read."""

@@ -64,20 +64,26 @@ class PollPolicy:
 
     Polling takes a CPU. Where the workers' compute threads already use every CPU, a
     poll that waits long slows down the computation it waits for, so the readers poll
-    only briefly; where CPUs are spare, they poll for as long as a typical call takes.
-    The agent owns one and hands it to its connections (``Connection.poll``).
+    only briefly; where CPUs are spare, they poll for as long as a typical call takes;
+    and where the host runs more workers than it has CPUs, not at all, since every poll
+    then takes the CPU of another worker that has work. ``crowded``: how long they poll
+    then (0 unless the ``spin_us`` option says otherwise). The agent owns one and hands
+    it to its connections (``Connection.poll``).
     """
 
-    __slots__ = ("seconds", "short", "spare")
+    __slots__ = ("seconds", "short", "spare", "crowded")
 
-    def __init__(self, short: Optional[float] = None, spare: Optional[float] = None) -> None:
+    def __init__(self, short: Optional[float] = None, spare: Optional[float] = None,
+                 crowded: float = 0.0) -> None:
         self.short = _SPIN if short is None else short
         self.spare = _SPIN_SPARE if spare is None else spare
+        self.crowded = crowded
         self.seconds = self.short  # read by the readers on every wait that polls
 
-    def set_spare_cpus(self, spare: bool) -> None:
-        """Tell the readers whether the workers on this host leave CPUs idle."""
-        self.seconds = self.spare if spare else self.short
+    def set_spare_cpus(self, spare: bool, crowded: bool = False) -> None:
+        """Tell the readers whether the workers on this host leave CPUs idle, and
+        whether there are more workers than CPUs (``crowded``)."""
+        self.seconds = self.crowded if crowded else self.spare if spare else self.short
 
 
 _SPIN_MISSES = 3  # polls in a row that found nothing: stop polling ...

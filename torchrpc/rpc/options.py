@@ -145,7 +145,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             worker (``TORCHRPC_RENDEZVOUS_TIMEOUT``; unset: the RPC timeout, at least 60 s).
         spin_us (float, optional): microseconds a blocking call polls its socket before it
             sleeps, 0 to 1e6 (``TORCHRPC_SPIN_US``; unset: 2000 while the workers of this
-            host leave CPUs spare, else 200; 0: never).
+            host leave CPUs spare, 0 while they outnumber its CPUs, else 200; 0: never).
         secret (str, optional): the job secret, the same on every worker, at least 32
             characters (``TORCHRPC_SECRET``, removed from the environment once read). It
             never appears in the options' repr.
@@ -161,7 +161,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     rendezvous_timeout = Field(_checks.rendezvous_seconds,
                                  'Seconds for the whole rendezvous (None: from the environment, else the RPC timeout, at least 60 s).')
     spin_us = Field(_checks.spin_us,
-                      'Microseconds a blocking call polls its socket before it sleeps (None: from the environment, else 2000 with spare CPUs, 200 without).')
+                      'Microseconds a blocking call polls its socket before it sleeps (None: from the environment, else 2000 with spare CPUs, 0 with more workers than CPUs, else 200).')
     secret = Field(_checks.secret_or_none,
                      'The job secret (None: from the environment, else shared by rank 0).')
     secret_file = Field(_checks.path_or_none,

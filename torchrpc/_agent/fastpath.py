@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from .._transport import Connection, PollPolicy
-from .._transport.reader import spin_seconds
 from .._wire import Kind
 from ..errors import ClosedError, RpcError
 from .futures import RpcFuture
@@ -85,9 +84,7 @@ class FastPath:
         self._lock = agent._lock  # the agent's: debug_info counts under it
         self.enabled = True  # whether blocking calls use private connections
         # handed to every private connection (Connections.on_connect); the spin_us option
-        spin_us = getattr(agent.options, "spin_us", None)
-        short, spare = spin_seconds(spin_us)
-        self.poll = PollPolicy(short, spare, crowded=0.0 if spin_us is None else short)
+        self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
         self.reading = Reading(agent)
         self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._opening: Dict[int, int] = {}  # rank -> private connections being opened
@@ -187,12 +184,9 @@ class FastPath:
         return list(self._idle.get(rank, ()))
 
     def check_cpus(self) -> None:
-        """Timer: poll long while the workers on this host, computing with torch's thread
-        count each, leave CPUs idle (assuming they all use as many threads as this one),
-        and not at all while they outnumber the CPUs."""
-        local = max(self._agent.registry.workers_on_this_host(), 1)
-        cpus = _usable_cpus()
-        self.poll.set_spare_cpus(torch.get_num_threads() * local <= cpus, local > cpus)
+        """Timer: have readers poll as the workers and CPUs of this host allow."""
+        self.poll.for_host(torch.get_num_threads(), self._agent.registry.workers_on_this_host(),
+                           _usable_cpus())
 
     def drain_parked(self, now: float) -> None:
         """Timer: unclaimed parked requests older than a tick get their reply read."""

@@ -80,6 +80,19 @@ class PollPolicy:
         self.crowded = crowded
         self.seconds = self.short  # read by the readers on every wait that polls
 
+    @classmethod
+    def from_option(cls, spin_us: Optional[float]) -> "PollPolicy":
+        """The policy of the ``spin_us`` option: when set, polls last that long on any
+        host; unset, the defaults, and no polls on a crowded host."""
+        short, spare = spin_seconds(spin_us)
+        return cls(short, spare, 0.0 if spin_us is None else short)
+
+    def for_host(self, threads: int, workers: int, cpus: int) -> None:
+        """Poll as a host with ``workers`` workers (of ``threads`` torch threads each,
+        as this one has) on ``cpus`` usable CPUs allows."""
+        workers = max(workers, 1)
+        self.set_spare_cpus(threads * workers <= cpus, workers > cpus)
+
     def set_spare_cpus(self, spare: bool, crowded: bool = False) -> None:
         """Tell the readers whether the workers on this host leave CPUs idle, and
         whether there are more workers than CPUs (``crowded``)."""

@@ -164,14 +164,14 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
         envelope = out.getvalue()
     finally:
         cached.reset()
-    if len(envelope) <= _KEEP_PICKLER_MAX:  # a big one's buffer is not kept for later
-        _pickler_of_thread.p = cached
+    _pickler_of_thread.p = cached
     return envelope, enc.views, enc.keepalive
 
 
 class _ThreadPickler:
     """A pickler and its stream, reused by the encodes of one thread; between messages
-    it holds nothing (its memo would keep what it pickled alive)."""
+    it holds nothing (its memo would keep what it pickled alive, and truncating the
+    stream frees its buffer)."""
 
     __slots__ = ("out", "pickler", "enc")
 
@@ -192,7 +192,6 @@ class _ThreadPickler:
 
 
 _pickler_of_thread = threading.local()
-_KEEP_PICKLER_MAX = 64 * 1024
 
 
 _NONE_META = pickle.dumps(None, protocol=5)

@@ -14,8 +14,10 @@ Two designs of the reply path, as torchrpc has them (see ``_agent/fastpath.py``)
   itself, polling the socket without blocking (both ends poll);
 * ``rpc_async`` goes out on a second connection whose replies a reading thread takes,
   completing the futures; with ``self_read`` (the ``floor-self`` system) there is no such
-  thread: the calling thread takes whatever replies have arrived before each send, and
-  waiting on a future (``wait``, ``torch.futures.wait_all``) reads until it is done.
+  thread: the calling thread takes whatever replies have arrived at every 16th call, and
+  waiting on a future (``wait``, ``torch.futures.wait_all``) reads until it is done. A
+  burst of large ``rpc_async`` calls can then fill both sockets and hang: it is for
+  small calls only.
 
 The benchmark runs it as the ``floor`` and ``floor-self`` systems: what torchrpc could
 gain on this machine by doing less, measured side by side (see BENCHMARKS.md).
@@ -77,10 +79,10 @@ def _dumps(obj: Any) -> bytes:
 
 
 class _Frames:
-    """Frames read from one socket into one buffer; ``poll``: read without blocking."""
+    """Frames read from one socket into one buffer; ``poll``: wait for data polling for
+    up to _POLL_S before blocking."""
 
     def __init__(self, sock: socket.socket, poll: bool) -> None:
-        # poll: wait for data polling for up to _POLL_S before blocking
         self.sock = sock
         self.buf = bytearray(_CHUNK)
         self.view = memoryview(self.buf)
@@ -94,12 +96,22 @@ class _Frames:
         n, rid, err = _HEAD.unpack_from(self.buf, self.lo)
         start = self.lo + _HEAD.size
         if self.hi - start < n:
-            if _HEAD.size + n > len(self.buf):
-                self.buf.extend(bytes(_HEAD.size + n))
-                self.view = memoryview(self.buf)
+            self._make_room(_HEAD.size + n)
             return None
         self.lo = start + n
         return rid, err, bytes(self.view[start:start + n])
+
+    def _make_room(self, size: int) -> None:
+        """Let the buffer hold a frame of ``size`` bytes from ``lo`` whole."""
+        if self.lo + size <= len(self.buf):
+            return
+        self.view.release()  # a bytearray with a view on it cannot change size
+        del self.buf[:self.lo]
+        self.hi -= self.lo
+        self.lo = 0
+        if size > len(self.buf):
+            self.buf.extend(bytes(size - len(self.buf)))
+        self.view = memoryview(self.buf)
 
     def fill(self, block: bool = True) -> bool:
         """Read what the socket has; False if nothing came (``block``: wait for it), raise

@@ -83,7 +83,7 @@ class Agent:
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
-        self.requests = Requests(self, self.scheduler.cv)
+        self.requests = Requests(self, self.scheduler.cv, self.scheduler.lock)
         # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
         self.dispatch = Dispatch(self)
         self._hooks: List[CallHook] = []

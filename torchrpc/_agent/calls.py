@@ -22,7 +22,7 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
-from .futures import RpcFuture, fresh_error, new_future
+from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
 from .probes import Probes
 from .remote_error import rebuild_error
@@ -107,9 +107,12 @@ class Calls:
                     oneway: bool = False, retry: Optional[RetryPolicy] = None,
                     private: Optional[Connection] = None,
                     encoded: Optional[Tuple[bytes, Any, Any]] = None,
-                    share: Optional[List[Tuple[bytes, Any, Any]]] = None) -> Tuple[Any, ...]:
+                    share: Optional[List[Tuple[bytes, Any, Any]]] = None,
+                    sync: bool = False) -> Tuple[Any, ...]:
         """Encode a request and enter it in the pending table (unless one-way).
 
+        With ``sync`` (a caller that waits at once and hands out no future), its future
+        is a :class:`~torchrpc._agent.futures.SyncFuture`.
         ``encoded``: an encoding of ``payload`` made for another destination, used unless
         a call hook has something to add for this one. ``share``: a list that gets this
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
@@ -146,13 +149,17 @@ class Calls:
         stats = agent._peer_stats.get(dst.id) or agent.new_stats(dst.id)
         stats.calls_out += 1
         stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        p = Pending(new_future(agent.pool), dst, what, timeout, states, stats, now)
+        p = Pending(SyncFuture() if sync else new_future(agent.pool), dst, what, timeout, states,
+                    stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         if ctx.on_settled:
             # Inline, wherever the future completes: these are short bookkeeping steps.
-            torch.futures.Future.add_done_callback(
-                p.future, functools.partial(_run_all, ctx.on_settled))
+            settled = functools.partial(_run_all, ctx.on_settled)
+            if sync:
+                p.future.add_done_callback(settled)
+            else:
+                torch.futures.Future.add_done_callback(p.future, settled)
         p.private = private
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:

@@ -104,7 +104,8 @@ class FastPath:
         replies.
         """
         agent = self._agent
-        agent.check_running()
+        if agent.failure is not None or agent._state is not RUNNING:
+            agent.check_running()  # raises
         conn = None
         also: Tuple[int, ...] = ()
         if after is not None and self._claim(after, timeout):
@@ -115,7 +116,7 @@ class FastPath:
             conn = self._checkout(dst)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
-        rid, p, sent = self._send(conn, also, dst, kind, payload, timeout, what, retry)
+        rid, p, sent = self._send(conn, also, dst, kind, payload, timeout, what, retry, True)
         if sent:
             self._read_blocking(conn, rid, p, also)
         return p.future.wait()
@@ -253,15 +254,15 @@ class FastPath:
             free.append(conn)
 
     def _send(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
-              payload: Any, timeout: float, what: Any,
-              retry: Optional[RetryPolicy] = None) -> Tuple[int, Pending, bool]:
+              payload: Any, timeout: float, what: Any, retry: Optional[RetryPolicy] = None,
+              sync: bool = False) -> Tuple[int, Pending, bool]:
         """Enter a request and send it on private connection ``conn`` (which carries the
         parked requests ``also``); the request id, its pending record, and whether it was
         sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
         calls = self._agent.calls
         try:
-            rid, p, flags, env, bufs, keep = calls.new_request(dst, kind, payload, timeout, what,
-                                                               retry=retry, private=conn)
+            rid, p, flags, env, bufs, keep = calls.new_request(
+                dst, kind, payload, timeout, what, retry=retry, private=conn, sync=sync)
         except BaseException:
             self._release(dst, conn, also)
             raise

@@ -130,6 +130,71 @@ class RpcFuture(torch.futures.Future):
         return self.wait()
 
 
+class SyncFuture:
+    """The future of a request whose caller waits for it at once and hands no future out
+    (``rpc_sync``, :meth:`Agent.request_sync`): a value or an error, and a lock that is
+    released once it has one. It costs a small part of a torch future's making, setting
+    and waiting, which a blocking call would pay for nothing."""
+
+    __slots__ = ("_ready", "_value", "_error", "_callbacks")
+
+    def __init__(self) -> None:
+        self._ready = _new_lock()
+        self._ready.acquire()
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        self._callbacks: Optional[List[Callable[[Any], None]]] = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._settle()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        # Callbacks first, so the caller wakes to a call whose bookkeeping is done; a
+        # second settling raises ("release unlocked lock"), as a torch future's does.
+        try:
+            for callback in self._callbacks or ():
+                callback(self)
+        finally:
+            self._ready.release()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """Run ``callback(self)`` where the future completes (before it does)."""
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(callback)
+
+    def done(self) -> bool:
+        return not self._ready.locked()
+
+    def wait(self) -> Any:
+        """The value, or a copy of the error raised; blocks (as a blocked pool thread)
+        until there is one."""
+        ready = self._ready
+        if not ready.acquire(False):
+            pool = current_pool()
+            if pool is None:
+                ready.acquire()
+            else:
+                with pool.blocking():
+                    ready.acquire()
+        ready.release()  # it stays done
+        if self._error is None:
+            return self._value
+        error = fresh_error(self._error)
+        try:
+            raise error
+        finally:
+            del error  # the frame must not hold the exception whose traceback holds it
+
+
+_new_lock = threading.Lock
+
+
 def _claim_later(fut: RpcFuture) -> None:
     """Have a pool thread read ``fut``'s parked reply now, if nobody has claimed it."""
     claim = fut._claim

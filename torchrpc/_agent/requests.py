@@ -106,9 +106,10 @@ class Resend:
 class Requests:
     """One agent's table of outstanding requests (:attr:`pending`) and their deadlines."""
 
-    def __init__(self, agent: "Agent", cv: threading.Condition) -> None:
+    def __init__(self, agent: "Agent", cv: threading.Condition, lock: Any) -> None:
         self._agent = agent
         self._cv = cv  # the timer's: a deadline earlier than all others wakes it
+        self._lock = lock  # cv's own lock, taken without the Condition's Python wrapper
         self.pending: Dict[int, Pending] = {}
         self._heap: List[Tuple[float, int]] = []  # (deadline, request id)
 
@@ -119,7 +120,7 @@ class Requests:
             self._push_deadline(deadline, rid)
 
     def _push_deadline(self, deadline: float, rid: int) -> None:
-        with self._cv:
+        with self._lock:
             heap = self._heap
             heapq.heappush(heap, (deadline, rid))
             if heap[0][1] == rid:
@@ -142,7 +143,7 @@ class Requests:
         """Timer: fail the requests whose deadline passed by ``now`` (``failed(exc)``
         reports one that could not be failed, and the others still are); return the next
         deadline (None if there is none)."""
-        with self._cv:
+        with self._lock:
             expired, deadline = self.due(now)
         for rid in expired:
             try:

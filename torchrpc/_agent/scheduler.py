@@ -53,7 +53,8 @@ class Scheduler:
         self._pool = pool
         # Guards the callbacks' heap and the decision to sleep; the requests' deadline
         # heap shares it, so that a new earliest deadline wakes the timer.
-        self.cv = threading.Condition()
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)
         self._hooks: List[TickHook] = []
         self._pending: List[Callable[[], bool]] = []
         # callbacks due later, run on the pool: (when, seq, fn, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any, Set, Tuple
 
@@ -46,15 +47,9 @@ class WorkerInfo:
         self._name = check_worker_name(name)
         self._id = id
 
-    @property
-    def name(self) -> str:
-        """The name of the worker."""
-        return self._name
-
-    @property
-    def id(self) -> int:
-        """Globally unique id to identify the worker."""
-        return self._id
+    # Read-only, as torch's; read through C getters, as they are on every call's path.
+    name = property(operator.attrgetter("_name"), doc="The name of the worker.")
+    id = property(operator.attrgetter("_id"), doc="Globally unique id to identify the worker.")
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, WorkerInfo) and self._id == other._id and self._name == other._name

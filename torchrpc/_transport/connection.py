@@ -15,6 +15,7 @@ frame carries a reference. Reading is :class:`~torchrpc._transport.reader.FrameR
 from __future__ import annotations
 
 import errno
+import operator
 import socket
 import threading
 import time
@@ -124,7 +125,7 @@ class Connection(FrameReader):
         With shared memory, large buffers are copied into segments here, by the
         calling thread, and the frame carries their names instead.
         """
-        lengths = [len(b) for b in buffers]
+        lengths = list(map(len, buffers))
         staged = None
         if self.shm_decider is not None:
             self.shm_decider(self)
@@ -223,7 +224,17 @@ class Connection(FrameReader):
         """As the writer: write ``iov`` whole; on failure stop writing, close the
         connection and return False."""
         try:
-            self._sendall(iov)
+            sock, i = self.sock, 0
+            while i < len(iov):
+                sent = sock.sendmsg(iov[i:i + _IOV_MAX] if i or len(iov) > _IOV_MAX else iov)
+                while sent:
+                    n = len(iov[i])
+                    if sent >= n:
+                        sent -= n
+                        i += 1
+                    else:
+                        iov[i] = memoryview(iov[i])[sent:]
+                        sent = 0
             self.last_send = time.monotonic()
             return True
         except OSError as exc:
@@ -238,24 +249,10 @@ class Connection(FrameReader):
             self.close(error)
             return False
 
-    def _sendall(self, iov: List[Any]) -> None:
-        sock = self.sock
-        i = 0
-        while i < len(iov):
-            sent = sock.sendmsg(iov[i:i + _IOV_MAX])
-            while sent:
-                n = len(iov[i])
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    iov[i] = memoryview(iov[i])[sent:]
-                    sent = 0
     # -- closing -------------------------------------------------------------------------------
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    # Read through a C getter: checked on every call's path.
+    closed = property(operator.attrgetter("_closed"), doc="Whether the connection is closed.")
 
     def close(self, reason: Optional[BaseException] = None) -> None:
         """Close the socket; report to ``on_close`` once, with ``reason`` if it broke."""

@@ -302,7 +302,8 @@ class FrameReader:
                 head += bytes(raw)
         n = header.envelope_len
         if n <= len(mv):
-            fill(n)
+            if self._rend - self._rstart < n:
+                fill(n)
             start = self._rstart
             envelope = bytes(mv[start:start + n])
             self._rstart = start + n

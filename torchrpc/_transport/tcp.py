@@ -64,6 +64,7 @@ class Transport:
                             on_fatal=on_fatal, connection_type=connection_type)
         self._acceptor = Acceptor(self._links, host, port, local_socket, admit)
         self.address: Tuple[str, int] = self._acceptor.address
+        self.secure = tls_contexts is not None  # whether every link runs over TLS
 
     def connect(self, peer_rank: int, host: str, port: int, timeout: float,
                 local: bool = False, private: bool = False) -> Connection:
@@ -76,10 +77,6 @@ class Transport:
         return dial(self._links, peer_rank, host, port, timeout,
                     local=local and self._acceptor.local is not None, private=private)
 
-    @property
-    def secure(self) -> bool:
-        """Whether every link runs over TLS."""
-        return self._links.tls is not None
 
     def connections(self) -> List[Connection]:
         """Every open connection, shared and private (for counters and tests)."""

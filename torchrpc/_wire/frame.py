@@ -89,6 +89,10 @@ class Header(NamedTuple):
         return bool(self.flags & FLAG_ONEWAY)
 
 
+# Builds a Header from a tuple in C: the named tuple's own constructor is Python code.
+_new_tuple = tuple.__new__
+
+
 def pack_header(kind: int, flags: int, request_id: int, envelope_len: int,
                 lengths: Sequence[int]) -> bytes:
     """Return the header and the buffer length table of a frame."""
@@ -116,7 +120,7 @@ def parse_header(data: bytes | bytearray | memoryview, limits: Limits) -> Header
             f"envelope of {env_len} bytes exceeds max_message_size {limits.max_message_size}")
     if nbufs > limits.max_buffers:
         raise ProtocolError(f"{nbufs} buffers exceed the limit of {limits.max_buffers}")
-    return Header(kind, flags, rid, env_len, nbufs)
+    return _new_tuple(Header, (kind, flags, rid, env_len, nbufs))
 
 
 def parse_lengths(data: bytes | bytearray | memoryview, header: Header,

@@ -17,6 +17,7 @@ import torch
 from .. import _profiler
 from .._agent import Agent, WorkerInfo
 from .._agent.current import current_agent
+from .._wire import Kind
 from . import constants, functions
 
 WorkerLike = Union[str, int, WorkerInfo]
@@ -67,8 +68,8 @@ def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
 
 def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
             timeout: float) -> torch.futures.Future:
-    """The one path of rpc_async and rpc_sync (``mode`` "async" or "sync", as in their
-    profiling keys): a future of ``func``'s result on ``to``."""
+    """The one path of rpc_async and a profiled rpc_sync (``mode`` "async" or "sync", as
+    in their profiling keys): a future of ``func``'s result on ``to``."""
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
@@ -83,3 +84,15 @@ def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwar
         if futures is not None:
             futures.append(fut)
     return fut
+
+
+def _invoke_sync(to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
+                 timeout: float) -> Any:
+    """The path of rpc_sync: ``func``'s result on ``to``. Unless profiled, no future is
+    made: the calling thread sends the call and reads its reply (see
+    :meth:`Agent.request_sync`)."""
+    if _profiler.enabled():
+        return _invoke("sync", to, func, args, kwargs, timeout).wait()
+    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
+    return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
+                              retry=functions.retry_policy(func))

@@ -44,6 +44,7 @@ from .rendezvous import Plan
 from .calls import Calls
 from .connections import Connections
 from .coroutines import CoroutineRunner
+from .cpus import SpinGuard
 from .debug import TimeoutReports
 from .dispatch import Dispatch
 from .fastpath import FastPath, Parked
@@ -114,6 +115,8 @@ class Agent:
         self.calls = Calls(self)
         # Private connections, parked replies, polling, lent reading roles (fastpath.py).
         self.fastpath = FastPath(self)
+        # An OpenMP team parked while this host's CPUs are crowded (cpus.py).
+        self.omp = SpinGuard(f"torchrpc-omp-{name}")
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
         # heartbeats and lost peers (see liveness.py)
@@ -363,6 +366,7 @@ def _schedule_duties(agent: Agent) -> None:
     """Register the agent's own tick hooks (scheduler.py), before any upper layer's."""
     scheduler, fastpath = agent.scheduler, agent.fastpath
     reading = fastpath.reading
+    agent.add_stop_hook(agent.omp.stop)
     scheduler.add_tick_hook(lambda: agent.requests.expire_due(scheduler.now, scheduler.failed))
     scheduler.add_tick_hook(lambda: reading.check_lent(scheduler.now),
                             pending=reading.lends_shared)
@@ -372,8 +376,8 @@ def _schedule_duties(agent: Agent) -> None:
 
 
 def _housekeeping(agent: Agent) -> None:
-    """Timer, every TICK: the pool's progress check, the transport's housekeeping, and
-    how long private connections poll."""
+    """Timer, every TICK: the pool's progress check, the transport's housekeeping, how
+    long private connections poll, and OpenMP's waits on a crowded host."""
     now = agent.scheduler.now
     if now >= agent._next_tick:
         agent._next_tick = now + TICK
@@ -381,3 +385,4 @@ def _housekeeping(agent: Agent) -> None:
         if agent._transport is not None:
             agent._transport.housekeeping()
             agent.fastpath.check_cpus()
+            agent.omp.check(agent.registry.workers_on_this_host())

@@ -32,7 +32,6 @@ request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -41,6 +40,7 @@ import torch
 from .._transport import Connection, PollPolicy
 from .._wire import Kind
 from ..errors import ClosedError, RpcError
+from .cpus import usable_cpus as _usable_cpus
 from .futures import RpcFuture
 from .pool import current_pool
 from .reading import Reading
@@ -54,13 +54,6 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class Parked:

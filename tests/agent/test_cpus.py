@@ -1,0 +1,62 @@
+"""SpinGuard: an OpenMP team parked while a host's workers run more torch threads than
+it has CPUs, so that libgomp's threads wait briefly (see torchrpc/_agent/cpus.py)."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from torchrpc._agent import cpus
+from torchrpc._agent.cpus import SpinGuard
+
+from ..group import wait_for
+
+
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_no_team_where_the_cpus_suffice_or_one_thread_computes(monkeypatch):
+    monkeypatch.setattr(cpus, "libgomp_spins", lambda: True)
+    guard = SpinGuard("torchrpc-omp-test")
+    guard.check(2, threads=2, cpus=4)  # 4 threads on 4 CPUs
+    guard.check(4, threads=1, cpus=2)  # one thread per worker: no team to wait
+    assert not guard.parked
+
+
+def test_a_chosen_wait_policy_is_left_alone(monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.setenv(name, "1000" if name == "GOMP_SPINCOUNT" else "PASSIVE")
+        assert not cpus.libgomp_spins()
+        guard = SpinGuard("torchrpc-omp-test")
+        guard.check(2, threads=2, cpus=2)
+        assert not guard.parked
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.skipif(not cpus.libgomp_spins(), reason="torch here does not run on libgomp")
+def test_a_crowded_host_parks_a_team_until_the_agent_stops(two_threads):
+    guard = SpinGuard("torchrpc-omp-test")
+    before = _tasks()
+    guard.check(2, threads=2, cpus=2)  # two workers of two threads on two CPUs
+    assert guard.parked
+    # The thread and its team's second thread, which sleep on.
+    wait_for("the parked team", lambda: _tasks() >= before + 2, 10, state=_tasks)
+    assert "torchrpc-omp-test" in [t.name for t in threading.enumerate()]
+    guard.check(2, threads=2, cpus=2)  # once is enough
+    assert _tasks() <= before + 2
+    guard.stop()
+    assert not guard.parked
+    assert "torchrpc-omp-test" not in [t.name for t in threading.enumerate()]
+    wait_for("the team's end", lambda: _tasks() <= before, 10, state=_tasks)
+    guard.check(2, threads=2, cpus=2)  # stopped for good
+    assert not guard.parked

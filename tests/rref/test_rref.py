@@ -256,9 +256,11 @@ def test_many_creations_in_flight_then_fetched_in_any_order():
 def test_to_here_timeout():
     rref = rpc.remote("worker1", helpers.sleep_then, args=(1.5, "late"))
     start = time.monotonic()
-    with pytest.raises(RpcTimeoutError, match="timed out"):
+    with pytest.raises(RpcTimeoutError, match="timed out") as info:
         rref.to_here(timeout=0.2)
     assert time.monotonic() - start < 1.2
+    # The error names the fetch and its RRef (the name is made only for the error).
+    assert f"RRef.to_here() of {rref!r} timed out" in str(info.value)
     assert rref.to_here() == "late"
 
 

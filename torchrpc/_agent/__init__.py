@@ -4,10 +4,12 @@ from .agent import Agent
 from .debug import debug_info_here
 from .dispatch import run_callable
 from .fastpath import Parked
-from .hooks import AsyncResult, CallHook, CallScope, Extensions, MessageContext, Slot, describe
+from .hooks import (AsyncResult, CallHook, CallScope, Described, Extensions, MessageContext, Slot,
+                    describe)
 from .futures import RpcFuture, fresh_error
 from .pool import current_pool
 from .worker import WorkerInfo
 
-__all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "Extensions", "MessageContext", "Parked", "RpcFuture",
-           "Slot", "WorkerInfo", "current_pool", "debug_info_here", "describe", "fresh_error", "run_callable"]
+__all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "Described", "Extensions",
+           "MessageContext", "Parked", "RpcFuture", "Slot", "WorkerInfo", "current_pool",
+           "debug_info_here", "describe", "fresh_error", "run_callable"]

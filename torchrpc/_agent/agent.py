@@ -101,6 +101,7 @@ class Agent:
         self._state: State = NEW
         self.shutdown_protocol = Shutdown(self)
         self._ready = threading.Event()
+        self.ready = False  # _ready is set: read by every frame, without the Event's method
         # Elastic membership (world_size=None): see torchrpc._agent.membership.
         self.elastic = world_size is None
         # The workers of the group, membership and device maps (registry.py).
@@ -341,6 +342,7 @@ class Agent:
     def mark_ready(self) -> None:
         """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
         self._ready.set()
+        self.ready = True
 
     # -- shutdown (shutdown.py) --------------------------------------------------------------------
 

@@ -102,7 +102,8 @@ class Dispatch:
               via: Optional[Connection] = None) -> None:
         """Run a request and send the reply (on ``via``, the connection it came on)."""
         agent = self._agent
-        rid, oneway, kind = header.request_id, header.oneway, header.kind
+        rid, kind = header.request_id, header.kind
+        oneway = header.flags & _wire.FLAG_ONEWAY
         scopes: List[CallScope] = []
 
         def recv_hook(meta: Any) -> Optional[Callable]:
@@ -233,7 +234,8 @@ class Dispatch:
         stats = agent._peer_stats.get(dst.id)
         if stats is not None:
             stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
+        if self.once:  # some request may arrive again: is it this one?
+            keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
             agent._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
@@ -296,7 +298,7 @@ class Dispatch:
                         keep: Any) -> Any:
         """If request ``rid`` of ``dst`` may arrive again, keep its reply for it; return
         the keepalive to send with (a plain list: the kept reply must keep its memory)."""
-        once = self.once.get((dst.id, rid)) if self.once else None
+        once = self.once.get((dst.id, rid))
         if once is None:
             return keep
         keep = list(keep) if keep is not None else None

@@ -180,12 +180,29 @@ class CallHook:
         have reached ``dst``."""
 
 
+class Described:
+    """The name of a request's operation, made only if something asks for it (an error
+    or a log names it): ``template.format(subject)``. Formatting it for every request
+    would cost more than a small call's bookkeeping does."""
+
+    __slots__ = ("template", "subject")
+
+    def __init__(self, template: str, subject: Any) -> None:
+        self.template = template
+        self.subject = subject
+
+    def __str__(self) -> str:
+        return self.template.format(self.subject)
+
+
 def describe(what: Any) -> str:
     """A readable name for the function or operation of a request."""
     if what is None:
         return "?"
     if isinstance(what, str):
         return what
+    if type(what) is Described:
+        return str(what)
     qual = getattr(what, "__qualname__", None) or getattr(what, "qualified_name", None) \
         or getattr(what, "__name__", None)
     if qual is None:

@@ -63,7 +63,7 @@ class Reading:
         a request; return work for this thread if its reading role went elsewhere."""
         mark_reader_thread()
         agent = self._agent
-        if not agent._ready.is_set():
+        if not agent.ready:
             # A peer may finish rendezvous and call us before init_rpc here has returned.
             agent._ready.wait(120.0)
         kind = header.kind

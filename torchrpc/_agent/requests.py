@@ -117,14 +117,11 @@ class Requests:
         """Enter request ``rid``; the timer fails it at ``deadline`` (None: never)."""
         self.pending[rid] = p
         if deadline is not None:
-            self._push_deadline(deadline, rid)
-
-    def _push_deadline(self, deadline: float, rid: int) -> None:
-        with self._lock:
-            heap = self._heap
-            heapq.heappush(heap, (deadline, rid))
-            if heap[0][1] == rid:
-                self._cv.notify()
+            with self._lock:
+                heap = self._heap
+                heapq.heappush(heap, (deadline, rid))
+                if heap[0][1] == rid:
+                    self._cv.notify()
 
     def due(self, now: float) -> Tuple[List[int], Optional[float]]:
         """Under the timer's lock: the ids of requests whose deadline has passed (taken

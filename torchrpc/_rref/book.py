@@ -61,16 +61,18 @@ class Msg:
 class OwnerEntry:
     """The owner's record of one RRef: the value (a future of it) and the live forks."""
 
-    __slots__ = ("rref_id", "future", "forks", "__weakref__")
+    __slots__ = ("rref_id", "future", "forks", "has_value", "__weakref__")
 
     def __init__(self, rref_id: GloballyUniqueId) -> None:
         self.rref_id = rref_id
         self.future: torch.futures.Future = torch.futures.Future()
         self.forks: Set[GloballyUniqueId] = set()
+        self.has_value = False  # the future holds a value (not an error)
 
     def set_value(self, value: Any) -> None:
         if not self.future.done():
             self.future.set_result(value)
+            self.has_value = True
 
     def set_error(self, exc: BaseException) -> None:
         if not self.future.done():

@@ -221,10 +221,14 @@ class RRefLayer:
         entry = self.book.owner_entry(rref_id)
         return self._run_into(entry, func, args, kwargs)
 
-    def _on_fetch(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> AsyncResult:
+    def _on_fetch(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
         rref_id, deletes = payload
-        self._remove_forks(deletes)
-        return AsyncResult(self.book.owner_entry(rref_id).future)
+        if deletes:
+            self._remove_forks(deletes)
+        entry = self.book.owner_entry(rref_id)
+        if entry.has_value:  # usually: the value was made before its fetch arrived
+            return entry.future.value()
+        return AsyncResult(entry.future)
 
     def _on_user_delete(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
         self.delete_messages += 1

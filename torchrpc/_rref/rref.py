@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Optional, Tuple, TypeVar
 
 import torch
 
-from .._agent import Agent, MessageContext, Parked, Slot, WorkerInfo, fresh_error
+from .._agent import Agent, Described, MessageContext, Parked, Slot, WorkerInfo, fresh_error
 from .._agent.current import current_agent, handle as agent_handle
 from .._agent.futures import RpcFuture, new_future
 from .._wire import Kind, PassThrough, register_message_reducer, register_rebuilder
@@ -167,7 +167,8 @@ class RRef(Generic[T]):
         try:
             value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH,
                                              (self._rref_id, deletes), t,
-                                             what=f"RRef.to_here() of {self!r}", after=parked)
+                                             what=Described("RRef.to_here() of {!r}", self),
+                                             after=parked)
         except BaseException:  # noqa: BLE001 - a recorded creation failure explains it better
             layer.control.return_deletes(owner, deletes)
             self._raise_creation_error()
@@ -201,7 +202,7 @@ class RRef(Generic[T]):
             try:
                 source = layer.agent.request(self._owner, Kind.RREF_FETCH,
                                              (self._rref_id, deletes), t,
-                                             what=f"RRef.to_here_async() of {self!r}")
+                                             what=Described("RRef.to_here_async() of {!r}", self))
             except BaseException:
                 layer.control.return_deletes(owner, deletes)
                 raise
@@ -249,7 +250,7 @@ class RRef(Generic[T]):
             return self._entry.future
         return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id, ()),
                                          self._layer.agent.default_timeout,
-                                         what=f"RRef fetch of {self!r}")
+                                         what=Described("RRef fetch of {!r}", self))
 
     def _get_profiling_future(self) -> torch.futures.Future:
         r"""A future that completes once the profiler event of the ``rpc.remote`` that made

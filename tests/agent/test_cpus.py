@@ -2,6 +2,8 @@
 it has CPUs, so that libgomp's threads wait briefly (see torchrpc/_agent/cpus.py)."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -60,3 +62,21 @@ def test_a_crowded_host_parks_a_team_until_the_agent_stops(two_threads):
     wait_for("the team's end", lambda: _tasks() <= before, 10, state=_tasks)
     guard.check(2, threads=2, cpus=2)  # stopped for good
     assert not guard.parked
+
+
+_EXIT_AT_ONCE = """
+import torch
+torch.set_num_threads(2)
+from torchrpc._agent.cpus import SpinGuard
+SpinGuard("torchrpc-omp-exit").check(2, threads=2, cpus=2)
+"""
+
+
+@pytest.mark.skipif(not cpus.libgomp_spins(), reason="torch here does not run on libgomp")
+def test_a_process_that_exits_while_its_team_starts_exits_cleanly():
+    # Without the stop at exit, the parked thread comes back from torch's C++ code after
+    # the interpreter began to finalize, and the unwind that ends it aborts the process.
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _EXIT_AT_ONCE], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]

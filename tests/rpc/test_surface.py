@@ -274,6 +274,8 @@ PROCESS_STATE = {
     "_agent/secret.py:_files": "process resources",
     # Each thread's reusable pickler, holding nothing between messages.
     "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
+    # The parked OpenMP teams of this process's agents, ended at its exit at the latest.
+    "_agent/cpus.py:_running": "process resources",
     # Tools that are not an agent: the benchmark's featureless floor RPC (its connections)
     # and the segment timer's event log, one per process they run in.
     "bench/variants/floor.py:_state": "the floor system's process state",

@@ -11,13 +11,17 @@ workers compute and reply on. So on such a host, unless the user chose a wait po
 (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), the agent parks one more team: a thread of its
 own runs a single parallel region and then sleeps, its team's threads with it, and
 libgomp, counting them, waits briefly. The thread ends with the agent, and its team then
-too. See docs/design.md, "OpenMP on a crowded host".
+too, or at the interpreter's exit, before it finalizes: a thread that comes back from
+torch's C++ code after that is ended by an unwind that aborts the process. See
+docs/design.md, "OpenMP on a crowded host".
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -48,6 +52,17 @@ def libgomp_spins() -> bool:
         return False
 
 
+_running: "weakref.WeakSet[SpinGuard]" = weakref.WeakSet()  # guards whose thread runs
+
+
+def _stop_all() -> None:
+    for guard in list(_running):
+        guard.stop()
+
+
+atexit.register(_stop_all)
+
+
 class SpinGuard:
     """One agent's parked OpenMP team, started while its host is crowded (module docs)."""
 
@@ -76,6 +91,7 @@ class SpinGuard:
             self._applies = libgomp_spins()
             if not self._applies:
                 return
+        _running.add(self)
         self._thread = start(self._name, Guard(f"the OpenMP team of {self._name}"),
                              self._hold, threads)
 
@@ -86,6 +102,7 @@ class SpinGuard:
     def stop(self, until: float = 0.0) -> None:
         """The agent stops: end the thread, and with it its team."""
         self._end.set()
+        _running.discard(self)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(5.0)

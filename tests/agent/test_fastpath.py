@@ -104,16 +104,6 @@ def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(ag
     assert transport.opened == [conn]  # reused, not opened again
 
 
-def test_rpc_sync_leaves_its_reply_for_its_wait_to_read_on_the_calling_thread(agents):
-    agent, shared, transport = _agent(agents)
-    fut = agent.call(_dst(agent), operator.add, (4, 5), {}, 5, park=True, sync=True)
-    (conn,) = transport.opened
-    assert conn.reads == 0  # the reply waits unread, for this future alone
-    assert agent.fastpath.num_parked == 0
-    assert fut.wait() == 9
-    assert conn.reads == 1 and agent.fastpath.num_parked == 0 and not shared.sent
-
-
 def test_rpc_async_parks_only_on_an_idle_connection(agents):
     agent, shared, transport = _agent(agents)
     fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
@@ -175,16 +165,15 @@ def test_a_call_after_a_parked_request_reads_both_replies(agents):
 
 def test_a_private_connection_that_breaks_fails_its_call(agents):
     agent, shared, transport = _agent(agents, auto=False)
-    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True, sync=True)
     with pytest.raises(RpcError, match="closed"):
-        fut.wait()
+        agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
     assert agent.fastpath.num_parked == 0 and not agent.fastpath.idle_to(1)
 
 
 def test_without_private_calls_every_call_goes_the_shared_way(agents):
     agent, shared, transport = _agent(agents)
     agent.fastpath.enabled = False
-    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True, sync=True)
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
     assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
     assert not fut.done()
 
@@ -224,13 +213,3 @@ def test_a_crowded_host_stops_the_polls_unless_spin_us_is_set(monkeypatch):
         agent.registry.workers = 3
         path.check_cpus()
         assert path.poll.seconds == crowded
-
-
-
-def test_a_callback_on_an_rpc_sync_future_has_the_pool_read_its_reply(agents):
-    agent, shared, transport = _agent(agents)
-    fut = agent.call(_dst(agent), operator.add, (2, 6), {}, 5, park=True, sync=True)
-    seen: List[Any] = []
-    fut.add_done_callback(lambda f: seen.append(f.wait()))
-    wait_for("the callback sees the reply", lambda: seen == [8], 5, state=lambda: seen)
-    assert agent.fastpath.idle_to(1) == transport.opened

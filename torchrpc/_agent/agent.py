@@ -257,18 +257,17 @@ class Agent:
     # -- requests (calls.py, fastpath.py) ------------------------------------------------------
 
     def call(self, dst: WorkerInfo, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
-             timeout: float, retry: Optional[RetryPolicy] = None, park: bool = False,
-             sync: bool = False) -> RpcFuture:
+             timeout: float, retry: Optional[RetryPolicy] = None,
+             park: bool = False) -> RpcFuture:
         """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result.
 
-        With ``park`` (``rpc_async``, ``rpc_sync``), the reply waits where it can on a
-        private connection, and the thread that waits on the future reads it itself
-        (see fastpath.py); ``sync``: that thread waits at once. A call with ``retry``
-        parks only with ``sync``.
+        With ``park`` (``rpc_async``), the reply waits where it can on a private
+        connection, and the thread that waits on the future reads it itself (see
+        fastpath.py). A call with ``retry`` does not park.
         """
-        if park and (sync or retry is None):
+        if park and retry is None:
             return self.fastpath.park(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                                      retry=retry, by_future=True, waited=sync)[0]
+                                      retry=retry, by_future=True)[0]
         return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
                             retry=retry)
 

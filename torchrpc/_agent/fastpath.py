@@ -11,15 +11,14 @@ other; failing it closes the private connection, which wakes the caller blocked 
 block, for as long as :attr:`FastPath.poll` says.
 
 Theory of operation (parked replies). RRef creation (``remote()``) gets a reply that
-nobody waits for, and usually a ``to_here()`` right after it; ``rpc_sync`` and
-``rpc_async`` get a reply their caller usually waits for soon. Such a request is sent on
-a private connection and its reply left in the socket ("parked"). Whoever waits for it
-first reads it: the future's ``wait()`` on the caller's own thread (a callback added to
-the future has the pool read it at once, see futures.py), a ``call(after=...)`` to the
-same worker that goes out on that connection and reads both replies, or, for a parked
-request nobody claims within a tick or two of the timer, a pool thread
-(``drain_parked``). An ``rpc_sync``'s reply is its future's alone: it is not counted
-among the parked. At most ``_MAX_PARKED`` other requests are parked at once; an
+nobody waits for, and usually a ``to_here()`` right after it; ``rpc_async`` gets a reply
+its caller usually waits for soon. Such a request is sent on a private connection and its
+reply left in the socket ("parked"). Whoever waits for it first reads it: the future's
+``wait()`` on the caller's own thread (a callback added to the future has the pool read
+it at once, see futures.py), a ``call(after=...)`` to the same worker that goes out on
+that connection and reads both replies, or, for a parked request nobody claims within a
+tick or two of the timer, a pool thread (``drain_parked``). (``rpc_sync`` parks nothing:
+it is a :meth:`call`.) At most ``_MAX_PARKED`` requests are parked at once; an
 ``rpc_async`` parks only on an idle private connection (it never waits for one to open)
 and while no other reply from its worker is parked (a burst of calls to one worker would
 otherwise take a connection, and a reading thread on both sides, each). Beyond that, and
@@ -115,28 +114,24 @@ class FastPath:
         return p.future.wait()
 
     def park(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any = None,
-             retry: Optional[RetryPolicy] = None, by_future: bool = False,
-             waited: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
+             retry: Optional[RetryPolicy] = None,
+             by_future: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
-        request (None if it went the usual way, or with ``waited``). ``by_future``: the
-        future's waiter reads the reply (else a :meth:`call` with ``after``); ``waited``:
-        the caller waits at once (``rpc_sync``). See the module docs for when it parks."""
+        request (None if it went the usual way). ``by_future``: the future's waiter reads
+        the reply (else a :meth:`call` with ``after``). See the module docs for when it
+        parks."""
         agent = self._agent
         conn = None
         # An rpc_async parks only on an idle private connection: with none, no more checks.
-        if waited or not by_future or self._idle.get(dst.id):
+        if not by_future or self._idle.get(dst.id):
             agent.check_running()
-            fits = waited or (self.num_parked < _MAX_PARKED
-                              and not (by_future and self._parked_to(dst.id)))
+            fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
             if fits and self._private_ok(dst):
-                conn = self._checkout(dst, opens=waited or not by_future)
+                conn = self._checkout(dst, opens=not by_future)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
         rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
         if not sent:
-            return p.future, None
-        if waited:
-            p.future._claim = functools.partial(self._read_own, conn, rid, p)
             return p.future, None
         parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
         with self._lock:
@@ -329,17 +324,6 @@ class FastPath:
                             or time.monotonic() + timeout < parked.deadline):
             return False
         return self._parked.pop(parked.rid, None) is not None
-
-    def _read_own(self, conn: Connection, rid: int, p: Pending, later: bool) -> None:
-        """Read the reply of request ``rid``, which only its future waits for: on this
-        thread, or with ``later`` on a pool thread."""
-        if not later:
-            self._read_blocking(conn, rid, p)
-            return
-        try:
-            self._agent.pool.submit(self._read_blocking, conn, rid, p)
-        except ClosedError:
-            pass  # shutting down: the pending call is failed there, closing ``conn``
 
     def _parked_to(self, rank: int) -> bool:
         """Whether an unclaimed parked request waits for a reply from ``rank``."""

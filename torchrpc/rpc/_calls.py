@@ -77,8 +77,7 @@ def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwar
             dst, func, args, kwargs, timeout, retry=retry))
     else:
         # The reply waits for the thread that waits on the future (see _agent/fastpath.py).
-        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry, park=True,
-                         sync=mode == "sync")
+        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry, park=True)
     if mode == "async":
         futures = getattr(_thread_local_var, "future_list", None)
         if futures is not None:

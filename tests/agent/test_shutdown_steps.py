@@ -12,7 +12,7 @@ import torchrpc.rpc as rpc
 import torchrpc.rpc.api as api
 from torchrpc.errors import ShutdownError
 from tests import helpers
-from tests.group import Group, wait_for
+from tests.group import Group, free_port, wait_for
 
 
 def test_rref_leak_is_reported_when_asked_and_the_group_still_stops():
@@ -180,3 +180,43 @@ def test_debug_info_is_the_union_of_torchs_three(tmp_path):
         assert "num_owner_rrefs" in rpc._get_debug_info()
     finally:
         rpc.shutdown()
+
+
+def _late_or_short_shutdown(rank: int, port: int, out: "object") -> None:
+    import os as _os
+    _os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    if rank == 0:
+        time.sleep(3.0)  # arrives long after worker 1's shutdown deadline
+    try:
+        rpc.shutdown(graceful=True, timeout=10.0 if rank == 0 else 0.5)
+    except RuntimeError as exc:
+        out.put((rank, type(exc).__name__, str(exc)))
+    else:
+        out.put((rank, None, ""))
+
+
+def test_a_follower_that_cannot_meet_the_group_in_time_raises():
+    # Only the last barrier is one that ranks other than 0 do not wait at; a timeout at
+    # an earlier one means the group never met, and shutdown says so, as torch's does.
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_late_or_short_shutdown, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((rank, (kind, text)) for rank, kind, text in
+                       (out.get(timeout=60) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    kind, text = results[1]
+    assert kind == "ShutdownError" and "timed out at the shutdown barrier" in text, results
+    # Worker 0, arriving late, learns that worker 1 left without it.
+    assert results[0][0] == "WorkerLeftError" and "w1" in results[0][1], results
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -176,6 +176,7 @@ class Shutdown:
         self.deadline = deadline
         error: Optional[BaseException] = None
         in_meet = False  # an error of ``meet`` is raised as it is
+        last = False  # at the last barrier, which ranks other than 0 only count in at
         if graceful and agent.elastic:
             try:
                 for _ in range(2):  # the RRef layer settles forks, then deletes user RRefs
@@ -197,8 +198,10 @@ class Shutdown:
                                    lambda: self.check_peers("shutdown/2"), rank=rank)
                 self.enter(STOPPING)
                 now = time.monotonic()
-                last = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
-                rendezvous.barrier(store, "shutdown/3", world_size, last)
+                last = True
+                rendezvous.barrier(store, "shutdown/3", world_size,
+                                   _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0
+                                   else now)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self.stop(deadline)
@@ -208,7 +211,10 @@ class Shutdown:
             raise error
         if isinstance(error, ShutdownError):
             raise error
-        if error is not None and not (agent.rank != 0 and isinstance(error, BarrierTimeoutError)):
+        # Past the last barrier, ranks other than 0 do not wait for the others: its
+        # timeout is no failure there. Any earlier timeout is: the group never met.
+        if error is not None and not (last and agent.rank != 0
+                                      and isinstance(error, BarrierTimeoutError)):
             raise ShutdownError(f"graceful shutdown of {agent.name} failed: {error}") from error
 
     def _finish_work(self, deadline: Optional[float]) -> None:

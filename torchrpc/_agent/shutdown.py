@@ -197,11 +197,9 @@ class Shutdown:
                 rendezvous.barrier(store, "shutdown/2", world_size, deadline,
                                    lambda: self.check_peers("shutdown/2"), rank=rank)
                 self.enter(STOPPING)
-                now = time.monotonic()
-                last = True
-                rendezvous.barrier(store, "shutdown/3", world_size,
-                                   _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0
-                                   else now)
+                now, last = time.monotonic(), True
+                until = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
+                rendezvous.barrier(store, "shutdown/3", world_size, until)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self.stop(deadline)
@@ -211,8 +209,7 @@ class Shutdown:
             raise error
         if isinstance(error, ShutdownError):
             raise error
-        # Past the last barrier, ranks other than 0 do not wait for the others: its
-        # timeout is no failure there. Any earlier timeout is: the group never met.
+        # Ranks other than 0 do not wait at the last barrier; an earlier timeout is a failure.
         if error is not None and not (last and agent.rank != 0
                                       and isinstance(error, BarrierTimeoutError)):
             raise ShutdownError(f"graceful shutdown of {agent.name} failed: {error}") from error

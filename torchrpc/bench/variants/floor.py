@@ -186,8 +186,11 @@ class _Caller:
         self.pending: Dict[int, torch.futures.Future] = {}
         self.next_rid = 0
         self.lock = threading.Lock()  # the reading of the rpc_async connection (self_read)
+        self.reader: Optional[threading.Thread] = None
         if not self_read:
-            threading.Thread(target=self._read_many, name="floor-reader", daemon=True).start()
+            self.reader = threading.Thread(target=self._read_many, name="floor-reader",
+                                           daemon=True)
+            self.reader.start()
 
     def call_sync(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.next_rid += 1
@@ -322,6 +325,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         caller.many.shutdown(socket.SHUT_RDWR)
         caller.many.close()
         torch.futures.wait_all = _torch_wait_all
+        if caller.reader is not None:
+            # Joined: a thread still in torch's C++ code when the interpreter finalizes
+            # aborts the process.
+            caller.reader.join(10.0)
     for thread in _state.pop("servers", ()):
         thread.join()
     _state.pop("store", None)

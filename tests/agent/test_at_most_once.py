@@ -69,6 +69,20 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
     assert now["agent.num_resends_after_probe"] == mine["agent.num_resends_after_probe"], now
 
 
+def test_replies_kept_for_a_resend_go_once_the_caller_has_them():
+    # Each backward part's reply carries the gradient of x (1 MiB); worker1 keeps it for a
+    # resend only until this worker's next at-most-once request says it arrived.
+    x = torch.ones(65536, 4, requires_grad=True)
+    for _ in range(30):
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync("worker1", helpers.times_weight, args=(x,))
+            dist_autograd.backward(ctx, [y.sum()])
+            assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((65536, 4), 3.0))
+    info = rpc.rpc_sync("worker1", helpers.debug_info)
+    assert info["agent.num_remembered_requests"] >= 30, info  # each still runs at most once
+    assert info["agent.num_kept_replies"] <= 2, info
+
+
 def test_a_reply_goes_back_on_the_connection_its_request_came_on():
     # worker1's current connection to this worker swallows what it writes (a link that
     # broke while worker1 has not noticed); a reply sent there would never arrive.

@@ -113,6 +113,8 @@ def test_training_sessions_take_turns(train_run: subprocess.CompletedProcess) ->
     turns = QUICK_OVERRIDES["train_turns"]
     for system in ("torch", "torchrpc"):
         assert report["metrics"]["train_step_ms"]["values"][system] > 0
+        # The floor: the same step in the caller alone, measured in the same turns.
+        assert report["metrics"]["train_local_step_ms"]["values"][system] > 0
         (train,) = report["details"][system]["train"]
         assert train["turns"] == turns, train
         assert len(train["turn_medians_ms"]) == turns

@@ -26,6 +26,7 @@ from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
 from .probes import Probes
 from .remote_error import rebuild_error
+from .dispatch import ONCE_ACKS
 from .requests import Pending, Resend
 from .retry import RetryPolicy
 from .stats import nbytes
@@ -45,6 +46,9 @@ class Calls:
         self._rid = itertools.count(1)
         self.probes = Probes(agent, self)
         self._max_pending = int(getattr(agent.options, "max_pending_requests", 0))
+        # Callee rank -> ids of at-most-once requests to it whose replies arrived here: the
+        # next such request tells the callee, which then lets go of the replies it kept.
+        self._acks: Dict[int, List[int]] = {}
 
     def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
                 what: Any = None, oneway: bool = False,
@@ -129,6 +133,11 @@ class Calls:
         meta = send_hook = states = None
         if agent._hooks:
             meta, send_hook, states = self._outgoing(dst, kind)
+        if once and self._acks:
+            acks = self._acks.pop(dst.id, None)
+            if acks:
+                meta = dict(meta) if meta else {}
+                meta[ONCE_ACKS] = tuple(acks)
         ctx = MessageContext(agent, dst, kind, replied=not oneway)
         if encoded is not None and meta is None and send_hook is None and states is None:
             env, bufs, keep = encoded
@@ -240,8 +249,12 @@ class Calls:
             # deadline holds all the same, as the caller was promised.
             agent.requests.time_out(p)
             return
-        if p.resend is not None and p.resend.probing:
-            self.probes.answered(p.resend)  # the reply came before the probe's answer
+        resend = p.resend
+        if resend is not None:
+            if resend.probing:
+                self.probes.answered(resend)  # the reply came before the probe's answer
+            if resend.flags & _wire.FLAG_ONCE:
+                self._acks.setdefault(p.dst.id, []).append(header.request_id)
         stats = p.stats
         if stats is not None:
             stats.latency(now - p.sent)

@@ -74,6 +74,7 @@ def counters(agent: "Agent") -> Dict[str, Any]:
         "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
         "agent.num_duplicate_requests": agent.dispatch.duplicates,
         "agent.num_remembered_requests": len(agent.dispatch.once),
+        "agent.num_kept_replies": agent.dispatch.kept_replies(),
         "agent.num_once_probes": probes.sent,
         "agent.num_resends_avoided": probes.resends_avoided,
         "agent.num_resends_after_probe": probes.resends_after_probe,

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 _ONCE_KEEP = 60.0
 _ONCE_MAX = 8192
 
+# The key, in a request's metadata, of the ids of its caller's earlier at-most-once requests
+# whose replies reached the caller: their kept replies can go (see Dispatch.forget_replies).
+ONCE_ACKS = "_once_acks"
+
 
 class _Once:
     """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
@@ -109,6 +113,8 @@ class Dispatch:
         def recv_hook(meta: Any) -> Optional[Callable]:
             if not meta and not agent.serve_all:
                 return None
+            if type(meta) is dict and ONCE_ACKS in meta:
+                self.forget_replies(src, meta[ONCE_ACKS])
             for hook in agent._hooks:
                 if meta and hook.key in meta:
                     scope = hook.incoming_request(src, kind, meta[hook.key])
@@ -306,6 +312,23 @@ class Dispatch:
             once.reply = (kind, env, bufs, keep)
             once.done_at = time.monotonic()
         return keep
+
+    def forget_replies(self, src: WorkerInfo, rids: Any) -> None:
+        """``src`` has the replies to its requests ``rids``: drop the copies kept for them.
+        The requests stay remembered, so that a copy still on its way is not run again."""
+        if type(rids) is not tuple:
+            return
+        once = self.once
+        with self._once_lock:
+            for rid in rids:
+                entry = once.get((src.id, rid)) if type(rid) is int else None
+                if entry is not None:
+                    entry.reply = None
+
+    def kept_replies(self) -> int:
+        """How many replies are kept for requests that may arrive again."""
+        with self._once_lock:
+            return sum(1 for entry in self.once.values() if entry.reply is not None)
 
     def _once_done(self, src: WorkerInfo, rid: int) -> None:
         """A one-way request that may arrive again has run: forget it in _ONCE_KEEP."""

@@ -151,7 +151,10 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
         dims = "-".join(str(d) for d in options.train_dims)
         return [MetricSpec("train_step_ms", f"train step, MLP {dims}, batch "
                            f"{options.train_batch}", "ms", "lower", workload,
-                           Target("ratio", "<=", 0.5, "issue 20"))]
+                           Target("ratio", "<=", 0.5, "issue 20")),
+                # The step's floor: the same model and step in the caller alone, no RPC.
+                MetricSpec("train_local_step_ms", "the same step in one process, no RPC",
+                           "ms", "lower", workload)]
     if workload == "fanout":
         n = options.fanout_callees
         return [

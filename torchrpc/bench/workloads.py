@@ -289,13 +289,27 @@ def run_train(ctx: WorkerContext) -> Result:
             optimizer.step(context_id)
         return float(loss)
 
+    # The same model and step in this process alone, no RPC: the least any system's step
+    # can take (both halves computed here, one after the other, as the split does).
+    local_model = torch.nn.Sequential(mlp(dims[:split + 1], final_relu=True),
+                                      make_stage(dims[split:], 1))
+    local_optimizer = torch.optim.SGD(local_model.parameters(), lr=opts.train_lr)
+
+    def local_step() -> None:
+        local_optimizer.zero_grad()
+        F.cross_entropy(local_model(inputs), targets).backward()
+        local_optimizer.step()
+
     losses = [step() for _ in range(opts.train_warmup)]
+    for _ in range(opts.train_warmup):
+        local_step()
     turns = ctx.turns
     # Taking turns, each turn starts with one untimed step: the other systems ran last.
     plan = _split(opts.train_steps, len(turns.slots)) if turns else [opts.train_steps]
     if turns:
         turns.ready(ctx.rpc.rpc_sync(ctx.peer, worker_pid))
     times: list[float] = []
+    local_times: list[float] = []
     turn_medians = []
     for k, steps in enumerate(plan):
         if turns:
@@ -306,6 +320,10 @@ def run_train(ctx: WorkerContext) -> Result:
             start = time.perf_counter()
             losses.append(step())
             turn.append((time.perf_counter() - start) * 1e3)
+        for _ in range(steps):
+            start = time.perf_counter()
+            local_step()
+            local_times.append((time.perf_counter() - start) * 1e3)
         if turns:
             turns.end(turns.slots[k])
         times += turn
@@ -316,7 +334,8 @@ def run_train(ctx: WorkerContext) -> Result:
     details = {"steps": len(times), "min_ms": min(times), "first_loss": losses[0],
                "last_loss": losses[-1], "split": [dims[:split + 1], dims[split:]],
                "turns": len(plan), "turn_medians_ms": turn_medians}
-    return {"train_step_ms": percentile(times, 50)}, details
+    return {"train_step_ms": percentile(times, 50),
+            "train_local_step_ms": percentile(local_times, 50)}, details
 
 
 def run_fanout(ctx: WorkerContext) -> Result:

@@ -44,7 +44,8 @@ _HELP = {
     "train_dims": "comma-separated MLP layer sizes; the first half of the layers runs on the "
                   "caller, the rest on the callee",
     "train_batch": "training batch size",
-    "train_steps": "timed training steps; the median is reported",
+    "train_steps": "timed training steps, and as many of the same step in the caller alone "
+                   "(no RPC); the medians are reported",
     "train_warmup": "untimed training steps first",
     "train_lr": "SGD learning rate",
     "train_turns": "with two or more systems, their training sessions (when not shared with "

@@ -11,6 +11,7 @@ import pytest
 
 from torchrpc import _wire
 from torchrpc._agent import MessageContext
+from torchrpc._agent.dispatch import ONCE_ACKS
 from torchrpc._agent.remote_error import rebuild_error
 from torchrpc._wire import Kind
 from torchrpc._wire.probe import MISSING, REPLIED, RUNNING
@@ -25,17 +26,18 @@ def agent():
     agents.close()
 
 
-def _request(agent: Any, kind: int, payload: Any, rid: int, flags: int = 0) -> Tuple[Any, ...]:
+def _request(agent: Any, kind: int, payload: Any, rid: int, flags: int = 0,
+             meta: Any = None) -> Tuple[Any, ...]:
     """What the reader hands on for a request of worker1: its sender, header and payload."""
     src = agent.registry.workers[1]
-    env, bufs, _ = _wire.encode(payload, MessageContext(agent, src, kind))
+    env, bufs, _ = _wire.encode(payload, MessageContext(agent, src, kind), meta=meta)
     header = _wire.Header(kind, flags, rid, len(env), len(bufs))
     return src, header, env, list(bufs)
 
 
 def _serve(agent: Any, conn: FakeConn, kind: int, payload: Any, rid: int,
-           flags: int = 0) -> None:
-    src, header, env, bufs = _request(agent, kind, payload, rid, flags)
+           flags: int = 0, meta: Any = None) -> None:
+    src, header, env, bufs = _request(agent, kind, payload, rid, flags, meta)
     agent.dispatch.serve(src, header, env, bufs, agent.dispatch.handlers.get(kind), conn)
 
 
@@ -114,6 +116,30 @@ def test_a_probe_is_told_what_arrived_and_gets_the_kept_replies_first(agent):
     assert kind == Kind.ONCE_STATUS and flags & _wire.FLAG_ONEWAY
     assert _wire.parse_status(probe.payloads[1][0]) == [(20, MISSING), (21, RUNNING),
                                                         (22, REPLIED)]
+
+
+def test_a_reply_the_caller_acknowledged_is_no_longer_kept_but_runs_once(agent):
+    dispatch, src = agent.dispatch, agent.registry.workers[1]
+    conn = FakeConn(1)
+    for rid in (41, 42):
+        assert dispatch.first_time(src, rid, conn)
+        _serve(agent, conn, Kind.CALL, (operator.add, (rid, 1), {}), rid=rid,
+               flags=_wire.FLAG_ONCE)
+    assert dispatch.kept_replies() == 2
+    # The caller's next at-most-once request says it has the reply to 41 (and names ids
+    # it never sent, which change nothing).
+    assert dispatch.first_time(src, 43, conn)
+    _serve(agent, conn, Kind.CALL, (operator.add, (43, 1), {}), rid=43, flags=_wire.FLAG_ONCE,
+           meta={ONCE_ACKS: (41, 999)})
+    assert _reply(agent, conn) == (Kind.RESPONSE, 43, 44)
+    assert dispatch.kept_replies() == 2  # 42's and 43's
+    again = FakeConn(1)
+    assert not dispatch.first_time(src, 41, again)  # a late copy: still not run again
+    assert again.sent == []  # and its reply, which the caller has, not sent again
+    probe = FakeConn(1)
+    dispatch.answer_probe(probe, src, _wire.pack_probe([41, 42]))
+    assert _reply(agent, probe, 0) == (Kind.RESPONSE, 42, 43)
+    assert _wire.parse_status(probe.payloads[1][0]) == [(41, REPLIED), (42, REPLIED)]
 
 
 def test_a_reply_whose_connection_broke_goes_on_the_current_one(agent):

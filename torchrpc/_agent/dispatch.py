@@ -75,11 +75,12 @@ class _Once:
     """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
     reply, for _ONCE_KEEP seconds after."""
 
-    __slots__ = ("done_at", "reply")
+    __slots__ = ("done_at", "reply", "acked")
 
     def __init__(self) -> None:
         self.done_at: Optional[float] = None
         self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
+        self.acked = False  # the caller has the reply, which is no longer kept
 
 
 class Dispatch:
@@ -322,8 +323,9 @@ class Dispatch:
         with self._once_lock:
             for rid in rids:
                 entry = once.get((src.id, rid)) if type(rid) is int else None
-                if entry is not None:
+                if entry is not None and entry.reply is not None:
                     entry.reply = None
+                    entry.acked = True
 
     def kept_replies(self) -> int:
         """How many replies are kept for requests that may arrive again."""
@@ -347,6 +349,8 @@ class Dispatch:
                 once = self.once.get((src.id, rid))
                 if once is None:
                     answers.append((rid, MISSING))
+                elif once.acked:  # the caller had the reply already
+                    answers.append((rid, REPLIED))
                 elif once.reply is None:
                     answers.append((rid, STILL_RUNNING))
                 else:

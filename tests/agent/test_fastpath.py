@@ -188,28 +188,20 @@ def test_the_poll_policy_follows_the_cpus_the_host_leaves_spare(agents):
     # More workers on the host than CPUs: a poll would take another worker's CPU.
     poll.set_spare_cpus(False, crowded=True)
     assert poll.seconds == poll.crowded == 0.0
-    agent.fastpath.check_cpus()  # one worker on this host: whatever the CPUs say, valid
+    agent.fastpath.check_cpus(1)  # one worker on this host: whatever the CPUs say, valid
     assert poll.seconds in (poll.short, poll.spare)
 
 
 def test_a_crowded_host_stops_the_polls_unless_spin_us_is_set(monkeypatch):
     from torchrpc._agent import fastpath
 
-    class Registry:
-        def __init__(self, workers):
-            self.workers = workers
-
-        def workers_on_this_host(self):
-            return self.workers
-
     monkeypatch.setattr(fastpath, "_usable_cpus", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     for spin_us, crowded in ((None, 0.0), (50.0, 50e-6)):
         agent = SimpleNamespace(_lock=threading.Lock(), options=SimpleNamespace(spin_us=spin_us),
-                                registry=Registry(2), pool=None)
+                                pool=None)
         path = fastpath.FastPath(agent)
-        path.check_cpus()  # two one-thread workers on two CPUs: spare
+        path.check_cpus(2)  # two one-thread workers on two CPUs: spare
         assert path.poll.seconds == path.poll.spare
-        agent.registry.workers = 3
-        path.check_cpus()
+        path.check_cpus(3)
         assert path.poll.seconds == crowded

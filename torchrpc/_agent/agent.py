@@ -385,5 +385,6 @@ def _housekeeping(agent: Agent) -> None:
         agent.pool.check_progress()
         if agent._transport is not None:
             agent._transport.housekeeping()
-            agent.fastpath.check_cpus()
-            agent.omp.check(agent.registry.workers_on_this_host())
+            workers = agent.registry.workers_on_this_host()
+            agent.fastpath.check_cpus(workers)
+            agent.omp.check(workers)

@@ -172,10 +172,9 @@ class FastPath:
         """The idle private connections to ``rank``."""
         return list(self._idle.get(rank, ()))
 
-    def check_cpus(self) -> None:
-        """Timer: have readers poll as the workers and CPUs of this host allow."""
-        self.poll.for_host(torch.get_num_threads(), self._agent.registry.workers_on_this_host(),
-                           _usable_cpus())
+    def check_cpus(self, workers: int) -> None:
+        """Timer: have readers poll as the ``workers`` on this host and its CPUs allow."""
+        self.poll.for_host(torch.get_num_threads(), workers, _usable_cpus())
 
     def drain_parked(self, now: float) -> None:
         """Timer: unclaimed parked requests older than a tick get their reply read."""

@@ -276,6 +276,8 @@ PROCESS_STATE = {
     "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
     # The parked OpenMP teams of this process's agents, ended at its exit at the latest.
     "_agent/cpus.py:_running": "process resources",
+    "_agent/cpus.py:_exiting": "process resources",
+    "_agent/cpus.py:_starting": "process resources",
     # Tools that are not an agent: the benchmark's featureless floor RPC (its connections)
     # and the segment timer's event log, one per process they run in.
     "bench/variants/floor.py:_state": "the floor system's process state",

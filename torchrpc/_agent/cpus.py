@@ -53,9 +53,15 @@ def libgomp_spins() -> bool:
 
 
 _running: "weakref.WeakSet[SpinGuard]" = weakref.WeakSet()  # guards whose thread runs
+# Set at exit, under _starting: no guard starts a thread after that (the timer of an agent
+# never shut down may still tick while the interpreter exits).
+_exiting = threading.Event()
+_starting = threading.Lock()
 
 
 def _stop_all() -> None:
+    with _starting:
+        _exiting.set()
     for guard in list(_running):
         guard.stop()
 
@@ -91,12 +97,16 @@ class SpinGuard:
             self._applies = libgomp_spins()
             if not self._applies:
                 return
-        _running.add(self)
-        self._thread = start(self._name, Guard(f"the OpenMP team of {self._name}"),
-                             self._hold, threads)
+        with _starting:
+            if _exiting.is_set():
+                return
+            _running.add(self)
+            self._thread = start(self._name, Guard(f"the OpenMP team of {self._name}"),
+                                 self._hold, threads)
 
     def _hold(self, threads: int) -> None:
-        torch.ones(threads * _REGION_PER_THREAD).add_(1)  # this thread's team starts here
+        if not self._end.is_set():
+            torch.ones(threads * _REGION_PER_THREAD).add_(1)  # this thread's team starts here
         self._end.wait()
 
     def stop(self, until: float = 0.0) -> None:

@@ -80,3 +80,27 @@ def test_a_process_that_exits_while_its_team_starts_exits_cleanly():
         done = subprocess.run([sys.executable, "-c", _EXIT_AT_ONCE], capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+_CHECK_AFTER_EXIT = """
+import atexit, torch
+torch.set_num_threads(2)
+
+def tick_late():
+    # As an agent's timer may, in a program that never shut its agent down: after the
+    # guards' exit handler ran, while the interpreter exits.
+    guard.check(2, threads=2, cpus=2)
+    print("parked" if guard.parked else "not parked", flush=True)
+
+atexit.register(tick_late)  # before the guards' handler is registered: runs after it
+from torchrpc._agent.cpus import SpinGuard
+guard = SpinGuard("torchrpc-omp-late")
+"""
+
+
+@pytest.mark.skipif(not cpus.libgomp_spins(), reason="torch here does not run on libgomp")
+def test_no_team_is_parked_once_the_process_exits():
+    done = subprocess.run([sys.executable, "-c", _CHECK_AFTER_EXIT], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "not parked"

@@ -22,11 +22,11 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
+from .dispatch import ONCE_ACKS
 from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
 from .probes import Probes
 from .remote_error import rebuild_error
-from .dispatch import ONCE_ACKS
 from .requests import Pending, Resend
 from .retry import RetryPolicy
 from .stats import nbytes

@@ -319,10 +319,10 @@ class Dispatch:
         The requests stay remembered, so that a copy still on its way is not run again."""
         if type(rids) is not tuple:
             return
-        once = self.once
+        table = self.once
         with self._once_lock:
             for rid in rids:
-                entry = once.get((src.id, rid)) if type(rid) is int else None
+                entry = table.get((src.id, rid)) if type(rid) is int else None
                 if entry is not None and entry.reply is not None:
                     entry.reply = None
                     entry.acked = True

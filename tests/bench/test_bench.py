@@ -100,10 +100,12 @@ BROKEN = {"mixed": "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
 
 @pytest.fixture(scope="module")
 def train_run() -> subprocess.CompletedProcess:
-    """One quick run of ``train`` alone (its sessions take turns), with BROKEN beside."""
+    """One quick run of ``latency``, ``remote`` and ``train``, each in sessions of its own
+    (so they take turns), with BROKEN beside."""
     defines = [arg for name, modules in BROKEN.items()
                for arg in ("--define-system", f"{name}={modules}")]
-    proc = run_bench("--quick", "--workloads", "train", "--systems",
+    proc = run_bench("--quick", "--sessions", "per-workload", "--workloads",
+                     "latency,remote,train", "--systems",
                      ",".join(["torch", "torchrpc", *BROKEN]), *defines, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -121,6 +123,20 @@ def test_training_sessions_take_turns(train_run: subprocess.CompletedProcess) ->
         assert train["turns"] == turns, train
         assert len(train["turn_medians_ms"]) == turns
         assert train["steps"] == QUICK_OVERRIDES["train_steps"]
+
+
+def test_call_latencies_are_measured_in_turns(train_run: subprocess.CompletedProcess) -> None:
+    assert "latency (in turns): ok" in train_run.stderr
+    assert "remote (in turns): ok" in train_run.stderr
+    report = json.loads(train_run.stdout)
+    turns = QUICK_OVERRIDES["call_turns"]
+    for system in ("torch", "torchrpc", *BROKEN):
+        for workload, calls in (("latency", "latency_calls"), ("remote", "remote_calls")):
+            (details,) = report["details"][system][workload]
+            assert details["turns"] == turns, (system, details)
+            assert details["calls"] == QUICK_OVERRIDES[calls], (system, details)
+        for metric in ("rpc_sync_p50_us", "noop_p50_us", "remote_to_here_p50_us"):
+            assert report["metrics"][metric]["values"][system] > 0, (system, metric)
 
 
 def test_broken_systems_do_not_hold_up_the_turns(train_run: subprocess.CompletedProcess) -> None:
@@ -154,6 +170,8 @@ def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
     (["--systems", "torch,nonesuch"], "nonesuch"),
     (["--echo-sizes-mb", "1,-4"], "--echo-sizes-mb"),
     (["--train-steps", "4", "--train-turns", "5"], "--train-turns"),
+    (["--remote-calls", "4", "--call-turns", "5"], "--call-turns"),
+    (["--call-turns", "-1"], "--call-turns"),
     (["--threads", "default,1", "--torch-threads", "2"], "--threads or --torch-threads, not both"),
     (["--threads", "1,many"], "'many'"),
     (["--ps-dims", "10,4"], "--ps-dims"),

@@ -48,6 +48,9 @@ _HELP = {
                    "(no RPC); the medians are reported",
     "train_warmup": "untimed training steps first",
     "train_lr": "SGD learning rate",
+    "call_turns": "with two or more systems, their latency and remote sessions (when not "
+                  "shared with other workloads) run side by side and take this many turns "
+                  "each, one system at a time; 0: one system after the other",
     "train_turns": "with two or more systems, their training sessions (when not shared with "
                    "other workloads) run side by side and take this many turns each, one "
                    "system at a time, so that all see the same machine",

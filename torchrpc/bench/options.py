@@ -42,6 +42,10 @@ class BenchOptions:
     # 3. remote() + to_here()
     remote_calls: int = 1000
     remote_warmup: int = 100
+    # With two or more systems, the latency and remote workloads run side by side and take
+    # turns (see runner.py): their timed calls are split into this many turns per system.
+    # 0: they run one system after the other.
+    call_turns: int = 8
     # 4./5. echo and peak RSS
     echo_sizes_mb: tuple[float, ...] = (1.0, 64.0, 256.0)
     echo_iters: int = 5
@@ -92,8 +96,8 @@ class BenchOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("latency_warmup", "remote_warmup", "echo_warmup", "train_warmup",
-                     "fanout_warmup", "ps_warmup"):
+        for name in ("latency_warmup", "remote_warmup", "call_turns", "echo_warmup",
+                     "train_warmup", "fanout_warmup", "ps_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, "
                                  f"got {getattr(self, name)}")
@@ -122,6 +126,10 @@ class BenchOptions:
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0 (0: torch's default), "
                              f"got {self.torch_threads}")
+        if self.call_turns > min(self.latency_calls, self.remote_calls):
+            raise ValueError(f"--call-turns ({self.call_turns}) can't exceed --latency-calls "
+                             f"({self.latency_calls}) or --remote-calls "
+                             f"({self.remote_calls}): each turn times at least one call")
         if self.train_turns > self.train_steps:
             raise ValueError(f"--train-turns ({self.train_turns}) can't exceed --train-steps "
                              f"({self.train_steps}): each turn times at least one step")
@@ -151,6 +159,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "throughput_repeats": 1,
     "remote_calls": 100,
     "remote_warmup": 10,
+    "call_turns": 2,
     "echo_sizes_mb": (1.0, 4.0),
     "echo_iters": 3,
     "echo_warmup": 1,

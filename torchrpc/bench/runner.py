@@ -4,14 +4,16 @@ With ``rounds > 1`` the whole sequence (every system, every workload) is repeate
 alternating, each time in fresh processes; a metric's value is then the median over the
 rounds that produced it. That evens out a machine whose load changes during the run.
 
-The training step is the exception. On a shared machine its speed drifts by a quarter
-within seconds, more than the difference being measured, so in each round the systems'
-training sessions run side by side instead, and take turns: every system warms up, then
-the timed steps go in ``train_turns`` turns per system, one system at a time, the first
-system changing from turn to turn. The systems whose turn it is not are stopped
-(SIGSTOP): torch's TensorPipe polls its shared-memory queues with a busy thread even
-when idle, and would otherwise take a CPU from whoever is measured. Each system's median
-then comes from the same stretch of time as the others', with the machine to itself.
+The training step and the call latencies are the exception. On a shared machine their
+speed drifts by a quarter or more within seconds, more than the difference being
+measured, so in each round the systems' sessions of such a workload run side by side
+instead, and take turns: every system warms up, then the timed steps (``train_turns``)
+or calls (``call_turns``, the latency and remote workloads) go in turns, one system at
+a time, the first system changing from turn to turn. The systems whose turn it is not
+are stopped (SIGSTOP): torch's TensorPipe polls its shared-memory queues with a busy
+thread even when idle, and would otherwise take a CPU from whoever is measured. Each
+system's median then comes from the same stretch of time as the others', with the
+machine to itself.
 """
 
 from __future__ import annotations
@@ -191,10 +193,12 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
         groups.append(["fanout"])
     if "scale" in workloads:
         groups.append(["scale"])
-    # The training sessions of all systems take turns (see the module docs), last in a round.
-    turns = ["train"] in groups and len(systems) > 1
-    if turns:
-        groups.remove(["train"])
+    # The sessions of these workloads take turns (see the module docs), last in a round.
+    counts = {"latency": options.call_turns, "remote": options.call_turns,
+              "train": options.train_turns}
+    in_turns = [w for w in pair if [w] in groups and counts.get(w) and len(systems) > 1]
+    for workload in in_turns:
+        groups.remove([workload])
     broken: dict[str, str] = {}
 
     def skip(system: SystemSpec, group: list[str]) -> bool:
@@ -218,12 +222,13 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
                     error = _run_pair(result, system, group, options, workdir, log)
                 if error is not None:
                     broken[system.name] = error
-        if turns:
-            live = [system for system in systems if not skip(system, ["train"])]
+        for workload in in_turns:
+            live = [system for system in systems if not skip(system, [workload])]
             if len(live) > 1:
-                broken.update(_run_train_turns(result, live, round_no, options, workdir, log))
+                broken.update(_run_in_turns(result, live, workload, counts[workload],
+                                            round_no, options, workdir, log))
             elif live:
-                error = _run_pair(result, live[0], ["train"], options, workdir, log)
+                error = _run_pair(result, live[0], [workload], options, workdir, log)
                 if error is not None:
                     broken[live[0].name] = error
     return result
@@ -251,15 +256,17 @@ def _take_pair(result: RunResult, outcome: SessionOutcome, log: Log, how: str = 
     return outcome.failure() if outcome.is_import_failure() else None
 
 
-def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int,
-                     options: BenchOptions, workdir: Path, log: Log) -> dict[str, str]:
-    """The training sessions of ``systems`` side by side, taking turns (module docs).
+def _run_in_turns(result: RunResult, systems: list[SystemSpec], workload: str, count: int,
+                  round_no: int, options: BenchOptions, workdir: Path, log: Log
+                  ) -> dict[str, str]:
+    """The sessions of ``workload`` on ``systems`` side by side, taking ``count`` turns
+    each (module docs).
 
     Returns the import errors of systems that could not run at all.
     """
     n = len(systems)
     owner: list[int] = []  # turn -> system
-    for turn in range(options.train_turns):
+    for turn in range(count):
         first = (turn + round_no) % n
         owner += [*range(first, n), *range(first)]
     limit = options.time_limit + 30.0
@@ -276,7 +283,7 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
         slots = [turn for turn, who in enumerate(owner) if who == i]
         try:
             outcomes[i] = run_session(
-                systems[i], ["train"], "pair", 2, options, options.time_limit, workdir,
+                systems[i], [workload], "pair", 2, options, options.time_limit, workdir,
                 extra={"turns": {"store": ["127.0.0.1", store.port], "index": i,
                                  "slots": slots, "time_limit": limit}})
         finally:
@@ -291,8 +298,8 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, sig)  # each worker leads its own process group
 
-    threads = [threading.Thread(target=session, args=(i,), name=f"bench-train-{i}", daemon=True)
-               for i in range(n)]
+    threads = [threading.Thread(target=session, args=(i,), name=f"bench-{workload}-{i}",
+                                daemon=True) for i in range(n)]
     for thread in threads:
         thread.start()
     try:
@@ -309,7 +316,7 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
             waiter.set(f"go/{turn}", "1")
             waiter.wait([f"done/{turn}"])
     except Exception as exc:  # noqa: BLE001 - the sessions' own limits end them
-        log(f"train (in turns): the turns stopped early: {exc}")
+        log(f"{workload} (in turns): the turns stopped early: {exc}")
     except BaseException:  # interrupted: leave no stopped workers behind
         for i in range(n):
             signal_all(i, signal.SIGKILL)
@@ -322,7 +329,7 @@ def _run_train_turns(result: RunResult, systems: list[SystemSpec], round_no: int
     errors = {}
     for system, outcome in zip(systems, outcomes):
         if outcome is None:  # run_session itself failed
-            result.fail_workload(system.name, "train", "the session could not be run")
+            result.fail_workload(system.name, workload, "the session could not be run")
             continue
         error = _take_pair(result, outcome, log, " (in turns)")
         if error is not None:

@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -50,7 +50,7 @@ class WorkerContext:
 
 
 class Turns:
-    """This system's part in a training run that takes turns with other systems.
+    """This system's part in a workload's sessions that take turns with other systems.
 
     The launcher leads, through its store: once this system has warmed up it says so
     (``ready/I``, with the process ids of both workers); turn N may start once the
@@ -120,26 +120,32 @@ def run_latency(ctx: WorkerContext) -> Result:
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.rpc_sync(ctx.peer, func, args=args))
-    for _ in range(opts.latency_warmup):
-        ctx.rpc.rpc_sync(ctx.peer, func, args=args)
-    samples = []
+    samples: list[float] = []
+    noops: list[float] = []
     clock = time.perf_counter_ns
-    for _ in range(opts.latency_calls):
-        start = clock()
-        ctx.rpc.rpc_sync(ctx.peer, func, args=args)
-        samples.append((clock() - start) / 1e3)
-    noops = []
-    for i in range(opts.latency_warmup + opts.latency_calls):
-        start = clock()
-        if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
-            raise AssertionError(f"no-op call did not return its argument {i}")
-        noops.append((clock() - start) / 1e3)
-    del noops[:opts.latency_warmup]
+
+    def call() -> Any:
+        return ctx.rpc.rpc_sync(ctx.peer, func, args=args)
+
+    for calls, warmup in _call_turns(ctx, opts.latency_calls, opts.latency_warmup, call):
+        for _ in range(warmup):
+            call()
+        for _ in range(calls):
+            start = clock()
+            call()
+            samples.append((clock() - start) / 1e3)
+        for i in range(warmup + calls):
+            start = clock()
+            if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
+                raise AssertionError(f"no-op call did not return its argument {i}")
+            if i >= warmup:
+                noops.append((clock() - start) / 1e3)
     metrics = {"rpc_sync_p50_us": percentile(samples, 50),
                "rpc_sync_p99_us": percentile(samples, 99),
                "noop_p50_us": percentile(noops, 50)}
     details = {"calls": len(samples), "min_us": min(samples), "max_us": max(samples),
-               "mean_us": sum(samples) / len(samples), "small_call": opts.small_call}
+               "mean_us": sum(samples) / len(samples), "small_call": opts.small_call,
+               "turns": len(ctx.turns.slots) if ctx.turns else 1}
     return metrics, details
 
 
@@ -169,17 +175,23 @@ def run_remote(ctx: WorkerContext) -> Result:
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.remote(ctx.peer, func, args=args).to_here())
-    for _ in range(opts.remote_warmup):
-        ctx.rpc.remote(ctx.peer, func, args=args).to_here()
     samples = []
     clock = time.perf_counter_ns
-    for _ in range(opts.remote_calls):
-        start = clock()
-        ctx.rpc.remote(ctx.peer, func, args=args).to_here()
-        samples.append((clock() - start) / 1e3)
+
+    def call() -> Any:
+        return ctx.rpc.remote(ctx.peer, func, args=args).to_here()
+
+    for calls, warmup in _call_turns(ctx, opts.remote_calls, opts.remote_warmup, call):
+        for _ in range(warmup):
+            call()
+        for _ in range(calls):
+            start = clock()
+            call()
+            samples.append((clock() - start) / 1e3)
     metrics = {"remote_to_here_p50_us": percentile(samples, 50),
                "remote_to_here_p99_us": percentile(samples, 99)}
-    return metrics, {"calls": len(samples), "min_us": min(samples)}
+    return metrics, {"calls": len(samples), "min_us": min(samples),
+                     "turns": len(ctx.turns.slots) if ctx.turns else 1}
 
 
 def run_echo(ctx: WorkerContext) -> Result:
@@ -436,6 +448,29 @@ def run_ps(ctx: WorkerContext) -> Result:
                "last_loss_mean": sum(last) / len(last),
                "table": dims[:2], "trainer_mlp": dims[1:]}
     return metrics, details
+
+
+def _call_turns(ctx: WorkerContext, calls: int, warmup: int,
+                warm: Callable[[], Any]) -> Iterator[tuple[int, int]]:
+    """How many calls to time and, first, not to time in each turn: all of them in one
+    go without turns.
+
+    Taking turns (see :class:`Turns`), this system first makes ``warmup`` calls of
+    ``warm`` and says it is ready; then the calls are split among its turns, each
+    starting with its share of the untimed ones (the other systems ran last).
+    """
+    turns = ctx.turns
+    if turns is None:
+        yield calls, warmup
+        return
+    parts = len(turns.slots)
+    for _ in range(warmup):
+        warm()
+    turns.ready(ctx.rpc.rpc_sync(ctx.peer, worker_pid))
+    for k, (n, w) in enumerate(zip(_split(calls, parts), _split(max(warmup, parts), parts))):
+        turns.start(turns.slots[k])
+        yield n, w
+        turns.end(turns.slots[k])
 
 
 def _split(total: int, parts: int) -> list[int]:

@@ -134,6 +134,25 @@ def test_proxies_and_async_methods():
     del store, cls_rref, local  # pytest keeps failed-assertion frames alive; drop our refs
 
 
+def test_the_creation_future_is_a_torch_future_before_and_after_its_reply():
+    # remote() leaves its creation reply for to_here() to read; _get_future() still hands
+    # out a torch future of it, whether the reply is in or not, and the creation's error.
+    slow = rpc.remote("worker1", helpers.sleep_then, args=(0.3, 1))
+    fut = slow._get_future()
+    assert isinstance(fut, torch.futures.Future) and not fut.done()
+    assert slow._get_future() is fut
+    assert torch.futures.wait_all([fut]) == [None] and slow.to_here() == 1
+    fast = rpc.remote("worker1", helpers.add, args=(1, 2))
+    assert fast.to_here() == 3
+    done = fast._get_future()
+    assert isinstance(done, torch.futures.Future) and done.done() and done.wait() is None
+    bad = rpc.remote("worker1", helpers.raise_value_error, args=("no creation",))
+    with pytest.raises(ValueError, match="no creation"):
+        bad._get_future().wait()
+    del slow, fut, fast, done, bad
+    wait_clean()
+
+
 def test_fork_to_the_owner_is_accepted_by_the_reply():
     # A user RRef sent to its owner in a call: the reply itself accepts the child, so
     # nothing is pending on this worker once rpc_sync returns, and the owner sends no

@@ -6,10 +6,11 @@ from .dispatch import run_callable
 from .fastpath import Parked
 from .hooks import (AsyncResult, CallHook, CallScope, Described, Extensions, MessageContext, Slot,
                     describe)
-from .futures import RpcFuture, fresh_error
+from .futures import RpcFuture, SyncFuture, error_of, fresh_error, torch_future_of
 from .pool import current_pool
 from .worker import WorkerInfo
 
 __all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "Described", "Extensions",
-           "MessageContext", "Parked", "RpcFuture", "Slot", "WorkerInfo", "current_pool",
-           "debug_info_here", "describe", "fresh_error", "run_callable"]
+           "MessageContext", "Parked", "RpcFuture", "Slot", "SyncFuture", "WorkerInfo",
+           "current_pool", "debug_info_here", "describe", "error_of", "fresh_error",
+           "run_callable", "torch_future_of"]

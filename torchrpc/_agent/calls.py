@@ -112,11 +112,13 @@ class Calls:
                     private: Optional[Connection] = None,
                     encoded: Optional[Tuple[bytes, Any, Any]] = None,
                     share: Optional[List[Tuple[bytes, Any, Any]]] = None,
-                    sync: bool = False) -> Tuple[Any, ...]:
+                    sync: bool = False,
+                    on_done: Optional[Callable[[Any], None]] = None) -> Tuple[Any, ...]:
         """Encode a request and enter it in the pending table (unless one-way).
 
         With ``sync`` (a caller that waits at once and hands out no future), its future
-        is a :class:`~torchrpc._agent.futures.SyncFuture`.
+        is a :class:`~torchrpc._agent.futures.SyncFuture`. ``on_done`` is called with the
+        future, inline, where it completes.
         ``encoded``: an encoding of ``payload`` made for another destination, used unless
         a call hook has something to add for this one. ``share``: a list that gets this
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
@@ -169,6 +171,11 @@ class Calls:
                 p.future.add_done_callback(settled)
             else:
                 torch.futures.Future.add_done_callback(p.future, settled)
+        if on_done is not None:
+            if sync:
+                p.future.add_done_callback(on_done)
+            else:
+                torch.futures.Future.add_done_callback(p.future, on_done)
         p.private = private
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:

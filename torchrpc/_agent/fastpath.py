@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -114,12 +114,14 @@ class FastPath:
         return p.future.wait()
 
     def park(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any = None,
-             retry: Optional[RetryPolicy] = None,
-             by_future: bool = False) -> Tuple[RpcFuture, Optional[Parked]]:
+             retry: Optional[RetryPolicy] = None, by_future: bool = False,
+             on_done: Optional[Callable[[Any], None]] = None) -> Tuple[Any, Optional[Parked]]:
         """Send a request, parking the reply; the future of the reply, and the parked
         request (None if it went the usual way). ``by_future``: the future's waiter reads
         the reply (else a :meth:`call` with ``after``). See the module docs for when it
-        parks."""
+        parks. With ``on_done``, called with the future once it completes, a parked
+        request's future is a :class:`~torchrpc._agent.futures.SyncFuture` (nobody waits
+        for it but its ``after`` call) and ``on_done`` runs where it completes."""
         agent = self._agent
         conn = None
         # An rpc_async parks only on an idle private connection: with none, no more checks.
@@ -129,8 +131,12 @@ class FastPath:
             if fits and self._private_ok(dst):
                 conn = self._checkout(dst, opens=not by_future)
         if conn is None:
-            return agent.request(dst, kind, payload, timeout, what=what, retry=retry), None
-        rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry)
+            fut = agent.request(dst, kind, payload, timeout, what=what, retry=retry)
+            if on_done is not None:
+                fut.add_done_callback(on_done)
+            return fut, None
+        rid, p, sent = self._send(conn, (), dst, kind, payload, timeout, what, retry,
+                                  sync=on_done is not None, on_done=on_done)
         if not sent:
             return p.future, None
         parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
@@ -242,14 +248,16 @@ class FastPath:
 
     def _send(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
               payload: Any, timeout: float, what: Any, retry: Optional[RetryPolicy] = None,
-              sync: bool = False) -> Tuple[int, Pending, bool]:
+              sync: bool = False, on_done: Optional[Callable[[Any], None]] = None
+              ) -> Tuple[int, Pending, bool]:
         """Enter a request and send it on private connection ``conn`` (which carries the
         parked requests ``also``); the request id, its pending record, and whether it was
         sent (if not, it has failed or gone to retry, and ``conn`` was released)."""
         calls = self._agent.calls
         try:
             rid, p, flags, env, bufs, keep = calls.new_request(
-                dst, kind, payload, timeout, what, retry=retry, private=conn, sync=sync)
+                dst, kind, payload, timeout, what, retry=retry, private=conn, sync=sync,
+                on_done=on_done)
         except BaseException:
             self._release(dst, conn, also)
             raise

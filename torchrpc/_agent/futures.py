@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, TypeVar
 
 import torch
 
-from ..errors import as_runtime_error
+from ..errors import ClosedError, as_runtime_error
 from .pool import WorkerPool, current_pool
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,10 @@ class SyncFuture:
     def done(self) -> bool:
         return not self._ready.locked()
 
+    def error(self) -> Optional[BaseException]:
+        """The error it completed with, None with a value: once done, or in a callback."""
+        return self._error
+
     def wait(self) -> Any:
         """The value, or a copy of the error raised; blocks (as a blocked pool thread)
         until there is one."""
@@ -193,6 +197,41 @@ class SyncFuture:
 
 
 _new_lock = threading.Lock
+
+
+def error_of(fut: Any) -> Optional[BaseException]:
+    """The error a completed future (torch's or a :class:`SyncFuture`) holds, None for a
+    value; without raising it."""
+    if type(fut) is SyncFuture:
+        return fut.error()
+    try:
+        fut.wait()
+    except BaseException as exc:  # noqa: BLE001 - returned
+        return exc
+    return None
+
+
+def torch_future_of(sync: SyncFuture, pool: Any) -> RpcFuture:
+    """A torch future that completes as ``sync`` does: at once if it is done, else from a
+    thread of ``pool`` that waits for it (a callback added now might come too late)."""
+    out = new_future(pool)
+
+    def relay() -> None:
+        try:
+            value = sync.wait()
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            out.set_exception(exc)
+        else:
+            out.set_result(value)
+
+    if sync.done() or pool is None:
+        relay()
+    else:
+        try:
+            pool.submit(relay)
+        except ClosedError:  # shutting down: every request is failed, this one too
+            relay()
+    return out
 
 
 def _claim_later(fut: RpcFuture) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, run_callable
+from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, error_of, run_callable
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
@@ -97,31 +97,30 @@ class RRefLayer:
         with self._users_lock:
             self._users[fork_id] = rref
         deletes = self.control.take_deletes(dst.id)
+        ref = weakref.ref(rref)
         try:
-            # Parked: the reply is read by this RRef's to_here() if it comes soon.
-            fut, rref._parked = agent.fastpath.park(
+            # Parked: the reply is read by this RRef's to_here() if it comes soon. Its
+            # future is a SyncFuture then; _get_future() makes a torch future of it.
+            rref._creation, rref._parked = agent.fastpath.park(
                 dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
-                timeout, what=func)
+                timeout, what=func,
+                on_done=lambda f: self._created(ref, fork_id, f, dst.id, deletes))
         except BaseException:
             self.control.return_deletes(dst.id, deletes)
             self._users.pop(fork_id, None)
             self.book.user_abandoned(fork_id)
             rref._deleted = True
             raise
-        ref = weakref.ref(rref)
-        rref._creation = fut
-        fut.add_done_callback(lambda f: self._created(ref, fork_id, f, dst.id, deletes))
         return rref
 
-    def _created(self, ref: "weakref.ref[RRef]", fork_id: GloballyUniqueId,
-                 fut: torch.futures.Future, owner: int,
-                 deletes: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]) -> None:
+    def _created(self, ref: "weakref.ref[RRef]", fork_id: GloballyUniqueId, fut: Any,
+                 owner: int, deletes: Tuple[Tuple[GloballyUniqueId, GloballyUniqueId], ...]
+                 ) -> None:
         rref = ref()
-        try:
-            fut.wait()
-        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef (best effort)
+        error = error_of(fut)
+        if error is not None:
             if rref is not None:
-                rref._record_error(_creation_error(exc))
+                rref._record_error(_creation_error(error))
             self.control.return_deletes(owner, deletes)  # they may not have arrived
         if rref is not None:
             rref._confirmed = True

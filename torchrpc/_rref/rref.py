@@ -18,7 +18,7 @@ import torch
 
 from .._agent import Agent, Described, MessageContext, Parked, Slot, WorkerInfo, fresh_error
 from .._agent.current import current_agent, handle as agent_handle
-from .._agent.futures import RpcFuture, new_future
+from .._agent.futures import RpcFuture, SyncFuture, new_future, torch_future_of
 from .._wire import Kind, PassThrough, register_message_reducer, register_rebuilder
 from ..errors import ConnectionLostError, InvalidArgumentError, NotInitializedError, RpcTimeoutError
 from .book import GloballyUniqueId, OwnerEntry
@@ -77,7 +77,9 @@ class RRef(Generic[T]):
         self._error: Optional[BaseException] = None
         self._confirmed = confirmed
         self._deleted = False
-        self._creation: Optional[torch.futures.Future] = None
+        # The future of remote()'s creation request: a torch future, or a SyncFuture
+        # while the reply is parked (_get_future makes a torch future of it)
+        self._creation: Any = None
         self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
         self._type_future: Optional[torch.futures.Future] = None  # of the value's type
         self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
@@ -243,8 +245,11 @@ class RRef(Generic[T]):
         """The future of this RRef's creation by ``rpc.remote()`` on the owner, as torch's
         (it fails with the creation's timeout or error); for an RRef that was not made by
         a ``remote()`` here, a future of the value, fetched from the owner."""
-        if self._creation is not None:
-            return self._creation
+        creation = self._creation
+        if creation is not None:
+            if type(creation) is SyncFuture:  # a parked creation's (see RRefLayer.remote)
+                creation = self._creation = torch_future_of(creation, self._layer.agent.pool)
+            return creation
         self._check_error()
         if self._entry is not None:
             return self._entry.future

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -122,24 +123,19 @@ def run_latency(ctx: WorkerContext) -> Result:
     _check_small_result(ctx.rpc.rpc_sync(ctx.peer, func, args=args))
     samples: list[float] = []
     noops: list[float] = []
-    clock = time.perf_counter_ns
+    numbers = itertools.count()
 
     def call() -> Any:
         return ctx.rpc.rpc_sync(ctx.peer, func, args=args)
 
+    def noop_call() -> None:
+        i = next(numbers)
+        if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
+            raise AssertionError(f"no-op call did not return its argument {i}")
+
     for calls, warmup in _call_turns(ctx, opts.latency_calls, opts.latency_warmup, call):
-        for _ in range(warmup):
-            call()
-        for _ in range(calls):
-            start = clock()
-            call()
-            samples.append((clock() - start) / 1e3)
-        for i in range(warmup + calls):
-            start = clock()
-            if ctx.rpc.rpc_sync(ctx.peer, noop, args=(i,)) != i:
-                raise AssertionError(f"no-op call did not return its argument {i}")
-            if i >= warmup:
-                noops.append((clock() - start) / 1e3)
+        samples += _timed(call, calls, warmup)
+        noops += _timed(noop_call, calls, warmup)
     metrics = {"rpc_sync_p50_us": percentile(samples, 50),
                "rpc_sync_p99_us": percentile(samples, 99),
                "noop_p50_us": percentile(noops, 50)}
@@ -175,19 +171,13 @@ def run_remote(ctx: WorkerContext) -> Result:
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.remote(ctx.peer, func, args=args).to_here())
-    samples = []
-    clock = time.perf_counter_ns
+    samples: list[float] = []
 
     def call() -> Any:
         return ctx.rpc.remote(ctx.peer, func, args=args).to_here()
 
     for calls, warmup in _call_turns(ctx, opts.remote_calls, opts.remote_warmup, call):
-        for _ in range(warmup):
-            call()
-        for _ in range(calls):
-            start = clock()
-            call()
-            samples.append((clock() - start) / 1e3)
+        samples += _timed(call, calls, warmup)
     metrics = {"remote_to_here_p50_us": percentile(samples, 50),
                "remote_to_here_p99_us": percentile(samples, 99)}
     return metrics, {"calls": len(samples), "min_us": min(samples),
@@ -448,6 +438,19 @@ def run_ps(ctx: WorkerContext) -> Result:
                "last_loss_mean": sum(last) / len(last),
                "table": dims[:2], "trainer_mlp": dims[1:]}
     return metrics, details
+
+
+def _timed(call: Callable[[], Any], calls: int, warmup: int) -> list[float]:
+    """Make ``warmup`` untimed calls, then ``calls`` timed ones: their times in us."""
+    for _ in range(warmup):
+        call()
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(calls):
+        start = clock()
+        call()
+        times.append((clock() - start) / 1e3)
+    return times
 
 
 def _call_turns(ctx: WorkerContext, calls: int, warmup: int,

@@ -6,11 +6,10 @@ from .dispatch import run_callable
 from .fastpath import Parked
 from .hooks import (AsyncResult, CallHook, CallScope, Described, Extensions, MessageContext, Slot,
                     describe)
-from .futures import RpcFuture, SyncFuture, error_of, fresh_error, torch_future_of
+from .futures import RpcFuture, error_of, fresh_error
 from .pool import current_pool
 from .worker import WorkerInfo
 
 __all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "Described", "Extensions",
-           "MessageContext", "Parked", "RpcFuture", "Slot", "SyncFuture", "WorkerInfo",
-           "current_pool", "debug_info_here", "describe", "error_of", "fresh_error",
-           "run_callable", "torch_future_of"]
+           "MessageContext", "Parked", "RpcFuture", "Slot", "WorkerInfo", "current_pool",
+           "debug_info_here", "describe", "error_of", "fresh_error", "run_callable"]

@@ -164,18 +164,11 @@ class Calls:
                     stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
+        # Inline, wherever the future completes: these are short bookkeeping steps.
         if ctx.on_settled:
-            # Inline, wherever the future completes: these are short bookkeeping steps.
-            settled = functools.partial(_run_all, ctx.on_settled)
-            if sync:
-                p.future.add_done_callback(settled)
-            else:
-                torch.futures.Future.add_done_callback(p.future, settled)
+            _inline_callback(p.future, functools.partial(_run_all, ctx.on_settled))
         if on_done is not None:
-            if sync:
-                p.future.add_done_callback(on_done)
-            else:
-                torch.futures.Future.add_done_callback(p.future, on_done)
+            _inline_callback(p.future, on_done)
         p.private = private
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
@@ -313,6 +306,15 @@ class Calls:
                 hooks.append(hook.incoming_response(p.dst, p.states[hook.key],
                                                     (meta or {}).get(hook.key)))
         return combine(hooks)
+
+
+def _inline_callback(fut: Any, callback: Callable[[Any], None]) -> None:
+    """Have ``callback(fut)`` run on the thread that completes ``fut`` (a SyncFuture's
+    own way; a torch future's, bypassing RpcFuture's hand-over to the pool)."""
+    if type(fut) is SyncFuture:
+        fut.add_done_callback(callback)
+    else:
+        torch.futures.Future.add_done_callback(fut, callback)
 
 
 def _run_all(actions: List[Any], _fut: Any) -> None:

@@ -211,7 +211,7 @@ def error_of(fut: Any) -> Optional[BaseException]:
     return None
 
 
-def torch_future_of(sync: SyncFuture, pool: Any) -> RpcFuture:
+def torch_future_of(sync: SyncFuture, pool: WorkerPool) -> RpcFuture:
     """A torch future that completes as ``sync`` does: at once if it is done, else from a
     thread of ``pool`` that waits for it (a callback added now might come too late)."""
     out = new_future(pool)
@@ -224,7 +224,7 @@ def torch_future_of(sync: SyncFuture, pool: Any) -> RpcFuture:
         else:
             out.set_result(value)
 
-    if sync.done() or pool is None:
+    if sync.done():
         relay()
     else:
         try:

@@ -305,29 +305,17 @@ def run_train(ctx: WorkerContext) -> Result:
     losses = [step() for _ in range(opts.train_warmup)]
     for _ in range(opts.train_warmup):
         local_step()
-    turns = ctx.turns
-    # Taking turns, each turn starts with one untimed step: the other systems ran last.
-    plan = _split(opts.train_steps, len(turns.slots)) if turns else [opts.train_steps]
-    if turns:
-        turns.ready(ctx.rpc.rpc_sync(ctx.peer, worker_pid))
     times: list[float] = []
     local_times: list[float] = []
     turn_medians = []
-    for k, steps in enumerate(plan):
-        if turns:
-            turns.start(turns.slots[k])
-            losses.append(step())
-        turn = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            losses.append(step())
-            turn.append((time.perf_counter() - start) * 1e3)
-        for _ in range(steps):
-            start = time.perf_counter()
-            local_step()
-            local_times.append((time.perf_counter() - start) * 1e3)
-        if turns:
-            turns.end(turns.slots[k])
+
+    def logged_step() -> None:
+        losses.append(step())
+
+    # Taking turns, each turn starts with one untimed step: the other systems ran last.
+    for steps, untimed in _call_turns(ctx, opts.train_steps, 0, step):
+        turn = [us / 1e3 for us in _timed(logged_step, steps, untimed)]
+        local_times += [us / 1e3 for us in _timed(local_step, steps, 0)]
         times += turn
         turn_medians.append(percentile(turn, 50))
     if len(losses) >= 3 and not losses[-1] < losses[0]:
@@ -335,7 +323,7 @@ def run_train(ctx: WorkerContext) -> Result:
                              f"{losses[-1]:.4f}")
     details = {"steps": len(times), "min_ms": min(times), "first_loss": losses[0],
                "last_loss": losses[-1], "split": [dims[:split + 1], dims[split:]],
-               "turns": len(plan), "turn_medians_ms": turn_medians}
+               "turns": len(turn_medians), "turn_medians_ms": turn_medians}
     return {"train_step_ms": percentile(times, 50),
             "train_local_step_ms": percentile(local_times, 50)}, details
 
@@ -460,7 +448,8 @@ def _call_turns(ctx: WorkerContext, calls: int, warmup: int,
 
     Taking turns (see :class:`Turns`), this system first makes ``warmup`` calls of
     ``warm`` and says it is ready; then the calls are split among its turns, each
-    starting with its share of the untimed ones (the other systems ran last).
+    starting with its share of the untimed ones, at least one (the other systems ran
+    last).
     """
     turns = ctx.turns
     if turns is None:

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, Deque, List, Tuple
+from typing import Any, Deque, Dict, List, Tuple
 
 import pytest
 import torch
@@ -58,6 +58,7 @@ class PrivateTransport:
         self.agent = agent
         self.auto = auto
         self.opened: List[FakePrivate] = []
+        self.inline_max: Dict[int, int] = {}  # no peer with a bound of its own
 
     def connect(self, rank: int, host: str, port: int, timeout: float, local: bool = False,
                 private: bool = False) -> Any:

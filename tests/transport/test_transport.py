@@ -23,7 +23,7 @@ import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._transport import handshake, shm
+from torchrpc._transport import handshake, links, shm
 from torchrpc._wire import Kind
 from torchrpc.errors import ProtocolError
 from torchrpc.rpc import api
@@ -589,3 +589,21 @@ def test_a_segment_that_could_shrink_is_refused_not_mapped():
         os.close(fd)
         a.close()
         b.close()
+
+
+def test_tensors_go_inline_to_peers_on_plain_tcp_only_while_tiny():
+    # A frame MAC on plain TCP covers the envelope, not the out-of-band buffers: tensors
+    # to such a peer travel inline only up to MAC_INLINE_MAX; elsewhere up to the default.
+    a, b = _Peer(0, same_host=False), _Peer(1, same_host=False)
+    c, d = th.Peer(2, local_socket=True), th.Peer(3, local_socket=True)
+    try:
+        assert a.connect(b).mac_tx is not None
+        wait_for("b registers the connection", lambda: 0 in b.t.inline_max, 10)
+        assert a.t.inline_max == {1: links.MAC_INLINE_MAX} == {
+            r + 1: n for r, n in b.t.inline_max.items()}
+        assert c.connect(d, local=True).mac_tx is None
+        wait_for("d accepts the connection", lambda: not d.accepted.empty(), 10)
+        assert c.t.inline_max == {} and d.t.inline_max == {}
+    finally:
+        for peer in (a, b, c, d):
+            peer.close()

@@ -200,6 +200,16 @@ def test_small_tensors_travel_inside_the_envelope():
         assert not torch.equal(out, t)
     big = torch.arange(_wire.INLINE_MAX // 4 + 1, dtype=torch.float32)
     assert len(_wire.encode(big)[1]) == 1  # one element more: out of band
+    # The bound is the encoder's to choose (the agent lowers it for peers on plain TCP).
+    env, bufs, _ = _wire.encode(torch.randn(64, 10), inline_max=512)
+    assert len(bufs) == 1 and _wire.encode(torch.randn(64, 10))[1] == []
+    assert _wire.encode(torch.arange(128.0), inline_max=512)[1] == []
+    # The bound is on a message's inline bytes together: the envelope stays small.
+    quarter = [torch.full((_wire.INLINE_MAX // 16,), float(i)) for i in range(5)]
+    env, bufs, _ = _wire.encode(quarter)
+    assert len(bufs) == 1 and len(env) < _wire.INLINE_MAX + 1024
+    out = _wire.decode(env, [torch.frombuffer(bytearray(bufs[0]), dtype=torch.uint8)])[1]
+    assert all(torch.equal(a, b) for a, b in zip(out, quarter))
 
 
 def test_a_small_tensor_with_strides_of_its_own_keeps_them():
@@ -415,7 +425,7 @@ def test_random_headers_never_crash_the_decoder():
 
 
 def test_buffers_that_do_not_match_the_envelope_are_rejected():
-    env, bufs, _ = _wire.encode(torch.arange(1000.0))  # over INLINE_MAX: out of band
+    env, bufs, _ = _wire.encode(torch.arange(1000.0), inline_max=512)  # out of band
     short = torch.zeros(8, dtype=torch.uint8)  # 2 elements where 1000 were announced
     with pytest.raises(Exception) as info:
         _wire.decode(env, [short])

@@ -22,7 +22,7 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
-from .dispatch import ONCE_ACKS
+from .dispatch import ONCE_ACKS, inline_max_to
 from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
 from .probes import Probes
@@ -63,7 +63,7 @@ class Calls:
                      what: Any = None, retry: Optional[RetryPolicy] = None) -> List[RpcFuture]:
         """See :meth:`Agent.request_many`."""
         futures: List[RpcFuture] = []
-        shared: List[Tuple[bytes, Any, Any]] = []
+        shared: List[Tuple[bytes, Any, Any, int]] = []
         for i, dst in enumerate(dsts):
             try:
                 rid, p, flags, env, bufs, keep = self.new_request(
@@ -110,8 +110,8 @@ class Calls:
     def new_request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any,
                     oneway: bool = False, retry: Optional[RetryPolicy] = None,
                     private: Optional[Connection] = None,
-                    encoded: Optional[Tuple[bytes, Any, Any]] = None,
-                    share: Optional[List[Tuple[bytes, Any, Any]]] = None,
+                    encoded: Optional[Tuple[bytes, Any, Any, int]] = None,
+                    share: Optional[List[Tuple[bytes, Any, Any, int]]] = None,
                     sync: bool = False,
                     on_done: Optional[Callable[[Any], None]] = None) -> Tuple[Any, ...]:
         """Encode a request and enter it in the pending table (unless one-way).
@@ -119,8 +119,9 @@ class Calls:
         With ``sync`` (a caller that waits at once and hands out no future), its future
         is a :class:`~torchrpc._agent.futures.SyncFuture`. ``on_done`` is called with the
         future, inline, where it completes.
-        ``encoded``: an encoding of ``payload`` made for another destination, used unless
-        a call hook has something to add for this one. ``share``: a list that gets this
+        ``encoded``: an encoding of ``payload`` made for another destination (and the
+        inline bound it was made with), used unless a call hook has something to add for
+        this one or this one's inline bound differs. ``share``: a list that gets this
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
         """
         agent = self._agent
@@ -141,19 +142,21 @@ class Calls:
                 meta = dict(meta) if meta else {}
                 meta[ONCE_ACKS] = tuple(acks)
         ctx = MessageContext(agent, dst, kind, replied=not oneway)
-        if encoded is not None and meta is None and send_hook is None and states is None:
-            env, bufs, keep = encoded
+        inline = inline_max_to(agent, dst.id)
+        if encoded is not None and meta is None and send_hook is None and states is None \
+                and encoded[3] == inline:
+            env, bufs, keep = encoded[:3]
         else:
             try:
                 env, bufs, keep = _wire.encode(payload, ctx, send_hook, meta,
-                                               _wire.PAYLOAD_NAMES.get(kind, "payload"))
+                                               _wire.PAYLOAD_NAMES.get(kind, "payload"), inline)
             except BaseException:
                 if states is not None:
                     self._request_failed(dst, states)
                 raise
             if share is not None and meta is None and send_hook is None and states is None \
                     and not ctx.per_peer and not ctx.on_settled and ctx.gates is None:
-                share.append((env, bufs, keep))
+                share.append((env, bufs, keep, inline))
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
         now = time.monotonic()

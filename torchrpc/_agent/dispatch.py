@@ -71,6 +71,15 @@ _ONCE_MAX = 8192
 ONCE_ACKS = "_once_acks"
 
 
+def inline_max_to(agent: Agent, rank: int) -> int:
+    """The largest tensor to send ``rank`` inside a message's envelope (see
+    ``Transport.inline_max``)."""
+    transport = agent._transport
+    if transport is None:
+        return _wire.INLINE_MAX
+    return transport.inline_max.get(rank, _wire.INLINE_MAX)
+
+
 class _Once:
     """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
     reply, for _ONCE_KEEP seconds after."""
@@ -200,7 +209,8 @@ class Dispatch:
             send_hook = combine([s.send_hook for s in scopes])
         try:
             env, bufs, keep = _wire.encode(value, MessageContext(self._agent, dst, Kind.RESPONSE),
-                                           send_hook, meta, "result")
+                                           send_hook, meta, "result",
+                                           inline_max_to(self._agent, dst.id))
         except Exception as exc:  # noqa: BLE001 - a result that won't encode: the caller is told
             self._reply_error(dst, rid, exc, what, via)
             return

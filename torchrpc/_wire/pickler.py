@@ -28,9 +28,10 @@ _ALIGN = 16
 # A buffer of a non-tensor object this large or larger travels out of band; a smaller one
 # stays in the envelope, where pickle puts it.
 OUT_OF_BAND_MIN = 256 * 1024
-# A contiguous tensor of at most this many bytes travels inside the envelope: for small
-# tensors, a buffer of its own costs more in bookkeeping than copying the bytes twice.
-INLINE_MAX = 512
+# By default, contiguous tensors travel inside the envelope while the message's inline bytes
+# stay within this many: up to here a buffer of its own costs more in bookkeeping than
+# copying the bytes a few times, and the envelope stays within the reader's buffer.
+INLINE_MAX = 64 * 1024
 
 
 class PassThrough(Exception):
@@ -97,8 +98,9 @@ class _Encoder:
     the reductions of :func:`register_message_reducer` receive."""
 
     def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict,
-                 context: Any = None) -> None:
+                 context: Any = None, inline_max: int = INLINE_MAX) -> None:
         self.context = context
+        self.inline_left = inline_max  # bytes this message may still carry inline
         self.slots: dict = {}
         self.inlined: dict = {}  # storage address -> byte range of the tensor sent inline
         self.views: List[memoryview] = []
@@ -162,13 +164,14 @@ class _Encoder:
         if data.is_contiguous():
             nbytes = numel * itemsize
             key = data.data_ptr() - lo
-            if nbytes <= INLINE_MAX and key not in self.retry_ranges \
+            if nbytes <= self.inline_left and key not in self.retry_ranges \
                     and data.stride() == _contiguous_strides(tuple(data.shape)):
                 # Inline, unless another tensor of the message shares the storage: then
                 # encode() runs again and that storage travels as one slot for both.
                 seen = self.inlined.get(key)
                 if seen is None and key not in self.slots:
                     self.inlined[key] = (lo, lo + nbytes)
+                    self.inline_left -= nbytes
                     return _rebuild, (_INLINE, ctypes.string_at(key + lo, nbytes), dtype_ref,
                                       tuple(data.shape), requires_grad)
                 if seen is not None:

@@ -7,11 +7,11 @@ one storage that the message needs; it is pickled once and becomes one
 out-of-band buffer, so two views of one storage arrive as two views of one
 storage. Only the covered range is sent, and a view arrives with its strides,
 unless it covers much less than its span (a sparse strided slice of a large
-tensor): that one is sent compacted. A small contiguous tensor (at most
-:data:`INLINE_MAX` bytes) whose storage no other tensor of the message shares
-travels inside the envelope instead, as its bytes: a buffer of its own would cost
-more (a length, a receive, a tensor to receive into) than copying a few bytes
-twice. :func:`decode` receives the
+tensor): that one is sent compacted. A small contiguous tensor whose storage no
+other tensor of the message shares travels inside the envelope instead, as its bytes,
+while the message's inline bytes stay within :data:`INLINE_MAX` (by default): a
+buffer of its own would cost more (a length, a receive, a tensor to receive into) than
+copying those bytes a few times. :func:`decode` receives the
 buffers as uint8 tensors that the transport already filled (``recv_into``, or
 mapped from shared memory), and rebuilds each tensor on that memory without a
 copy. A tensor's dtype travels as a small fixed id, and every reduction made here
@@ -116,8 +116,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None,
-           meta: Any = None, names: Union[str, Sequence[str]] = "value"
-           ) -> Tuple[bytes, List[memoryview], List[torch.Tensor]]:
+           meta: Any = None, names: Union[str, Sequence[str]] = "value",
+           inline_max: int = INLINE_MAX) -> Tuple[bytes, List[memoryview], List[torch.Tensor]]:
     """Pickle ``meta`` then ``obj``; return the envelope, the out-of-band buffers and the
     tensors to keep alive until the buffers are sent.
 
@@ -129,6 +129,8 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     :class:`~torchrpc.errors.SerializationError` when something can't be pickled,
     naming the path to the part that can't (see :func:`locate`); ``names`` is how
     that path names ``obj``, or, a sequence, the items of the tuple ``obj``.
+    Contiguous tensors travel inside the envelope while their bytes add up to at most
+    ``inline_max``; the others, out of band.
     """
     retry: dict = {}
     # This thread's pickler, taken while in use (an encode nested in a reduction makes
@@ -137,7 +139,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     out, pickler = cached.out, cached.pickler
     try:
         for _ in range(2):
-            enc = _Encoder(send_hook, retry, context)
+            enc = _Encoder(send_hook, retry, context, inline_max)
             cached.enc = pickler.enc = enc
             if meta is None:
                 out.write(_NONE_META)

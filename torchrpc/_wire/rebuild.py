@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import math
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -161,11 +162,13 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
                     requires_grad: bool) -> torch.Tensor:
     if type(dtype) is int:
         dtype = _DTYPES[dtype]
-    t = torch.frombuffer(bytearray(data), dtype=dtype)  # contiguous strides: see the encoder
-    if len(shape) != 1:
-        t = t.view(shape)
-    elif shape[0] != t.numel():
+    # Checked against the shape before anything is allocated; then memory of its own, as
+    # a received buffer's (resizable, which a bytearray's is not), in contiguous strides
+    # (see the encoder).
+    if min(shape, default=0) < 0 or math.prod(shape) * dtype.itemsize != len(data):
         raise ValueError(f"malformed inline tensor: {len(data)} bytes for shape {shape}")
+    t = torch.empty(shape, dtype=dtype)
+    ctypes.memmove(t.data_ptr(), data, len(data))
     return _received_with_grad(t) if requires_grad else t
 
 

@@ -198,7 +198,8 @@ def test_small_tensors_travel_inside_the_envelope():
         assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
         out.add_(1) if t.dtype != torch.bool else out.logical_not_()  # writable, its own memory
         assert not torch.equal(out, t)
-        out.resize_(t.numel() + 10)  # and resizable, as a tensor received out of band is
+        with pytest.raises(RuntimeError, match="not resizable"):  # as docs/porting.md says
+            out.resize_(t.numel() + 10)
     big = torch.arange(_wire.INLINE_MAX // 4 + 1, dtype=torch.float32)
     assert len(_wire.encode(big)[1]) == 1  # one element more: out of band
     # The bound is the encoder's to choose (the agent lowers it for peers on plain TCP).
@@ -251,7 +252,7 @@ def test_an_inline_tensor_whose_bytes_do_not_match_its_shape_is_rejected():
         _wire.decode(bad, [])
     assert not isinstance(info.value, SystemError)
     # A shape that claims more than the bytes (or negative sizes whose product fits) is
-    # refused before any memory is allocated for it.
+    # refused, and allocates nothing: the tensor's memory is sized by the bytes.
     def ops(shape):  # the pickle opcodes that build the tuple ``shape``
         code = pickle.dumps(shape, protocol=5)[2:]
         return (code[9:] if code[:1] == pickle.FRAME else code).rstrip(b".").rstrip(b"\x94")

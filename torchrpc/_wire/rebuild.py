@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import math
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -162,13 +161,19 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
                     requires_grad: bool) -> torch.Tensor:
     if type(dtype) is int:
         dtype = _DTYPES[dtype]
-    # Checked against the shape before anything is allocated; then memory of its own, as
-    # a received buffer's (resizable, which a bytearray's is not), in contiguous strides
-    # (see the encoder).
-    if min(shape, default=0) < 0 or math.prod(shape) * dtype.itemsize != len(data):
+    # Memory of its own, sized by the bytes that came (a shape cannot claim more), in
+    # contiguous strides (see the encoder). A bytearray's storage cannot be resized;
+    # torch.empty and a copy would make one that can, at twice the cost of a small call's
+    # tensor (docs/porting.md).
+    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    if len(shape) != 1:
+        try:
+            t = t.view(shape)
+        except RuntimeError:
+            raise ValueError(f"malformed inline tensor: {len(data)} bytes for shape "
+                             f"{shape}") from None
+    elif shape[0] != t.numel():
         raise ValueError(f"malformed inline tensor: {len(data)} bytes for shape {shape}")
-    t = torch.empty(shape, dtype=dtype)
-    ctypes.memmove(t.data_ptr(), data, len(data))
     return _received_with_grad(t) if requires_grad else t
 
 

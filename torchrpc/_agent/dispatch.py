@@ -72,7 +72,7 @@ ONCE_ACKS = "_once_acks"
 
 
 def inline_max_to(agent: Agent, rank: int) -> int:
-    """The largest tensor to send ``rank`` inside a message's envelope (see
+    """The most tensor bytes a message to ``rank`` carries inside its envelope (see
     ``Transport.inline_max``)."""
     transport = agent._transport
     if transport is None:

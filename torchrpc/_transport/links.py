@@ -28,8 +28,9 @@ from .reader import CloseCallback, FrameCallback
 
 log = logging.getLogger(__name__)
 
-# The largest tensor sent inside the envelope to a peer whose frames carry MACs: the MAC
-# covers the envelope, at about 1.5 us per KiB on each end, and not out-of-band buffers.
+# The most tensor bytes a message to a peer whose frames carry MACs sends inside its
+# envelope: the MAC covers the envelope, at about 1.5 us per KiB on each end, and not
+# out-of-band buffers.
 MAC_INLINE_MAX = 512
 
 
@@ -82,7 +83,8 @@ class Links:
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
-        # rank -> the largest tensor to send it inline, where not _wire.INLINE_MAX.
+        # rank -> the most tensor bytes a message to it carries inline, where not
+        # _wire.INLINE_MAX.
         self.inline_max: Dict[int, int] = {}
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()

@@ -65,8 +65,8 @@ class Transport:
         self._acceptor = Acceptor(self._links, host, port, local_socket, admit)
         self.address: Tuple[str, int] = self._acceptor.address
         self.secure = tls_contexts is not None  # whether every link runs over TLS
-        # rank -> the largest tensor to send it inside the envelope, where it is not
-        # _wire.INLINE_MAX (peers whose frames carry MACs).
+        # rank -> the most tensor bytes a message to it carries inside its envelope, where
+        # not _wire.INLINE_MAX (peers whose frames carry MACs).
         self.inline_max: Dict[int, int] = self._links.inline_max
 
     def connect(self, peer_rank: int, host: str, port: int, timeout: float,

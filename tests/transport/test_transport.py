@@ -607,3 +607,18 @@ def test_tensors_go_inline_to_peers_on_plain_tcp_only_while_tiny():
     finally:
         for peer in (a, b, c, d):
             peer.close()
+
+
+def test_a_rank_reached_again_without_frame_macs_gets_the_default_inline_bound():
+    # Rank 1 first over plain TCP, then (restarted on this host) over a Unix socket: the
+    # small bound goes with the MACs.
+    a = th.Peer(0, local_socket=True)
+    far, near = _Peer(1, same_host=False), th.Peer(1, local_socket=True)
+    try:
+        assert a.connect(far).mac_tx is not None
+        assert a.t.inline_max == {1: links.MAC_INLINE_MAX}
+        assert a.connect(near, local=True).mac_tx is None
+        assert a.t.inline_max == {}
+    finally:
+        for peer in (a, far, near):
+            peer.close()

@@ -189,6 +189,9 @@ class Links:
             tx, rx = (c2s, s2c) if outbound else (s2c, c2s)
             conn.mac_tx, conn.mac_rx = handshake.FrameMac(tx), handshake.FrameMac(rx)
             self.inline_max[peer_rank] = MAC_INLINE_MAX
+        else:
+            # This rank is reached without MACs now (a worker restarted on this host).
+            self.inline_max.pop(peer_rank, None)
         self.register(conn)
         return conn
 

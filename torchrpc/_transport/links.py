@@ -29,8 +29,8 @@ from .reader import CloseCallback, FrameCallback
 log = logging.getLogger(__name__)
 
 # The most tensor bytes a message to a peer whose frames carry MACs sends inside its
-# envelope: the MAC covers the envelope, at about 1.5 us per KiB on each end, and not
-# out-of-band buffers.
+# envelope: the MAC covers the envelope, not out-of-band buffers, and its cost grows with
+# the bytes it covers (docs/design.md, "The bound").
 MAC_INLINE_MAX = 512
 
 

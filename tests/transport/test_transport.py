@@ -455,6 +455,41 @@ def test_private_readers_poll_longer_while_cpus_are_spare():
         b.close()
 
 
+def test_private_readers_poll_for_the_rest_of_a_frame_then_sleep():
+    import socket
+
+    from torchrpc._transport import PollPolicy, connection, reader
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = connection.Connection(a, 1, _wire.Limits(), lambda *args: None, lambda *args: None,
+                                 outbound=True)
+    conn.set_private(True)
+    gap = 0.1  # between a frame's first bytes and its rest
+    # Envelopes that fit the read buffer, and one larger (read straight into its bytes).
+    small, large = os.urandom(1000), os.urandom(2 * reader._READ_CHUNK + 3)
+    try:
+        for seconds, polls in ((1.0, True), (200e-6, False)):
+            conn.poll = PollPolicy(seconds, seconds)
+            for rid, env in enumerate((small, large)):
+                frame = _wire.pack_header(Kind.RESPONSE, 0, rid, len(env), []) + env
+                cut = _wire.HEADER_SIZE + 100
+                b.sendall(frame[:cut])
+                threading.Timer(gap, b.sendall, args=(frame[cut:],)).start()
+                conn._misses = 0
+                cpu = time.thread_time()
+                header, got, _ = conn.read_frame()
+                cpu = time.thread_time() - cpu
+                assert header.request_id == rid and got == env
+                assert conn._misses == 0  # a frame under way is no missed poll
+                # Polling keeps this thread on its CPU through the gap; sleeping does not.
+                if polls:
+                    assert cpu > gap / 4, (len(env), cpu)
+                else:
+                    assert cpu < gap / 4, (len(env), cpu)
+    finally:
+        conn.close()
+        b.close()
+
+
 class _OnPath:
     """A party on the path between a client and a server (a TCP relay): after the
     handshake it applies ``alter`` to the client's bytes before passing them on."""

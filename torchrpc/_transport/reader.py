@@ -153,8 +153,10 @@ class FrameReader:
         """Bytes read from the socket that no frame has consumed yet (reader only)."""
         return self._rend - self._rstart
 
-    def _fill(self, n: int) -> None:
-        # Make n bytes available at self._rstart in the read buffer.
+    def _fill(self, n: int, at_start: bool = False) -> None:
+        # Make n bytes available at self._rstart in the read buffer. ``at_start``: the
+        # header of the next frame, which may be long in coming; the rest of a frame is
+        # on its way once its first bytes came (see _recv_rest).
         start, end, mv = self._rstart, self._rend, self._rmv
         if end - start >= n:
             return
@@ -163,15 +165,18 @@ class FrameReader:
             end -= start
             start = 0
         recv_into = self.sock.recv_into
+        waiting = at_start and start == end
         spin = 0.0
-        if start == end and self.spin:
+        if waiting and self.spin:
             self._waits += 1
             if self._misses < _SPIN_MISSES or self._waits % _SPIN_PROBE == 0:
                 spin = self.poll.seconds
         while end - start < n:
-            if spin:
-                k = self._spin_recv(mv[end:], spin)
-                spin = 0.0
+            if waiting:
+                k = self._spin_recv(mv[end:], spin) if spin else recv_into(mv[end:])
+                waiting = False
+            elif self.spin:
+                k = self._recv_rest(mv[end:])
             else:
                 k = recv_into(mv[end:])
             if k == 0:
@@ -204,6 +209,22 @@ class FrameReader:
                 self._misses = 0
                 return k
 
+    def _recv_rest(self, dst: memoryview) -> int:
+        # The rest of a frame whose first bytes came: its sender is writing it now, so
+        # poll for it rather than sleep, for as long as a wait for a frame would. These
+        # polls do not count as misses: the frame's own start decides whether waits poll.
+        seconds = self.poll.seconds
+        recv_into = self.sock.recv_into
+        if seconds:
+            until = time.perf_counter() + seconds
+            while True:
+                try:
+                    return recv_into(dst, 0, _DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() > until:
+                        break
+        return recv_into(dst)
+
     def _take_into(self, dst: memoryview) -> None:
         # Fill dst from the read buffer, then straight from the socket.
         start, mv = self._rstart, self._rmv
@@ -213,8 +234,9 @@ class FrameReader:
             dst[:have] = mv[start:start + have]
             self._rstart = start + have
         got = have
+        recv = self._recv_rest if self.spin else self.sock.recv_into
         while got < n:
-            k = self.sock.recv_into(dst[got:])
+            k = recv(dst[got:])
             if k == 0:
                 raise ProtocolError("truncated frame: the peer closed the connection "
                                     "in the middle of a frame")
@@ -279,7 +301,7 @@ class FrameReader:
         fill = self._fill
         if self._rstart == self._rend:
             self._rstart = self._rend = 0
-        fill(_wire.HEADER_SIZE)
+        fill(_wire.HEADER_SIZE, True)
         start = self._rstart
         mac = self.mac_rx
         header = _wire.parse_header(mv[start:start + _wire.HEADER_SIZE], limits)

@@ -1,11 +1,14 @@
 """``python -m torchrpc._testing.segments``: where the time of one small ``rpc_sync`` goes.
 
 Two torchrpc workers on this host; the caller makes ``--calls`` blocking calls of a no-op
-(``noop(i)``) or of ``torch.add(torch.ones(2), 1)``. Both processes note the time at the
+(``noop(i)``) or of ``torch.add(torch.ones(2), 1)``, or (``--call remote``) creates the
+result of the latter with ``rpc.remote`` and fetches it with ``to_here()``. Both processes note the time at the
 same points of each call (one clock: ``time.perf_counter_ns`` is CLOCK_MONOTONIC), by
 wrapping the functions the call goes through: the caller's call, encode, send and read
 of the reply, the callee's frame, decode, run, encode and send. The report is the median
-time between consecutive points, over the calls whose points came in the usual order.
+time between consecutive points, over the calls whose points came in the usual order,
+then the median time of each point from the call's start (the timeline: where the two
+requests of a ``remote`` call overlap, it reads better than the segments).
 The wrapping adds about a microsecond per point; the segments, not the total, are the
 point. This is a developer's tool: it reaches into torchrpc's private modules.
 """
@@ -87,15 +90,21 @@ def _worker(rank: int, port: int, threads: int, call: str, calls: int,
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
     if rank == 0:
         x = torch.ones(2)
-        func, args = (torch.add, (x, 1)) if call == "add" else (noop, (1,))
+        func, args = (noop, (1,)) if call == "noop" else (torch.add, (x, 1))
+
+        def one() -> Any:
+            if call == "remote":
+                return rpc.remote("w1", func, args=args).to_here()
+            return rpc.rpc_sync("w1", func, args=args)
+
         for _ in range(min(1000, calls)):
-            rpc.rpc_sync("w1", func, args=args)
+            one()
         rpc.rpc_sync("w1", _start)
         _start()
         clock = time.perf_counter_ns
         for _ in range(calls):
             _EVENTS.append((clock(), "CALL"))
-            rpc.rpc_sync("w1", func, args=args)
+            one()
             _EVENTS.append((clock(), "DONE"))
         mine = _stop()
         theirs = rpc.rpc_sync("w1", _stop)
@@ -130,6 +139,13 @@ def _report(mine: List[Tuple[int, str]], theirs: List[Tuple[int, str]], call: st
              f"{len(runs)} calls in the usual order (of {calls}); median total "
              f"{_median(totals):.1f} us", "", "| from | to | median us |", "|---|---|---:|"]
     lines += [f"| {a} | {b} | {_median(v):.1f} |" for (a, b), v in spans.items()]
+    at: Dict[int, List[float]] = collections.defaultdict(list)
+    for r in runs:
+        if tuple(n for _, n in r) == usual:
+            for i, (t, _) in enumerate(r):
+                at[i].append((t - r[0][0]) / 1e3)
+    lines += ["", "| point | median us from the call |", "|---|---:|"]
+    lines += [f"| {n} | {_median(at[i]):.1f} |" for i, n in enumerate(usual)]
     return "\n".join(lines)
 
 
@@ -141,7 +157,7 @@ def _median(values: List[float]) -> float:
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchrpc._testing.segments",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--call", choices=("noop", "add"), default="noop")
+    parser.add_argument("--call", choices=("noop", "add", "remote"), default="noop")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per worker (0: torch's default)")
     parser.add_argument("--calls", type=int, default=2000)

@@ -4,6 +4,7 @@ connections that a fake transport opens, and replies that the test puts on them.
 from __future__ import annotations
 
 import operator
+import socket
 import threading
 import time
 from collections import deque
@@ -30,6 +31,18 @@ class FakePrivate(FakeConn):
         self.auto = auto  # answer every call with the sum of its arguments, at once
         self.inbox: Deque[Tuple[_wire.Header, bytes, List[Any]]] = deque()
         self.reads = 0
+        # A burst's reader asks whether a frame is there: the inbox, or a socket that the
+        # test never writes to.
+        self.sock, self._peer = socket.socketpair()
+
+    @property
+    def rx_buffered(self) -> int:
+        return len(self.inbox)
+
+    def close(self, reason: Any = None) -> None:
+        super().close(reason)
+        self.sock.close()
+        self._peer.close()
 
     def send(self, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
              keep: Any = None) -> None:
@@ -118,13 +131,31 @@ def test_rpc_async_parks_only_on_an_idle_connection(agents):
     assert not fut.done()  # its reply is for the shared connection's reader
 
 
-def test_a_second_async_call_to_a_worker_with_a_parked_reply_goes_the_shared_way(agents):
+def test_another_threads_async_call_to_a_worker_with_a_parked_reply_goes_the_shared_way(
+        agents):
     agent, shared, transport = _agent(agents)
     agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
     first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, park=True)
-    second = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)
+    out: List[Any] = []
+    other = threading.Thread(target=lambda: out.append(
+        agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)))
+    other.start()
+    other.join()
     assert len(transport.opened[0].sent) == 2 and len(shared.sent) == 1
-    assert first.wait() == 2 and not second.done()
+    assert first.wait() == 2 and not torch.futures.Future.done(out[0])
+
+
+def test_a_threads_second_async_call_to_a_worker_makes_its_parked_connection_a_burst(agents):
+    agent, shared, transport = _agent(agents)
+    agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
+    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, park=True)
+    rest = [agent.call(_dst(agent), operator.add, (i, i), {}, 5, park=True)
+            for i in range(2, 40)]
+    (conn,) = transport.opened
+    assert len(conn.sent) == 40 and not shared.sent  # one connection carries them all
+    assert all(flags & _wire.FLAG_MANY for _, flags, _ in conn.sent[2:])
+    assert torch.futures.wait_all([first] + rest) == [2 * i for i in range(1, 40)]
+    assert agent.fastpath.num_parked == 0
 
 
 def test_a_callback_has_the_pool_read_a_parked_reply_at_once(agents):

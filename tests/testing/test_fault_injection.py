@@ -120,9 +120,14 @@ def test_an_injected_failure_of_a_reply_breaks_its_connection(agent):
 
 def test_requests_on_a_connection_this_worker_closes_fail_at_once(agent):
     # Closing a shared connection drops the frames in its outbox, and no reply comes on
-    # it: the requests that went out on it fail now, not at their timeout.
-    futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
-            for k in range(4)]
+    # it: the requests that went out on it fail now, not at their timeout. (Without
+    # private connections: a thread's calls would otherwise go out on its burst's.)
+    agent.fastpath.enabled = False
+    try:
+        futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
+                for k in range(4)]
+    finally:
+        agent.fastpath.enabled = True
     on_shared = {p.conn for p in list(agent.requests.pending.values()) if p.conn is not None}
     assert on_shared, "no request went out on a shared connection"
     start = time.monotonic()
@@ -138,6 +143,21 @@ def test_requests_on_a_connection_this_worker_closes_fail_at_once(agent):
     assert "closed" in outcomes and time.monotonic() - start < 10.0
     assert all(o in ("closed", k) for k, o in enumerate(outcomes)), outcomes
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
+
+
+def test_requests_of_a_burst_whose_connection_this_worker_closes_fail_at_once(agent):
+    assert rpc.rpc_sync("worker1", helpers.add, args=(0, 0)) == 0  # a private connection
+    futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
+            for k in range(4)]
+    rank = rpc.get_worker_info("worker1").id
+    burst = agent.fastpath.bursts._mine.by_rank[rank]
+    start = time.monotonic()
+    burst.conn.close()
+    for fut in futs[1:]:  # the first went out before the burst began: its reply is read
+        with pytest.raises(ConnectionLostError, match="worker1"):
+            fut.wait()
+    assert time.monotonic() - start < 10.0
+    assert rpc.rpc_async("worker1", helpers.add, args=(1, 2)).wait() == 3  # a new one
 
 
 def test_idempotent_call_is_retried_with_backoff(agent):

@@ -359,11 +359,11 @@ def test_hostile_headers_fail_on_the_header_alone(data, match):
 
 
 def test_every_known_flag_is_accepted_and_kept():
-    flags = _wire.FLAG_ONEWAY | _wire.FLAG_ONCE
+    flags = _wire.FLAG_ONEWAY | _wire.FLAG_ONCE | _wire.FLAG_MANY
     h = _wire.parse_header(header(flags=flags), _wire.Limits())
     assert h.flags == flags and h.oneway
     with pytest.raises(ProtocolError, match="flags"):
-        _wire.parse_header(header(flags=_wire.FLAG_ONCE << 1), _wire.Limits())
+        _wire.parse_header(header(flags=_wire.FLAG_MANY << 1), _wire.Limits())
 
 
 def test_truncated_headers_and_tables():

@@ -372,6 +372,7 @@ def _schedule_duties(agent: Agent) -> None:
     scheduler.add_tick_hook(lambda: reading.check_lent(scheduler.now),
                             pending=reading.lends_shared)
     scheduler.add_tick_hook(lambda: fastpath.drain_parked(scheduler.now))
+    scheduler.add_tick_hook(lambda: fastpath.bursts.tick(scheduler.now))
     scheduler.add_tick_hook(functools.partial(_housekeeping, agent))
     scheduler.add_tick_hook(lambda: agent.liveness.check(scheduler.now))
 

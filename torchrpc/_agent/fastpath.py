@@ -31,6 +31,7 @@ request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -38,6 +39,7 @@ import torch
 
 from .._transport import Connection, PollPolicy
 from .._wire import Kind
+from .bursts import Bursts
 from ..errors import ClosedError, RpcError
 from .cpus import usable_cpus as _usable_cpus
 from .futures import RpcFuture
@@ -59,13 +61,16 @@ class Parked:
     """A request sent on a private connection whose reply waits there unread (see
     :meth:`FastPath.park`)."""
 
-    __slots__ = ("conn", "rid", "deadline", "since")
+    __slots__ = ("conn", "rid", "deadline", "since", "thread", "future")
 
-    def __init__(self, conn: Connection, rid: int, deadline: Optional[float]) -> None:
+    def __init__(self, conn: Connection, rid: int, deadline: Optional[float],
+                 future: Optional[RpcFuture] = None) -> None:
         self.conn = conn
         self.rid = rid
         self.deadline = deadline
         self.since = time.monotonic()
+        self.thread = threading.get_ident()  # the thread that sent it
+        self.future = future  # an rpc_async's, which its thread's next one may make a burst
 
 
 class FastPath:
@@ -78,6 +83,7 @@ class FastPath:
         # handed to every private connection (Connections.on_connect); the spin_us option
         self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
         self.reading = Reading(agent)
+        self.bursts = Bursts(agent, self)
         self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._opening: Dict[int, int] = {}  # rank -> private connections being opened
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
@@ -124,6 +130,9 @@ class FastPath:
         for it but its ``after`` call) and ``on_done`` runs where it completes."""
         agent = self._agent
         conn = None
+        burst = by_future and self.bursts.of(dst)
+        if burst:
+            return self.bursts.send(burst, kind, payload, timeout, what), None
         # An rpc_async parks only on an idle private connection: with none, no more checks.
         if not by_future or self._idle.get(dst.id):
             agent.check_running()
@@ -131,6 +140,8 @@ class FastPath:
             if fits and self._private_ok(dst):
                 conn = self._checkout(dst, opens=not by_future)
         if conn is None:
+            if by_future and not self._idle.get(dst.id):
+                self.bursts.went_shared(dst)
             fut = agent.request(dst, kind, payload, timeout, what=what, retry=retry)
             if on_done is not None:
                 fut.add_done_callback(on_done)
@@ -139,7 +150,8 @@ class FastPath:
                                   sync=on_done is not None, on_done=on_done)
         if not sent:
             return p.future, None
-        parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None)
+        parked = Parked(conn, rid, time.monotonic() + timeout if timeout > 0 else None,
+                        p.future if by_future else None)
         with self._lock:
             self.num_parked += 1
         self._parked[rid] = parked
@@ -168,6 +180,7 @@ class FastPath:
         with self._lock:
             self._idle.clear()
         self._parked.clear()
+        self.bursts.clear()
 
     def num_idle(self) -> int:
         """How many idle private connections wait to be used."""

@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Dict, Generator, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -318,6 +318,8 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
         elif finished() == total and ended.setdefault("by", combined) is combined:
             combined.set_result(futures)
 
+    for claim, *group in _burst_groups(futures)[0]:  # one pool thread reads each burst
+        claim.read_later(_all_done(group, claim.burst))
     for fut in futures:
         if isinstance(fut, RpcFuture):
             _claim_later(fut)
@@ -325,12 +327,67 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
     return combined
 
 
+def _burst_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
+    """The futures of bursts (bursts.py) among ``futures``, their claims taken, by burst:
+    ``[claim, future, ...]`` for each; and whether there are no others."""
+    groups: Dict[int, List[Any]] = {}
+    alone = True
+    for fut in futures:
+        claim = fut._claim if isinstance(fut, RpcFuture) else None
+        if claim is not None and hasattr(claim, "read_until"):
+            fut._claim = None
+            groups.setdefault(id(claim.burst), [claim]).append(fut)
+        else:
+            alone = False
+    return list(groups.values()), alone
+
+
 @functools.wraps(_torch_wait_all)
 def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     if not any(isinstance(f, RpcFuture) for f in futures):
         return _torch_wait_all(futures)
+    # Futures of one burst (bursts.py) alone are read on this thread; those of several,
+    # each burst on a pool thread (collect_all), so that an error on one ends the wait.
+    groups, alone = _burst_groups(futures)
+    if alone and len(groups) == 1:
+        (claim, *group), = groups
+        claim.read_until(_all_done(group, claim.burst))
+        done = torch._C.Future.done
+        for fut in futures:  # an error ends the wait, as torch's does
+            error = _failure(fut) if done(fut) else None
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    del error
+        # Each holds a value, or is being completed by another thread.
+        return [_future_value(fut) if done(fut) else fut.wait() for fut in futures]
+    for claim, *group in groups:
+        claim.read_later(_all_done(group, claim.burst))
     # Once the combined future holds the list, every future in it holds a value.
     return [_future_value(fut) for fut in collect_all(futures).wait()]
+
+
+def _all_done(group: List[Any], burst: Any) -> Callable[[], bool]:
+    """Whether every future of ``group`` (on ``burst``) is done, or one has failed. Each
+    call goes on from where the last one stopped; failures are looked for only when an
+    error reply came on the burst, or it went quiet, since the last look."""
+    done = torch._C.Future.done
+    state = [0, burst.errors + burst.quiet]  # futures of group done in a row; events seen
+
+    def finished() -> bool:
+        i = state[0]
+        while i < len(group) and done(group[i]):
+            i += 1
+        state[0] = i
+        if i == len(group):
+            return True
+        events = burst.errors + burst.quiet
+        if events != state[1]:
+            state[1] = events
+            return any(done(f) and _failure(f) is not None for f in group)
+        return False
+    return finished
 
 
 torch.futures.collect_all = collect_all

@@ -13,7 +13,8 @@ calls :meth:`Reading.lend_out`), so a nested call, even back to the caller over 
 connection, never waits for itself; and the timer hands it on when a request runs for
 longer than ``INLINE_LIMIT`` without returning (blocked on a lock, sleeping, computing),
 so one slow request holds the frames behind it up for INLINE_LIMIT plus a tick at most.
-Only shared connections need that: the caller on a private connection waits for this
+Only shared connections need that, and private ones that carry a caller's burst of calls
+(FLAG_MANY, see bursts.py): the caller on another private connection waits for this
 very reply (its parked requests, if any, are about the same RRef), so the timer wakes
 every LENT_TICK only while a shared connection's role is lent (or a tick hook has work
 queued), and every TICK otherwise. On two cores each wake-up of a helper thread takes a
@@ -56,6 +57,9 @@ class Reading:
         self._agent = agent
         self._pool = agent.pool
         self._lent: Dict[Connection, float] = {}  # reading roles lent to inline requests
+        # Whether a request was served inline on a shared connection (or a burst's) since
+        # the timer last asked: it keeps ticking fast meanwhile (see lends_shared).
+        self._served = False
 
     def on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                  buffers: List[torch.Tensor]) -> Optional[Callable[[], None]]:
@@ -96,6 +100,8 @@ class Reading:
         dispatch = agent.dispatch
         handler = dispatch.handlers.get(kind)
         via = conn  # the reply goes back on it: the caller watches that connection for it
+        if header.flags & _wire.FLAG_MANY:
+            conn.many = True
         if header.flags & _wire.FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
             return self._to_pool(conn)
         pool = self._pool
@@ -126,9 +132,11 @@ class Reading:
         agent = self._agent
         # _lent is changed with single dict operations, which the GIL makes atomic.
         self._lent[conn] = time.monotonic()
-        scheduler = agent.scheduler
-        if scheduler.slow and not conn.private:
-            scheduler.wake()  # it set slow before it looked at _lent
+        if not conn.private or conn.many:
+            self._served = True
+            scheduler = agent.scheduler
+            if scheduler.slow:
+                scheduler.wake()  # it set slow before it looked at _lent and _served
         _inline.conn = conn
         try:
             agent.dispatch.serve(src, header, envelope, buffers, handler, via)
@@ -179,9 +187,12 @@ class Reading:
             self.lend_out(conn)
 
     def lends_shared(self) -> bool:
-        """Whether a shared connection's reading role is lent (the timer then ticks fast,
-        to hand it on in time: see the module docs)."""
-        return any(not c.private for c in list(self._lent))
+        """Whether a shared connection's reading role is lent, or was since the last
+        call (the timer then ticks fast, to hand it on in time: see the module docs).
+        Counting the roles lent meanwhile keeps a stream of short requests from waking
+        the timer at each one: it stays fast until a tick finds none."""
+        served, self._served = self._served, False
+        return served or any(not c.private or c.many for c in list(self._lent))
 
     def _to_pool(self, conn: Connection) -> Optional[Callable[[], None]]:
         """On a transport thread: move the reading role into the pool if a thread is idle."""

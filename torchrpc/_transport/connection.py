@@ -97,6 +97,9 @@ class Connection(FrameReader):
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
+        # Callee side: a private connection whose caller has several requests on it at
+        # once (FLAG_MANY, the agent's bursts), which it serves as a shared one.
+        self.many = False
         # How long they poll: the agent's policy, handed over when the connection opens.
         self.poll = PollPolicy()
         # Polls that ended without data in a row, and waits so far: a connection whose

@@ -1,7 +1,7 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
-from .frame import (FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT, SHM_REF_SIZE, Frame,
-                    FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
+from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT,
+                    SHM_REF_SIZE, Frame, FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
                     parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .probe import MAX_PROBE_IDS, pack_probe, pack_status, parse_probe, parse_status
@@ -9,8 +9,8 @@ from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, decode, encode
                         new_buffer, register_message_reducer, register_rebuilder, tensor_bytes)
 
 __all__ = [
-    "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT", "SHM_REF_SIZE", "Frame",
-    "FrameDecoder",
+    "FLAG_MANY", "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT",
+    "SHM_REF_SIZE", "Frame", "FrameDecoder",
     "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "decode", "encode",
     "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",

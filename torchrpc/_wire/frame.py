@@ -47,7 +47,8 @@ HEADER_SIZE = HEADER.size  # 24
 FLAG_ONEWAY = 1
 FLAG_SHM = 2
 FLAG_ONCE = 4
-_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE
+FLAG_MANY = 8  # a request on a private connection that carries several at once (bursts.py)
+_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE | FLAG_MANY
 
 SHM_BIT = 1 << 63
 SHM_REF_SIZE = 64

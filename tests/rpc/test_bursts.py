@@ -97,6 +97,19 @@ def test_callbacks_of_a_burst_run_on_pool_threads_never_on_the_callers():
     assert ran_here == []
 
 
+def test_callbacks_of_one_future_run_in_the_order_they_were_added():
+    # As torch's: the first one's sleep holds the others back, then() included, even
+    # though a reader thread completes the future and hands the callbacks to the pool.
+    for _ in range(20):
+        order: List[str] = []
+        fut = rpc.rpc_async("worker1", helpers.add, args=(1, 1))
+        fut.add_done_callback(lambda f: (time.sleep(0.01), order.append("first")))
+        fut.add_done_callback(lambda f: order.append("second"))
+        then = fut.then(lambda f: list(order))
+        assert then.wait() == ["first", "second"]
+        assert fut.wait() == 2
+
+
 def test_a_future_of_a_burst_waited_on_another_thread_and_polled_with_done():
     futs = [rpc.rpc_async("worker1", helpers.add, args=(i, 2)) for i in range(300)]
     got: List[Any] = []

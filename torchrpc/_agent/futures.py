@@ -36,6 +36,8 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 _reader = threading.local()
+_CALLBACKS_LOCK = threading.Lock()  # guards RpcFuture._callbacks
+_RAN: List[Any] = []  # RpcFuture._callbacks once they were handed to be run
 
 
 def mark_reader_thread(active: bool = True) -> None:
@@ -54,6 +56,8 @@ class RpcFuture(torch.futures.Future):
     # Reads a parked reply: ``claim(False)`` on the calling thread, ``claim(True)`` on
     # the pool (see fastpath.py); None once claimed, or for a reply read elsewhere.
     _claim: Optional[Callable[[bool], None]] = None
+    # The callbacks waiting for it to complete; _RAN once they were handed to be run.
+    _callbacks: Optional[List[Callable[[Any], None]]] = None
 
     def wait(self) -> Any:
         claim = self._claim
@@ -86,15 +90,28 @@ class RpcFuture(torch.futures.Future):
 
     def add_done_callback(self, callback: Callable[["RpcFuture"], None]) -> None:
         _claim_later(self)
-        pool = self._pool
+        # The callbacks added before it completes run in the order they were added, one
+        # after the other, as torch's do: all of them in one task of the pool when a
+        # reader thread completes it. One added later runs at once, here.
+        with _CALLBACKS_LOCK:
+            callbacks = self._callbacks
+            if callbacks is not None and callbacks is not _RAN:
+                callbacks.append(callback)
+                return
+            if callbacks is None:
+                self._callbacks = [callback]
+        if callbacks is _RAN:
+            _run_logged(callback, self)
+        else:
+            super().add_done_callback(self._run_callbacks)
 
-        def run(fut: Any) -> None:
-            if pool is not None and on_reader_thread():
-                pool.submit(_run_logged, callback, self)
-            else:
-                _run_logged(callback, self)
-
-        super().add_done_callback(run)
+    def _run_callbacks(self, fut: Any) -> None:
+        with _CALLBACKS_LOCK:
+            callbacks, self._callbacks = self._callbacks, _RAN
+        if self._pool is not None and on_reader_thread():
+            self._pool.submit(_run_all_logged, callbacks, self)
+        else:
+            _run_all_logged(callbacks, self)
 
     def then(self, callback: Callable[["RpcFuture"], S]) -> "RpcFuture":
         if not callable(callback):
@@ -269,6 +286,11 @@ def _run_logged(callback: Callable[[Any], None], fut: Any) -> None:
         callback(fut)
     except Exception:
         log.exception("a future callback raised; the error is ignored as in torch")
+
+
+def _run_all_logged(callbacks: List[Callable[[Any], None]], fut: Any) -> None:
+    for callback in callbacks:
+        _run_logged(callback, fut)
 
 
 def new_future(pool: Optional[WorkerPool]) -> RpcFuture:

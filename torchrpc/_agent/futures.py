@@ -36,8 +36,7 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 _reader = threading.local()
-_CALLBACKS_LOCK = threading.Lock()  # guards RpcFuture._callbacks
-_RAN: List[Any] = []  # RpcFuture._callbacks once they were handed to be run
+_RAN = ("ran",)  # RpcFuture._callbacks once they were handed to be run
 
 
 def mark_reader_thread(active: bool = True) -> None:
@@ -57,7 +56,7 @@ class RpcFuture(torch.futures.Future):
     # the pool (see fastpath.py); None once claimed, or for a reply read elsewhere.
     _claim: Optional[Callable[[bool], None]] = None
     # The callbacks waiting for it to complete; _RAN once they were handed to be run.
-    _callbacks: Optional[List[Callable[[Any], None]]] = None
+    _callbacks: Any = None
 
     def wait(self) -> Any:
         claim = self._claim
@@ -90,10 +89,14 @@ class RpcFuture(torch.futures.Future):
 
     def add_done_callback(self, callback: Callable[["RpcFuture"], None]) -> None:
         _claim_later(self)
+        pool = self._pool
+        if pool is None:  # completed where it was made: torch runs them in order
+            super().add_done_callback(lambda fut: _run_logged(callback, self))
+            return
         # The callbacks added before it completes run in the order they were added, one
         # after the other, as torch's do: all of them in one task of the pool when a
         # reader thread completes it. One added later runs at once, here.
-        with _CALLBACKS_LOCK:
+        with pool.callbacks_lock:
             callbacks = self._callbacks
             if callbacks is not None and callbacks is not _RAN:
                 callbacks.append(callback)
@@ -106,10 +109,11 @@ class RpcFuture(torch.futures.Future):
             super().add_done_callback(self._run_callbacks)
 
     def _run_callbacks(self, fut: Any) -> None:
-        with _CALLBACKS_LOCK:
+        pool = self._pool
+        with pool.callbacks_lock:
             callbacks, self._callbacks = self._callbacks, _RAN
-        if self._pool is not None and on_reader_thread():
-            self._pool.submit(_run_all_logged, callbacks, self)
+        if on_reader_thread():
+            pool.submit(_run_all_logged, callbacks, self)
         else:
             _run_all_logged(callbacks, self)
 

@@ -49,6 +49,8 @@ class WorkerPool:
         self._name = name
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._lock = threading.Lock()
+        # Guards the callbacks of the futures this pool runs callbacks for (futures.py).
+        self.callbacks_lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._pending = 0
         self._idle = 0

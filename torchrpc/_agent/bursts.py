@@ -105,14 +105,10 @@ class _Claim:
 
     def __call__(self, later: bool) -> None:
         future = self.future
-        if not later:
-            self.bursts.read_until(self.burst, lambda: _done(future))
-            return
-        try:
-            self.bursts.pool.submit(self.bursts.read_until, self.burst,
-                                    lambda: _done(future))
-        except ClosedError:
-            pass  # shutting down: every request is failed
+        if later:
+            self.read_later(lambda: _done(future))
+        else:
+            self.read_until(lambda: _done(future))
 
     def read_until(self, finished: Callable[[], bool]) -> None:
         """Read this future's burst until ``finished()`` or nothing is outstanding on it."""

@@ -344,8 +344,7 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
         elif finished() == total and ended.setdefault("by", combined) is combined:
             combined.set_result(futures)
 
-    for claim, *group in _burst_groups(futures)[0]:  # one pool thread reads each burst
-        claim.read_later(_all_done(group, claim.burst))
+    _read_later(_burst_groups(futures)[0])
     for fut in futures:
         if isinstance(fut, RpcFuture):
             _claim_later(fut)
@@ -368,6 +367,13 @@ def _burst_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
     return list(groups.values()), alone
 
 
+def _read_later(groups: List[List[Any]]) -> None:
+    """One pool thread reads each burst of ``groups`` (see :func:`_burst_groups`) until
+    its futures are done, or one has failed."""
+    for claim, *group in groups:
+        claim.read_later(_all_done(group, claim.burst))
+
+
 @functools.wraps(_torch_wait_all)
 def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     if not any(isinstance(f, RpcFuture) for f in futures):
@@ -388,8 +394,7 @@ def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
                     del error
         # Each holds a value, or is being completed by another thread.
         return [_future_value(fut) if done(fut) else fut.wait() for fut in futures]
-    for claim, *group in groups:
-        claim.read_later(_all_done(group, claim.burst))
+    _read_later(groups)
     # Once the combined future holds the list, every future in it holds a value.
     return [_future_value(fut) for fut in collect_all(futures).wait()]
 

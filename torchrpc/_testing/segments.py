@@ -2,10 +2,11 @@
 
 Two torchrpc workers on this host; the caller makes ``--calls`` blocking calls of a no-op
 (``noop(i)``) or of ``torch.add(torch.ones(2), 1)``, or (``--call remote``) creates the
-result of the latter with ``rpc.remote`` and fetches it with ``to_here()``. Both processes note the time at the
-same points of each call (one clock: ``time.perf_counter_ns`` is CLOCK_MONOTONIC), by
-wrapping the functions the call goes through: the caller's call, encode, send and read
-of the reply, the callee's frame, decode, run, encode and send. The report is the median
+result of the latter with ``rpc.remote`` and fetches it with ``to_here()``. Both
+processes note the time at the same points of each call (one clock:
+``time.perf_counter_ns`` is CLOCK_MONOTONIC), by wrapping the functions the call goes
+through: the caller's call, encode, send and read of the reply, the callee's frame,
+decode, run, encode and send. The report is the median
 time between consecutive points, over the calls whose points came in the usual order,
 then the median time of each point from the call's start (the timeline: where the two
 requests of a ``remote`` call overlap, it reads better than the segments).
@@ -128,22 +129,20 @@ def _report(mine: List[Tuple[int, str]], theirs: List[Tuple[int, str]], call: st
                 current = []
     usual = collections.Counter(tuple(n for _, n in r) for r in runs).most_common(1)[0][0]
     spans: Dict[Tuple[str, str], List[float]] = collections.defaultdict(list)
+    at: Dict[int, List[float]] = collections.defaultdict(list)  # point -> us from the call
     totals = []
     for r in runs:
         if tuple(n for _, n in r) != usual:
             continue
         for (t1, n1), (t2, n2) in zip(r, r[1:]):
             spans[(n1, n2)].append((t2 - t1) / 1e3)
+        for i, (t, _) in enumerate(r):
+            at[i].append((t - r[0][0]) / 1e3)
         totals.append((r[-1][0] - r[0][0]) / 1e3)
     lines = [f"{call} call, torch threads {threads or 'default'}: {len(totals)} of "
              f"{len(runs)} calls in the usual order (of {calls}); median total "
              f"{_median(totals):.1f} us", "", "| from | to | median us |", "|---|---|---:|"]
     lines += [f"| {a} | {b} | {_median(v):.1f} |" for (a, b), v in spans.items()]
-    at: Dict[int, List[float]] = collections.defaultdict(list)
-    for r in runs:
-        if tuple(n for _, n in r) == usual:
-            for i, (t, _) in enumerate(r):
-                at[i].append((t - r[0][0]) / 1e3)
     lines += ["", "| point | median us from the call |", "|---|---:|"]
     lines += [f"| {n} | {_median(at[i]):.1f} |" for i, n in enumerate(usual)]
     return "\n".join(lines)

@@ -189,13 +189,14 @@ class FrameReader:
             self.last_recv = time.monotonic()
         self._rstart, self._rend = start, end
 
-    def _spin_recv(self, dst: memoryview, seconds: float) -> int:
+    def _spin_recv(self, dst: memoryview, seconds: float, count: bool = True) -> int:
         # Poll without blocking for a moment before sleeping in recv. A thread that
         # sleeps leaves its CPU idle, and on virtual machines in particular the first
         # tens of microseconds after an idle CPU is woken run several times slower;
         # a reply or next request usually comes within the moment.
         # Polling costs a CPU that other threads and processes may need, so a connection
-        # whose polls keep missing stops polling (see _fill).
+        # whose polls keep missing stops polling (see _fill); ``count``: whether this
+        # poll's outcome counts toward that.
         recv_into = self.sock.recv_into
         until = time.perf_counter() + seconds
         while True:
@@ -203,10 +204,12 @@ class FrameReader:
                 k = recv_into(dst, 0, _DONTWAIT)
             except BlockingIOError:
                 if time.perf_counter() > until:
-                    self._misses += 1
+                    if count:
+                        self._misses += 1
                     return recv_into(dst)
             else:
-                self._misses = 0
+                if count:
+                    self._misses = 0
                 return k
 
     def _recv_rest(self, dst: memoryview) -> int:
@@ -214,16 +217,7 @@ class FrameReader:
         # poll for it rather than sleep, for as long as a wait for a frame would. These
         # polls do not count as misses: the frame's own start decides whether waits poll.
         seconds = self.poll.seconds
-        recv_into = self.sock.recv_into
-        if seconds:
-            until = time.perf_counter() + seconds
-            while True:
-                try:
-                    return recv_into(dst, 0, _DONTWAIT)
-                except BlockingIOError:
-                    if time.perf_counter() > until:
-                        break
-        return recv_into(dst)
+        return self._spin_recv(dst, seconds, False) if seconds else self.sock.recv_into(dst)
 
     def _take_into(self, dst: memoryview) -> None:
         # Fill dst from the read buffer, then straight from the socket.

@@ -1,8 +1,8 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
 from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT,
-                    SHM_REF_SIZE, Frame, FrameDecoder, Header, Limits, ShmRef, pack_header, pack_shm_ref, parse_header, parse_lengths,
-                    parse_shm_ref)
+                    SHM_REF_SIZE, Frame, FrameDecoder, Header, Limits, ShmRef, pack_header,
+                    pack_shm_ref, parse_header, parse_lengths, parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .probe import MAX_PROBE_IDS, pack_probe, pack_status, parse_probe, parse_status
 from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, decode, encode, memoryview_of,

@@ -133,12 +133,13 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     ``inline_max``; the others, out of band.
     """
     retry: dict = {}
-    # This thread's pickler, taken while in use (an encode nested in a reduction makes
-    # its own): building one costs more than pickling a small call does.
+    # This thread's stream and pickler, taken while in use (an encode nested in a
+    # reduction makes its own).
     cached = _pickler_of_thread.__dict__.pop("p", None) or _ThreadPickler()
-    out, pickler = cached.out, cached.pickler
+    out = cached.out
     try:
         for _ in range(2):
+            pickler = cached.pickler
             enc = _Encoder(send_hook, retry, context, inline_max)
             cached.enc = pickler.enc = enc
             if meta is None:
@@ -171,9 +172,15 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
 
 
 class _ThreadPickler:
-    """A pickler and its stream, reused by the encodes of one thread; between messages
-    it holds nothing (its memo would keep what it pickled alive, and truncating the
-    stream frees its buffer)."""
+    """The stream of one thread's encodes, reused between messages (truncating it frees
+    its buffer), and the pickler of the message being encoded.
+
+    Each message gets a new pickler. ``clear_memo()`` would release the memo's objects
+    while the memo still lists them, and the garbage collector visits that list: if
+    releasing one runs Python code (a finalizer) or lets go of the GIL, a
+    collection reads freed objects and the process crashes. A pickler being deallocated
+    leaves the collector's sight before it releases its memo.
+    """
 
     __slots__ = ("out", "pickler", "enc")
 
@@ -187,8 +194,8 @@ class _ThreadPickler:
         return self.enc.in_band(buf)
 
     def reset(self) -> None:
-        self.pickler.clear_memo()
-        self.pickler.enc = self.enc = None  # type: ignore[assignment]
+        self.pickler = _Pickler(self.out, 5, buffer_callback=self.in_band)
+        self.enc = None
         self.out.seek(0)
         self.out.truncate()
 

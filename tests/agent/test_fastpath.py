@@ -112,7 +112,7 @@ def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(ag
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (2, 3), {}), 5) == 5
     (conn,) = transport.opened
     assert [kind for kind, _, _ in conn.sent] == [Kind.CALL] and not shared.sent
-    assert agent.fastpath.idle_to(1) == [conn]  # back in the free list for the next call
+    assert agent.fastpath.private.idle_to(1) == [conn]  # back in the free list for the next call
     assert conn.poll is agent.fastpath.poll  # readers poll as the agent's policy says
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 1), {}), 5) == 2
     assert transport.opened == [conn]  # reused, not opened again
@@ -122,7 +122,7 @@ def test_rpc_async_parks_only_on_an_idle_connection(agents):
     agent, shared, transport = _agent(agents)
     fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
     assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
-    agent.fastpath.close_idle(1, RpcError("unused"))  # nothing idle: nothing closes
+    agent.fastpath.private.close_idle(1, RpcError("unused"))  # nothing idle: nothing closes
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5) == 0
     (conn,) = transport.opened
     parked = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)
@@ -180,7 +180,7 @@ def test_an_unclaimed_parked_reply_is_read_on_the_pool_after_a_tick(agents):
     wait_for("the pool reads the parked reply", fut.done, 5)
     assert fut.wait() == 3
     wait_for("no reply parked", lambda: agent.fastpath.num_parked == 0, 5)
-    assert agent.fastpath.idle_to(1) == [conn]
+    assert agent.fastpath.private.idle_to(1) == [conn]
 
 
 def test_a_call_after_a_parked_request_reads_both_replies(agents):
@@ -192,19 +192,19 @@ def test_a_call_after_a_parked_request_reads_both_replies(agents):
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (5, 5), {}), 0,
                               after=parked) == 10
     assert fut.done() and fut.wait() == 3 and conn.reads == 2
-    assert agent.fastpath.num_parked == 0 and agent.fastpath.idle_to(1) == [conn]
+    assert agent.fastpath.num_parked == 0 and agent.fastpath.private.idle_to(1) == [conn]
 
 
 def test_a_private_connection_that_breaks_fails_its_call(agents):
     agent, shared, transport = _agent(agents, auto=False)
     with pytest.raises(RpcError, match="closed"):
         agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
-    assert agent.fastpath.num_parked == 0 and not agent.fastpath.idle_to(1)
+    assert agent.fastpath.num_parked == 0 and not agent.fastpath.private.idle_to(1)
 
 
 def test_without_private_calls_every_call_goes_the_shared_way(agents):
     agent, shared, transport = _agent(agents)
-    agent.fastpath.enabled = False
+    agent.fastpath.private.enabled = False
     fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
     assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
     assert not fut.done()

@@ -98,11 +98,14 @@ def test_callbacks_of_a_burst_run_on_pool_threads_never_on_the_callers():
 
 
 def test_callbacks_of_one_future_run_in_the_order_they_were_added():
-    # As torch's: the first one's sleep holds the others back, then() included, even
-    # though a reader thread completes the future and hands the callbacks to the pool.
-    for _ in range(20):
+    # As torch's: callbacks added before the future completes run in that order, so the
+    # first one's sleep holds the others back, then() included, even though a reader
+    # thread completes the future and hands the callbacks to the pool. (One added after
+    # it completed runs at once, in torch as here: the callee's sleep keeps the reply
+    # from coming before the three are added.)
+    for _ in range(10):
         order: List[str] = []
-        fut = rpc.rpc_async("worker1", helpers.add, args=(1, 1))
+        fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(0.2, 2))
         fut.add_done_callback(lambda f: (time.sleep(0.01), order.append("first")))
         fut.add_done_callback(lambda f: order.append("second"))
         then = fut.then(lambda f: list(order))
@@ -177,7 +180,9 @@ def test_wait_all_on_a_burst_ends_at_its_first_error():
 
 
 def test_a_worker_killed_in_the_middle_of_a_burst_fails_its_calls_naming_it(group):
-    assert rpc.rpc_async("worker2", helpers.add, args=(0, 0)).wait() == 0
+    # A blocking call leaves a private connection idle, which the calls below make a
+    # burst of (without one, they go shared until the pool has opened one).
+    assert rpc.rpc_sync("worker2", helpers.add, args=(0, 0)) == 0
     futs = [rpc.rpc_async("worker2", helpers.sleep_then, args=(0.01, i)) for i in range(400)]
     assert _burst("worker2") is not None
     wait_for("some replies", lambda: any(_done(f) for f in futs), 10)

@@ -128,6 +128,7 @@ class Bursts:
     def __init__(self, agent: "Agent", fastpath: "FastPath") -> None:
         self._agent = agent
         self._fastpath = fastpath
+        self._private = fastpath.private
         self.pool = agent.pool
         self._mine = threading.local()  # .by_rank: this thread's bursts by worker rank
         self._all: List[Burst] = []  # every burst, for the timer (changed under _lock)
@@ -147,16 +148,9 @@ class Bursts:
     def from_parked(self, dst: WorkerInfo) -> Optional[Burst]:
         """This thread's rpc_async to ``dst`` parked and unclaimed: make its connection
         this thread's burst connection to ``dst``; else None."""
-        fastpath = self._fastpath
-        parked = fastpath._parked
-        if not parked:
+        mine = self._fastpath.take_parked(dst.id)
+        if mine is None:
             return None
-        me = threading.get_ident()
-        mine = next((p for p in list(parked.values()) if p.future is not None
-                     and p.thread == me and p.conn.peer_rank == dst.id), None)
-        if mine is None or parked.pop(mine.rid, None) is None:
-            return None
-        fastpath._unpark()
         pending = self._agent.requests.pending.get(mine.rid)
         if pending is not None:
             pending.private = None  # its timeout must not close the burst's connection
@@ -169,22 +163,22 @@ class Bursts:
         open none."""
         n = self._shared.get(dst.id, 0) + 1
         self._shared[dst.id] = n
-        if n % _OPEN_AFTER == 0 and self._fastpath._private_ok(dst):
+        if n % _OPEN_AFTER == 0 and self._private.usable(dst):
             try:
                 self.pool.submit(self._open_idle, dst)
             except ClosedError:
                 pass
 
     def _open_idle(self, dst: WorkerInfo) -> None:
-        fastpath = self._fastpath
-        if fastpath._idle.get(dst.id) or self._agent._state is not RUNNING:
+        private = self._private
+        if private.has_idle(dst.id) or self._agent._state is not RUNNING:
             return
         try:
-            conn = fastpath._checkout(dst)
+            conn = private.checkout(dst)
         except RpcError:
             return  # the calls over the shared connection report what is wrong
         if conn is not None:
-            fastpath._checkin(dst, conn)
+            private.checkin(dst, conn)
 
     def _start(self, conn: Connection, dst: WorkerInfo, rid: int, future: RpcFuture) -> Burst:
         """Make private connection ``conn``, which carries request ``rid`` (its reply
@@ -332,7 +326,7 @@ class Bursts:
                         return
             elif not burst.thread.is_alive():
                 self._forget(burst)
-                self._fastpath._checkin(burst.dst, burst.conn)
+                self._private.checkin(burst.dst, burst.conn)
 
     def clear(self) -> None:
         """The agent stops: forget every burst (shutdown fails their requests)."""

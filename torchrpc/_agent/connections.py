@@ -138,7 +138,7 @@ class Connections:
                     self.private.get(conn.peer_rank, []).remove(conn)
                 except ValueError:
                     pass  # never there
-            agent.fastpath.forget(conn)
+            agent.fastpath.private.forget(conn)
             return
         rank = conn.peer_rank
         with self._lock:
@@ -172,7 +172,7 @@ class Connections:
             self.lost[rank] = str(reason)
         log.warning("%s lost its connection to worker %s (rank %d): %s", agent.name,
                     name, rank, reason)
-        agent.fastpath.close_idle(rank, reason)
+        agent.fastpath.private.close_idle(rank, reason)
         agent.requests.fail_peer(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))

@@ -69,7 +69,7 @@ def counters(agent: "Agent") -> Dict[str, Any]:
         "agent.num_idle_threads": pool.num_threads - pool.num_pending,
         "agent.num_queued_tasks": pool.num_pending,
         "agent.num_connections": agent.connections.count(),
-        "agent.num_private_connections": agent.fastpath.num_idle(),
+        "agent.num_private_connections": agent.fastpath.private.num_idle(),
         "agent.num_parked": agent.fastpath.num_parked,
         "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
         "agent.num_duplicate_requests": agent.dispatch.duplicates,

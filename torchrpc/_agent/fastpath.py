@@ -25,7 +25,8 @@ otherwise take a connection, and a reading thread on both sides, each). Beyond t
 wherever private connections are not used, they are plain requests.
 
 Which thread reads the shared connections, and lends that role while it serves a
-request, is :class:`~torchrpc._agent.reading.Reading`'s, which this object holds.
+request, is :class:`~torchrpc._agent.reading.Reading`'s; which private connections wait
+idle, :class:`~torchrpc._agent.private.PrivateConnections`'. This object holds both.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -44,6 +45,7 @@ from ..errors import ClosedError, RpcError
 from .cpus import usable_cpus as _usable_cpus
 from .futures import RpcFuture
 from .pool import current_pool
+from .private import PrivateConnections
 from .reading import Reading
 from .requests import Pending
 from .retry import RetryPolicy
@@ -79,16 +81,13 @@ class FastPath:
     def __init__(self, agent: "Agent") -> None:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
-        self.enabled = True  # whether blocking calls use private connections
         # handed to every private connection (Connections.on_connect); the spin_us option
         self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
         self.reading = Reading(agent)
+        self.private = PrivateConnections(agent)
         self.bursts = Bursts(agent, self)
-        self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
-        self._opening: Dict[int, int] = {}  # rank -> private connections being opened
         self._parked: Dict[int, Parked] = {}  # unclaimed parked requests by request id
         self.num_parked = 0  # parked requests whose reply is not read yet
-        self.max_private = int(getattr(agent.options, "max_private_connections", 1 << 30))
 
     # -- the agent's interface ---------------------------------------------------------------
 
@@ -108,10 +107,10 @@ class FastPath:
         also: Tuple[int, ...] = ()
         if after is not None and self._claim(after, timeout):
             conn, also = after.conn, (after.rid,)
-        elif self._private_ok(dst):
+        elif self.private.usable(dst):
             # With retry, an attempt that fails on the connection is sent again on the
             # shared one, and its reply read there (see Requests.fail).
-            conn = self._checkout(dst)
+            conn = self.private.checkout(dst)
         if conn is None:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
         rid, p, sent = self._send(conn, also, dst, kind, payload, timeout, what, retry, True)
@@ -128,19 +127,19 @@ class FastPath:
         parks. With ``on_done``, called with the future once it completes, a parked
         request's future is a :class:`~torchrpc._agent.futures.SyncFuture` (nobody waits
         for it but its ``after`` call) and ``on_done`` runs where it completes."""
-        agent = self._agent
+        agent, private = self._agent, self.private
         conn = None
         burst = by_future and self.bursts.of(dst)
         if burst:
             return self.bursts.send(burst, kind, payload, timeout, what), None
         # An rpc_async parks only on an idle private connection: with none, no more checks.
-        if not by_future or self._idle.get(dst.id):
+        if not by_future or private.has_idle(dst.id):
             agent.check_running()
             fits = self.num_parked < _MAX_PARKED and not (by_future and self._parked_to(dst.id))
-            if fits and self._private_ok(dst):
-                conn = self._checkout(dst, opens=not by_future)
+            if fits and private.usable(dst):
+                conn = private.checkout(dst, opens=not by_future)
         if conn is None:
-            if by_future and not self._idle.get(dst.id):
+            if by_future and not private.has_idle(dst.id):
                 self.bursts.went_shared(dst)
             fut = agent.request(dst, kind, payload, timeout, what=what, retry=retry)
             if on_done is not None:
@@ -159,37 +158,11 @@ class FastPath:
             p.future._claim = functools.partial(self._read_parked, parked)
         return p.future, parked
 
-    def forget(self, conn: Connection) -> None:
-        """Private connection ``conn`` closed: it is idle no more."""
-        with self._lock:
-            try:
-                self._idle.get(conn.peer_rank, []).remove(conn)
-            except ValueError:
-                pass  # checked out, or never there
-
-    def close_idle(self, rank: int, reason: BaseException) -> None:
-        """Close the idle private connections to ``rank``, lost: nobody reads them, and
-        the next call to a restarted worker must not go out on one to its predecessor."""
-        with self._lock:
-            idle = list(self._idle.get(rank, ()))
-        for conn in idle:
-            conn.close(reason)
-
     def clear(self) -> None:
         """The agent stops: forget the idle connections and the parked requests."""
-        with self._lock:
-            self._idle.clear()
+        self.private.clear()
         self._parked.clear()
         self.bursts.clear()
-
-    def num_idle(self) -> int:
-        """How many idle private connections wait to be used."""
-        with self._lock:
-            return sum(len(v) for v in self._idle.values())
-
-    def idle_to(self, rank: int) -> List[Connection]:
-        """The idle private connections to ``rank``."""
-        return list(self._idle.get(rank, ()))
 
     def check_cpus(self, workers: int) -> None:
         """Timer: have readers poll as the ``workers`` on this host and its CPUs allow."""
@@ -210,54 +183,6 @@ class FastPath:
                     self._unpark()  # shutting down: the pending call is failed there
 
     # -- private connections ------------------------------------------------------------------
-
-    def _private_ok(self, dst: WorkerInfo) -> bool:
-        """Whether calls to ``dst`` may use private connections (not under TLS)."""
-        agent = self._agent
-        return self.enabled and dst.id != agent.rank and not agent._transport.secure
-
-    def _checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
-        """An idle private connection to ``dst``, or with ``opens`` a new one; or None."""
-        agent = self._agent
-        if dst.id in agent.registry.left:  # it said GOODBYE: nothing sent now is answered
-            raise agent.left_error(dst)
-        free = self._idle.get(dst.id)
-        while free:
-            try:
-                conn = free.pop()
-            except IndexError:
-                break
-            if not conn.closed:
-                return conn
-        if not opens:
-            return None
-        agent.connections.to(dst)  # checks the worker; the shared one carries heartbeats
-        with self._lock:  # a slot is taken before connecting: callers race here
-            opened = self._opening.get(dst.id, 0) + sum(
-                1 for c in agent.connections.private.get(dst.id, ())
-                if c.outbound and not c.closed)
-            if opened >= self.max_private:
-                return None  # max_private_connections: this call goes over the shared one
-            self._opening[dst.id] = self._opening.get(dst.id, 0) + 1
-        registry = agent.registry
-        host, port = registry.addresses[dst.id]
-        try:
-            conn = agent._transport.connect(dst.id, host, port, agent.default_timeout or 30.0,
-                                            local=registry.same_host(dst.id), private=True)
-        except RpcError:
-            return None  # the shared connection reports what is wrong
-        finally:
-            with self._lock:  # registered in connections.private by now (on_connect)
-                self._opening[dst.id] -= 1
-        return conn if conn.private else None
-
-    def _checkin(self, dst: WorkerInfo, conn: Connection) -> None:
-        if not conn.closed and self._agent._state is RUNNING:
-            free = self._idle.get(dst.id)
-            if free is None:
-                with self._lock:  # keys change under the lock only (debug_info iterates)
-                    free = self._idle.setdefault(dst.id, [])
-            free.append(conn)
 
     def _send(self, conn: Connection, also: Tuple[int, ...], dst: WorkerInfo, kind: int,
               payload: Any, timeout: float, what: Any, retry: Optional[RetryPolicy] = None,
@@ -295,7 +220,7 @@ class FastPath:
         if also:
             self._agent.pool.submit(self._drain, conn, also[0])
         else:
-            self._checkin(dst, conn)
+            self.private.checkin(dst, conn)
 
     def _read_blocking(self, conn: Connection, rid: int, p: Pending,
                        also: Tuple[int, ...] = ()) -> None:
@@ -329,7 +254,7 @@ class FastPath:
                     p.private = None
                     if also:
                         self._unpark()
-                    self._checkin(p.dst, conn)
+                    self.private.checkin(p.dst, conn)
                 calls.on_reply(conn, header, envelope, buffers)
             # Nothing else is sent on a private connection; ignore what a peer sends anyway.
             envelope = buffers = None
@@ -344,6 +269,20 @@ class FastPath:
                             or time.monotonic() + timeout < parked.deadline):
             return False
         return self._parked.pop(parked.rid, None) is not None
+
+    def take_parked(self, rank: int) -> Optional[Parked]:
+        """This thread's unclaimed parked ``rpc_async`` to ``rank``, taken over (it is
+        parked no more: the taker reads its reply), or None."""
+        parked = self._parked
+        if not parked:
+            return None
+        me = threading.get_ident()
+        mine = next((p for p in list(parked.values()) if p.future is not None
+                     and p.thread == me and p.conn.peer_rank == rank), None)
+        if mine is None or parked.pop(mine.rid, None) is None:
+            return None
+        self._unpark()
+        return mine
 
     def _parked_to(self, rank: int) -> bool:
         """Whether an unclaimed parked request waits for a reply from ``rank``."""

@@ -83,7 +83,7 @@ def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
                      same_host=registry.same_host, same_pids=registry.same_pids,
                      send_timeout=float(getattr(options, "send_timeout", 0.0)),
                      max_outbox=int(getattr(options, "max_outbox_bytes", 0)),
-                     max_private=agent.fastpath.max_private,
+                     max_private=agent.fastpath.private.max,
                      local_socket=bool(getattr(options, "enable_uds", False)),
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,

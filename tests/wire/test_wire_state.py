@@ -113,8 +113,10 @@ class Holder:
     def __setstate__(self, state):
         pass
 
-for _ in range(20):
+for i in range(20):
     _wire.encode([Holder() for _ in range(16)])
+    if i % 2:
+        _wire.prepare_encode()  # the next encode's pickler, made ahead
 print("released")
 """
 

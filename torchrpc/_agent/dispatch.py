@@ -218,6 +218,7 @@ class Dispatch:
             value = None
             keep = Releasable(keep)
         self.send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep, via)
+        _wire.prepare_encode()  # while the caller reads the reply
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
                      via: Optional[Connection] = None) -> None:

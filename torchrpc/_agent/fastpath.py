@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from .. import _wire
 from .._transport import Connection, PollPolicy
 from .._wire import Kind
 from .bursts import Bursts
@@ -115,6 +116,7 @@ class FastPath:
             return agent.request(dst, kind, payload, timeout, what=what, retry=retry).wait()
         rid, p, sent = self._send(conn, also, dst, kind, payload, timeout, what, retry, True)
         if sent:
+            _wire.prepare_encode()  # while the callee works
             self._read_blocking(conn, rid, p, also)
         return p.future.wait()
 

@@ -6,7 +6,8 @@ from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SH
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .probe import MAX_PROBE_IDS, pack_probe, pack_status, parse_probe, parse_status
 from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, decode, encode, memoryview_of,
-                        new_buffer, register_message_reducer, register_rebuilder, tensor_bytes)
+                        new_buffer, prepare_encode, register_message_reducer, register_rebuilder,
+                        tensor_bytes)
 
 __all__ = [
     "FLAG_MANY", "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT",
@@ -14,7 +15,8 @@ __all__ = [
     "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "decode", "encode",
     "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
-    "parse_header", "parse_lengths", "register_message_reducer", "register_rebuilder",
+    "parse_header", "parse_lengths", "prepare_encode", "register_message_reducer",
+    "register_rebuilder",
     "tensor_bytes",
     "MAX_PROBE_IDS", "pack_probe", "pack_status", "parse_probe", "parse_status",
 ]

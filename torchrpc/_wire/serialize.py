@@ -139,7 +139,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     out = cached.out
     try:
         for _ in range(2):
-            pickler = cached.pickler
+            pickler = cached.pickler or cached.new_pickler()
             enc = _Encoder(send_hook, retry, context, inline_max)
             cached.enc = pickler.enc = enc
             if meta is None:
@@ -171,15 +171,28 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     return envelope, enc.views, enc.keepalive
 
 
+def prepare_encode() -> None:
+    """Make this thread's pickler for its next :func:`encode` now.
+
+    Each message gets a new pickler (see :class:`_ThreadPickler`), which takes about half
+    a microsecond to make. A thread that has just sent a message and is about to wait
+    (for a reply, or for the next frame) calls this, so that the next message does not
+    wait for it.
+    """
+    cached = _pickler_of_thread.__dict__.get("p")
+    if cached is not None and cached.pickler is None:
+        cached.new_pickler()
+
+
 class _ThreadPickler:
     """The stream of one thread's encodes, reused between messages (truncating it frees
-    its buffer), and the pickler of the message being encoded.
+    its buffer), and the pickler of its next message.
 
     Each message gets a new pickler. ``clear_memo()`` would release the memo's objects
     while the memo still lists them, and the garbage collector visits that list: if
-    releasing one runs Python code (a finalizer) or lets go of the GIL, a
-    collection reads freed objects and the process crashes. A pickler being deallocated
-    leaves the collector's sight before it releases its memo.
+    releasing one runs Python code (a finalizer) or lets go of the GIL, a collection
+    reads freed objects and the process crashes. A pickler being deallocated leaves the
+    collector's sight before it releases its memo.
     """
 
     __slots__ = ("out", "pickler", "enc")
@@ -187,15 +200,18 @@ class _ThreadPickler:
     def __init__(self) -> None:
         self.out = io.BytesIO()
         self.enc: Optional[_Encoder] = None
-        self.pickler = _Pickler(self.out, 5, buffer_callback=self.in_band)
+        self.pickler: Optional[_Pickler] = None
+
+    def new_pickler(self) -> _Pickler:
+        pickler = self.pickler = _Pickler(self.out, 5, buffer_callback=self.in_band)
+        return pickler
 
     def in_band(self, buf: pickle.PickleBuffer) -> bool:
         assert self.enc is not None
         return self.enc.in_band(buf)
 
     def reset(self) -> None:
-        self.pickler = _Pickler(self.out, 5, buffer_callback=self.in_band)
-        self.enc = None
+        self.pickler = self.enc = None  # the memo goes with the pickler
         self.out.seek(0)
         self.out.truncate()
 

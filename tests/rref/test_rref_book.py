@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from torchrpc._rref.book import RRefBook
 from torchrpc._wire import Kind
 
@@ -36,3 +38,24 @@ def test_a_lost_owner_takes_its_user_copies_and_parked_children_with_it():
     assert book.settled() is False  # worker4 has not accepted its child yet
     assert book.worker_lost(4) == []
     assert book.settled() is True
+
+
+
+def test_deleted_forks_leave_nothing_for_the_cycle_collector_to_visit():
+    # The owner remembers up to 100,000 deleted forks. Each is known by a flat tuple of
+    # ints, which the collector stops tracking at its first pass; a pair of id pairs
+    # stays tracked while an id it holds is (an RRef's id lives long), and every full
+    # collection would visit it.
+    book = RRefBook(rank=0)
+    rid = book.new_id()
+    book.owner_entry(rid).set_value(1)
+    book.add_fork(rid, (1, -1), holder=1)  # keeps the entry while the others come and go
+    for i in range(1000):
+        book.add_fork(rid, (1, i), holder=1)
+        book.remove_fork(rid, (1, i))
+    gc.collect()
+    assert len(book._tombstones) == 1000
+    assert all(type(part) is int and not gc.is_tracked(key)
+               for key in book._tombstones for part in key)
+    book.add_fork(rid, (1, 7), holder=1)  # a late FORK_REQUEST: the fork stays deleted
+    assert book.owner_entry(rid).forks == {(1, -1)}

@@ -66,7 +66,7 @@ class Burst:
     """One thread's burst connection to one worker and the requests outstanding on it."""
 
     __slots__ = ("conn", "dst", "thread", "out", "lock", "calls", "last", "errors", "quiet",
-                 "__weakref__")
+                 "claim", "__weakref__")
 
     def __init__(self, conn: Connection, dst: WorkerInfo) -> None:
         self.conn = conn
@@ -78,6 +78,7 @@ class Burst:
         self.last = time.monotonic()  # when its replies were last read
         self.errors = 0  # error replies read, and the connection's end (see wait_all)
         self.quiet = 0  # waits for a reply that found none for _WAKE (see wait_all)
+        self.claim: Any = None  # the _Claim of its futures
 
     def ready(self, timeout: float) -> bool:
         """Whether a frame (or the end of the connection) is there to read, waiting at
@@ -92,26 +93,25 @@ class Burst:
 
 
 class _Claim:
-    """A burst future's ``_claim``: read the burst until the future is done, on the
-    calling thread or (``later``) on the pool. :func:`~torchrpc._agent.futures.wait_all`
-    reads a burst for all its futures at once through ``read_until``."""
+    """A burst's claim, each of its futures' ``_claim``: read the burst until the future
+    is done, on the calling thread or (``later``) on the pool.
+    :func:`~torchrpc._agent.futures.wait_all` reads a burst for all its futures at once
+    through ``read_until``."""
 
-    __slots__ = ("bursts", "burst", "future")
+    __slots__ = ("bursts", "burst")
 
-    def __init__(self, bursts: "Bursts", burst: Burst, future: RpcFuture) -> None:
+    def __init__(self, bursts: "Bursts", burst: Burst) -> None:
         self.bursts = bursts
         self.burst = burst
-        self.future = future
 
-    def __call__(self, later: bool) -> None:
-        future = self.future
+    def __call__(self, future: RpcFuture, later: bool) -> None:
         if later:
             self.read_later(lambda: _done(future))
         else:
             self.read_until(lambda: _done(future))
 
     def read_until(self, finished: Callable[[], bool]) -> None:
-        """Read this future's burst until ``finished()`` or nothing is outstanding on it."""
+        """Read the burst until ``finished()`` or nothing is outstanding on it."""
         self.bursts.read_until(self.burst, finished)
 
     def read_later(self, finished: Callable[[], bool]) -> None:
@@ -184,8 +184,9 @@ class Bursts:
         """Make private connection ``conn``, which carries request ``rid`` (its reply
         parked, unclaimed), this thread's burst connection to ``dst``."""
         burst = Burst(conn, dst)
+        burst.claim = _Claim(self, burst)
         burst.out[rid] = future
-        future._claim = _Claim(self, burst, future)
+        future._claim = burst.claim
         by_rank = getattr(self._mine, "by_rank", None)
         if by_rank is None:
             by_rank = self._mine.by_rank = {}
@@ -218,7 +219,7 @@ class Bursts:
             burst.out.pop(rid, None)
             calls.send_failed(kind, rid, dst, exc)
             return future
-        future._claim = _Claim(self, burst, future)
+        future._claim = burst.claim
         burst.calls += 1
         if burst.calls % _DRAIN_EVERY == 0:
             self.drain(burst)

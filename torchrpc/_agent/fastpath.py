@@ -290,7 +290,7 @@ class FastPath:
         """Whether an unclaimed parked request waits for a reply from ``rank``."""
         return any(p.conn.peer_rank == rank for p in list(self._parked.values()))
 
-    def _read_parked(self, parked: Parked, later: bool) -> None:
+    def _read_parked(self, parked: Parked, _future: Any, later: bool) -> None:
         """Read the reply of ``parked`` if it is still unclaimed: on this thread, or with
         ``later`` on a pool thread (the future's waiter does not block for it)."""
         if self._parked.pop(parked.rid, None) is None:

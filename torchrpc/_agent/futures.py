@@ -37,6 +37,8 @@ S = TypeVar("S")
 
 _reader = threading.local()
 _RAN = ("ran",)  # RpcFuture._callbacks once they were handed to be run
+_future_init = torch._C.Future.__init__  # without torch's Python __init__ (its devices)
+_NO_DEVICES = ()
 
 
 def mark_reader_thread(active: bool = True) -> None:
@@ -51,18 +53,25 @@ def on_reader_thread() -> bool:
 class RpcFuture(torch.futures.Future):
     """A :class:`torch.futures.Future` completed by the RPC agent."""
 
-    _pool: Optional[WorkerPool] = None
-    # Reads a parked reply: ``claim(False)`` on the calling thread, ``claim(True)`` on
-    # the pool (see fastpath.py); None once claimed, or for a reply read elsewhere.
-    _claim: Optional[Callable[[bool], None]] = None
-    # The callbacks waiting for it to complete; _RAN once they were handed to be run.
-    _callbacks: Any = None
+    # Slots, so that no attribute dict is made: an outstanding call's future is the
+    # one object of its own that a caller keeps, and the cycle collector visits each.
+    __slots__ = ("_pool", "_claim", "_callbacks")
+
+    def __init__(self, pool: Optional[WorkerPool] = None) -> None:
+        _future_init(self, _NO_DEVICES)
+        self._pool = pool
+        # Reads a parked reply: ``claim(self, False)`` on the calling thread,
+        # ``claim(self, True)`` on the pool (see fastpath.py and bursts.py); None once
+        # claimed, or for a reply read elsewhere.
+        self._claim: Optional[Callable[[RpcFuture, bool], None]] = None
+        # The callbacks waiting for it to complete; _RAN once they were handed to be run.
+        self._callbacks: Any = None
 
     def wait(self) -> Any:
         claim = self._claim
         if claim is not None:
             self._claim = None
-            claim(False)
+            claim(self, False)
         pool = current_pool()
         try:
             if pool is not None and not torch.futures.Future.done(self):
@@ -121,8 +130,7 @@ class RpcFuture(torch.futures.Future):
         if not callable(callback):
             raise TypeError(f"then(): incompatible function arguments. The callback must be "
                             f"a callable taking this future, got {callback!r}")
-        child = RpcFuture()
-        child._pool = self._pool
+        child = RpcFuture(self._pool)
 
         def chain(fut: "RpcFuture") -> None:
             try:
@@ -260,7 +268,7 @@ def _claim_later(fut: RpcFuture) -> None:
     claim = fut._claim
     if claim is not None:
         fut._claim = None
-        claim(True)
+        claim(fut, True)
 
 
 def _wake(loop: asyncio.AbstractEventLoop, waiter: "asyncio.Future[None]", _fut: Any) -> None:
@@ -298,9 +306,7 @@ def _run_all_logged(callbacks: List[Callable[[Any], None]], fut: Any) -> None:
 
 
 def new_future(pool: Optional[WorkerPool]) -> RpcFuture:
-    fut = RpcFuture()
-    fut._pool = pool
-    return fut
+    return RpcFuture(pool)
 
 
 def _failure(fut: torch.futures.Future) -> Optional[BaseException]:

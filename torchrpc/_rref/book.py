@@ -102,7 +102,10 @@ class RRefBook:
         self._holders: Dict[Tuple[GloballyUniqueId, GloballyUniqueId], int] = {}
         # child ForkId -> (the rank it was sent to, the owner of the RRef).
         self._child_ranks: Dict[GloballyUniqueId, Tuple[int, int]] = {}
-        self._tombstones: "collections.OrderedDict[Tuple[GloballyUniqueId, GloballyUniqueId], None]" = \
+        # Keyed by the flat (rref rank, rref counter, fork rank, fork counter): a tuple
+        # of ints leaves the cycle collector's sight, where a pair of pairs would stay in
+        # it and make every full collection visit up to _TOMBSTONES of them.
+        self._tombstones: "collections.OrderedDict[Tuple[int, ...], None]" = \
             collections.OrderedDict()
 
     def new_id(self) -> GloballyUniqueId:
@@ -127,7 +130,7 @@ class RRefBook:
                  holder: Optional[int] = None) -> None:
         """Fork ``fork_id`` of ``rref_id`` exists, held by rank ``holder`` (if known)."""
         with self._lock:
-            if (rref_id, fork_id) in self._tombstones:
+            if rref_id + fork_id in self._tombstones:
                 return  # deleted before its creation arrived (out-of-order delivery)
             entry = self.owners.get(rref_id)
             if entry is None:
@@ -145,7 +148,7 @@ class RRefBook:
         # Under _lock. A deleted fork never comes back: a late or duplicated (retried)
         # creation or FORK_REQUEST for it must not resurrect it.
         self._holders.pop((rref_id, fork_id), None)
-        self._tombstones[(rref_id, fork_id)] = None
+        self._tombstones[rref_id + fork_id] = None
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
         entry = self.owners.get(rref_id)

@@ -14,6 +14,8 @@ from tests.thread_watch import WATCH_ENV, ThreadWatch
 
 # Set: serve until helpers.stop_serving is called, then stop without meeting the group.
 SERVE_ENV = "TORCHRPC_TEST_SERVE"
+# The same for the ranks it lists (comma-separated); the others shut down as usual.
+SERVE_RANKS_ENV = "TORCHRPC_TEST_SERVE_RANKS"
 
 
 def main() -> None:
@@ -27,7 +29,7 @@ def main() -> None:
     backend, opts = backend_and_options(int(threads), float(timeout), os.environ)
     rpc.init_rpc(name, backend=backend, rank=int(rank), world_size=int(world_size),
                  rpc_backend_options=opts)
-    if os.environ.get(SERVE_ENV):
+    if os.environ.get(SERVE_ENV) or rank in os.environ.get(SERVE_RANKS_ENV, "").split(","):
         # Serve whatever happens to the others, until the test says stop.
         from tests.helpers import stopped_serving
         stopped_serving.wait()

@@ -10,6 +10,7 @@ import torch
 
 import torchrpc.rpc as rpc
 import torchrpc.rpc.api as api
+from torchrpc._agent.current import current_agent
 from torchrpc.errors import ShutdownError
 from tests import helpers
 from tests.group import Group, free_port, wait_for
@@ -100,13 +101,13 @@ def test_a_shutdown_that_waits_for_requests_says_which_and_its_deadline_names_th
 
 def _at_first_barrier(rank: int) -> bool:
     """Whether worker ``rank`` has reached graceful shutdown's first store barrier."""
-    from torchrpc._agent.current import current_agent
     return current_agent().store.check([f"shutdown/1/{rank}"])
 
 
 def test_all_gather_names_a_worker_that_died_after_sending():
-    # worker1's shutdown sent its part of the first gather, then it is killed: the
-    # leader cannot hand it the result and names it instead of hanging.
+    # worker2 is killed at shutdown's first barrier: the others name it instead of
+    # hanging, whether it was counted there (then the leader of the gather that follows
+    # misses its part) or not, and worker1's shutdown fails too.
     group = Group(3, threads=2, timeout=30.0)
     try:
         group.init_self()
@@ -120,6 +121,24 @@ def test_all_gather_names_a_worker_that_died_after_sending():
     finally:
         codes = group.abandon(30)
     assert codes[1] == 1, codes
+
+
+def test_a_worker_at_the_barrier_learns_of_a_death_it_cannot_see_itself():
+    # worker2 marks its arrival at the first barrier and dies before it is counted:
+    # worker1, which never talked to it, must not wait for it. worker0 finds it lost
+    # and says so through the store; worker1 names it too, and stops.
+    group = Group(3, threads=2, timeout=30.0, extra_env={"TORCHRPC_TEST_SERVE_RANKS": "2"})
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
+        wait_for("worker1 waits in shutdown's first step", lambda: _at_first_barrier(1), 10)
+        current_agent().store.set("shutdown/1/2", "1")  # arrived, not counted
+        group.kill(2)
+        with pytest.raises(ShutdownError, match="worker2"):
+            rpc.shutdown(graceful=True)
+    finally:
+        codes = group.abandon(20)
+    assert codes == {1: 1, 2: -9}, codes
 
 
 def _file_options(tmp_path, **kwargs):

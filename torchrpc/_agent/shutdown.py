@@ -141,6 +141,30 @@ def advance(current: State, target: State) -> State:
     return target
 
 
+def _check_left(agent: "Agent", barrier: str) -> None:
+    """Raise if a worker stopped (it said GOODBYE) while ``barrier`` is not complete:
+    one that never reached it failed its shutdown or did not make it graceful; one
+    that reached it left early, so its shutdown failed (a worker it waited for died).
+    Either way the count will not complete. :func:`rendezvous.barrier` reads the count
+    again before raising, so a worker that left a complete barrier is not counted."""
+    with agent._lock:
+        workers = agent.registry.workers
+        left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
+    if not left:
+        return
+    missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
+    if missing:
+        names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
+        raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
+                            f"{names} stopped before reaching it (their shutdown failed "
+                            f"or was not graceful); shut every worker down the same way")
+    names = ", ".join(f"{w.name} (rank {r})" for r, w in left)
+    raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
+                        f"{names} stopped while the group waited at the shutdown "
+                        f"barrier, so their shutdown failed, most likely because a worker "
+                        f"died; their errors name it")
+
+
 class Shutdown:
     """One agent's lifecycle transitions and shutdown protocol (see the module docs).
 
@@ -289,7 +313,7 @@ class Shutdown:
             self._share_lost()
             if barrier is not None:
                 self._probe_absent(barrier)
-                self._check_left(barrier)
+                _check_left(agent, barrier)
         with self._lock:
             lost = [r for r in agent.connections.lost if r not in agent.registry.left and r not in self.gone]
         for r in lost:
@@ -305,6 +329,12 @@ class Shutdown:
         with self._lock:
             gone = {r: why for r, why in self.gone.items() if r not in agent.registry.left}
         if gone:
+            if agent.store is not None:
+                # Tell the others now: this worker stops after raising, and one that never
+                # connected to the lost worker would wait at a barrier for it.
+                self._next_share = 0.0
+                self._share_lost()
+
             def name(r: int) -> str:
                 w = agent.registry.workers.get(r)
                 return w.name if w is not None else f"rank{r}"
@@ -358,20 +388,6 @@ class Shutdown:
             ranks = list(agent.registry.workers)
         self.probe([r for r in ranks
                     if r != agent.rank and not agent.store.check([f"{barrier}/{r}"])])
-
-    def _check_left(self, barrier: str) -> None:
-        """Raise if a worker stopped (it said GOODBYE) without reaching ``barrier``: its own
-        shutdown failed or was not graceful, so it never will."""
-        agent = self._agent
-        with self._lock:
-            workers = agent.registry.workers
-            left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
-        missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
-        if missing:
-            names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
-            raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
-                                f"{names} stopped before reaching it (their shutdown failed "
-                                f"or was not graceful); shut every worker down the same way")
 
     def probe(self, ranks: Iterable[int]) -> None:
         """:meth:`Agent.probe`."""

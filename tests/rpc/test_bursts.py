@@ -180,7 +180,6 @@ def test_wait_all_on_a_burst_ends_at_its_first_error():
     assert slow.wait() == "late"
 
 
-
 def test_an_outstanding_call_of_a_burst_keeps_one_object_for_the_cycle_collector():
     # A full collection visits every tracked object: 20,000 outstanding calls that kept
     # four objects each (the future, its attribute dict, its claim, and the arguments

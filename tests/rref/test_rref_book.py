@@ -40,7 +40,6 @@ def test_a_lost_owner_takes_its_user_copies_and_parked_children_with_it():
     assert book.settled() is True
 
 
-
 def test_deleted_forks_leave_nothing_for_the_cycle_collector_to_visit():
     # The owner remembers up to 100,000 deleted forks. Each is known by a flat tuple of
     # ints, which the collector stops tracking at its first pass; a pair of id pairs

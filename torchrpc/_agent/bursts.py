@@ -68,7 +68,7 @@ class Burst:
     __slots__ = ("conn", "dst", "thread", "out", "lock", "calls", "last", "errors", "quiet",
                  "claim", "__weakref__")
 
-    def __init__(self, conn: Connection, dst: WorkerInfo) -> None:
+    def __init__(self, bursts: "Bursts", conn: Connection, dst: WorkerInfo) -> None:
         self.conn = conn
         self.dst = dst
         self.thread = threading.current_thread()
@@ -78,7 +78,7 @@ class Burst:
         self.last = time.monotonic()  # when its replies were last read
         self.errors = 0  # error replies read, and the connection's end (see wait_all)
         self.quiet = 0  # waits for a reply that found none for _WAKE (see wait_all)
-        self.claim: Any = None  # the _Claim of its futures
+        self.claim = _Claim(bursts, self)  # each of its futures' _claim
 
     def ready(self, timeout: float) -> bool:
         """Whether a frame (or the end of the connection) is there to read, waiting at
@@ -183,8 +183,7 @@ class Bursts:
     def _start(self, conn: Connection, dst: WorkerInfo, rid: int, future: RpcFuture) -> Burst:
         """Make private connection ``conn``, which carries request ``rid`` (its reply
         parked, unclaimed), this thread's burst connection to ``dst``."""
-        burst = Burst(conn, dst)
-        burst.claim = _Claim(self, burst)
+        burst = Burst(self, conn, dst)
         burst.out[rid] = future
         future._claim = burst.claim
         by_rank = getattr(self._mine, "by_rank", None)

@@ -332,8 +332,7 @@ class Shutdown:
             if agent.store is not None:
                 # Tell the others now: this worker stops after raising, and one that never
                 # connected to the lost worker would wait at a barrier for it.
-                self._next_share = 0.0
-                self._share_lost()
+                self._share_lost(now=True)
 
             def name(r: int) -> str:
                 w = agent.registry.workers.get(r)
@@ -344,14 +343,14 @@ class Shutdown:
                                 f"{names} left the group without shutting down; they probably "
                                 f"died ({reasons})")
 
-    def _share_lost(self) -> None:
+    def _share_lost(self, now: bool = False) -> None:
         """Tell the store which workers this one found gone, and learn which the others
-        found (at most five times a second)."""
+        found (at most five times a second, unless ``now``)."""
         agent = self._agent
-        now = time.monotonic()
-        if now < self._next_share:
+        t = time.monotonic()
+        if t < self._next_share and not now:
             return
-        self._next_share = now + 0.2
+        self._next_share = t + 0.2
         store = agent.store
         with self._lock:
             gone = list(self.gone.items())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 18, for a machine with a CUDA device (the device tool's
-# machines have a CUDA build of torch in their python3, and no network): the CUDA tests
-# and the device-map tests, with their output under $OUT when that is set.
+# The GPU checks, for a machine with a CUDA device (the device tool's machines have a CUDA
+# build of torch in their python3, and no network): the CUDA and device-map tests, then
+# torch's CUDA conformance suites in GPU_CHECK_SHARDS runners side by side (default 6), with
+# their output under $OUT when that is set.
 #   bash scripts/gpu_check.sh
 # On a machine without a GPU the CUDA tests report themselves skipped, so the script can
 # be dry-run anywhere.
@@ -9,11 +10,29 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 out="${OUT:-$(mktemp -d)}"
+shards="${GPU_CHECK_SHARDS:-6}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" - <<'PYEOF' | tee "$out/gpu_env.txt"
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda,
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "devices", torch.cuda.device_count(),
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 PYEOF
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/rpc/test_cuda.py tests/rpc/test_device_maps.py 2>&1 | tee "$out/gpu_tests.txt"
+status=0
+"$PY" -m pytest -q -p no:cacheprovider -rs \
+    tests/rpc/test_cuda.py tests/rpc/test_device_maps.py tests/rpc/test_device_map_checks.py \
+    tests/agent/test_devices.py 2>&1 | tee "$out/gpu_tests.txt" \
+    || status=1
+# Every runner appends whole lines to one progress file; their failure reports are joined
+# into one file once all have finished.
+reports="$(mktemp -d)"
+pids=()
+for i in $(seq 1 "$shards"); do
+    "$PY" -m tests.conformance.run --suites cuda --shard "$i/$shards" \
+        --report "$reports/$i.txt" >>"$out/cuda_conformance.txt" 2>&1 &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+cat "$reports"/*.txt >"$out/cuda_failures.txt"
+grep "^conformance:" "$out/cuda_conformance.txt"
+exit "$status"

@@ -10,7 +10,8 @@ serialization layer.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Dict, List
 
 import torch
 
@@ -35,7 +36,27 @@ class FakeCuda(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+        # Detached, it is still on the device; its .cpu() is a copy in memory that
+        # returns to a pool once the copy is gone, as a caching allocator's does.
+        if func is torch.Tensor.detach:
+            return out.as_subclass(cls)
+        return _pooled_copy(out) if func is torch.Tensor.cpu else out
+
+
+_POOL: Dict[int, List[bytearray]] = {}  # freed copies' memory, by size in bytes
+
+
+def _pooled_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in memory that the next copy of its size reuses once
+    this one is freed (the address reuse real device-to-host copies show)."""
+    nbytes = t.numel() * t.element_size()
+    free = _POOL.setdefault(nbytes, [])
+    memory = free.pop() if free else bytearray(max(nbytes, 1))
+    copy = torch.frombuffer(memory, dtype=t.dtype, count=t.numel()).view(t.shape)
+    copy.copy_(t)
+    weakref.finalize(copy, free.append, memory)
+    return copy
 
 
 class FakeCuda1(FakeCuda):
@@ -77,3 +98,9 @@ def send_cuda(to: str) -> str:
         return rpc.rpc_sync(to, where, args=(torch.ones(2, device="cuda:0"),))
     except RuntimeError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def add_all(label: str, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run by RPC: the sum of ``tensors``, which must all be on one device."""
+    assert isinstance(label, str)
+    return sum(tensors[1:], tensors[0])

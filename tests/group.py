@@ -82,14 +82,16 @@ class Group:
 
     ``options`` (extra keyword arguments of the backend options, JSON-able) and
     ``backend`` (a backend name) apply to every member; ``self_options`` and
-    ``self_backend``, when given, replace them for rank 0 only.
+    ``self_backend``, when given, replace them for rank 0 only. ``fresh`` starts the
+    members as new interpreters (a child forked from a process that has touched CUDA
+    cannot use CUDA).
     """
 
     def __init__(self, world_size: int, threads: int = 4, timeout: float = 60.0,
                  extra_env: Optional[Dict[str, str]] = None, names: Optional[List[str]] = None,
                  options: Optional[Dict[str, Any]] = None, backend: Optional[str] = None,
                  self_options: Optional[Dict[str, Any]] = None,
-                 self_backend: Optional[str] = None) -> None:
+                 self_backend: Optional[str] = None, fresh: bool = False) -> None:
         self.world_size = world_size
         self.port = free_port()
         self.threads = threads
@@ -106,7 +108,8 @@ class Group:
         self.procs: Dict[int, Any] = {}
         for r in range(1, world_size):
             self.procs[r] = start_module("tests.worker_main", [self.names[r], str(r), str(world_size),
-                                                               str(threads), str(timeout)], env)
+                                                               str(threads), str(timeout)], env,
+                                         fresh=fresh)
 
     def init_self(self) -> None:
         import torchrpc.rpc as rpc

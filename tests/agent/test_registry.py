@@ -8,7 +8,8 @@ from typing import List
 import pytest
 import torch
 
-from torchrpc._agent import WorkerInfo
+from torchrpc._agent import WorkerInfo, devices
+from torchrpc._wire import pickler
 from torchrpc.errors import (DestinationTypeError, DeviceMapError, InvalidArgumentError,
                              ThreadFailedError, WorkerLeftError)
 from tests.agent_helpers import Agents, FakeConn, NoTransport, info, pending_to, running
@@ -63,22 +64,34 @@ def test_a_worker_that_said_goodbye_has_left(make_agent):
     assert agent.has_left(1)
 
 
-def test_device_maps_both_ways(make_agent):
+def test_device_maps_both_ways(make_agent, monkeypatch):
+    monkeypatch.setattr(pickler._Encoder, "moves_cpu", False)
     agent = make_agent(2)
     registry = agent.registry
     registry.device_maps["worker1"] = {torch.device("cuda:0"): torch.device("cuda:1")}
     peer = registry.workers[1]
-    assert registry.target_device(peer, torch.device("cuda:0"), reply=False) == \
+    assert devices.target_device(registry, peer, torch.device("cuda:0"), reply=False) == \
         torch.device("cuda:1")
     with pytest.raises(DeviceMapError, match="Request device mapping is not available"):
-        registry.target_device(peer, torch.device("cuda:1"), reply=False)
+        devices.target_device(registry, peer, torch.device("cuda:1"), reply=False)
     with pytest.raises(DeviceMapError, match="Response device mapping is not available"):
-        registry.target_device(peer, torch.device("cuda:0"), reply=True)
+        devices.target_device(registry, peer, torch.device("cuda:0"), reply=True)
     # worker1 published a map for worker0: replies to it go through its inverse
     registry.add(1, {**info("worker1", 1), "device_maps": {"worker0": {"cuda:2": "cuda:3"}}})
-    assert registry.target_device(peer, torch.device("cuda:3"), reply=True) == \
+    assert devices.target_device(registry, peer, torch.device("cuda:3"), reply=True) == \
         torch.device("cuda:2")
-    assert registry.published_device_maps() == {"worker1": {"cuda:0": "cuda:1"}}
+    # CPU tensors move only where a map names the CPU: worker1's cpu -> worker0's cuda:1
+    assert devices.cpu_target(registry, peer, reply=False) is None
+    assert devices.cpu_target(registry, peer, reply=True) is None
+    assert not pickler._Encoder.moves_cpu  # no map moves CPU tensors yet: none asks
+    registry.add(1, {**info("worker1", 1), "device_maps": {"worker0": {"cuda:1": "cpu"}}})
+    assert devices.cpu_target(registry, peer, reply=True) == torch.device("cuda:1")
+    assert pickler._Encoder.moves_cpu
+    registry.device_maps["worker1"] = {torch.device("cpu"): torch.device("cpu")}
+    assert devices.cpu_target(registry, peer, reply=False) is None
+    registry.device_maps["worker1"] = {torch.device("cpu"): torch.device("cuda:0")}
+    assert devices.cpu_target(registry, peer, reply=False) == torch.device("cuda:0")
+    assert devices.cpu_target(registry, registry.workers[0], reply=False) is None  # itself
 
 
 # -- a dynamic group -----------------------------------------------------------------------------

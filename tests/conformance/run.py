@@ -2,6 +2,7 @@
 
     python -m tests.conformance.run [--sample | --full | --all | --suites A,B] [-k EXPR]
                                     [--target torchrpc|torch] [--report FILE] [--list]
+                                    [--shard I/N]
 
 Each test runs as torch runs it: ``MultiProcessTestCase`` spawns a fresh group of
 worker processes for it. The last line is ``conformance: P passed, F failed, S skipped
@@ -9,6 +10,8 @@ of N``; the exit status is 1 when a test failed. ``--suites`` takes suite names 
 the groups of torch's ``rpc_utils``: ``generic``, ``tensorpipe``, ``faulty`` and ``cuda``
 (``GENERIC_CUDA_TESTS`` and ``TENSORPIPE_CUDA_TESTS``, reported skipped without a GPU).
 ``--report`` writes every failure's output (the workers' tracebacks) to a file.
+``--shard I/N`` runs every N-th selected test from the I-th on, so that N runners started
+side by side share one selection (each test spawns its own group on its own ports).
 """
 
 from __future__ import annotations
@@ -59,7 +62,23 @@ def _select(suites, args) -> List[Tuple[str, str]]:
     if args.k:
         alternatives = args.k.split(",")
         pairs = [p for p in pairs if any(k in f"{p[0]}.{p[1]}" for k in alternatives)]
+    if args.shard:
+        index, count = args.shard
+        pairs = pairs[index - 1::count]
     return pairs
+
+
+def _shard(text: str) -> Tuple[int, int]:
+    """``I/N`` as a pair, 1 <= I <= N."""
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected I/N with 1 <= I <= N, for example 2/4")
+    return i, n
 
 
 class _Result(unittest.TextTestResult):
@@ -126,6 +145,8 @@ def main(argv=None) -> int:
                         help="run on torchrpc (default) or on torch itself (the mirror)")
     parser.add_argument("--report", help="write the output of failed tests to this file")
     parser.add_argument("--list", action="store_true", help="list the selected tests and exit")
+    parser.add_argument("--shard", type=_shard, metavar="I/N",
+                        help="run only every N-th selected test, from the I-th on (1-based)")
     args = parser.parse_args(argv)
 
     os.environ["TORCHRPC_CONFORMANCE_TARGET"] = args.target

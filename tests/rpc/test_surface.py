@@ -213,21 +213,32 @@ def test_options_defaults_and_assignment():
             rpc.TensorPipeRpcBackendOptions(**bad)
 
 
-def test_device_maps_validated_and_invertible():
+def test_device_maps_checked_as_torch_checks_them():
     opts = rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {0: 1}})
     opts.set_device_map("worker1", {1: 2})
     assert opts.device_maps == {"worker1": {torch.device("cuda:0"): torch.device("cuda:1"),
                                             torch.device("cuda:1"): torch.device("cuda:2")}}
-    with pytest.raises(ValueError, match="not invertible"):
-        opts.set_device_map("worker1", {3: 1})
-    with pytest.raises(ValueError, match="not invertible"):
+    with pytest.raises(ValueError, match=r"^`set_device_map` only supports 1-to-1 mapping, "
+                                         r"trying to map cuda:0 to cuda:3 and cuda:1"):
+        opts.set_device_map("worker1", {0: 3})
+    with pytest.raises(ValueError, match=r"^`device_map` only supports 1-to-1 mapping, "
+                                         r"trying to map cuda:1 and cuda:0 to cuda:0"):
         rpc.TensorPipeRpcBackendOptions(device_maps={"w": {0: 0, 1: 0}})
-    with pytest.raises(ValueError):
+    # Two calls may map two sources to one target: init_rpc refuses it, as torch's does.
+    opts.set_device_map("worker1", {3: 1})
+    assert opts.device_maps["worker1"][torch.device("cuda:3")] == torch.device("cuda:1")
+    for bad in ({-1: 0}, {0: -1}):
+        with pytest.raises(RuntimeError, match="^Device index must not be negative"):
+            opts.set_device_map("worker1", bad)
+    with pytest.raises(RuntimeError, match="^Expected one of cpu, cuda"):
         opts.set_device_map("worker1", {"nonsense": 0})
     with pytest.raises(TypeError):
         opts.set_device_map(3, {0: 0})
     opts.set_devices([0, "cuda:1", torch.device("cuda", 2)])
     assert opts.devices == [torch.device("cuda", i) for i in range(3)]
+    with pytest.raises(ValueError, match=r"^`set_devices` expect a list of CUDA devices, "
+                                         r"but got device type cpu\."):
+        opts.set_devices(["cpu"])
 
 
 def test_functions_import_without_agent_and_rref_generic():

@@ -51,18 +51,24 @@ def test_mirror_gives_torch_to_everyone():
     assert len(modules) == 6 and all(m.startswith("torch.") for m in modules), modules
 
 
-def _listed(*selections):
-    """The test classes ``--list --suites S`` selects, for each S (the runs overlap: each
-    spends seconds importing torch's test modules)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.conformance.run", "--list",
-                               "--suites", suites], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for suites in selections]
+def _list(*argvs):
+    """What ``--list`` prints for each argument list, as lists of ``Suite.test`` (the runs
+    overlap: each spends seconds importing torch's test modules)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.conformance.run", "--list", *argv],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv in argvs]
     listed = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
-        listed.append({line.split(".", 1)[0] for line in out.split()})
+        listed.append(out.split())
     return listed
+
+
+def _listed(*selections):
+    """The test classes ``--list --suites S`` selects, for each S."""
+    return [{line.split(".", 1)[0] for line in out}
+            for out in _list(*(["--suites", suites] for suites in selections))]
 
 
 def test_suite_groups_expand_to_torchs_lists():
@@ -75,3 +81,19 @@ def test_suite_groups_expand_to_torchs_lists():
         "CudaRpcTest", "CudaDistAutogradTest", "CudaRemoteModuleTest", "CudaDdpComparisonTest",
         "TensorPipeAgentCudaRpcTest", "TensorPipeCudaDistAutogradTest"}
     assert "RpcTest" in generic
+
+
+def test_shards_split_a_selection_into_disjoint_parts_that_cover_it():
+    whole, *shards = _list(["--suites", "cuda"],
+                           *(["--suites", "cuda", "--shard", f"{i}/3"] for i in (1, 2, 3)))
+    assert len(whole) > 3 and all(shards)
+    assert sorted(sum(shards, [])) == sorted(whole)
+    assert shards[1] == whole[1::3]
+
+
+def test_a_shard_outside_one_to_n_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "tests.conformance.run", "--list",
+                           "--shard", "4/3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert "'4/3': expected I/N with 1 <= I <= N" in proc.stderr

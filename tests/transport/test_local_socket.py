@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 
@@ -42,8 +43,17 @@ else:
 
 
 def _nobody(*args: str) -> subprocess.Popen:
+    # A session of its own: runuser waits for its python child, which _stop must end too.
     return subprocess.Popen(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
-                             _AS_NOBODY, *args], stdout=subprocess.PIPE, text=True)
+                             _AS_NOBODY, *args], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill runuser and its child: a squatter left behind would hold its name (and so a
+    TCP port's same-host socket) for later tests."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _transport(port: int = 0) -> Transport:
@@ -66,8 +76,13 @@ def test_a_squatted_name_is_refused_by_the_dialer(caplog):
         assert f"held by process {squatter.pid}" in caplog.text or "not by this user" in caplog.text
         assert "squatter" in caplog.text
     finally:
-        squatter.kill()
-        squatter.wait()
+        _stop(squatter)
+    # Stopped, it holds the name no more: a worker on that port gets its local socket.
+    t = _transport(port)
+    try:
+        assert t._acceptor.local is not None
+    finally:
+        t.close()
 
 
 def test_a_worker_whose_name_is_squatted_reports_it(caplog):
@@ -82,8 +97,7 @@ def test_a_worker_whose_name_is_squatted_reports_it(caplog):
         finally:
             t.close()
     finally:
-        squatter.kill()
-        squatter.wait()
+        _stop(squatter)
 
 
 def test_another_user_cannot_start_a_handshake_on_the_local_socket(caplog):

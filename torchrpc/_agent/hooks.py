@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generic, List, Optional, 
 import torch
 
 from .._wire import Kind
+from . import devices
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -119,8 +120,14 @@ class MessageContext:
 
     def target_device(self, device: torch.device) -> torch.device:
         """The device a CUDA tensor on ``device`` lands on at the peer (see
-        :meth:`Registry.target_device`)."""
-        return self.agent.registry.target_device(self.peer, device, self.kind == Kind.RESPONSE)
+        :func:`devices.target_device`)."""
+        return devices.target_device(self.agent.registry, self.peer, device,
+                                     self.kind == Kind.RESPONSE)
+
+    def cpu_target(self) -> Optional[torch.device]:
+        """The device a CPU tensor lands on at the peer where a device map moves CPU
+        tensors, else None (see :func:`devices.cpu_target`)."""
+        return devices.cpu_target(self.agent.registry, self.peer, self.kind == Kind.RESPONSE)
 
     def __repr__(self) -> str:
         return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"

@@ -6,7 +6,7 @@ Theory of operation. A worker is known by rank (:attr:`Registry.workers`) and by
 listens on, its host and process (which decide whether shared memory and the local socket
 can reach it, and whether a silent one still runs), its heartbeat interval (for liveness)
 and the device maps it set for other workers (the inverse of its map for this worker is
-where this worker's replies to it send their CUDA tensors: :meth:`Registry.target_device`).
+where this worker's replies to it send their CUDA tensors: ``devices.target_device``).
 
 A fixed group (``world_size`` given) learns all its members at once from the rendezvous
 and never changes, except that a worker that says GOODBYE has left (:attr:`Registry.left`;
@@ -44,9 +44,9 @@ import torch
 
 from .._threads import Guard
 from .._transport import shm
-from ..errors import (DestinationTypeError, DeviceMapError, InvalidArgumentError,
+from ..errors import (DestinationTypeError, InvalidArgumentError,
                       ThreadFailedError, WorkerLeftError)
-from . import membership
+from . import devices, membership
 from .secret import discard_local as discard_local_secret
 from .shutdown import RUNNING, STOPPING
 from .worker import WorkerInfo
@@ -84,6 +84,7 @@ class Registry:
         # device maps: this worker's, by callee name, and by caller rank the inverse of the
         # map that caller published for this worker (where its replies' tensors go)
         self.device_maps = device_maps
+        devices.watch(*device_maps.values())
         self.reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
 
     # -- the table ---------------------------------------------------------------------------------
@@ -115,6 +116,7 @@ class Registry:
             if isinstance(mine, dict) and mine:
                 self.reply_maps[rank] = {torch.device(dst): torch.device(src)
                                          for src, dst in mine.items()}
+                devices.watch(self.reply_maps[rank])
             else:
                 self.reply_maps.pop(rank, None)
         agent.dispatch.forget(rank)
@@ -194,43 +196,6 @@ class Registry:
         mine = self.hostids.get(self._agent.rank)
         with self._lock:
             return sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
-
-    # -- device maps -------------------------------------------------------------------------------
-
-    def published_device_maps(self) -> Optional[Dict[str, Dict[str, str]]]:
-        """This worker's device maps as it publishes them (None without any): each callee
-        answers through the inverse of its map."""
-        if not self.device_maps:
-            return None
-        return {to: {str(a): str(b) for a, b in m.items()} for to, m in self.device_maps.items()}
-
-    def target_device(self, peer: WorkerInfo, device: torch.device, reply: bool) -> torch.device:
-        """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
-        map for ``peer`` (a request), or through the inverse of ``peer``'s map for this
-        worker (a reply); on the same device when ``peer`` is this worker. Raises
-        :class:`DeviceMapError` (torch's error) where the map has no entry for ``device``."""
-        agent = self._agent
-        if peer.id == agent.rank:
-            return device
-        if reply:
-            target = self.reply_maps.get(peer.id, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Response", (f"add {device} as a target to the device map that "
-                                     f"{peer.name} sets for {agent.name}, or return CPU tensors")
-        else:
-            target = self.device_maps.get(peer.name, {}).get(device)
-            if target is not None:
-                return target
-            what, fix = "Request", (f"call options.set_device_map({peer.name!r}, "
-                                    f"{{{str(device)!r}: ...}}) before init_rpc, or send "
-                                    f"the tensor's .cpu() copy")
-        raise DeviceMapError(
-            "TensorPipe RPC backend only supports CPU tensors by default, please move your "
-            "tensors to CPU before sending them over RPC, or call `set_device_map` on "
-            "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
-            f"{what} device mapping is not available for destination {peer.name}: a tensor "
-            f"on {device} has no entry in the device map; {fix}")
 
     # -- dynamic membership ------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from .._transport import Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from ..errors import RpcError
-from . import membership, rendezvous
+from . import devices, membership, rendezvous
 from .secret import discard_local as discard_local_secret
 from .shutdown import RUNNING
 
@@ -44,10 +44,9 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
         raise rendezvous.fail(store, f"worker {agent.name!r} (rank {rank}): {exc}") from exc
     try:
         # Peers watch this worker for silence only if they know it sends heartbeats.
-        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval}
-        device_maps = registry.published_device_maps()
-        if device_maps is not None:
-            facts["device_maps"] = device_maps
+        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
+                                 **devices.facts(registry.device_maps,
+                                                 list(getattr(agent.options, "devices", ())))}
         if agent.elastic:
             membership.announce(store, agent.name, rank, agent._transport.address, facts,
                                 registry.incarnation)
@@ -57,6 +56,7 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
             infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
                                        agent._transport.address, plan, facts)
             discard_local_secret()  # every rank has joined, so has read it
+        devices.check(infos, static=not agent.elastic)
     except BaseException:
         agent._transport.close()
         raise

@@ -88,6 +88,15 @@ class _Bytes:
         self.view = view
 
 
+# An encoder's cpu_target before it has asked its context.
+_UNREAD = object()
+
+
+def device_maps_move_cpu() -> None:
+    """Have every later encode ask its context where CPU tensors go (``cpu_target``):
+    called once a device map that moves CPU tensors exists in this process."""
+    _Encoder.moves_cpu = True
+
 # What the PickleBuffers that mark a _Bytes' place export (pickle never reads their
 # content: the data is the view); never resized.
 _PLACE = bytearray()
@@ -96,6 +105,10 @@ _PLACE = bytearray()
 class _Encoder:
     """State of one :func:`encode` call, and its ``context`` (see :func:`encode`), which
     the reductions of :func:`register_message_reducer` receive."""
+
+    # Whether a device map of this process may move CPU tensors (see
+    # :func:`device_maps_move_cpu`): until one does, CPU tensors skip asking the context.
+    moves_cpu = False
 
     def __init__(self, send_hook: Optional[TensorHook], retry_ranges: dict,
                  context: Any = None, inline_max: int = INLINE_MAX) -> None:
@@ -106,6 +119,9 @@ class _Encoder:
         self.views: List[memoryview] = []
         self.keepalive: List[torch.Tensor] = []
         self.send_hook = send_hook
+        # Where this message's CPU tensors land (a device map that moves them), None where
+        # they stay on the CPU; read from the context at the first CPU tensor.
+        self.cpu_target: Any = _UNREAD
         self.retry_ranges = retry_ranges
         self.conflict = False
         # The PickleBuffer that the next buffer_callback must send out of band.
@@ -141,8 +157,15 @@ class _Encoder:
                 return _plain_reduce(t)
             target = self.cuda_target(t)
             if target is not None:
-                return self.reduce_cuda(t, target)
+                return self.reduce_mapped(t, target)
             data = t.detach().cpu()  # no RPC peer (a local tool's encode): to CPU
+        elif self.moves_cpu and self.cpu_target is not None:
+            target = self.cpu_target
+            if target is _UNREAD:
+                where = getattr(self.context, "cpu_target", None)
+                target = self.cpu_target = None if where is None else where()
+            if target is not None:
+                return self.reduce_mapped(t, str(target))
         if (dtype.is_complex and data.is_conj()) or data.is_neg():
             if not requires_grad:
                 # Keep the lazy bit, as pickle does: send the memory as it lies, and set
@@ -218,19 +241,24 @@ class _Encoder:
         except DeviceMapError as exc:
             raise PassThrough(exc) from None
 
-    def reduce_cuda(self, t: torch.Tensor, target: str) -> Tuple[Any, ...]:
-        """Send CUDA tensor ``t`` as its CPU copy, to be moved to ``target`` on arrival."""
+    def reduce_mapped(self, t: torch.Tensor, target: str) -> Tuple[Any, ...]:
+        """Send ``t`` (a CUDA tensor, or a CPU tensor that a device map moves) as the bytes
+        of its CPU copy, to be moved to ``target`` on arrival."""
         hook = self.send_hook
         if hook is not None and t.requires_grad and t.numel():
             hook(t)  # recorded as itself; the copy below only carries the bytes
         data = t.detach().cpu()
         if t.requires_grad:
             data.requires_grad_(True)
-        self.send_hook = None
+        # Storages are known by address until encode() returns: the copy must outlive it,
+        # or the next tensor's copy could take its place and pass for a view of it.
+        self.keepalive.append(data)
+        cpu_target = self.cpu_target
+        self.send_hook = self.cpu_target = None
         try:
             fn, args = self.reduce_tensor(data)[:2]
         finally:
-            self.send_hook = hook
+            self.send_hook, self.cpu_target = hook, cpu_target
         return _rebuild, (_DEVICE, target, fn, args)
 
     def widen(self, key: int, sent: Tuple[int, int], lo: int, hi: int) -> None:

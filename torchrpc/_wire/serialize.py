@@ -138,7 +138,7 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
     cached = _pickler_of_thread.__dict__.pop("p", None) or _ThreadPickler()
     out = cached.out
     try:
-        for _ in range(2):
+        for passes in range(1, _MAX_PASSES + 1):
             pickler = cached.pickler or cached.new_pickler()
             enc = _Encoder(send_hook, retry, context, inline_max)
             cached.enc = pickler.enc = enc
@@ -162,6 +162,11 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
                                          f"{exc}") from exc
             if not enc.conflict:
                 break
+            if passes == _MAX_PASSES:
+                raise SerializationError(
+                    f"cannot pickle {_describe(obj)}: the tensors sharing a storage did not "
+                    f"settle on one byte range in {passes} passes; send .clone()s of the "
+                    f"views that share it")
             retry = enc.retry_ranges
             cached.reset()
         envelope = out.getvalue()
@@ -217,6 +222,9 @@ class _ThreadPickler:
 
 
 _pickler_of_thread = threading.local()
+# Passes of one encode at most: each pass after the first knows the byte range of every
+# storage that an earlier one saw shared, so the second settles in practice.
+_MAX_PASSES = 4
 
 
 _NONE_META = pickle.dumps(None, protocol=5)

@@ -5,7 +5,7 @@ the fix."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -36,37 +36,64 @@ class Field:
 
 
 def to_device(d: DeviceLike) -> torch.device:
+    """``d`` as a device: an int is a CUDA index. A negative index or a string torch does
+    not read raises torch's RuntimeError, its wording first."""
     if isinstance(d, torch.device):
         return d
-    if isinstance(d, int) and not isinstance(d, bool):
-        if d < 0:
-            raise ValueError(f"device index must be non-negative, got {d}")
-        return torch.device("cuda", d)
-    if isinstance(d, str):
-        try:
-            return torch.device(d)
-        except RuntimeError as exc:
-            raise ValueError(f"invalid device {d!r}: {exc}") from exc
-    raise TypeError(f"a device must be an int, str or torch.device, got {type(d).__name__}")
+    if isinstance(d, bool) or not isinstance(d, (int, str)):
+        raise TypeError(f"a device must be an int, str or torch.device, got {type(d).__name__}")
+    try:
+        return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} (got {d!r}): name a device as 'cpu', 'cuda:N' or the "
+                           f"CUDA index N >= 0") from None
 
 
 def normalize_device_map(to: str, device_map: Dict[DeviceLike, DeviceLike]
                          ) -> Dict[torch.device, torch.device]:
-    """Validate one worker's device map; it must be invertible (no two sources to one target)."""
+    """One call's device map for worker ``to``, as devices; like torch, no two sources may
+    map to one target within it (``init_rpc`` checks the map that calls add up to)."""
     if not isinstance(to, str):
         raise TypeError(f"device map key must be a worker name (str), got {type(to).__name__}")
     if not isinstance(device_map, dict):
         raise TypeError(f"device map for {to!r} must be a dict, got {type(device_map).__name__}")
     out: Dict[torch.device, torch.device] = {}
-    seen: Dict[torch.device, torch.device] = {}
+    sources: Dict[torch.device, torch.device] = {}
     for src, dst in device_map.items():
         s, d = to_device(src), to_device(dst)
-        if d in seen and seen[d] != s:
+        if d in sources:
             raise ValueError(
-                f"device map for {to!r} is not invertible: both {seen[d]} and {s} map to {d}; "
-                f"every target device may appear once")
-        seen[d] = s
+                f"`device_map` only supports 1-to-1 mapping, trying to map {s} and "
+                f"{sources[d]} to {d} (device map for {to!r}): every target device may "
+                f"appear once, so that replies can travel back through the inverse map")
+        sources[d] = s
         out[s] = d
+    return out
+
+
+def merge_device_map(to: str, current: Dict[torch.device, torch.device],
+                     new: Dict[torch.device, torch.device]) -> Dict[torch.device, torch.device]:
+    """``current`` with the entries of ``new`` added; a source already mapped elsewhere
+    raises torch's ValueError."""
+    for s, d in new.items():
+        if s in current and current[s] != d:
+            raise ValueError(
+                f"`set_device_map` only supports 1-to-1 mapping, trying to map {s} to {d} "
+                f"and {current[s]} (device map for {to!r}): a source device maps to one "
+                f"target; build new options to change it")
+    return {**current, **new}
+
+
+def cuda_devices(devices: Any) -> List[torch.device]:
+    """The agent's local ``devices``: CUDA devices only, as torch requires."""
+    if not isinstance(devices, (list, tuple)):
+        raise TypeError(f"devices must be a list, got {type(devices).__name__}")
+    out = [to_device(d) for d in devices]
+    for d in out:
+        if d.type != "cuda":
+            raise ValueError(f"`set_devices` expect a list of CUDA devices, but got device "
+                             f"type {d.type}. Name CUDA devices only: CPU tensors need no "
+                             f"entry")
     return out
 
 

@@ -320,22 +320,20 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         Args:
             to (str): callee name.
             device_map (Dict of int, str, or torch.device): this worker's devices to the
-                callee's devices. The combined map must be invertible.
+                callee's devices (``"cpu"`` included). ``init_rpc`` checks that the map
+                is invertible and that both workers have the devices it names.
         """
         new = _checks.normalize_device_map(to, device_map)
-        merged = dict(self._device_maps.get(to, {}))
-        merged.update(new)
-        self._device_maps[to] = _checks.normalize_device_map(to, merged)
+        self._device_maps[to] = _checks.merge_device_map(
+            to, self._device_maps.get(to, {}), new)
 
     def set_devices(self, devices: List[DeviceLike]) -> None:
         """Set local devices used by the agent.
 
         Args:
-            devices (List of int, str, or torch.device): local devices.
+            devices (List of int, str, or torch.device): local CUDA devices.
         """
-        if not isinstance(devices, (list, tuple)):
-            raise TypeError(f"devices must be a list, got {type(devices).__name__}")
-        self._devices = [_checks.to_device(d) for d in devices]
+        self._devices = _checks.cuda_devices(devices)
 
 
 def _from_env(environ: MutableMapping[str, str], name: str, parse: Callable[[str], Any],

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -49,11 +50,23 @@ def _nobody(*args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill runuser and its child: a squatter left behind would hold its name (and so a
-    TCP port's same-host socket) for later tests."""
+def _stop(proc: subprocess.Popen, name: str) -> None:
+    """Kill runuser and its child, and wait until the child's socket ``name`` is free: a
+    squatter left behind would hold it (and so a TCP port's same-host socket) for later
+    tests. The child dies after runuser, whose exit ``wait`` sees."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.bind(name)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"{name!r} still taken after the kill"
+            time.sleep(0.01)
+        finally:
+            probe.close()
 
 
 def _transport(port: int = 0) -> Transport:
@@ -61,8 +74,12 @@ def _transport(port: int = 0) -> Transport:
                      lambda c, why: None, "127.0.0.1", port=port, local_socket=True)
 
 
+def _name(port: int) -> str:
+    return sockets.local_name("127.0.0.1", port)
+
+
 def _squat(port: int) -> subprocess.Popen:
-    squatter = _nobody("squat", sockets.local_name("127.0.0.1", port).encode().hex())
+    squatter = _nobody("squat", _name(port).encode().hex())
     assert squatter.stdout.readline().strip() == "ready"
     return squatter
 
@@ -76,7 +93,7 @@ def test_a_squatted_name_is_refused_by_the_dialer(caplog):
         assert f"held by process {squatter.pid}" in caplog.text or "not by this user" in caplog.text
         assert "squatter" in caplog.text
     finally:
-        _stop(squatter)
+        _stop(squatter, _name(port))
     # Stopped, it holds the name no more: a worker on that port gets its local socket.
     t = _transport(port)
     try:
@@ -97,7 +114,7 @@ def test_a_worker_whose_name_is_squatted_reports_it(caplog):
         finally:
             t.close()
     finally:
-        _stop(squatter)
+        _stop(squatter, _name(port))
 
 
 def test_another_user_cannot_start_a_handshake_on_the_local_socket(caplog):

@@ -150,7 +150,9 @@ def test_a_peer_that_does_not_read_fails_sends_in_time_and_the_outbox_stays_boun
         assert all("worker2" in str(o) or "rank 2" in str(o) for *_, o in outcomes), outcomes
         assert max(d for _, d, _ in outcomes) < SEND_TIMEOUT + SLACK, outcomes
         assert any("send_timeout" in str(o) for *_, o in outcomes), outcomes
-        assert 0 < most <= OUTBOX, most  # two frames queued, the others waited for room
+        # The others waited for room. An empty outbox takes any one frame: the 64 MB one
+        # too, when it found another frame being written (a heartbeat, say).
+        assert 0 < most <= max(OUTBOX, (64 << 20) + 4096), most
         assert conn.closed
     finally:
         group.procs[2].send_signal(signal.SIGCONT)

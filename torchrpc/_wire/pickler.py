@@ -97,6 +97,7 @@ def device_maps_move_cpu() -> None:
     called once a device map that moves CPU tensors exists in this process."""
     _Encoder.moves_cpu = True
 
+
 # What the PickleBuffers that mark a _Bytes' place export (pickle never reads their
 # content: the data is the view); never resized.
 _PLACE = bytearray()

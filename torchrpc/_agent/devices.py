@@ -22,21 +22,26 @@ Map = Dict[torch.device, torch.device]
 _CPU = torch.device("cpu")
 
 
+def _moved_cpu(map_: Optional[Map]) -> Optional[torch.device]:
+    """Where ``map_`` sends CPU tensors when that is off the CPU, else None."""
+    target = map_.get(_CPU) if map_ else None
+    return None if target is None or target.type == "cpu" else target
+
+
 def watch(*maps: Map) -> None:
     """Turn on the encoder's look-up of where CPU tensors go once one of ``maps`` (maps of
     this worker's devices to a peer's) moves them off the CPU."""
-    for map_ in maps:
-        target = map_.get(_CPU)
-        if target is not None and target.type != "cpu":
-            _wire.device_maps_move_cpu()
+    if any(_moved_cpu(map_) is not None for map_ in maps):
+        _wire.device_maps_move_cpu()
 
 
 def cpu_target(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[torch.device]:
     """Where a CPU tensor lands on ``peer`` (through the map's ``"cpu"`` entry, as in
     :func:`target_device`); None where it stays on the CPU."""
-    maps = registry.reply_maps.get(peer.id) if reply else registry.device_maps.get(peer.name)
-    target = maps.get(_CPU) if maps and peer.id != registry.worker_info.id else None
-    return None if target is None or target.type == "cpu" else target
+    if peer.id == registry.worker_info.id:
+        return None
+    return _moved_cpu(registry.reply_maps.get(peer.id) if reply
+                      else registry.device_maps.get(peer.name))
 
 
 def target_device(registry: "Registry", peer: WorkerInfo, device: torch.device,

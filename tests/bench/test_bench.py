@@ -100,12 +100,12 @@ BROKEN = {"mixed": "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
 
 @pytest.fixture(scope="module")
 def train_run() -> subprocess.CompletedProcess:
-    """One quick run of ``latency``, ``remote`` and ``train``, each in sessions of its own
-    (so they take turns), with BROKEN beside."""
+    """One quick run of ``latency``, ``remote``, ``throughput`` and ``train``, each in a
+    session of its own (so they take turns), with BROKEN beside."""
     defines = [arg for name, modules in BROKEN.items()
                for arg in ("--define-system", f"{name}={modules}")]
     proc = run_bench("--quick", "--sessions", "per-workload", "--workloads",
-                     "latency,remote,train", "--systems",
+                     "latency,remote,throughput,train", "--systems",
                      ",".join(["torch", "torchrpc", *BROKEN]), *defines, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -125,9 +125,10 @@ def test_training_sessions_take_turns(train_run: subprocess.CompletedProcess) ->
         assert train["steps"] == QUICK_OVERRIDES["train_steps"]
 
 
-def test_call_latencies_are_measured_in_turns(train_run: subprocess.CompletedProcess) -> None:
+def test_calls_are_measured_in_turns(train_run: subprocess.CompletedProcess) -> None:
     assert "latency (in turns): ok" in train_run.stderr
     assert "remote (in turns): ok" in train_run.stderr
+    assert "throughput (in turns): ok" in train_run.stderr
     report = json.loads(train_run.stdout)
     turns = QUICK_OVERRIDES["call_turns"]
     for system in ("torch", "torchrpc", *BROKEN):
@@ -135,6 +136,11 @@ def test_call_latencies_are_measured_in_turns(train_run: subprocess.CompletedPro
             (details,) = report["details"][system][workload]
             assert details["turns"] == turns, (system, details)
             assert details["calls"] == QUICK_OVERRIDES[calls], (system, details)
+        # A repeat of the throughput workload in each turn at least.
+        (details,) = report["details"][system]["throughput"]
+        assert details["turns"] == turns, (system, details)
+        assert len(details["rates"]) == max(turns, QUICK_OVERRIDES["throughput_repeats"])
+        assert report["metrics"]["rpc_async_calls_per_s"]["values"][system] > 0, system
         for metric in ("rpc_sync_p50_us", "noop_p50_us", "remote_to_here_p50_us"):
             assert report["metrics"][metric]["values"][system] > 0, (system, metric)
 

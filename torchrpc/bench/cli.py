@@ -34,7 +34,8 @@ _HELP = {
     "latency_calls": "timed rpc_sync calls",
     "latency_warmup": "untimed rpc_sync calls first",
     "throughput_calls": "concurrent rpc_async calls per round",
-    "throughput_repeats": "repeats of the whole batch of calls; the best is reported",
+    "throughput_repeats": "repeats of the whole batch of calls; the best is reported (in "
+                          "turns: at least one a turn, and the median)",
     "remote_calls": "timed remote() + to_here() pairs",
     "remote_warmup": "untimed remote() + to_here() pairs first",
     "echo_sizes_mb": "comma-separated float32 tensor sizes in MiB",
@@ -48,9 +49,11 @@ _HELP = {
                    "(no RPC); the medians are reported",
     "train_warmup": "untimed training steps first",
     "train_lr": "SGD learning rate",
-    "call_turns": "with two or more systems, their latency and remote sessions (when not "
-                  "shared with other workloads) run side by side and take this many turns "
-                  "each, one system at a time; 0: one system after the other",
+    "call_turns": "with two or more systems, their latency, remote and throughput sessions "
+                  "(when not shared with other workloads) run side by side and take this "
+                  "many turns each, one system at a time (throughput: at least one repeat "
+                  "each, and the median repeat counts, not the best); 0: one system after "
+                  "the other",
     "train_turns": "with two or more systems, their training sessions (when not shared with "
                    "other workloads) run side by side and take this many turns each, one "
                    "system at a time, so that all see the same machine",

@@ -4,11 +4,11 @@ With ``rounds > 1`` the whole sequence (every system, every workload) is repeate
 alternating, each time in fresh processes; a metric's value is then the median over the
 rounds that produced it. That evens out a machine whose load changes during the run.
 
-The training step and the call latencies are the exception. On a shared machine their
-speed drifts by a quarter or more within seconds, more than the difference being
-measured, so in each round the systems' sessions of such a workload run side by side
-instead, and take turns: every system warms up, then the timed steps (``train_turns``)
-or calls (``call_turns``, the latency and remote workloads) go in turns, one system at
+The training step and the calls are the exception. On a shared machine their speed
+drifts by a quarter or more within seconds, more than the difference being measured, so
+in each round the systems' sessions of such a workload run side by side instead, and
+take turns: every system warms up, then the timed steps (``train_turns``) or calls
+(``call_turns``: the latency, remote and throughput workloads) go in turns, one system at
 a time, the first system changing from turn to turn. The systems whose turn it is not
 are stopped (SIGSTOP): torch's TensorPipe polls its shared-memory queues with a busy
 thread even when idle, and would otherwise take a CPU from whoever is measured. Each
@@ -195,7 +195,7 @@ def run_benchmark(systems: list[SystemSpec], workloads: list[str], options: Benc
         groups.append(["scale"])
     # The sessions of these workloads take turns (see the module docs), last in a round.
     counts = {"latency": options.call_turns, "remote": options.call_turns,
-              "train": options.train_turns}
+              "throughput": options.call_turns, "train": options.train_turns}
     in_turns = [w for w in pair if [w] in groups and counts.get(w) and len(systems) > 1]
     for workload in in_turns:
         groups.remove([workload])

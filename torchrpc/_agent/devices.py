@@ -35,13 +35,18 @@ def watch(*maps: Map) -> None:
         _wire.device_maps_move_cpu()
 
 
+def _map_to(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[Map]:
+    """The map tensors to ``peer`` go through: this worker's map for ``peer`` (a request)
+    or the inverse of ``peer``'s map for this worker (a reply); None without one."""
+    return registry.reply_maps.get(peer.id) if reply else registry.device_maps.get(peer.name)
+
+
 def cpu_target(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[torch.device]:
     """Where a CPU tensor lands on ``peer`` (through the map's ``"cpu"`` entry, as in
     :func:`target_device`); None where it stays on the CPU."""
     if peer.id == registry.worker_info.id:
         return None
-    return _moved_cpu(registry.reply_maps.get(peer.id) if reply
-                      else registry.device_maps.get(peer.name))
+    return _moved_cpu(_map_to(registry, peer, reply))
 
 
 def target_device(registry: "Registry", peer: WorkerInfo, device: torch.device,
@@ -53,16 +58,13 @@ def target_device(registry: "Registry", peer: WorkerInfo, device: torch.device,
     me = registry.worker_info
     if peer.id == me.id:
         return device
+    target = (_map_to(registry, peer, reply) or {}).get(device)
+    if target is not None:
+        return target
     if reply:
-        target = registry.reply_maps.get(peer.id, {}).get(device)
-        if target is not None:
-            return target
         what, fix = "Response", (f"add {device} as a target to the device map that "
                                  f"{peer.name} sets for {me.name}, or return CPU tensors")
     else:
-        target = registry.device_maps.get(peer.name, {}).get(device)
-        if target is not None:
-            return target
         what, fix = "Request", (f"call options.set_device_map({peer.name!r}, "
                                 f"{{{str(device)!r}: ...}}) before init_rpc, or send the "
                                 f"tensor's .cpu() copy")

@@ -141,7 +141,7 @@ def run_latency(ctx: WorkerContext) -> Result:
                "noop_p50_us": percentile(noops, 50)}
     details = {"calls": len(samples), "min_us": min(samples), "max_us": max(samples),
                "mean_us": sum(samples) / len(samples), "small_call": opts.small_call,
-               "turns": len(ctx.turns.slots) if ctx.turns else 1}
+               "turns": _turns_taken(ctx) or 1}
     return metrics, details
 
 
@@ -157,7 +157,7 @@ def run_throughput(ctx: WorkerContext) -> Result:
                                 for _ in range(min(500, opts.throughput_calls))])
 
     warm()
-    parts = len(ctx.turns.slots) if ctx.turns else 0
+    parts = _turns_taken(ctx)
     rates = []
     for repeats, untimed in _call_turns(ctx, max(opts.throughput_repeats, parts), 0, warm):
         for _ in range(untimed):
@@ -191,7 +191,7 @@ def run_remote(ctx: WorkerContext) -> Result:
     metrics = {"remote_to_here_p50_us": percentile(samples, 50),
                "remote_to_here_p99_us": percentile(samples, 99)}
     return metrics, {"calls": len(samples), "min_us": min(samples),
-                     "turns": len(ctx.turns.slots) if ctx.turns else 1}
+                     "turns": _turns_taken(ctx) or 1}
 
 
 def run_echo(ctx: WorkerContext) -> Result:
@@ -473,6 +473,11 @@ def _call_turns(ctx: WorkerContext, calls: int, warmup: int,
         turns.start(turns.slots[k])
         yield n, w
         turns.end(turns.slots[k])
+
+
+def _turns_taken(ctx: WorkerContext) -> int:
+    """How many turns this system takes (0: it runs without turns)."""
+    return len(ctx.turns.slots) if ctx.turns else 0
 
 
 def _split(total: int, parts: int) -> list[int]:

@@ -117,6 +117,23 @@ def test_shutdown_finds_a_worker_that_died_unseen():
     assert codes[1] == 1, codes
 
 
+def test_shutdown_names_the_dead_worker_not_the_one_that_left_for_it():
+    # worker1 finds worker2 dead at the shutdown barrier (its connection to it broke) and
+    # leaves before this worker, which never connected to worker2, begins its shutdown:
+    # this worker's error names worker2, as worker1's did.
+    group = Group(3, threads=2, timeout=30.0)
+    try:
+        group.init_self()
+        assert rpc.rpc_sync("worker1", helpers.nested_call, args=("worker2", 1)) == \
+            "worker1>worker2"
+        group.kill(2)
+        wait_for("worker1 to leave the group", lambda: current_agent().registry.has_left(1), 15)
+        _shutdown_reports("worker2", 10.0)
+    finally:
+        codes = _cleanup(group)
+    assert codes[1] == 1, codes
+
+
 def test_heartbeat_detects_a_silent_worker():
     # SIGSTOP: the socket stays open and nothing comes, as when a host dies or the network
     # is cut. Only heartbeats can tell. Rank 0 times a silent peer out after 1.5 s (the

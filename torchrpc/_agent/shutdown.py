@@ -45,7 +45,9 @@ cannot be reached again is gone, and shutdown fails with a :class:`ShutdownError
 it instead of waiting forever. Losses are shared through the store (``lost/<rank>``), the
 workers missing from a barrier are probed by connecting to them, and a worker that said
 GOODBYE without reaching the barrier (its own shutdown failed, or was not graceful) fails
-it at once.
+it at once. A worker that left early has usually found a dead one and said so in the
+store first, so a departure makes the others read the store's losses at once, and the
+dead worker is named before the one that left.
 
 A dynamic (elastic) group has no barriers, as members come and go: a graceful shutdown
 finishes its work twice (the RRef layer settles forks, then deletes user RRefs) and stops;
@@ -163,6 +165,18 @@ def _check_left(agent: "Agent", barrier: str) -> None:
                         f"{names} stopped while the group waited at the shutdown "
                         f"barrier, so their shutdown failed, most likely because a worker "
                         f"died; their errors name it")
+
+
+def _gone_error(agent: "Agent", gone: Dict[int, str]) -> ShutdownError:
+    """The error naming the workers of ``gone`` (rank -> why), which died."""
+    def name(r: int) -> str:
+        w = agent.registry.workers.get(r)
+        return w.name if w is not None else f"rank{r}"
+    names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
+    reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
+    return ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
+                         f"{names} left the group without shutting down; they probably "
+                         f"died ({reasons})")
 
 
 class Shutdown:
@@ -309,11 +323,23 @@ class Shutdown:
         arrived are probed as well, and one that stopped without arriving is named.
         """
         agent = self._agent
+        at_barrier = agent.store is not None and barrier is not None
         if agent.store is not None:
-            self._share_lost()
-            if barrier is not None:
+            with self._lock:
+                someone_left = bool(agent.registry.left)
+            # A worker that left early told the store which worker it found dead before
+            # leaving: read that now, so that the dead worker is named rather than it.
+            self._share_lost(now=someone_left)
+            if at_barrier:
                 self._probe_absent(barrier)
-                _check_left(agent, barrier)
+        self._raise_gone()
+        if at_barrier:
+            _check_left(agent, barrier)
+
+    def _raise_gone(self) -> None:
+        """Raise :class:`ShutdownError` naming the lost workers that cannot be reached
+        again (see :meth:`check_peers`)."""
+        agent = self._agent
         with self._lock:
             lost = [r for r in agent.connections.lost if r not in agent.registry.left and r not in self.gone]
         for r in lost:
@@ -333,15 +359,7 @@ class Shutdown:
                 # Tell the others now: this worker stops after raising, and one that never
                 # connected to the lost worker would wait at a barrier for it.
                 self._share_lost(now=True)
-
-            def name(r: int) -> str:
-                w = agent.registry.workers.get(r)
-                return w.name if w is not None else f"rank{r}"
-            names = ", ".join(f"{name(r)} (rank {r})" for r in sorted(gone))
-            reasons = "; ".join(f"{name(r)}: {gone[r]}" for r in sorted(gone))
-            raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
-                                f"{names} left the group without shutting down; they probably "
-                                f"died ({reasons})")
+            raise _gone_error(agent, gone)
 
     def _share_lost(self, now: bool = False) -> None:
         """Tell the store which workers this one found gone, and learn which the others

@@ -105,12 +105,13 @@ def _wait(agent: Agent, gathering: _Gathering, timeout: Optional[float],
         if gathering.complete.wait(_PEER_CHECK_S if left is None else min(left, _PEER_CHECK_S)):
             return True
         workers = [agent.resolve(name) for name in awaited()]
+        # A dead worker first: one that left early may have left because of it.
+        agent.probe(w.id for w in workers)
+        agent.check_peers()
         for w in workers:
             if agent.has_left(w.id):
                 raise WorkerLeftError(f"worker {w.name} (rank {w.id}) shut down before it "
                                       f"took part in _all_gather", worker=w.name)
-        agent.probe(w.id for w in workers)
-        agent.check_peers()
 
 
 def all_gather(obj: Any, worker_names: Optional[Iterable[str]] = None,

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PSTrainer", "add_one", "echo", "make_ps_table", "make_stage", "memory_mb", "mlp",
-           "noop", "peak_rss_mb", "ps_train", "remote_peak_rss_mb", "stage_forward",
-           "stage_param_rrefs", "worker_pid"]
+__all__ = ["PSTrainer", "add_one", "baseline_rss_mb", "echo", "make_ps_table", "make_stage",
+           "memory_mb", "mlp", "noop", "peak_rss_mb", "ps_train", "remote_peak_rss_mb",
+           "stage_forward", "stage_param_rrefs", "worker_pid"]
 
 
 def memory_mb() -> dict[str, float]:
@@ -62,7 +62,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-
+def baseline_rss_mb() -> float:
+    """:func:`peak_rss_mb` once the echo workload's own torch code (making and comparing
+    tensors) has run, so that its code pages do not count as the echoes' growth."""
+    check = torch.rand(1024)
+    torch.equal(check.clone(), check)
+    return peak_rss_mb()
 
 
 def add_one(x: torch.Tensor) -> torch.Tensor:

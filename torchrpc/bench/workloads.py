@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .callees import (PSTrainer, add_one, echo, make_ps_table, make_stage, memory_mb, mlp, noop,
-                      peak_rss_mb, ps_train, remote_peak_rss_mb, stage_forward,
-                      stage_param_rrefs, worker_pid)
+from .callees import (PSTrainer, add_one, baseline_rss_mb, echo, make_ps_table, make_stage,
+                      memory_mb, mlp, noop, peak_rss_mb, ps_train, remote_peak_rss_mb,
+                      stage_forward, stage_param_rrefs, worker_pid)
 from .metrics import echo_memcpy_metric, echo_metric, echo_numpy_metric
 from .options import BenchOptions
 
@@ -198,7 +198,7 @@ def run_echo(ctx: WorkerContext) -> Result:
     """Echo float32 tensors of each size: median GB/s (2 x size / time), and peak RSS."""
     opts = ctx.options
     metrics: dict[str, float] = {}
-    details: dict[str, Any] = {"rss_after_init_caller_MB": peak_rss_mb(),
+    details: dict[str, Any] = {"rss_after_init_caller_MB": baseline_rss_mb(),
                                "rss_after_init_callee_MB":
                                    ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)}
     for size_mb in opts.echo_sizes_mb:

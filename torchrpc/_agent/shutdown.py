@@ -341,7 +341,8 @@ class Shutdown:
         again (see :meth:`check_peers`)."""
         agent = self._agent
         with self._lock:
-            lost = [r for r in agent.connections.lost if r not in agent.registry.left and r not in self.gone]
+            lost = [r for r in agent.connections.lost
+                    if r not in agent.registry.left and r not in self.gone]
         for r in lost:
             w = agent.registry.workers.get(r)
             if w is None:

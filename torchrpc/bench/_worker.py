@@ -37,7 +37,8 @@ from torch.distributed import TCPStore
 
 from .options import BenchOptions
 from .callees import memory_mb, peak_rss_mb
-from .workloads import PAIR_RUNNERS, Turns, WorkerContext
+from .context import Turns, WorkerContext
+from .workloads import PAIR_RUNNERS
 
 TIMEOUT_MARKER = "Timeout ("
 """How faulthandler's watchdog starts its report; the launcher looks for it in the log."""

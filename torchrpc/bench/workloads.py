@@ -5,97 +5,28 @@ Everything here runs in a spawned worker with one system's modules in hand. The 
 (rank 1) only serves calls, executing the functions of :mod:`.callees`, which both workers
 import by reference when a call is unpickled.
 
-None of this imports an RPC module: the modules arrive in :class:`WorkerContext`.
+None of this imports an RPC module: the modules arrive in :class:`WorkerContext`
+(:mod:`.context`). The echo workloads are in :mod:`.echo`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .callees import (PSTrainer, add_one, baseline_rss_mb, echo, make_ps_table, make_stage,
-                      memory_mb, mlp, noop, peak_rss_mb, ps_train, remote_peak_rss_mb,
-                      stage_forward, stage_param_rrefs, worker_pid)
-from .metrics import echo_memcpy_metric, echo_metric, echo_numpy_metric
+from .callees import (PSTrainer, add_one, make_ps_table, make_stage, memory_mb, mlp, noop,
+                      peak_rss_mb, ps_train, stage_forward, stage_param_rrefs, worker_pid)
+from .context import Result, Turns, WorkerContext, percentile
+from .echo import run_echo, run_echo_numpy
 from .options import BenchOptions
 
 __all__ = ["PAIR_RUNNERS", "PSTrainer", "Turns", "WorkerContext", "memory_mb", "peak_rss_mb",
            "percentile"]
-
-Result = tuple[dict[str, float], dict[str, Any]]
-
-
-@dataclasses.dataclass
-class WorkerContext:
-    """What a workload needs: the system's modules, the peer's name and the options."""
-
-    rpc: ModuleType
-    autograd: ModuleType
-    optim: ModuleType
-    rpc_module_name: str
-    peer: str
-    options: BenchOptions
-    turns: Turns | None = None
-    peers: list[str] = dataclasses.field(default_factory=list)  # every callee (fanout, ps)
-    # role -> module name of the system (rpc, autograd, optim), for code run on the callees
-    module_names: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-class Turns:
-    """This system's part in a workload's sessions that take turns with other systems.
-
-    The launcher leads, through its store: once this system has warmed up it says so
-    (``ready/I``, with the process ids of both workers); turn N may start once the
-    launcher sets ``go/N``, and this system sets ``done/N`` when its turn N is over.
-    ``slots`` lists the turns that are this system's. Between its turns the launcher
-    stops the system's processes (SIGSTOP), so the one whose turn it is has the machine
-    to itself, as when the systems run one after the other.
-    """
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        from torch.distributed import TCPStore
-
-        host, port = spec["store"]
-        self.slots: list[int] = list(spec["slots"])
-        self.index: int = spec["index"]
-        self._store = TCPStore(host, port, is_master=False,
-                               timeout=datetime.timedelta(seconds=spec["time_limit"]))
-
-    def ready(self, callee_pid: int) -> None:
-        """Warmed up: the launcher starts the first turn once every system is."""
-        self._store.set(f"ready/{self.index}", f"{os.getpid()},{callee_pid}")
-
-    def start(self, slot: int) -> None:
-        """Block until turn ``slot`` may begin."""
-        self._store.wait([f"go/{slot}"])
-
-    def end(self, slot: int) -> None:
-        """Turn ``slot`` is over: let the next one begin."""
-        self._store.set(f"done/{slot}", "1")
-
-
-# ----------------------------------------------------------------------------------------
-# Helpers
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``samples``, linearly interpolated."""
-    if not samples:
-        raise ValueError("percentile of no samples")
-    ordered = sorted(samples)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _small_call(options: BenchOptions) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -192,88 +123,6 @@ def run_remote(ctx: WorkerContext) -> Result:
                "remote_to_here_p99_us": percentile(samples, 99)}
     return metrics, {"calls": len(samples), "min_us": min(samples),
                      "turns": _turns_taken(ctx) or 1}
-
-
-def run_echo(ctx: WorkerContext) -> Result:
-    """Echo float32 tensors of each size: median GB/s (2 x size / time), and peak RSS."""
-    opts = ctx.options
-    metrics: dict[str, float] = {}
-    details: dict[str, Any] = {"rss_after_init_caller_MB": baseline_rss_mb(),
-                               "rss_after_init_callee_MB":
-                                   ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)}
-    for size_mb in opts.echo_sizes_mb:
-        numel = max(1, int(size_mb * 2**20) // 4)
-        x = torch.rand(numel)
-        metrics[echo_metric(size_mb)], details[echo_metric(size_mb)] = _echo_rate(
-            ctx, x, numel * 4, lambda back, x=x: isinstance(back, torch.Tensor)
-            and back.dtype == x.dtype and torch.equal(back, x), f"{size_mb:g} MB")
-        del x
-    metrics["peak_rss_caller_MB"] = peak_rss_mb()
-    metrics["peak_rss_callee_MB"] = ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)
-    # What the echoes added to each process's peak: the payload copies it held at once,
-    # without the footprint of torch and the agent (a few hundred MiB either way).
-    metrics["rss_growth_caller_MB"] = (metrics["peak_rss_caller_MB"]
-                                       - details["rss_after_init_caller_MB"])
-    metrics["rss_growth_callee_MB"] = (metrics["peak_rss_callee_MB"]
-                                       - details["rss_after_init_callee_MB"])
-    # After the peak RSS is read: the copy's second tensor must not count in it.
-    for size_mb in opts.echo_sizes_mb:
-        if size_mb >= 64:
-            copy_rate = _memcpy_rate(max(1, int(size_mb * 2**20) // 4), opts.echo_iters)
-            details[echo_memcpy_metric(size_mb)] = {"memcpy_GBps": copy_rate}
-            metrics[echo_memcpy_metric(size_mb)] = metrics[echo_metric(size_mb)] / copy_rate
-    return metrics, details
-
-
-def run_echo_numpy(ctx: WorkerContext) -> Result:
-    """Echo a float32 numpy array: median GB/s (2 x size / time)."""
-    # numpy is optional for torchrpc: only this workload needs it.
-    import numpy as np
-
-    size_mb = ctx.options.echo_numpy_mb
-    x = np.random.default_rng(0).random(max(1, int(size_mb * 2**20) // 4), dtype=np.float32)
-    name = echo_numpy_metric(size_mb)
-    rate, details = _echo_rate(
-        ctx, x, x.nbytes, lambda back: isinstance(back, np.ndarray) and back.dtype == x.dtype
-        and np.array_equal(back, x), f"numpy {size_mb:g} MB")
-    return {name: rate}, {name: details}
-
-
-def _memcpy_rate(numel: int, iters: int) -> float:
-    """GB/s of copying ``numel`` float32 once into memory already touched (the median of
-    ``iters``)."""
-    x = torch.rand(numel)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    times = []
-    for _ in range(max(3, iters)):
-        start = time.perf_counter()
-        y.copy_(x)
-        times.append(time.perf_counter() - start)
-    return x.numel() * x.element_size() / percentile(times, 50) / 1e9
-
-
-def _echo_rate(ctx: WorkerContext, x: Any, nbytes: int, same: Callable[[Any], bool],
-               label: str) -> tuple[float, dict[str, Any]]:
-    """Echo ``x`` (checked once with ``same``), warm up, then time ``echo_iters`` echoes:
-    the median GB/s (2 x ``nbytes`` / time) and the details."""
-    opts = ctx.options
-    back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-    if not same(back):
-        raise AssertionError(f"echo of {label} came back different")
-    del back
-    for _ in range(opts.echo_warmup):
-        del_me = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-        del del_me
-    times = []
-    for _ in range(opts.echo_iters):
-        start = time.perf_counter()
-        back = ctx.rpc.rpc_sync(ctx.peer, echo, args=(x,))
-        times.append(time.perf_counter() - start)
-        del back
-    rates = [2 * nbytes / t / 1e9 for t in times]
-    return 2 * nbytes / percentile(times, 50) / 1e9, {"bytes": nbytes, "best_GBps": max(rates),
-                                                      "all_GBps": rates}
 
 
 def run_train(ctx: WorkerContext) -> Result:

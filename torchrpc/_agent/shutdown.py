@@ -191,6 +191,7 @@ class Shutdown:
         self.gone: Dict[int, str] = {}  # rank -> why: lost, and connecting again failed
         self._shared_lost: set[int] = set()  # ranks this worker told the store it lost
         self._lost_seen = 0  # the store's count of losses when last looked at
+        self._left_seen = 0  # how many workers had left when check_peers last looked
         self._next_share = 0.0
         self._next_probe: Optional[float] = None
         self.deadline: Optional[float] = None  # of the graceful shutdown under way
@@ -326,10 +327,12 @@ class Shutdown:
         at_barrier = agent.store is not None and barrier is not None
         if agent.store is not None:
             with self._lock:
-                someone_left = bool(agent.registry.left)
+                left = len(agent.registry.left)
             # A worker that left early told the store which worker it found dead before
-            # leaving: read that now, so that the dead worker is named rather than it.
-            self._share_lost(now=someone_left)
+            # leaving: on a new departure read that now, so that the dead worker is named
+            # rather than it.
+            self._share_lost(now=left != self._left_seen)
+            self._left_seen = left
             if at_barrier:
                 self._probe_absent(barrier)
         self._raise_gone()

@@ -89,7 +89,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             Unix socket instead of loopback TCP, with the same authentication (default
             True; see BENCHMARKS.md).
         shm_threshold (int): between workers of one host, buffers of at least this many
-            bytes go through shared memory (default 64 KiB, where tensors stop
+            bytes go through shared memory (default 64 KiB: where tensors stop
             travelling inside the envelope; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
             seconds (default 0.5; 0 sends none, and peers then never time this worker out).

@@ -114,3 +114,24 @@ def test_tensors_that_require_grad_keep_their_flags():
     assert [(t.requires_grad, t.is_leaf) for t in got] == [(True, True), (True, True),
                                                           (False, True)]
     assert torch.equal(got[1].detach(), leaf.detach() * 2)
+
+
+def _shm_counts() -> tuple:
+    """(buffers this worker sent through shared memory, buffers worker1 received so)."""
+    there = rpc.rpc_sync("worker1", helpers.debug_info)
+    return (rpc.get_debug_info()["transport.shm_buffers_sent"],
+            there["transport.shm_buffers_received"])
+
+
+def test_tensors_past_the_inline_bound_cross_through_shared_memory_by_default():
+    # Default options between workers of one host: up to 64 KiB of tensors travel inside
+    # the envelope; a larger one goes through a segment (shm_threshold, 64 KiB).
+    inline = torch.arange(16 << 10, dtype=torch.float32)  # 64 KiB
+    past = torch.arange((16 << 10) + 1, dtype=torch.float32)
+    before = _shm_counts()
+    assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(inline,)), inline)
+    assert _shm_counts() == before
+    for i in range(3):
+        assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(past + i,)), past + i)
+    sent, received = _shm_counts()
+    assert (sent - before[0], received - before[1]) == (3, 3)

@@ -2,13 +2,16 @@
 
 from datetime import timedelta
 
+from .._wire import INLINE_MAX
+
 DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
 UNSET_RPC_TIMEOUT: float = -1.0
 DEFAULT_INIT_METHOD: str = "env://"
 DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
 DEFAULT_NUM_WORKER_THREADS: int = 16
 DEFAULT_MAX_MESSAGE_SIZE: int = 2 << 30
-DEFAULT_SHM_THRESHOLD: int = 64 * 1024  # the inline bound; measured: see BENCHMARKS.md
+# Buffers past the inline bound go through shared memory; measured: see BENCHMARKS.md.
+DEFAULT_SHM_THRESHOLD: int = INLINE_MAX
 DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
 DEFAULT_HEARTBEAT_INTERVAL: float = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT: float = 5.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch.distributed
 
 from torchrpc.bench.metrics import metric_specs
 from torchrpc.bench.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+
+from ..group import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,6 +235,30 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert out.split() == ["False", "False", macs], (variant, out)
+
+
+NOGC = "torchrpc-nogc=tests.bench_nogc,torchrpc.autograd,torchrpc.optim"
+
+
+def test_nogc_variant_turns_the_collector_off_in_the_chosen_workers() -> None:
+    proc = run_bench("--quick", "--workloads", "throughput", "--systems", "torchrpc-nogc",
+                     "--define-system", NOGC, "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    value = json.loads(proc.stdout)["metrics"]["rpc_async_calls_per_s"]["values"]
+    assert value["torchrpc-nogc"] > 0, value
+    # A group of one, in a fresh interpreter: the collector stays on until init_rpc, then
+    # goes off in every worker, or only in the one TORCHRPC_BENCH_NOGC names.
+    probe = ("import gc, tests.bench_nogc as v\n"
+             "on = gc.isenabled()\n"
+             "v.init_rpc('caller', rank=0, world_size=1)\n"
+             "print(on, gc.isenabled())\n"
+             "v.shutdown()\n")
+    for only, after in (("", "False"), ("caller", "False"), ("callee", "True")):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   TORCHRPC_BENCH_NOGC=only)
+        out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        assert out.split() == ["True", after], (only, out)
 
 
 def test_fanout_reports_both_systems_and_the_group_call_used(

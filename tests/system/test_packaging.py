@@ -280,6 +280,21 @@ def test_docs_describe_the_design_not_the_history_of_the_work():
         assert not found, (name, found)
 
 
+def test_every_benchmark_table_names_the_machine_it_ran_on():
+    # Wins on one CPU must be re-measured on another, so each table's section says which.
+    section, unnamed, in_table = "", [], False
+    for line in _read("BENCHMARKS.md").splitlines():
+        if line.startswith("#"):
+            section = line
+        elif line.startswith("|") and not in_table and not re.search(
+                r"AMD\s+EPYC|Intel|Xeon", section):
+            unnamed.append(section.split("(")[0].strip("# "))
+        else:
+            section += "\n" + line
+        in_table = line.startswith("|")
+    assert not unnamed, unnamed
+
+
 def test_docs_state_the_real_option_defaults():
     signature = inspect.signature(rpc.TensorPipeRpcBackendOptions.__init__).parameters
     seen = 0

@@ -349,3 +349,20 @@ def test_the_featureless_floor_runs_latency_and_throughput_and_errs_on_the_rest(
     # The floor has no remote(): that workload is an error row of each floor system.
     errors = report["metrics"]["remote_to_here_p50_us"]["errors"]
     assert all("remote" in errors[s] for s in ("floor", "floor-self")), errors
+
+
+def test_echo_rss_growth_counts_from_the_resident_size_after_warming_torch() -> None:
+    # A fresh process: the peak of this one holds whatever the other tests left there.
+    script = (
+        "import torch\n"
+        "from torchrpc.bench.callees import baseline_rss_mb, peak_rss_mb\n"
+        "base = baseline_rss_mb()\n"
+        "x = torch.rand(16 << 20)\n"  # 64 MiB, made and touched by torch's large-tensor code
+        "print(base, peak_rss_mb())\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    base, peak = (float(v) for v in proc.stdout.split())
+    # The payload and nothing else: no code pages or thread stacks of torch's large-tensor
+    # path, which the warm-up ran before the baseline (with them, about 64.5 MiB).
+    assert 64.0 <= peak - base < 64.25, f"growth {peak - base:.3f} MiB"

@@ -52,22 +52,40 @@ def peak_rss_mb() -> float:
     but per address space, so it is not inflated by the parent's size, which Linux folds
     into ``ru_maxrss`` across ``fork`` + ``exec``. Falls back to ``ru_maxrss`` elsewhere.
     """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
+    peak = _status_mb("VmHWM:")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _status_mb(field: str) -> float | None:
+    """A ``kB`` field of ``/proc/self/status`` in MiB, or None where there is none."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+# Elements of the tensor that runs the echo workload's own torch code before its baseline:
+# more than torch's intra-op grain size (32,768), so that the code for large tensors runs
+# and the intra-op threads start, as they do for the payloads.
+_WARM_NUMEL = 1 << 16
+
+
 def baseline_rss_mb() -> float:
-    """:func:`peak_rss_mb` once the echo workload's own torch code (making and comparing
-    tensors) has run, so that its code pages do not count as the echoes' growth."""
-    check = torch.rand(1024)
+    """The resident set size, in MiB, once the echo workload's own torch code (making and
+    comparing large tensors) has run, so that its code pages and torch's intra-op threads
+    do not count as the echoes' growth. The current size, not the peak: the warm-up's
+    tensors are gone, and the echoes' peak counts from what stays."""
+    check = torch.rand(_WARM_NUMEL)
     torch.equal(check.clone(), check)
-    return peak_rss_mb()
+    del check
+    now = _status_mb("VmRSS:")
+    return peak_rss_mb() if now is None else now
 
 
 def add_one(x: torch.Tensor) -> torch.Tensor:

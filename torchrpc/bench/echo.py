@@ -22,7 +22,7 @@ def run_echo(ctx: WorkerContext) -> Result:
     metrics: dict[str, float] = {}
     details: dict[str, Any] = {"rss_after_init_caller_MB": baseline_rss_mb(),
                                "rss_after_init_callee_MB":
-                                   ctx.rpc.rpc_sync(ctx.peer, remote_peak_rss_mb)}
+                                   ctx.rpc.rpc_sync(ctx.peer, baseline_rss_mb)}
     for size_mb in opts.echo_sizes_mb:
         numel = max(1, int(size_mb * 2**20) // 4)
         x = torch.rand(numel)

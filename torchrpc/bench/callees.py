@@ -52,22 +52,14 @@ def peak_rss_mb() -> float:
     but per address space, so it is not inflated by the parent's size, which Linux folds
     into ``ru_maxrss`` across ``fork`` + ``exec``. Falls back to ``ru_maxrss`` elsewhere.
     """
-    peak = _status_mb("VmHWM:")
-    if peak is not None:
-        return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _status_mb(field: str) -> float | None:
-    """A ``kB`` field of ``/proc/self/status`` in MiB, or None where there is none."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
-                if line.startswith(field):
+                if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # Elements of the tensor that runs the echo workload's own torch code before its baseline:
@@ -84,8 +76,7 @@ def baseline_rss_mb() -> float:
     check = torch.rand(_WARM_NUMEL)
     torch.equal(check.clone(), check)
     del check
-    now = _status_mb("VmRSS:")
-    return peak_rss_mb() if now is None else now
+    return memory_mb().get("rss") or peak_rss_mb()
 
 
 def add_one(x: torch.Tensor) -> torch.Tensor:

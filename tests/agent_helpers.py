@@ -12,10 +12,13 @@ from torchrpc import _wire
 from torchrpc._agent import Agent
 from torchrpc._agent.futures import mark_reader_thread, new_future
 from torchrpc._agent.requests import Pending
+from torchrpc._agent.rendezvous import PREFIX, Records
 from torchrpc._agent.shutdown import RUNNING
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError, ThreadFailedError
 from torchrpc.rpc.options import TensorPipeRpcBackendOptions
+
+SECRET = b"s" * 64  # the job secret of the agents made here (no rendezvous)
 
 
 class FakeConn:
@@ -78,6 +81,8 @@ class Agents:
         options = TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=5)
         agent = Agent(store if store is not None else dist.HashStore(), "worker0", 0,
                       world_size, options)
+        # as start() leaves it: the job secret is known, the group's records are sealed
+        agent.store = Records(agent.store, SECRET, PREFIX)
         for rank in range(world_size or 1):
             agent.registry.add(rank, info(f"worker{rank}", rank, agent.registry.incarnation
                                           if rank == 0 else 0))

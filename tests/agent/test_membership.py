@@ -9,18 +9,28 @@ import pytest
 import torch.distributed as dist
 
 from torchrpc._agent import membership
+from torchrpc._agent.rendezvous import Records
 from torchrpc.errors import RendezvousError
 
 
+SECRET = b"k" * 64
+
+
 @pytest.fixture(params=["tcp", "file"])
-def store(request, monkeypatch, tmp_path):
-    monkeypatch.setattr(membership, "job_secret", lambda *args, **kwargs: b"secret")
+def raw(request, tmp_path):
+    """The group's store as anyone who reaches it sees it (no secret)."""
     if request.param == "tcp":
         host = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
                              wait_for_workers=False)
     else:
         host = dist.FileStore(str(tmp_path / "store"), -1)
-    return dist.PrefixStore("torchrpc-elastic", host)
+    return dist.PrefixStore(membership.PREFIX, host)
+
+
+@pytest.fixture
+def store(raw):
+    """The same store as the group's members see it: records sealed under the secret."""
+    return Records(raw, SECRET, membership.PREFIX)
 
 
 def _join(store, name: str, rank: int, incarnation: int) -> None:

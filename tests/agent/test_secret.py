@@ -4,10 +4,13 @@ the file that shares it between the workers of one host."""
 from __future__ import annotations
 
 import datetime
+import json
+import logging
 import os
 import shutil
 import stat
 import subprocess
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -64,12 +67,39 @@ def test_secret_file_must_be_private(private_runtime, monkeypatch, tmp_path):
     assert secret.launcher_secret(_source()) == b"b" * 32
 
 
-def test_squatted_runtime_directory_is_refused(private_runtime):
+def test_an_opened_up_runtime_directory_is_passed_over(private_runtime, monkeypatch, tmp_path,
+                                                       caplog):
     squat = private_runtime / "torchrpc"
     squat.mkdir()
     squat.chmod(0o777)  # as if another user had created it first
-    with pytest.raises(RendezvousError, match="mode 0700"):
-        secret.runtime_dir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    (tmp / f"torchrpc-{os.geteuid()}").symlink_to(squat)  # and the fallback too
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(secret, "_fallback", [])
+    caplog.set_level(logging.WARNING, logger="torchrpc")
+    path = secret.runtime_dir()
+    assert os.path.dirname(path) == str(tmp) and os.path.basename(path).startswith(
+        f"torchrpc-{os.geteuid()}-")
+    st = os.lstat(path)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "its mode is 0777" in said and "it is a symlink" in said
+    assert secret.runtime_dir() == path  # one directory for the process
+    value, locator = secret.create_local("h")
+    try:
+        assert json.loads(locator)["dir"] == path
+        assert secret.read_local(locator, "h") == value
+        squat.chmod(0o700)
+        os.rename(path, path + ".moved")  # a symlink in its place is refused
+        os.symlink(path + ".moved", path)
+        with pytest.raises(RendezvousError, match="Not a directory"):
+            secret.read_local(locator, "h")
+    finally:
+        os.unlink(path)
+        os.rename(path + ".moved", path)
+        secret.discard_local()
 
 
 def test_another_host_is_told_how_to_provide_a_secret(private_runtime):
@@ -88,7 +118,7 @@ def test_another_host_is_told_how_to_provide_a_secret(private_runtime):
 def test_another_user_cannot_read_the_shared_secret(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # the real default: /tmp/torchrpc-<uid>
     value, locator = secret.create_local("h")
-    path = os.path.join(secret.runtime_dir(), locator.rpartition("/")[2])
+    path = os.path.join(secret.runtime_dir(), json.loads(locator)["file"])
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(secret.runtime_dir()).st_mode) == 0o700
@@ -114,5 +144,5 @@ def test_the_store_holds_no_secret():
         locator = store.get("secret_locator").decode()
         assert job_secret.decode() not in locator
         # Every rank has joined: rank 0 removed the file, so nothing is left to read.
-        name = locator.rpartition("/")[2]
-        assert not os.path.exists(os.path.join(secret.runtime_dir(), name))
+        where = json.loads(locator)
+        assert not os.path.exists(os.path.join(where["dir"], where["file"]))

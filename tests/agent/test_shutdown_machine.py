@@ -166,7 +166,7 @@ def test_a_worker_lost_elsewhere_is_named_through_the_store(make_agent):
     agent = running(make_agent(3, store))
     # Worker 2 found worker 1 gone and told the store; worker 1 cannot be reached here
     # either (its address is a fake one, and the transport is not even started).
-    store.set("lost/1", "worker2 lost it: reset")
+    agent.store.put("lost/1", {"rank": 1, "why": "worker2 lost it: reset"})
     store.add("lost", 1)
     agent._transport = NoTransport()
     with pytest.raises(ShutdownError, match=r"worker\(s\) worker1 \(rank 1\) left the group "
@@ -197,7 +197,7 @@ def test_rank_0_waits_at_the_last_barrier_until_the_deadline_only(make_agent):
     store = dist.HashStore()
     agent = running(make_agent(2, store))
     for barrier in ("shutdown/1", "shutdown/2"):  # worker1 got that far, and no further
-        store.set(f"{barrier}/1", "1")
+        agent.store.put(f"{barrier}/1", {"rank": 1})
         store.add(barrier, 1)
     start = time.monotonic()
     with pytest.raises(ShutdownError, match="timed out at the shutdown barrier"):

@@ -132,7 +132,7 @@ def test_a_worker_at_the_barrier_learns_of_a_death_it_cannot_see_itself():
         group.init_self()
         assert rpc.rpc_sync("worker2", helpers.whoami) == "worker2"
         wait_for("worker1 waits in shutdown's first step", lambda: _at_first_barrier(1), 10)
-        current_agent().store.set("shutdown/1/2", "1")  # arrived, not counted
+        current_agent().store.put("shutdown/1/2", {"rank": 2})  # arrived, not counted
         group.kill(2)
         with pytest.raises(ShutdownError, match="worker2"):
             rpc.shutdown(graceful=True)

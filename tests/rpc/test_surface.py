@@ -283,6 +283,7 @@ PROCESS_STATE = {
     # Secret files this process wrote, removed at its exit at the latest.
     "_agent/secret.py:_lock": "process resources",
     "_agent/secret.py:_files": "process resources",
+    "_agent/secret.py:_fallback": "process resources",
     # Each thread's reusable pickler, holding nothing between messages.
     "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
     # The parked OpenMP teams of this process's agents, ended at its exit at the latest.

@@ -30,12 +30,14 @@ import os
 import secrets
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import Plan, claim_membership, host_identity, job_secret, process_identity
+from .rendezvous import Plan, Records, claim_membership, host_identity, process_identity
+
+PREFIX = "torchrpc-elastic"  # the store prefix of a dynamic group, the job its records are sealed for
 
 
 def open_elastic_store(init_method: str, rank: int, timeout: Union[float, Plan]) -> Any:
@@ -54,7 +56,7 @@ def open_elastic_store(init_method: str, rank: int, timeout: Union[float, Plan])
             raise RendezvousError(f"cannot open the rendezvous file {url.path!r}: {exc}") from exc
         store.set_timeout(datetime.timedelta(seconds=timeout))
         claim_membership(store, "dynamic")
-        return dist.PrefixStore("torchrpc-elastic", store)
+        return dist.PrefixStore(PREFIX, store)
     if url.scheme == "env":
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:
@@ -71,12 +73,12 @@ def open_elastic_store(init_method: str, rank: int, timeout: Union[float, Plan])
         raise RendezvousError(f"cannot reach the rendezvous store at {host}:{port} (rank 0 "
                               f"hosts it): {exc}") from exc
     claim_membership(store, "dynamic")
-    return dist.PrefixStore("torchrpc-elastic", store)
+    return dist.PrefixStore(PREFIX, store)
 
 
-def _append(store: Any, event: Dict[str, Any]) -> int:
+def _append(store: Records, event: Dict[str, Any]) -> int:
     n = int(store.add("events", 1))
-    store.set(f"event/{n}", json.dumps(event))
+    store.put(f"event/{n}", event)
     return n
 
 
@@ -85,80 +87,125 @@ def new_incarnation() -> int:
     return secrets.randbits(62) + 1
 
 
-_FREE = "free"  # a released claim holds "free <token>", a token unique to the release
+_FREE = b"free "  # a released claim holds "free <token>", a token unique to the release
+_RANK_CLAIM = {"name": str, "incarnation": int, "expires": (int, float)}
+_NAME_CLAIM = {"rank": int, "incarnation": int, "expires": (int, float)}
 
 
-def _claim(value: str, incarnation: int) -> str:
-    return f"{value} {incarnation}"
+def _claim(store: Records, key: str, fields: Dict[str, Any], incarnation: int,
+           timeout: float) -> bytes:
+    """The sealed claim of ``key`` by ``incarnation``: binding until ``timeout`` seconds
+    from now (wall-clock time, as it is compared on other hosts) unless it joins."""
+    return store.sealed(key, {**fields, "incarnation": incarnation,
+                              "expires": time.time() + timeout})
 
 
-def _holder(claim: str) -> str:
-    """The rank or name a claim's value holds (without its incarnation)."""
-    return claim.split(" ", 1)[0]
+def _binding(claim: Dict[str, Any], log: "EventLog") -> bool:
+    """Whether a good sealed claim still holds its key: its process is a member, or is
+    joining and its claim has not expired; not once it left (or was removed)."""
+    incarnation = claim["incarnation"]
+    if incarnation in log.gone:
+        return False
+    if any(m.get("incarnation") == incarnation for m in log.current.values()):
+        return True
+    return time.time() < claim["expires"]
 
 
-def _take(store: Any, key: str, mine: str) -> str:
-    """Claim ``key`` with ``mine`` if it is free (never set, or released); what it holds."""
-    current = ""
+def _take(store: Records, key: str, mine: bytes, required: Dict[str, Any],
+          log: "EventLog") -> Optional[Dict[str, Any]]:
+    """Claim ``key`` with ``mine`` unless a binding claim holds it; None if this worker
+    holds it now, else the fields of the claim that holds it. Released claims, values
+    that are no good sealed claims (an outsider's, logged once) and claims that no longer
+    bind (see :func:`_binding`) are taken over."""
+    current = b""
     for _ in range(100):
-        held = store.compare_set(key, current, mine).decode()
-        if held == mine or not held.startswith(_FREE + " ") or held == current:
-            return held
-        current = held  # released: claim it from what it holds now
-    return held
+        held = store.compare_set(key, current, mine)
+        if held == mine:
+            return None
+        if held == current:  # the key vanished under the compare: claim it from empty
+            current = b""
+            continue
+        if not held.startswith(_FREE):
+            other = store.open(key, held, required, "a claim")
+            if other is not None and _binding(other, log):
+                return other
+        current = held
+    raise RendezvousError(f"cannot claim {key!r} in the rendezvous store: its value keeps "
+                          f"changing under this worker (another process writes it)")
 
 
-def _release(store: Any, key: str, value: str, incarnation: int) -> bool:
-    """Release claim ``key`` if ``incarnation`` still holds it; whether this call did."""
-    freed = f"{_FREE} {secrets.token_hex(8)}"
-    return store.compare_set(key, _claim(value, incarnation), freed).decode() == freed
+def _release(store: Records, key: str, holder: str, value: Any, incarnation: int) -> bool:
+    """Release claim ``key`` if ``incarnation`` still holds it with ``value`` (the name or
+    rank) in field ``holder``; whether this call did."""
+    if not store.check([key]):
+        return False
+    held = store.get(key)
+    if held.startswith(_FREE):
+        return False
+    claim = store.open(key, held, {holder: type(value), "incarnation": int}, "a claim")
+    if claim is None or claim[holder] != value or claim["incarnation"] != incarnation:
+        return False
+    freed = _FREE + secrets.token_hex(8).encode()
+    return store.compare_set(key, held, freed) == freed
 
 
-def join(store: Any, name: str, rank: int, timeout: Union[float, Plan], keep_secret: bool = False,
-         incarnation: int = 0) -> bytes:
-    """Claim ``rank`` and ``name`` for ``incarnation``; return the job secret. Refuses
-    clashes by name.
+def join(store: Records, name: str, rank: int, timeout: Union[float, Plan],
+         incarnation: int = 0, log: Optional["EventLog"] = None) -> None:
+    """Claim ``rank`` and ``name`` for ``incarnation``, with sealed claims (the job secret
+    is known by now). Refuses clashes by name. ``log``: this worker's follower of the
+    membership log, read first to tell the claims of members from stale ones.
 
-    With ``keep_secret`` (a store that outlives rank 0), a secret file this worker makes
-    stays after it leaves, for members that join later.
+    A claim binds while its process is a member, or for the rendezvous ``timeout``
+    (seconds, or the plan) after it was made while that process joins: a joiner that
+    failed, or died, before it joined blocks the rank no longer than that. A failed join
+    releases its claims at once (:func:`release`).
     """
-    mine = _claim(name, incarnation)
-    holder = _take(store, f"rank/{rank}", mine)
-    if holder != mine:
-        raise RendezvousError(f"rank {rank} is already used by worker {_holder(holder)!r}; "
+    log = log if log is not None else EventLog(store)
+    log.poll()
+    limit = Plan.of(timeout).deadline.timeout
+    key = f"rank/{rank}"
+    holder = _take(store, key, _claim(store, key, {"name": name}, incarnation, limit),
+                   _RANK_CLAIM, log)
+    if holder is not None:
+        raise RendezvousError(f"rank {rank} is already used by worker {holder['name']!r}; "
                               f"pick a free rank for {name!r}")
-    mine = _claim(str(rank), incarnation)
-    owner = _take(store, f"name/{name}", mine)
-    if owner != mine:
-        _release(store, f"rank/{rank}", name, incarnation)
+    key = f"name/{name}"
+    owner = _take(store, key, _claim(store, key, {"rank": rank}, incarnation, limit),
+                  _NAME_CLAIM, log)
+    if owner is not None:
+        _release(store, f"rank/{rank}", "name", name, incarnation)
         raise RendezvousError(f"worker name {name!r} is already in use by rank "
-                              f"{_holder(owner)} of the running group; pick another name")
-    return job_secret(store, rank, timeout, keep=keep_secret)
+                              f"{owner['rank']} of the running group; pick another name")
 
 
-def announce(store: Any, name: str, rank: int, address: Tuple[str, int],
+def release(store: Records, name: str, rank: int, incarnation: int) -> None:
+    """Release the claims of a join that failed before it was announced."""
+    _release(store, f"rank/{rank}", "name", name, incarnation)
+    _release(store, f"name/{name}", "rank", rank, incarnation)
+
+
+def announce(store: Records, name: str, rank: int, address: Tuple[str, int],
              extra: Optional[Dict[str, Any]] = None, incarnation: int = 0) -> None:
     _append(store, {"op": "join", "rank": rank, "name": name, "incarnation": incarnation,
                     "host": address[0], "port": address[1], "hostid": host_identity(),
                     **process_identity(), **(extra or {})})
 
 
-def leave(store: Any, name: str, rank: int, incarnation: int = 0) -> None:
+def leave(store: Records, name: str, rank: int, incarnation: int = 0) -> None:
     """Release the rank and the name, and announce the departure (in this order: a
     survivor that takes the departing member for lost meanwhile finds its claims gone
     and announces nothing)."""
-    _release(store, f"rank/{rank}", name, incarnation)
-    _release(store, f"name/{name}", str(rank), incarnation)
+    release(store, name, rank, incarnation)
     _append(store, {"op": "leave", "rank": rank, "name": name, "incarnation": incarnation})
 
 
-def remove_lost(store: Any, name: str, rank: int, incarnation: int, reason: str) -> bool:
+def remove_lost(store: Records, name: str, rank: int, incarnation: int, reason: str) -> bool:
     """A survivor declared member ``incarnation`` of ``rank`` lost: release its claims and
     announce its removal, once for the group (whoever releases its rank does the rest);
     whether this call did."""
-    if not _release(store, f"rank/{rank}", name, incarnation):
+    if not _release(store, f"rank/{rank}", "name", name, incarnation):
         return False  # removed by another survivor already, or it left
-    _release(store, f"name/{name}", str(rank), incarnation)
+    _release(store, f"name/{name}", "rank", rank, incarnation)
     _append(store, {"op": "leave", "rank": rank, "name": name, "incarnation": incarnation,
                     "lost": reason})
     return True
@@ -170,27 +217,89 @@ def outlives_rank0(init_method: str) -> bool:
     return urllib.parse.urlparse(init_method).scheme == "file"
 
 
-class EventLog:
-    """Follows the membership log; :meth:`poll` returns the new events in order."""
+_EVENT = {"op": str, "rank": int, "name": str, "incarnation": int}
+_JOIN = {**_EVENT, "host": str, "port": int, "hostid": str}
 
-    def __init__(self, store: Any) -> None:
+GAP_WAIT = 2.0
+"""Seconds a reader waits for a counted event slot to be written before it skips it (the
+writer counts, then writes; one that died between, or an outsider's count, leaves a
+gap)."""
+
+LATE_WAIT = 60.0
+"""Seconds a skipped slot is still looked at, in case its writer was only slow."""
+
+_LATE_MAX = 64  # skipped slots looked at again, at most
+
+
+class EventLog:
+    """Follows the membership log; :meth:`poll` returns the new events in order.
+
+    Only good sealed events count: one that fails its check, does not parse or lacks a
+    field is skipped and logged once, and the events after it are read on. A slot that
+    was counted but stays empty for :data:`GAP_WAIT` seconds is skipped (and looked at
+    again for a while, in case its writer was slow). :attr:`current` holds the members
+    after the events read so far, :attr:`gone` the incarnations that left; a join of an
+    incarnation that left (read late) is dropped.
+    """
+
+    def __init__(self, store: Records) -> None:
         self._store = store
         self._seen = 0
+        self._gap: Optional[Tuple[int, float, int]] = None  # first empty slot, since, count then
+        self._late: Dict[int, float] = {}  # skipped slot -> when it is given up
+        self.current: Dict[int, Dict[str, Any]] = {}
+        self.gone: Set[int] = set()
 
     def poll(self, wait: float = 5.0) -> List[Dict[str, Any]]:
-        count = int(self._store.add("events", 0))
-        events = []
+        store = self._store
+        count = int(store.add("events", 0))
+        events: List[Dict[str, Any]] = []
+        self._read_late(events)
         deadline = time.monotonic() + wait
         while self._seen < count:
-            key = f"event/{self._seen + 1}"
-            if not self._store.check([key]):  # the writer counted it but has not set it yet
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.005)
+            n = self._seen + 1
+            key = f"event/{n}"
+            if not store.check([key]):
+                now = time.monotonic()
+                if self._gap is None or not self._gap[0] <= n <= self._gap[2]:
+                    self._gap = (n, now, count)
+                if now - self._gap[1] < GAP_WAIT:  # its writer counted it, and writes it now
+                    if now > deadline:
+                        break
+                    time.sleep(0.005)
+                    continue
+                if len(self._late) < _LATE_MAX:
+                    self._late[n] = now + LATE_WAIT
+                self._seen = n
                 continue
-            events.append(json.loads(self._store.get(key)))
-            self._seen += 1
+            self._seen = n
+            self._take(key, store.get(key), events)
         return events
+
+    def _read_late(self, events: List[Dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for n, until in list(self._late.items()):
+            key = f"event/{n}"
+            if self._store.check([key]):
+                del self._late[n]
+                self._take(key, self._store.get(key), events)
+            elif now > until:
+                del self._late[n]
+
+    def _take(self, key: str, value: bytes, events: List[Dict[str, Any]]) -> None:
+        event = self._store.open(key, value, _EVENT, "a membership event")
+        if event is None:
+            return
+        if event["op"] == "join":
+            event = self._store.open(key, value, _JOIN, "a membership event")
+            if event is None or event["incarnation"] in self.gone:
+                return
+        elif event["op"] != "leave":
+            return
+        else:
+            self.gone.add(event["incarnation"])
+        self.current = EventLog.members([event], self.current)
+        events.append(event)
 
     @staticmethod
     def members(events: List[Dict[str, Any]], start: Optional[Dict[int, Dict[str, Any]]] = None

@@ -1,9 +1,17 @@
 """Rendezvous: agree on the group through torch's stores, before any socket of ours opens.
 
-Each worker claims its rank and name in the store (compare-and-set, so a
-duplicate is detected by the claimer and announced to everyone through an error
-key), learns or creates the job secret, publishes where it listens and waits
-until every rank has published. Nothing here talks to peers directly.
+Each worker learns or creates the job secret (see :mod:`.secret`; before it is known,
+only the locator of the secret is read from the store, and what it names is checked),
+claims its rank and name in the store (compare-and-set of a sealed claim, so a duplicate
+is detected by the claimer, which aborts the group through a sealed error record),
+publishes where it listens and waits until every rank has published. Nothing here talks
+to peers directly.
+
+The store is untrusted: anyone who reaches it may write there. Every record the group
+acts on is sealed under a key derived from the job secret (:mod:`.records`), written and
+read through :class:`Records`; a record that fails its check is ignored and logged once.
+Counters (``store.add``) only say when to look: a barrier counts the sealed arrival of
+each rank, not the counter.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import datetime
 import fcntl
 import ipaddress
 import json
+import logging
 import os
+import secrets as random_tokens
 import socket
 import struct
 import time
@@ -23,11 +33,19 @@ import torch.distributed as dist
 
 from .._transport.shm import pid_namespace
 from . import secret
+from .group_store import Records
 from .worker import check_worker_name
 from ..errors import BarrierTimeoutError, RendezvousError
 
+log = logging.getLogger(__name__)
+
+PREFIX = "torchrpc"  # the store prefix of a static group, the job its records are sealed for
 _ERROR_KEY = "error"
 _ERROR_SEEN_KEY = "error_seen"
+
+_WORKER_FIELDS = {"name": str, "host": str, "port": int, "hostid": str}
+_ABORT_FIELDS = {"message": str, "rank": int}
+_ARRIVAL_FIELDS = {"rank": int}
 
 
 def rendezvous_timeout(rpc_timeout: float, configured: Optional[float] = None) -> float:
@@ -101,7 +119,7 @@ def open_store(init_method: str, rank: int, world_size: Optional[int],
         raise RendezvousError(f"rendezvous through {describe_init_method(init_method)} failed "
                               f"(timeout {timeout:g} s): {exc}") from exc
     claim_membership(store, "static")
-    return dist.PrefixStore("torchrpc", store), rank, world_size
+    return dist.PrefixStore(PREFIX, store), rank, world_size
 
 
 _MEMBERSHIP_KEY = "torchrpc-membership"
@@ -215,18 +233,40 @@ def host_identity() -> str:
     return "/".join(parts)
 
 
+def _abort_of(store: Any) -> Optional[str]:
+    """The message of the group's sealed abort, if a rank has written one (only a holder
+    of the secret can: an unsealed value at the key is ignored and logged once)."""
+    if not isinstance(store, Records) or not store.check([_ERROR_KEY]):
+        return None
+    fields = store.read(_ERROR_KEY, _ABORT_FIELDS, "an abort of the group")
+    return None if fields is None else fields["message"]
+
+
+def _unready(store: Any, keys: List[str], required: Optional[Dict[str, Any]]) -> List[str]:
+    """The keys of ``keys`` that do not hold a good record yet (without ``required``:
+    that do not exist)."""
+    if store.check(keys) and required is None:
+        return []
+    if required is None:
+        return [k for k in keys if not store.check([k])]
+    return [k for k in keys if store.read(k, required) is None]
+
+
 def _poll(store: Any, keys: List[str], deadline: float, what: str, rank: Optional[int] = None,
-          world_size: Optional[int] = None) -> None:
+          world_size: Optional[int] = None, required: Optional[Dict[str, Any]] = None) -> None:
+    """Wait until ``deadline`` for ``keys`` (with ``required``: to hold good sealed records
+    with those fields). A sealed abort of the group ends the wait with its message."""
     delay = 0.002
     while True:
         try:
-            if store.check([_ERROR_KEY]):
-                message = store.get(_ERROR_KEY).decode()
+            message = _abort_of(store)
+            if message is not None:
                 store.add(_ERROR_SEEN_KEY, 1)
                 if rank == 0 and world_size:
                     _linger(store, world_size)
                 raise RendezvousError(message)
-            if store.check(keys):
+            # cheap first: every key there at all (junk included)?
+            if store.check(keys) and not _unready(store, keys, required):
                 return
         except RendezvousError:
             raise
@@ -234,8 +274,10 @@ def _poll(store: Any, keys: List[str], deadline: float, what: str, rank: Optiona
             raise RendezvousError(f"lost the rendezvous store while waiting for {what} (the "
                                   f"worker hosting it, rank 0, probably failed): {exc}") from exc
         if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.check([k])]
-            raise RendezvousError(f"timed out waiting for {what}: missing {missing[:8]}")
+            missing = _unready(store, keys, required)
+            raise RendezvousError(f"timed out waiting for {what}: missing {missing[:8]} (a key "
+                                  f"that holds a record which failed its check counts as "
+                                  f"missing; see the warnings logged)")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
@@ -247,15 +289,17 @@ def _linger(store: Any, world_size: int) -> None:
         time.sleep(0.02)
 
 
-def fail(store: Any, message: str, rank: Optional[int] = None,
-         world_size: Optional[int] = None) -> RendezvousError:
-    """Tell every worker of the group that rendezvous failed; return the error to raise.
+def abort(store: Records, message: str, rank: int,
+          world_size: Optional[int] = None) -> RendezvousError:
+    """Tell every worker of a static group still forming that its rendezvous failed (a
+    sealed abort record: only a rank that holds the job secret can abort the group);
+    return the error to raise.
 
     Rank 0 hosts the store, so it lingers (a few seconds at most) until the others
     have read the error, instead of leaving them with a dead store.
     """
     try:
-        store.set(_ERROR_KEY, message)
+        store.put(_ERROR_KEY, {"message": message, "rank": rank})
         if rank == 0 and world_size:
             _linger(store, world_size)
     except Exception:  # noqa: BLE001 - best effort, the local error is what matters
@@ -263,86 +307,170 @@ def fail(store: Any, message: str, rank: Optional[int] = None,
     return RendezvousError(message)
 
 
-def claim(store: Any, name: str, rank: int, world_size: int,
-          timeout: Union[float, Plan]) -> bytes:
-    """Claim ``rank`` and ``name`` in the store; return the job secret. ``timeout``:
-    seconds, or the plan of the whole rendezvous (its deadline and secret source).
+def _take_static(store: Records, key: str, fields: Dict[str, Any],
+                 required: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Claim ``key`` with a sealed record of ``fields``; None if this worker holds it now,
+    else the fields of the good claim another rank made first. A value that is not a good
+    sealed claim (junk an outsider left there) is logged once and taken over."""
+    mine = store.sealed(key, fields)
+    current = b""
+    for _ in range(100):
+        held = store.compare_set(key, current, mine)
+        if held == mine:
+            return None
+        if held == current:  # the key vanished under the compare: claim it from empty
+            current = b""
+            continue
+        other = store.open(key, held, required, "a claim")
+        if other is not None:
+            return other
+        current = held
+    raise RendezvousError(f"cannot claim {key!r} in the rendezvous store: its value keeps "
+                          f"changing under this worker (another process writes it)")
 
-    A duplicate is reported to the whole group through the error key, so the
-    other workers fail at once instead of waiting for a rank that never comes.
+
+def claim(store: Records, name: str, rank: int, world_size: int,
+          timeout: Union[float, Plan]) -> None:
+    """Claim ``rank`` and ``name`` in a static group's store with sealed claims.
+    ``timeout``: seconds, or the plan of the whole rendezvous.
+
+    A duplicate is reported to the whole group through a sealed abort, so the other
+    workers fail at once instead of waiting for a rank that never comes. Only claims
+    sealed with the job secret count: an outsider's value is taken over.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
-    if store.add(f"rank/{rank}", 1) != 1:
-        raise fail(store, f"duplicate rank {rank}: two workers were started with rank {rank} "
-                          f"(this one is named {name!r}); give every worker its own rank",
-                   rank, world_size)
-    owner = store.compare_set(f"name/{name}", "", str(rank)).decode()
-    if owner != str(rank):
-        raise fail(store, f"RPC worker name {name} is not unique. Workers {owner} and {rank} "
-                          f"share the same name; give every worker its own name",
-                   rank, world_size)
-    return job_secret(store, rank, timeout, world_size)
+    nonce = random_tokens.token_hex(8)
+    if _take_static(store, f"rank/{rank}", {"name": name, "nonce": nonce},
+                    {"name": str, "nonce": str}) is not None:
+        raise abort(store, f"duplicate rank {rank}: two workers were started with rank {rank} "
+                           f"(this one is named {name!r}); give every worker its own rank",
+                    rank, world_size)
+    owner = _take_static(store, f"name/{name}", {"rank": rank, "nonce": nonce},
+                         {"rank": int, "nonce": str})
+    if owner is not None:
+        raise abort(store, f"RPC worker name {name} is not unique. Workers {owner['rank']} and "
+                           f"{rank} share the same name; give every worker its own name",
+                    rank, world_size)
 
 
 def job_secret(store: Any, rank: int, timeout: Union[float, Plan],
                world_size: Optional[int] = None, keep: bool = False) -> bytes:
     """The job secret (see :mod:`.secret`: never through the store unless opted in),
     waited for until ``timeout`` (seconds, or the rendezvous plan, whose secret source
-    applies); ``keep``: a secret file made here outlives this process."""
+    applies); ``keep``: a secret file made here outlives this process.
+
+    A failure here is this worker's own: nothing is written to the store (a process
+    that cannot read the secret must not be able to fail the group)."""
     plan = Plan.of(timeout)
 
     def wait(keys: list, what: str) -> None:
         _poll(store, keys, plan.deadline.at, what, rank, world_size)
 
-    try:
-        return secret.job_secret(store, rank, host_identity(), wait, keep, plan.secret)
-    except RendezvousError as exc:
-        raise fail(store, f"rank {rank}: {exc}", rank, world_size) from exc
+    return secret.job_secret(store, rank, host_identity(), wait, keep, plan.secret,
+                             plan.deadline.at)
 
 
-def publish(store: Any, name: str, rank: int, world_size: int, address: Tuple[str, int],
+def publish(store: Records, name: str, rank: int, world_size: int, address: Tuple[str, int],
             timeout: Union[float, Plan], extra: Optional[Dict[str, Any]] = None
             ) -> Dict[int, Dict[str, Any]]:
-    """Publish where this worker listens (and the JSON-able ``extra`` facts about it); wait
-    for every rank until ``timeout`` (seconds, or the rendezvous plan); return all
-    infos by rank."""
+    """Publish where this worker listens (and the JSON-able ``extra`` facts about it), in a
+    sealed record; wait for every rank's until ``timeout`` (seconds, or the rendezvous
+    plan); return all infos by rank."""
     info = {"name": name, "host": address[0], "port": address[1], "hostid": host_identity(),
             **process_identity(), **(extra or {})}
-    store.set(f"worker/{rank}", json.dumps(info))
+    store.put(f"worker/{rank}", info)
     keys = [f"worker/{r}" for r in range(world_size)]
     _poll(store, keys, Plan.of(timeout).deadline.at, f"all {world_size} workers to join", rank,
-          world_size)
-    return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
+          world_size, _WORKER_FIELDS)
+    infos = {}
+    for r, key in enumerate(keys):
+        fields = store.read(key, _WORKER_FIELDS, "where a worker listens")
+        if fields is None:  # replaced by junk since the poll saw it: the store was tampered with
+            raise RendezvousError(f"the record of rank {r} ({key}) in the rendezvous store "
+                                  f"was replaced by one that fails its check")
+        infos[r] = fields
+    return infos
 
 
-def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
+def mark_lost(store: Records, rank: int, why: str) -> None:
+    """Tell the group that worker ``rank`` is lost, and why (a sealed record)."""
+    store.put(f"lost/{rank}", {"rank": rank, "why": why})
+    store.add("lost", 1)
+
+
+def lost(store: Records, rank: int) -> Optional[str]:
+    """Why worker ``rank`` is lost, if a worker said so (sealed: an outsider cannot make a
+    worker lost); else None."""
+    if not store.check([f"lost/{rank}"]):
+        return None
+    fields = store.read(f"lost/{rank}", {"rank": int, "why": str}, "a lost worker")
+    return fields["why"] if fields is not None and fields["rank"] == rank else None
+
+
+def arrived(store: Records, key: str, rank: int) -> bool:
+    """Whether worker ``rank`` marked its arrival at barrier ``key`` (a sealed record)."""
+    fields = store.read(f"{key}/{rank}", _ARRIVAL_FIELDS, "an arrival at a barrier")
+    return fields is not None and fields["rank"] == rank
+
+
+def _all_arrived(store: Records, key: str, world_size: int) -> bool:
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    return store.check(keys) and all(arrived(store, key, r) for r in range(world_size))
+
+
+def barrier(store: Records, key: str, world_size: int, deadline: Optional[float],
             check: Any = None, rank: Optional[int] = None) -> None:
     """Count this worker in at ``key`` and wait for all; ``check()`` may raise to abort.
 
-    With ``rank``, also mark ``key/rank`` so that others can tell who is missing.
+    Each worker marks its arrival at ``key/rank`` with a sealed record (``rank``: this
+    worker's, always given in a group that may be reached by outsiders) and counts
+    itself in at ``key``. The counter only says when to look: the barrier is complete
+    when every rank's sealed arrival is there, so an outsider that adds to the counter
+    cannot let anyone through early. A worker whose ``deadline`` has passed when it
+    arrives (one that does not wait) counts in and returns at once, touching the store
+    no more: rank 0 may close the store the moment everyone is in.
     """
     if rank is not None:
-        store.set(f"{key}/{rank}", "1")
-    # The count this worker's arrival made: the last to arrive touches the store no more
-    # (rank 0 may close it the moment everyone is in).
-    arrived = int(store.add(key, 1))
+        store.put(f"{key}/{rank}", {"rank": rank})
+    arrived_count = int(store.add(key, 1))
+    if deadline is not None and time.monotonic() >= deadline:
+        if arrived_count < world_size:
+            raise BarrierTimeoutError(
+                f"timed out at the shutdown barrier: {arrived_count} of {world_size} "
+                f"workers arrived")
+        return
+
+    look_at = time.monotonic() + 2.0
+
+    def complete(count: int) -> bool:
+        nonlocal look_at
+        if rank is None:
+            return count >= world_size
+        if count < world_size:
+            # An outsider may have taken from the counter: look at the arrivals
+            # themselves now and then.
+            if time.monotonic() < look_at:
+                return False
+            look_at = time.monotonic() + 2.0
+        return _all_arrived(store, key, world_size)
+
     delay = 0.002
     start = time.monotonic()
-    while arrived < world_size:
+    while not complete(arrived_count):
         if check is not None:
             try:
                 check()
             except Exception:
                 # A worker that passed the barrier since the count was read may have
                 # stopped already: that is a complete barrier, not a lost worker.
-                if int(store.add(key, 0)) >= world_size:
+                if complete(int(store.add(key, 0))):
                     break
                 raise
         if deadline is not None and time.monotonic() > deadline:
             raise BarrierTimeoutError(
-                f"timed out at the shutdown barrier: {arrived} of {world_size} workers "
-                f"arrived")
+                f"timed out at the shutdown barrier: {min(arrived_count, world_size)} of "
+                f"{world_size} workers arrived")
         time.sleep(delay)
         # Back off to a few polls a second: a worker may wait here for as long as the
         # others keep working (a callee that has nothing else to do, during the whole
@@ -350,4 +478,4 @@ def barrier(store: Any, key: str, world_size: int, deadline: Optional[float],
         # with the workers for the CPUs. 20 polls a second for the first second, so a
         # group that arrives together leaves together; then 5.
         delay = min(delay * 2, 0.05 if time.monotonic() - start < 1.0 else 0.2)
-        arrived = int(store.add(key, 0))
+        arrived_count = int(store.add(key, 0))

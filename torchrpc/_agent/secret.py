@@ -10,9 +10,12 @@ file, so it carries at most a *locator*: which file on which host holds the secr
    every worker the same value.
 2. Otherwise rank 0 creates a random secret in a file of its own, mode 0600, in a
    per-user directory of mode 0700 (``$XDG_RUNTIME_DIR/torchrpc``, else
-   ``/tmp/torchrpc-<uid>``), and puts the file's name and its host's identity in the
-   store. Workers on the same host, running as the same user, read it; anyone else
-   cannot. A worker on another host fails at once, naming the ways to provide a secret.
+   ``/tmp/torchrpc-<uid>``; one that another user made first, or a symlink, is passed
+   over for a fresh private directory of this process), and puts the file's directory,
+   its name and its host's identity in the store (the *locator*). Workers on the same
+   host, running as the same user, read it, after checking that the directory and the
+   file are theirs and private (the store is writable by anyone); anyone else cannot. A
+   worker on another host fails, naming the ways to provide a secret.
 3. The ``insecure_secret_in_store`` option or ``TORCHRPC_INSECURE_SECRET_IN_STORE=1``
    shares the secret through the store, for trusted networks only; every use logs a
    warning.
@@ -24,13 +27,16 @@ the agent hands the values here as a :class:`Source`.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import secrets
 import stat
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, List, Optional, Set
 
 from ..errors import RendezvousError
 
@@ -47,8 +53,12 @@ _HOW = (f"set {SECRET_ENV} to the same random string of at least {MIN_LENGTH} ch
         f"it, or (trusted networks only) {VIA_STORE_ENV}=1 to share it through the "
         f"rendezvous store; add TLS for cross-host links (see docs/security.md)")
 
+LOCATOR_KEY = "secret_locator"
+LOCATOR_GRACE = 5.0  # seconds a worker retries a locator it cannot use before it fails
+
 _lock = threading.Lock()
 _files: Set[str] = set()  # secret files this process created, removed at exit at the latest
+_fallback: List[str] = []  # this process's own directory, if the shared ones are not safe
 
 
 def _checked(value: bytes, where: str) -> bytes:
@@ -90,62 +100,126 @@ def launcher_secret(source: Source) -> Optional[bytes]:
         return _checked(f.read().strip(), SECRET_FILE_ENV)
 
 
-def runtime_dir() -> str:
-    """This user's private directory for secret files (created with mode 0700)."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "torchrpc") if base and os.path.isdir(base) else \
-        os.path.join("/tmp", f"torchrpc-{os.geteuid()}")
+def _unsafe(st: os.stat_result) -> Optional[str]:
+    """Why a directory with this ``lstat`` cannot hold secrets; None if it can."""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"its owner is uid {st.st_uid}, not this user (uid {os.geteuid()})"
+    if st.st_mode & 0o077:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return None
+
+
+def _private_dir(path: str) -> Optional[str]:
+    """``path``, made if missing (mode 0700), if it is this user's private directory;
+    else None, logged with why (another user may have made it first)."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise RendezvousError(
-            f"refusing to keep the job secret in {path}: it must be a directory owned by uid "
-            f"{os.geteuid()} with mode 0700, but it is mode {stat.S_IMODE(st.st_mode):04o}, "
-            f"owner uid {st.st_uid}{' (a symlink)' if stat.S_ISLNK(st.st_mode) else ''}; "
-            f"another user may have created it: remove it, or {_HOW}")
+    except OSError as exc:
+        log.warning("cannot keep the job secret in %s: %s", path, exc)
+        return None
+    why = _unsafe(os.lstat(path))
+    if why is not None:
+        log.warning("will not keep the job secret in %s: %s; another user may have made "
+                    "it first. Using a private directory of this process instead", path, why)
+        return None
     return path
 
 
+def runtime_dir() -> str:
+    """This user's private directory for secret files (mode 0700): ``$XDG_RUNTIME_DIR/
+    torchrpc``, else ``torchrpc-<uid>`` in the temporary directory. One that someone else
+    owns, with another mode, or a symlink, is not used: the process makes a fresh private
+    one of its own instead (``tempfile.mkdtemp``), removed at exit when empty."""
+    with _lock:
+        fallback = _fallback[-1] if _fallback else None
+    if fallback is not None and _unsafe(os.lstat(fallback)) is None:
+        return fallback  # passed over the shared ones already (and said why, once)
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = []
+    if base and os.path.isdir(base) and _unsafe(os.lstat(base)) is None:
+        candidates.append(os.path.join(base, "torchrpc"))
+    candidates.append(os.path.join(tempfile.gettempdir(), f"torchrpc-{os.geteuid()}"))
+    for path in candidates:
+        if _private_dir(path) is not None:
+            return path
+    with _lock:
+        _fallback.append(tempfile.mkdtemp(prefix=f"torchrpc-{os.geteuid()}-"))
+        return _fallback[-1]
+
+
 def create_local(host: str, keep: bool = False) -> tuple[bytes, str]:
-    """Rank 0: a new secret in a new private file; return it and the store locator.
+    """Rank 0: a new secret in a new private file; return it and the store locator (a
+    JSON object: the host's identity, the directory and the file's name).
 
     The file is removed once every rank has read it, or at exit at the latest, unless
     ``keep`` (a dynamic group whose store outlives rank 0: members may join after it left).
     """
     secret = secrets.token_hex(32).encode()
     name = f"job-{secrets.token_hex(16)}"
-    path = os.path.join(runtime_dir(), name)
+    directory = runtime_dir()
+    path = os.path.join(directory, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secret)
     if not keep:
         with _lock:
             _files.add(path)
-    return secret, f"{host}/{name}"
+    return secret, json.dumps({"host": host, "dir": directory, "file": name})
+
+
+def _parse_locator(locator: str) -> tuple[str, str, str]:
+    try:
+        fields = json.loads(locator)
+        where = (fields["host"], fields["dir"], fields["file"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RendezvousError(f"malformed secret locator in the rendezvous store "
+                              f"({locator[:80]!r}): {exc!r}") from None
+    if not all(isinstance(x, str) for x in where):
+        raise RendezvousError(f"malformed secret locator in the rendezvous store "
+                              f"({locator[:80]!r})")
+    return where
 
 
 def read_local(locator: str, host: str) -> bytes:
-    """Any other rank: the secret rank 0 keeps in the file the locator names."""
-    their_host, _, name = locator.rpartition("/")
+    """Any other rank: the secret rank 0 keeps in the file the locator names. The
+    locator comes from the untrusted store, so what it names is checked: a directory
+    and a file (no symlinks) of this user, that no one else may read or write."""
+    their_host, directory, name = _parse_locator(locator)
     if their_host != host:
         raise RendezvousError(
             f"cannot get the job secret: rank 0 created it on another host (or container), "
             f"where only its own user can read it; {_HOW}")
-    if not name.startswith("job-") or os.sep in name:
-        raise RendezvousError(f"malformed secret locator {locator!r} in the rendezvous store")
-    path = os.path.join(runtime_dir(), name)
+    if not name.startswith("job-") or os.sep in name or not os.path.isabs(directory):
+        raise RendezvousError(f"malformed secret locator {locator[:200]!r} in the rendezvous "
+                              f"store")
+    path = os.path.join(directory, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise RendezvousError(f"cannot read the job secret rank 0 created ({path}): {exc}; "
-                              f"are all workers of this host running as the same user? "
-                              f"Otherwise {_HOW}") from exc
+        raise RendezvousError(f"cannot open the directory of the job secret rank 0 created "
+                              f"({directory}): {exc}; are all workers of this host running as "
+                              f"the same user? Otherwise {_HOW}") from exc
+    try:
+        why = _unsafe(os.fstat(dfd))
+        if why is not None:
+            raise RendezvousError(f"refusing the secret directory {directory}: {why}; {_HOW}")
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError as exc:
+            raise RendezvousError(f"cannot read the job secret rank 0 created ({path}): {exc}; "
+                                  f"are all workers of this host running as the same user? "
+                                  f"Otherwise {_HOW}") from exc
+    finally:
+        os.close(dfd)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise RendezvousError(f"refusing the secret file {path}: owner uid {st.st_uid}, "
                                   f"mode {stat.S_IMODE(st.st_mode):04o}; {_HOW}")
         return _checked(f.read().strip(), path)
@@ -163,7 +237,16 @@ def discard_local() -> None:
             pass
 
 
-atexit.register(discard_local)
+def _at_exit() -> None:
+    discard_local()
+    for path in _fallback:
+        try:
+            os.rmdir(path)  # only when empty: kept files serve later joiners
+        except OSError:
+            pass
+
+
+atexit.register(_at_exit)
 
 
 def via_store_allowed(source: Source) -> bool:
@@ -178,10 +261,16 @@ def via_store_allowed(source: Source) -> bool:
 
 def job_secret(store: Any, rank: int, host: str,
                wait: Callable[[list, str], None], keep: bool = False,
-               source: Source = Source()) -> bytes:
+               source: Source = Source(), deadline: Optional[float] = None) -> bytes:
     """The job's secret: from the launcher, or shared by rank 0 as the module docs say.
 
-    ``wait(keys, what)`` blocks until the store has ``keys``.
+    ``wait(keys, what)`` blocks until the store has ``keys``; ``deadline`` (a
+    ``time.monotonic()``) bounds the retries of a locator that cannot be used (yet).
+
+    The locator is the one thing read from the store before the secret is known, and it
+    is untrusted: rank 0 replaces one it cannot use (an outsider's, written first), and
+    the others retry one they cannot use for :data:`LOCATOR_GRACE` seconds (rank 0 may
+    be about to replace it) before they fail, alone.
     """
     secret = launcher_secret(source)
     if secret is not None:
@@ -193,11 +282,42 @@ def job_secret(store: Any, rank: int, host: str,
         wait(["insecure_secret"], "the job secret from rank 0")
         return store.get("insecure_secret")
     if rank == 0:
-        secret, locator = create_local(host, keep)
-        held = store.compare_set("secret_locator", "", locator).decode()
+        return _create_shared(store, host, keep)
+    give_up: Optional[float] = None
+    said = ""
+    while True:
+        wait([LOCATOR_KEY], "where rank 0 keeps the job secret")
+        try:
+            return read_local(store.get(LOCATOR_KEY).decode(errors="replace"), host)
+        except RendezvousError as exc:
+            now = time.monotonic()
+            give_up = give_up or now + LOCATOR_GRACE
+            if now > give_up or (deadline is not None and now > deadline):
+                raise
+            if str(exc) != said:
+                said = str(exc)
+                log.warning("the secret locator in the rendezvous store cannot be used (yet); "
+                            "retrying for %g s: %s", LOCATOR_GRACE, exc)
+            time.sleep(0.05)
+
+
+def _create_shared(store: Any, host: str, keep: bool) -> bytes:
+    """Rank 0: make the secret file and put its locator in the store; a rank 0 that finds
+    a usable locator there already (it rejoins a dynamic group, or a duplicate rank 0
+    came first) reads that secret instead, and one it cannot use is replaced."""
+    secret, locator = create_local(host, keep)
+    held = store.compare_set(LOCATOR_KEY, "", locator).decode(errors="replace")
+    for _ in range(5):
         if held == locator:
             return secret
-        discard_local()  # a rank 0 that rejoins a dynamic group keeps the group's secret
-        return read_local(held, host)
-    wait(["secret_locator"], "where rank 0 keeps the job secret")
-    return read_local(store.get("secret_locator").decode(), host)
+        try:
+            theirs = read_local(held, host)
+        except RendezvousError as exc:
+            log.warning("rank 0 replaces the secret locator it found in the rendezvous store, "
+                        "which it cannot use: %s", exc)
+            held = store.compare_set(LOCATOR_KEY, held, locator).decode(errors="replace")
+            continue
+        discard_local()
+        return theirs
+    raise RendezvousError("cannot put the secret locator in the rendezvous store: another "
+                          "process keeps writing it")

@@ -42,8 +42,9 @@ Graceful shutdown of a fixed group meets every worker at three store barriers:
 While it waits (for its requests, or at barriers 1 and 2), a worker checks its peers
 (:meth:`Shutdown.check_peers`): a peer whose connection broke without a GOODBYE and that
 cannot be reached again is gone, and shutdown fails with a :class:`ShutdownError` naming
-it instead of waiting forever. Losses are shared through the store (``lost/<rank>``), the
-workers missing from a barrier are probed by connecting to them, and a worker that said
+it instead of waiting forever. Losses are shared through the store (``lost/<rank>``, a
+sealed record like each arrival at a barrier: see rendezvous.py), the workers missing
+from a barrier are probed by connecting to them, and a worker that said
 GOODBYE without reaching the barrier (its own shutdown failed, or was not graceful) fails
 it at once. A worker that left early has usually found a dead one and said so in the
 store first, so a departure makes the others read the store's losses at once, and the
@@ -154,7 +155,7 @@ def _check_left(agent: "Agent", barrier: str) -> None:
         left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
     if not left:
         return
-    missing = [(r, w) for r, w in left if not agent.store.check([f"{barrier}/{r}"])]
+    missing = [(r, w) for r, w in left if not rendezvous.arrived(agent.store, barrier, r)]
     if missing:
         names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
         raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
@@ -238,7 +239,7 @@ class Shutdown:
                 self.enter(STOPPING)
                 now, last = time.monotonic(), True
                 until = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
-                rendezvous.barrier(store, "shutdown/3", world_size, until)
+                rendezvous.barrier(store, "shutdown/3", world_size, until, rank=rank)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self.stop(deadline)
@@ -379,8 +380,7 @@ class Shutdown:
         for r, why in gone:
             if r not in self._shared_lost and r not in agent.registry.left:
                 self._shared_lost.add(r)
-                store.set(f"lost/{r}", f"{agent.name} lost it: {why}")
-                store.add("lost", 1)
+                rendezvous.mark_lost(store, r, f"{agent.name} lost it: {why}")
         seen = int(store.add("lost", 0))
         if seen == self._lost_seen:
             return
@@ -388,9 +388,10 @@ class Shutdown:
         with self._lock:
             ranks = list(agent.registry.workers)
         for r in ranks:
-            if r != agent.rank and r not in agent.connections.lost and r not in agent.registry.left \
-                    and store.check([f"lost/{r}"]):
-                why = store.get(f"lost/{r}").decode(errors="replace")
+            why = None
+            if r != agent.rank and r not in agent.connections.lost and r not in agent.registry.left:
+                why = rendezvous.lost(store, r)
+            if why is not None:
                 with self._lock:
                     agent.connections.lost[r] = why
                 self._shared_lost.add(r)
@@ -408,7 +409,7 @@ class Shutdown:
         with self._lock:
             ranks = list(agent.registry.workers)
         self.probe([r for r in ranks
-                    if r != agent.rank and not agent.store.check([f"{barrier}/{r}"])])
+                    if r != agent.rank and not rendezvous.arrived(agent.store, barrier, r)])
 
     def probe(self, ranks: Iterable[int]) -> None:
         """:meth:`Agent.probe`."""

@@ -2,8 +2,12 @@
 
 ``start`` claims this worker's rank (or joins a dynamic group), opens the transport with
 the agent's parts as its callbacks, publishes the address and learns everyone else's,
-then starts the agent's threads. A failure before the group has met is written to the
-store, so every other worker's rendezvous fails with it instead of waiting.
+then starts the agent's threads. Once the job secret is known, the agent's store is a
+:class:`rendezvous.Records`: what the group acts on is sealed. A static group's worker
+that fails before the group has met (holding the secret) aborts the group with a sealed
+record, so every other worker's rendezvous fails with it instead of waiting; a failure to
+get the secret, and any failure of a joiner of a dynamic group, stays its own (the
+joiner releases its claims).
 """
 
 from __future__ import annotations
@@ -30,35 +34,48 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
     host = rendezvous.listen_host(agent.options.init_method,
                                   getattr(agent.options, "listen_addr", None))
     if agent.elastic:
-        secret = membership.join(store, agent.name, rank, plan,
-                                 membership.outlives_rank0(agent.options.init_method),
-                                 registry.incarnation)
+        secret = rendezvous.job_secret(store, rank, plan,
+                                       keep=membership.outlives_rank0(agent.options.init_method))
+        store = agent.store = rendezvous.Records(store, secret, membership.PREFIX)
+        registry.log = membership.EventLog(store)
+        membership.join(store, agent.name, rank, plan, registry.incarnation, registry.log)
     else:
-        secret = rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
+        secret = rendezvous.job_secret(store, rank, plan, agent.world_size)
+        store = agent.store = rendezvous.Records(store, secret, rendezvous.PREFIX)
+        rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
+    announced = False
     try:
-        agent._transport = _transport(agent, secret, host)
-    except ValueError as exc:
-        rendezvous.fail(store, f"worker {agent.name!r} (rank {rank}): {exc}")
-        raise
-    except RpcError as exc:
-        raise rendezvous.fail(store, f"worker {agent.name!r} (rank {rank}): {exc}") from exc
-    try:
-        # Peers watch this worker for silence only if they know it sends heartbeats.
-        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
-                                 **devices.facts(registry.device_maps,
-                                                 list(getattr(agent.options, "devices", ())))}
-        if agent.elastic:
-            membership.announce(store, agent.name, rank, agent._transport.address, facts,
-                                registry.incarnation)
-            registry.log = membership.EventLog(store)
-            infos = membership.EventLog.members(registry.log.poll())
-        else:
-            infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
-                                       agent._transport.address, plan, facts)
-            discard_local_secret()  # every rank has joined, so has read it
-        devices.check(infos, static=not agent.elastic)
+        try:
+            agent._transport = _transport(agent, secret, host)
+        except (ValueError, RpcError) as exc:
+            if not agent.elastic:
+                error = rendezvous.abort(store, f"worker {agent.name!r} (rank {rank}): {exc}",
+                                         rank, agent.world_size)
+                if isinstance(exc, RpcError):
+                    raise error from exc
+            raise
+        try:
+            # Peers watch this worker for silence only if they know it sends heartbeats.
+            facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
+                                     **devices.facts(registry.device_maps,
+                                                     list(getattr(agent.options, "devices", ())))}
+            if agent.elastic:
+                membership.announce(store, agent.name, rank, agent._transport.address, facts,
+                                    registry.incarnation)
+                announced = True
+                registry.log.poll()
+                infos = dict(registry.log.current)
+            else:
+                infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
+                                           agent._transport.address, plan, facts)
+                discard_local_secret()  # every rank has joined, so has read it
+            devices.check(infos, static=not agent.elastic)
+        except BaseException:
+            agent._transport.close()
+            raise
     except BaseException:
-        agent._transport.close()
+        if agent.elastic:
+            _undo_join(agent, announced)
         raise
     for r, info in infos.items():
         registry.add(r, info)
@@ -70,6 +87,18 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
     log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
              agent.world_size, *agent._transport.address,
              " (TLS)" if getattr(agent.options, "tls_certfile", None) else "")
+
+
+def _undo_join(agent: "Agent", announced: bool) -> None:
+    """A dynamic group's joiner failed: free its claims (and announce its departure, if
+    it announced its arrival), so that the rank and the name are not held by it."""
+    try:
+        if announced:
+            membership.leave(agent.store, agent.name, agent.rank, agent.registry.incarnation)
+        else:
+            membership.release(agent.store, agent.name, agent.rank, agent.registry.incarnation)
+    except Exception as exc:  # noqa: BLE001 - the store host may be gone: its claims with it
+        log.warning("%s could not release its claims after a failed join: %s", agent.name, exc)
 
 
 def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..errors import RendezvousError
 from .rendezvous import Plan, Records, claim_membership, host_identity, process_identity
 
-PREFIX = "torchrpc-elastic"  # the store prefix of a dynamic group, the job its records are sealed for
+PREFIX = "torchrpc-elastic"  # a dynamic group's store prefix: the job its records are sealed for
 
 
 def open_elastic_store(init_method: str, rank: int, timeout: Union[float, Plan]) -> Any:
@@ -254,7 +254,6 @@ class EventLog:
         store = self._store
         count = int(store.add("events", 0))
         events: List[Dict[str, Any]] = []
-        self._read_late(events)
         deadline = time.monotonic() + wait
         while self._seen < count:
             n = self._seen + 1
@@ -274,6 +273,7 @@ class EventLog:
                 continue
             self._seen = n
             self._take(key, store.get(key), events)
+        self._read_late(events)  # after the new ones: a late join of one that left is dropped
         return events
 
     def _read_late(self, events: List[Dict[str, Any]]) -> None:

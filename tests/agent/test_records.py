@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torchrpc._agent import membership, records, rendezvous
 from torchrpc._agent.group_store import Records
-from torchrpc.errors import BarrierTimeoutError
+from torchrpc.errors import BarrierTimeoutError, RendezvousError
 
 KEY = records.derive_key(b"s" * 64, "torchrpc")
 
@@ -73,7 +73,7 @@ def test_a_good_mac_over_a_bad_body_is_refused_saying_why(body, why):
 
 def test_each_bad_record_is_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="torchrpc")
-    bad = records.BadRecords(logging.getLogger("torchrpc.test"))
+    bad = records.BadRecords(logging.getLogger("torchrpc.test").warning)
     for _ in range(3):
         bad.report("torchrpc/event/1", b"junk", records.BadRecord("not a sealed record"))
     bad.report("torchrpc/event/2", b"junk", records.BadRecord("not a sealed record"))
@@ -158,3 +158,40 @@ def test_the_barrier_counts_sealed_arrivals_not_the_counter(stores):
     rendezvous.barrier(store, "shutdown/2", 2, time.monotonic() + 10, rank=1)
     waiter.join(10)
     assert done == [None]
+
+
+def test_claims_bind_only_when_sealed_and_live(stores, caplog):
+    raw, store = stores
+    caplog.set_level(logging.WARNING, logger="torchrpc")
+    membership.join(store, "a", 1, 10, incarnation=11)
+    membership.announce(store, "a", 1, ("127.0.0.1", 1), incarnation=11)
+    # Squatted with junk, or with a's own claims moved to other keys: taken over.
+    raw.set("rank/2", "b 666")
+    raw.set("name/b", raw.get("name/a"))
+    raw.set("rank/3", raw.get("rank/1"))
+    membership.join(store, "b", 2, 10, incarnation=22)
+    membership.join(store, "c", 3, 10, incarnation=33)
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "'torchrpc-elastic/rank/2' (a claim): not a sealed record" in said
+    assert "'torchrpc-elastic/name/b' (a claim): its MAC does not match" in said
+    assert "'torchrpc-elastic/rank/3' (a claim): its MAC does not match" in said
+    # A member's claims bind; so do those of a joiner that is not in yet, until they
+    # expire (it failed, or died, before it joined and released them).
+    with pytest.raises(RendezvousError, match="rank 1 is already used by worker 'a'"):
+        membership.join(store, "x", 1, 10, incarnation=44)
+    with pytest.raises(RendezvousError, match="'b' is already in use by rank 2"):
+        membership.join(store, "b", 4, 10, incarnation=45)
+    membership.join(store, "d", 5, 0.5, incarnation=55)  # never announced
+    with pytest.raises(RendezvousError, match="rank 5 is already used by worker 'd'"):
+        membership.join(store, "e", 5, 10, incarnation=66)
+    time.sleep(0.6)
+    membership.join(store, "e", 5, 10, incarnation=66)
+    membership.join(store, "d", 6, 10, incarnation=67)
+    # A failed join releases its claims at once; a replayed claim of a member that left
+    # binds nothing.
+    membership.release(store, "e", 5, 66)
+    membership.join(store, "f", 5, 10, incarnation=77)
+    old = raw.get("rank/1")
+    membership.leave(store, "a", 1, 11)
+    raw.set("rank/1", old)
+    membership.join(store, "g", 1, 10, incarnation=88)

@@ -7,12 +7,10 @@ what it reads; a record that fails its check is ignored and logged once (on the
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, List, Optional
 
+from .._transport.logbudget import LogBudget
 from . import records
-
-log = logging.getLogger(__name__)
 
 
 class Records:
@@ -25,7 +23,8 @@ class Records:
         self.store = store
         self.job = job
         self._key = records.derive_key(secret, job)
-        self._bad = records.BadRecords(log)
+        self._bad = records.BadRecords(
+            LogBudget(what="ignored records of the rendezvous store").warn)
 
     def sealed(self, key: str, fields: Dict[str, Any]) -> bytes:
         """The sealed record of ``fields`` for store key ``key``."""

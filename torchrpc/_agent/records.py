@@ -26,8 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
-from typing import Any, Dict, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type, Union
 
 MAGIC = b"R1 "
 _MAC_HEX = 64
@@ -92,13 +91,14 @@ def open_record(key: bytes, job: str, where: str, value: Union[bytes, str],
 
 
 class BadRecords:
-    """Logs each bad record once, at WARNING, on ``logger`` (a bounded memory of the ones
-    logged, so that a flood of junk neither fills memory nor the log)."""
+    """Logs each bad record once, with ``warn`` (a logger's ``warning``, or a rate-limited
+    one, so that a flood of junk does not flood the log), remembering a bounded number of
+    the ones logged (so that it does not fill memory either)."""
 
     LIMIT = 1024
 
-    def __init__(self, logger: logging.Logger) -> None:
-        self._log = logger
+    def __init__(self, warn: Callable[..., None]) -> None:
+        self._warn = warn
         self._seen: Dict[Tuple[str, bytes], None] = {}
 
     def report(self, where: str, value: Union[bytes, str], error: BadRecord,
@@ -112,5 +112,5 @@ class BadRecords:
         if len(self._seen) >= self.LIMIT:
             self._seen.pop(next(iter(self._seen)))
         self._seen[mark] = None
-        self._log.warning("ignored the rendezvous store's record at %r%s: %s", where,
-                          f" ({what})" if what else "", error)
+        self._warn("ignored the rendezvous store's record at %r%s: %s", where,
+                   f" ({what})" if what else "", error)

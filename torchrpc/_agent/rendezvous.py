@@ -127,8 +127,17 @@ _MEMBERSHIP_KEY = "torchrpc-membership"
 
 def claim_membership(store: Any, kind: str) -> None:
     """Mark the rendezvous store as serving a ``static`` (fixed world size) or ``dynamic``
-    group; a worker of the other kind is refused, since the two protocols cannot meet."""
-    held = store.compare_set(_MEMBERSHIP_KEY, "", kind).decode()
+    group; a worker of the other kind is refused, since the two protocols cannot meet.
+    The mark is read before the job secret is known, so it cannot be sealed: a value that
+    is neither kind (junk an outsider wrote first) is taken over."""
+    value = store.compare_set(_MEMBERSHIP_KEY, "", kind)
+    for _ in range(5):
+        if value in (b"static", b"dynamic"):
+            break
+        log.warning("took over the rendezvous store's group mark %r, which names no kind of "
+                    "group (written by another process)", value[:40])
+        value = store.compare_set(_MEMBERSHIP_KEY, value, kind)
+    held = value.decode(errors="replace")
     if held != kind:
         raise RuntimeError(
             f"RPC group mixes statically and dynamically initialized members which is not "
@@ -249,7 +258,7 @@ def _unready(store: Any, keys: List[str], required: Optional[Dict[str, Any]]) ->
         return []
     if required is None:
         return [k for k in keys if not store.check([k])]
-    return [k for k in keys if store.read(k, required) is None]
+    return [k for k in keys if store.read(k, required, "a record waited for") is None]
 
 
 def _poll(store: Any, keys: List[str], deadline: float, what: str, rank: Optional[int] = None,

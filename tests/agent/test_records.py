@@ -125,7 +125,8 @@ def test_the_event_log_skips_bad_events_and_reads_on(stores, caplog, monkeypatch
     assert set(log.current) == {1, 3}
     said = " | ".join(r.getMessage() for r in caplog.records)
     for n, why in [(2, "not a sealed record"), (3, "not a sealed record"),
-                   (4, "MAC does not match"), (5, "lacks the field 'rank'")]:
+                   (4, "MAC does not match"), (5, "lacks the field 'rank'"),
+                   (6, "unknown op 'explode'")]:
         assert f"event/{n}'" in said and why in said, (n, said)
     # A slot written late (a slow writer) still counts, but a join of a process that left
     # (read late) does not bring it back.

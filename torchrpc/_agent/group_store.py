@@ -44,6 +44,10 @@ class Records:
             self._bad.report(f"{self.job}/{key}", value, exc, what)
             return None
 
+    def report(self, key: str, value: bytes, why: str) -> None:
+        """Log once that the good sealed record ``value`` at ``key`` was ignored: ``why``."""
+        self._bad.report(f"{self.job}/{key}", value, records.BadRecord(why))
+
     def read(self, key: str, required: Optional[Dict[str, Any]] = None,
              what: str = "") -> Optional[Dict[str, Any]]:
         """The fields of the sealed record at ``key``; None if there is none, or it is

@@ -2,21 +2,30 @@
 
 Theory of operation. The group is an append-only log of events in the store:
 ``events`` counts them and ``event/<n>`` holds the n-th, ``{"op": "join" | "leave",
-"rank", "name", "incarnation", "host", "port", "hostid"}``. A joiner claims its rank
-and name with compare-and-set (a clash is refused with an error naming the holder; the
-running worker is untouched), publishes a join event and replays the log to
-learn the members. Every member follows the log (:class:`EventLog`) to learn of
-later joins and departures. Leaving releases the rank and name so they can be
-reused, then appends a leave event. The worker hosting the store (rank 0) must stay
-for the life of the group, as with torch.
+"rank", "name", "incarnation", "host", "port", "hostid"}``. The store is untrusted, so
+every event and claim is a sealed record (records.py): a joiner first gets the job
+secret, then reads the log, claims its rank and name with compare-and-set of a sealed
+claim (a clash is refused with an error naming the holder; the running worker is
+untouched), publishes a join event and learns the members from the log. Every member
+follows the log (:class:`EventLog`) to learn of later joins and departures; a bad
+record in it is skipped and logged once, a counted slot that stays empty is skipped
+after :data:`GAP_WAIT`. Leaving releases the rank and name so they can be reused, then
+appends a leave event. The worker hosting the store (rank 0) must stay for the life of
+the group, as with torch.
+
+A claim binds while its process is a member, or, while it joins, until the claim
+expires (the joiner's rendezvous timeout after it was made): one that failed releases
+its claims, and one that died before it joined blocks the rank and name no longer than
+that. Anything else at a claim's key (a released claim, an outsider's junk, a claim
+moved from another key, a replayed claim of a process that left) is taken over.
 
 A member that dies cannot leave: the first survivor that declares it lost
 (:func:`remove_lost`) releases its claims and appends a leave event marked ``lost``
 for it, so a new process may join under its name and rank. Every claim and event
 carries the member's *incarnation*, a random number drawn at each ``init_rpc``:
-claims are released only by compare-and-set on the incarnation that made them (to a
-token unique to that release, so that exactly one releaser wins), and a leave event
-removes a member only if its incarnation matches, so a late or repeated
+claims are released only by compare-and-set on the claim of the incarnation that made
+them (to a token unique to that release, so that exactly one releaser wins), and a
+leave event removes a member only if its incarnation matches, so a late or repeated
 removal never touches the process that took the name since, and a removed process
 that comes back (a stopped one continued) recognises the leave event of its own
 incarnation and knows it is out of the group.
@@ -295,6 +304,7 @@ class EventLog:
             if event is None or event["incarnation"] in self.gone:
                 return
         elif event["op"] != "leave":
+            self._store.report(key, value, f"a membership event of unknown op {event['op']!r}")
             return
         else:
             self.gone.add(event["incarnation"])

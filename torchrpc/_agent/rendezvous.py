@@ -458,10 +458,12 @@ def barrier(store: Records, key: str, world_size: int, deadline: Optional[float]
             return count >= world_size
         if count < world_size:
             # An outsider may have taken from the counter: look at the arrivals
-            # themselves now and then.
+            # themselves now and then (and mark this worker's again, if it was deleted).
             if time.monotonic() < look_at:
                 return False
             look_at = time.monotonic() + 2.0
+            if not arrived(store, key, rank):
+                store.put(f"{key}/{rank}", {"rank": rank})
         return _all_arrived(store, key, world_size)
 
     delay = 0.002

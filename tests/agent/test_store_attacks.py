@@ -132,9 +132,15 @@ def test_replayed_and_moved_records_are_ignored(caplog):
     join, claim, name = store.get(f"event/{joins[0]}"), store.get("rank/1"), store.get("name/w1")
     n = store.add("events", 1)
     store.set(f"event/{n}", join)  # another sequence
+    # w1's join again, at its own next slot, pointing at the outsider's address: a new
+    # joiner must not dial it.
+    redirected = store.add("events", 1)
+    store.set(f"event/{redirected}", join.replace(b'"hostid":"', b'"hostid":"evil').replace(
+        f'"port":{current_agent().registry.addresses[1][1]}'.encode(), b'"port":1'))
     store.set("rank/5", claim)     # another key: the rank w5 will claim
     store.set("name/w5", name)
-    wait_for("the moved event ignored", lambda: ignored(caplog, f"event/{n}", "MAC"), 10)
+    wait_for("the moved and the redirected events ignored", lambda: ignored(
+        caplog, f"event/{n}", "MAC") and ignored(caplog, f"event/{redirected}", "MAC"), 10)
     joins_and_serves("w5", 5)  # it took the claims over (test_records.py checks the log)
     still_serving()
 

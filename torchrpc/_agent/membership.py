@@ -179,8 +179,12 @@ def join(store: Records, name: str, rank: int, timeout: Union[float, Plan],
         raise RendezvousError(f"rank {rank} is already used by worker {holder['name']!r}; "
                               f"pick a free rank for {name!r}")
     key = f"name/{name}"
-    owner = _take(store, key, _claim(store, key, {"rank": rank}, incarnation, limit),
-                  _NAME_CLAIM, log)
+    try:
+        owner = _take(store, key, _claim(store, key, {"rank": rank}, incarnation, limit),
+                      _NAME_CLAIM, log)
+    except BaseException:
+        _release(store, f"rank/{rank}", "name", name, incarnation)
+        raise
     if owner is not None:
         _release(store, f"rank/{rank}", "name", name, incarnation)
         raise RendezvousError(f"worker name {name!r} is already in use by rank "

@@ -37,9 +37,9 @@ needs_nobody = pytest.mark.skipif(
         "/usr/bin/python3.11"), reason="needs root and runuser to run a process as nobody")
 
 
-def spawn(name: str, rank: int) -> Any:
+def spawn(name: str, rank: int, **extra: str) -> Any:
     env = worker_env(PORT, 0, {"SCENARIO_NAME": name,
-                               "SCENARIO_STOPFILE": os.path.join(STOP, f"stop-{name}")})
+                               "SCENARIO_STOPFILE": os.path.join(STOP, f"stop-{name}"), **extra})
     env.pop("WORLD_SIZE")
     return start_module("tests.scenarios", ["elastic_member", str(rank), "0", "0"], env,
                         capture=True)
@@ -213,3 +213,15 @@ def test_a_joiner_gets_in_while_an_outsider_floods_the_store(caplog):
         stop.set()
         flooder.join(10)
     assert written["n"] > 50, written
+
+
+def test_a_failed_join_releases_its_claims_at_once():
+    # Its secret is good, but its listener cannot bind: it fails alone, and its rank and
+    # name are free for the next joiner at once (not when its claims expire).
+    failed = spawn("w8", 8, TORCHRPC_LISTEN_ADDR="192.0.2.1")  # TEST-NET-1: not this host's
+    out, _ = failed.communicate(timeout=120)
+    assert "ERR" in out and "w8" in out, out
+    store = outsider()
+    assert store.get("rank/8").startswith(b"free ") and store.get("name/w8").startswith(b"free ")
+    joins_and_serves("w8", 8)
+    still_serving()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from .._transport import Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
-from ..errors import RpcError
+from ..errors import RendezvousError, RpcError
 from . import devices, membership, rendezvous
 from .secret import discard_local as discard_local_secret
 from .shutdown import RUNNING
@@ -43,37 +43,32 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
         secret = rendezvous.job_secret(store, rank, plan, agent.world_size)
         store = agent.store = rendezvous.Records(store, secret, rendezvous.PREFIX)
         rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
+    try:
+        agent._transport = _transport(agent, secret, host)
+    except ValueError as exc:
+        _failed(agent, exc)
+        raise
+    except RpcError as exc:
+        raise _failed(agent, exc) from exc
     announced = False
     try:
-        try:
-            agent._transport = _transport(agent, secret, host)
-        except (ValueError, RpcError) as exc:
-            if not agent.elastic:
-                error = rendezvous.abort(store, f"worker {agent.name!r} (rank {rank}): {exc}",
-                                         rank, agent.world_size)
-                if isinstance(exc, RpcError):
-                    raise error from exc
-            raise
-        try:
-            # Peers watch this worker for silence only if they know it sends heartbeats.
-            facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
-                                     **devices.facts(registry.device_maps,
-                                                     list(getattr(agent.options, "devices", ())))}
-            if agent.elastic:
-                membership.announce(store, agent.name, rank, agent._transport.address, facts,
-                                    registry.incarnation)
-                announced = True
-                registry.log.poll()
-                infos = dict(registry.log.current)
-            else:
-                infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
-                                           agent._transport.address, plan, facts)
-                discard_local_secret()  # every rank has joined, so has read it
-            devices.check(infos, static=not agent.elastic)
-        except BaseException:
-            agent._transport.close()
-            raise
+        # Peers watch this worker for silence only if they know it sends heartbeats.
+        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
+                                 **devices.facts(registry.device_maps,
+                                                 list(getattr(agent.options, "devices", ())))}
+        if agent.elastic:
+            membership.announce(store, agent.name, rank, agent._transport.address, facts,
+                                registry.incarnation)
+            announced = True
+            registry.log.poll()
+            infos = dict(registry.log.current)
+        else:
+            infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
+                                       agent._transport.address, plan, facts)
+            discard_local_secret()  # every rank has joined, so has read it
+        devices.check(infos, static=not agent.elastic)
     except BaseException:
+        agent._transport.close()
         if agent.elastic:
             _undo_join(agent, announced)
         raise
@@ -87,6 +82,17 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
     log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
              agent.world_size, *agent._transport.address,
              " (TLS)" if getattr(agent.options, "tls_certfile", None) else "")
+
+
+def _failed(agent: "Agent", error: Exception) -> RendezvousError:
+    """The transport of ``agent`` could not start: a static group's worker aborts the
+    group still forming (a sealed record); a dynamic group's joiner fails alone, and
+    releases its claims. The error to raise."""
+    message = f"worker {agent.name!r} (rank {agent.rank}): {error}"
+    if agent.elastic:
+        _undo_join(agent, False)
+        return RendezvousError(message)
+    return rendezvous.abort(agent.store, message, agent.rank, agent.world_size)
 
 
 def _undo_join(agent: "Agent", announced: bool) -> None:

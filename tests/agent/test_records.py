@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchrpc._agent import membership, records, rendezvous
+from torchrpc._agent import membership, records, rendezvous, shutdown
 from torchrpc._agent.group_store import Records
 from torchrpc.errors import BarrierTimeoutError, RendezvousError
 
@@ -196,3 +196,21 @@ def test_claims_bind_only_when_sealed_and_live(stores, caplog):
     membership.leave(store, "a", 1, 11)
     raw.set("rank/1", old)
     membership.join(store, "g", 1, 10, incarnation=88)
+
+
+def test_a_deleted_arrival_of_a_worker_gone_on_does_not_hold_the_others(stores):
+    """An outsider deletes rank 1's arrival at the first barrier after rank 1 went on to
+    the second: rank 0 still passes the first, since the second arrival implies it."""
+    raw, store = stores
+    later = shutdown.BARRIERS[1:]
+    store.put("shutdown/1/1", {"rank": 1})  # rank 1 arrived at the first barrier,
+    store.put("shutdown/2/1", {"rank": 1})  # rank 1 went on and waits at the second
+    raw.delete_key("shutdown/1/1")
+    with pytest.raises(BarrierTimeoutError):  # what the barrier did before it looked on
+        rendezvous.barrier(store, "shutdown/1", 2, time.monotonic() + 0.5, rank=0)
+    rendezvous.barrier(store, "shutdown/1", 2, time.monotonic() + 5, rank=0, later=later)
+    assert rendezvous.arrived(store, "shutdown/1", 1, later)
+    assert not rendezvous.arrived(store, "shutdown/1", 1)
+    # a forged arrival at a later barrier counts for nothing
+    raw.set("shutdown/3/2", "1")
+    assert not rendezvous.arrived(store, "shutdown/1", 2, later)

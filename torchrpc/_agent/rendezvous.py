@@ -27,7 +27,7 @@ import socket
 import struct
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
@@ -417,19 +417,24 @@ def lost(store: Records, rank: int) -> Optional[str]:
     return fields["why"] if fields is not None and fields["rank"] == rank else None
 
 
-def arrived(store: Records, key: str, rank: int) -> bool:
-    """Whether worker ``rank`` marked its arrival at barrier ``key`` (a sealed record)."""
-    fields = store.read(f"{key}/{rank}", _ARRIVAL_FIELDS, "an arrival at a barrier")
-    return fields is not None and fields["rank"] == rank
+def arrived(store: Records, key: str, rank: int, later: Sequence[str] = ()) -> bool:
+    """Whether worker ``rank`` marked its arrival at barrier ``key``, or at one of the
+    ``later`` barriers that only a worker past ``key`` reaches (sealed records)."""
+    for at in (key, *later):
+        fields = store.read(f"{at}/{rank}", _ARRIVAL_FIELDS, "an arrival at a barrier")
+        if fields is not None and fields["rank"] == rank:
+            return True
+    return False
 
 
-def _all_arrived(store: Records, key: str, world_size: int) -> bool:
-    keys = [f"{key}/{r}" for r in range(world_size)]
-    return store.check(keys) and all(arrived(store, key, r) for r in range(world_size))
+def _all_arrived(store: Records, key: str, world_size: int, later: Sequence[str]) -> bool:
+    if not later and not store.check([f"{key}/{r}" for r in range(world_size)]):
+        return False
+    return all(arrived(store, key, r, later) for r in range(world_size))
 
 
 def barrier(store: Records, key: str, world_size: int, deadline: Optional[float],
-            check: Any = None, rank: Optional[int] = None) -> None:
+            check: Any = None, rank: Optional[int] = None, later: Sequence[str] = ()) -> None:
     """Count this worker in at ``key`` and wait for all; ``check()`` may raise to abort.
 
     Each worker marks its arrival at ``key/rank`` with a sealed record (``rank``: this
@@ -439,6 +444,10 @@ def barrier(store: Records, key: str, world_size: int, deadline: Optional[float]
     cannot let anyone through early. A worker whose ``deadline`` has passed when it
     arrives (one that does not wait) counts in and returns at once, touching the store
     no more: rank 0 may close the store the moment everyone is in.
+
+    ``later``: the barriers that follow ``key`` in the same protocol. An arrival at one of
+    them counts as one at ``key``, so an outsider who deletes the arrival of a worker that
+    has gone on cannot hold the others here while it waits for them further on.
     """
     if rank is not None:
         store.put(f"{key}/{rank}", {"rank": rank})
@@ -464,7 +473,7 @@ def barrier(store: Records, key: str, world_size: int, deadline: Optional[float]
             look_at = time.monotonic() + 2.0
             if not arrived(store, key, rank):
                 store.put(f"{key}/{rank}", {"rank": rank})
-        return _all_arrived(store, key, world_size)
+        return _all_arrived(store, key, world_size, later)
 
     delay = 0.002
     start = time.monotonic()

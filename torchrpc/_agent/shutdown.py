@@ -72,7 +72,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
 from .. import _wire
 from .._transport import Connection
@@ -119,6 +119,16 @@ STOP_WAIT = 15.0
 LAST_BARRIER_WAIT = 30.0
 """The most seconds rank 0 waits at the last barrier for the others to count in."""
 
+BARRIERS = ("shutdown/1", "shutdown/2", "shutdown/3")
+"""The store barriers of a static group's graceful shutdown, in the order workers pass
+them; an arrival at one implies the arrivals at those before it."""
+
+
+def _after(barrier: str) -> Tuple[str, ...]:
+    """The barriers of :data:`BARRIERS` that follow ``barrier``."""
+    return BARRIERS[BARRIERS.index(barrier) + 1:]
+
+
 REPORT_WAIT = 5.0
 """Seconds a graceful shutdown waits for outstanding requests before it logs which, and
 again every as many seconds after."""
@@ -155,7 +165,7 @@ def _check_left(agent: "Agent", barrier: str) -> None:
         left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
     if not left:
         return
-    missing = [(r, w) for r, w in left if not rendezvous.arrived(agent.store, barrier, r)]
+    missing = [(r, w) for r, w in left if not rendezvous.arrived(agent.store, barrier, r, _after(barrier))]
     if missing:
         names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
         raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
@@ -227,19 +237,21 @@ class Shutdown:
             store, world_size, rank = agent.store, agent.world_size, agent.rank
             try:
                 self._finish_work(deadline)
-                rendezvous.barrier(store, "shutdown/1", world_size, deadline,
-                                   lambda: self.check_peers("shutdown/1"), rank=rank)
+                rendezvous.barrier(store, BARRIERS[0], world_size, deadline,
+                                   lambda: self.check_peers(BARRIERS[0]), rank=rank,
+                                   later=_after(BARRIERS[0]))
                 in_meet = meet is not None
                 if meet is not None:
                     meet()
                 in_meet = False
                 self._finish_work(deadline)
-                rendezvous.barrier(store, "shutdown/2", world_size, deadline,
-                                   lambda: self.check_peers("shutdown/2"), rank=rank)
+                rendezvous.barrier(store, BARRIERS[1], world_size, deadline,
+                                   lambda: self.check_peers(BARRIERS[1]), rank=rank,
+                                   later=_after(BARRIERS[1]))
                 self.enter(STOPPING)
                 now, last = time.monotonic(), True
                 until = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
-                rendezvous.barrier(store, "shutdown/3", world_size, until, rank=rank)
+                rendezvous.barrier(store, BARRIERS[2], world_size, until, rank=rank)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self.stop(deadline)
@@ -409,7 +421,7 @@ class Shutdown:
         with self._lock:
             ranks = list(agent.registry.workers)
         self.probe([r for r in ranks
-                    if r != agent.rank and not rendezvous.arrived(agent.store, barrier, r)])
+                    if r != agent.rank and not rendezvous.arrived(agent.store, barrier, r, _after(barrier))])
 
     def probe(self, ranks: Iterable[int]) -> None:
         """:meth:`Agent.probe`."""

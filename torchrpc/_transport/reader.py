@@ -325,7 +325,8 @@ class FrameReader:
             self._rstart = start + n
         else:
             envelope = self._take_bytes(n)
-        check: Any = None  # the MAC of the buffers' bytes, and the tag it must come to
+        check: Optional[handshake.Seal] = None  # of the buffers' bytes, where sealed
+        sealed_digest = b""
         if mac is not None:
             sealed = handshake.SEAL_SIZE if mac.buffers and header.nbuffers else 0
             size = sealed + handshake.FRAME_MAC_SIZE
@@ -339,7 +340,7 @@ class FrameReader:
                                     f"(altered, replayed, reordered or injected on the way); "
                                     f"the connection is closed")
             if sealed:
-                check = mac.unseal(seal)
+                check, sealed_digest = mac.unseal(seal)
         buffers = []
         for size in lengths:
             if size & _wire.SHM_BIT:
@@ -350,7 +351,7 @@ class FrameReader:
                 start = self._rstart
                 ref = mv[start:start + _wire.SHM_REF_SIZE]
                 if check is not None:
-                    check[0].update(ref)
+                    check.update(ref)
                 name = _wire.parse_shm_ref(ref)
                 self._rstart = start + _wire.SHM_REF_SIZE
                 if shm.is_return_ref(name):  # a buffer of ours, sent back
@@ -363,11 +364,15 @@ class FrameReader:
                 continue
             tensor, view = _wire.new_buffer(size)
             if size:
-                self._take_into(view)
-                if check is not None:
-                    check[0].update(view)
+                if check is None:
+                    self._take_into(view)
+                else:  # MAC'd piece by piece as the pieces arrive, while in cache
+                    for i in range(0, size, handshake.PIECE):
+                        piece = view[i:i + handshake.PIECE]
+                        self._take_into(piece)
+                        check.update(piece)
             buffers.append(tensor)
-        if check is not None and not hmac.compare_digest(check[0].finalize(), check[1]):
+        if check is not None and not hmac.compare_digest(check.digest(), sealed_digest):
             # Checked once every byte is in place, before anyone sees the frame.
             raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} failed "
                                 f"authentication (altered on the way); the connection is "

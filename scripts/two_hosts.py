@@ -178,6 +178,7 @@ def rpc_role(opts: argparse.Namespace, rank: int) -> Dict[str, float]:
     torch.set_num_threads(1)
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=4, rpc_timeout=120, listen_addr=ADDRS[rank],
+        enable_shm=False, enable_uds=False,  # as between hosts, whatever the host ids say
         tensor_mac=opts.system != "torchrpc-nomac")
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     result: Dict[str, float] = {}

@@ -141,23 +141,16 @@ def point_at(to: str, address: Optional[Tuple[str, int]]) -> int:
     return len(conns)
 
 
-def call(to: str, value: Any, tensor_mac: bool = True) -> Tuple[str, Any]:
+def call(to: str, value: Any) -> Tuple[str, Any]:
     """Echo ``value`` off worker ``to``: ("ok", what came back) or (the error's type, its
-    text). ``tensor_mac`` False: the connections it opens are made as with the option
-    off. Returns once this worker is done checking whether ``to`` is still reachable
+    text). Returns once this worker is done checking whether ``to`` is still reachable
     (a connection that broke makes it try)."""
     agent = current_agent()
     rank = agent.registry.by_name[to].id
-    links = agent._transport._links
-    offer = links.features
-    if not tensor_mac:
-        links.features &= ~handshake.FEATURE_TENSOR_MAC
     try:
         got: Tuple[str, Any] = ("ok", rpc.rpc_sync(to, echo, args=(value,), timeout=20))
     except Exception as exc:  # noqa: BLE001 - the test reads what it was
         got = (type(exc).__name__, str(exc))
-    finally:
-        links.features = offer
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         time.sleep(0.1)
@@ -165,6 +158,11 @@ def call(to: str, value: Any, tensor_mac: bool = True) -> Tuple[str, Any]:
         if open_ and rank not in agent.liveness._confirming:
             break
     return got
+
+
+def offers_tensor_mac() -> bool:
+    """Whether this worker's transport offers MACs over tensor bytes (the option)."""
+    return bool(current_agent()._transport._links.features & handshake.FEATURE_TENSOR_MAC)
 
 
 def echo(x: Any) -> Any:

@@ -119,17 +119,29 @@ def test_frames_with_and_without_buffers_pass_an_honest_port_forward():
 
 @pytest.fixture(scope="module")
 def group():
-    # No shared memory: the tensors of worker2's calls to worker1 go over the stream.
-    with running_group(3, threads=4, timeout=30.0, options={"enable_shm": False}) as g:
+    # No shared memory: tensors between workers go over the stream. This process (worker0)
+    # runs with the check off, the others with the default.
+    with running_group(3, threads=4, timeout=30.0, options={"enable_shm": False},
+                       self_options={"enable_shm": False, "tensor_mac": False}) as g:
         assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
         assert rpc.rpc_sync("worker2", helpers.add, args=(1, 2)) == 3
         yield g
+
+
+def _on(worker: str, fn, *args):
+    """``fn(*args)`` on ``worker``: here for worker0, by RPC for the others."""
+    return fn(*args) if worker == "worker0" else rpc.rpc_sync(worker, fn, args=args)
 
 
 def _served(to: str = "worker1") -> None:
     """Worker ``to`` still serves this worker and worker2."""
     assert rpc.rpc_sync(to, helpers.add, args=(20, 22)) == 42
     assert rpc.rpc_sync("worker2", rh.call, args=(to, torch.ones(3)))[0] == "ok"
+
+
+def test_the_option_reaches_the_transport(group):
+    assert not rh.offers_tensor_mac()  # tensor_mac=False here
+    assert rpc.rpc_sync("worker1", rh.offers_tensor_mac)  # the default elsewhere
 
 
 def test_a_joiner_led_to_a_relay_fails_to_connect_naming_the_worker(group):
@@ -148,19 +160,20 @@ def test_a_joiner_led_to_a_relay_fails_to_connect_naming_the_worker(group):
     _served()
 
 
-@pytest.mark.parametrize("tensor_mac", [True, False])
-def test_a_tensor_changed_by_a_relay_fails_the_call_naming_the_worker(group, tensor_mac):
+@pytest.mark.parametrize("dialer", ["worker2", "worker0"])
+def test_a_tensor_changed_by_a_relay_fails_the_call_naming_the_worker(group, dialer):
+    checked = dialer != "worker0"  # worker0 runs with tensor_mac=False
     worker1 = tuple(rpc.rpc_sync("worker1", rh.publish_address, args=(None,)))
     relay = rh.Relay(worker1, rh.flip_one_tensor_byte)
     sent = rh.pattern_tensor(SIZE)
     try:
         # worker1 behind a port-forward it published: the handshake through it passes.
         rpc.rpc_sync("worker1", rh.publish_address, args=(relay.address,))
-        rpc.rpc_sync("worker2", rh.point_at, args=("worker1", relay.address))
+        _on(dialer, rh.point_at, "worker1", relay.address)
         rpc.rpc_sync("worker1", rh.warnings_logged, args=(True,))
-        kind, got = rpc.rpc_sync("worker2", rh.call, args=("worker1", sent, tensor_mac))
+        kind, got = _on(dialer, rh.call, "worker1", sent)
         assert relay.connections >= 1
-        if tensor_mac:
+        if checked:
             assert kind == "ConnectionLostError", (kind, got)
             assert "worker worker1 (rank 1)" in got, got
             # worker1 refused the frame for its tensor bytes, and closed the connection.
@@ -172,9 +185,9 @@ def test_a_tensor_changed_by_a_relay_fails_the_call_naming_the_worker(group, ten
             assert int((got != sent).sum()) == 1
     finally:
         rpc.rpc_sync("worker1", rh.publish_address, args=(None,))
-        rpc.rpc_sync("worker2", rh.point_at, args=("worker1", None))
+        _on(dialer, rh.point_at, "worker1", None)
         relay.close()
     _served()
     # Untouched, the same tensor passes.
-    kind, got = rpc.rpc_sync("worker2", rh.call, args=("worker1", sent))
+    kind, got = _on(dialer, rh.call, "worker1", sent)
     assert kind == "ok" and torch.equal(got, sent)

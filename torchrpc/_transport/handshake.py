@@ -70,7 +70,7 @@ FEATURE_FRAME_MAC = 4
 FEATURE_TENSOR_MAC = 8
 FRAME_MAC_SIZE = 16
 SEAL_SIZE = 8 + 16  # see FrameMac
-PIECE = 1 << 20  # bytes of a buffer each GMAC of a seal covers (see Seal)
+PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +230,15 @@ class FrameMac:
 
 class Seal:
     """The seal of a frame's buffers, fed buffer by buffer: each buffer's bytes in
-    pieces of :data:`PIECE` bytes from its start, each piece MAC'd with GMAC (AES-GCM
-    with nothing to encrypt) under the direction's key and a nonce of its own (the
-    seal's number and the piece's index), and the tags hashed in order.
+    pieces of at most :data:`PIECE` bytes from its start (AES-GCM takes less than 2 GiB
+    at once), each piece MAC'd with GMAC (AES-GCM with nothing to encrypt) under the
+    direction's key and a nonce of its own (the seal's number and the piece's index),
+    and the tags hashed in order.
 
     GMAC, because it runs at several times BLAKE2b's or HMAC-SHA256's speed where the
-    CPU multiplies carry-less (docs/security.md has the figures). A receiver MACs each
-    piece as soon as it is in place, while the bytes are still in cache. A buffer must
-    be given whole, or in slices that end on piece boundaries (as the sender cuts it).
+    CPU multiplies carry-less (docs/security.md has the figures). Each call releases the
+    GIL, and getting it back can wait for another thread's switch interval, so a buffer
+    is MAC'd in as few calls as it allows: a receiver MACs it once it is all in place.
     """
 
     __slots__ = ("_gmac", "_number", "_index", "_tags")

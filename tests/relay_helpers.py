@@ -160,6 +160,16 @@ def call(to: str, value: Any) -> Tuple[str, Any]:
     return got
 
 
+def offer_tensor_mac(on: bool) -> None:
+    """Offer MACs over tensor bytes in this worker's next handshakes or not, as the
+    ``tensor_mac`` option does from ``init_rpc`` on."""
+    links = current_agent()._transport._links
+    if on:
+        links.features |= handshake.FEATURE_TENSOR_MAC
+    else:
+        links.features &= ~handshake.FEATURE_TENSOR_MAC
+
+
 def offers_tensor_mac() -> bool:
     """Whether this worker's transport offers MACs over tensor bytes (the option)."""
     return bool(current_agent()._transport._links.features & handshake.FEATURE_TENSOR_MAC)
@@ -167,6 +177,11 @@ def offers_tensor_mac() -> bool:
 
 def echo(x: Any) -> Any:
     return x
+
+
+def on(to: str, fn: Callable[..., Any], args: Tuple[Any, ...] = ()) -> Any:
+    """``fn(*args)`` on worker ``to``, called from this worker."""
+    return rpc.rpc_sync(to, fn, args=args)
 
 
 

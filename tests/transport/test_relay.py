@@ -116,39 +116,49 @@ def test_frames_with_and_without_buffers_pass_an_honest_port_forward():
 
 
 # -- a group of workers ------------------------------------------------------------------------
+#
+# worker1 is the worker the relays stand in for. Each dialer (worker2, worker3, worker5)
+# has never connected to worker1 before its test: a worker whose connection to it closed
+# would be dialed back by worker1 and call over that connection instead. worker4 tells
+# worker1 what to do.
 
 @pytest.fixture(scope="module")
 def group():
     # No shared memory: tensors between workers go over the stream. This process (worker0)
     # runs with the check off, the others with the default.
-    with running_group(3, threads=4, timeout=30.0, options={"enable_shm": False},
+    with running_group(6, threads=4, timeout=30.0, options={"enable_shm": False},
                        self_options={"enable_shm": False, "tensor_mac": False}) as g:
-        assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
-        assert rpc.rpc_sync("worker2", helpers.add, args=(1, 2)) == 3
+        assert rpc.rpc_sync("worker4", rh.on, args=("worker1", helpers.add, (1, 2))) == 3
         yield g
 
 
+def _target(fn, *args):
+    """``fn(*args)`` on worker1, through worker4."""
+    return rpc.rpc_sync("worker4", rh.on, args=("worker1", fn, args))
+
+
 def _on(worker: str, fn, *args):
-    """``fn(*args)`` on ``worker``: here for worker0, by RPC for the others."""
-    return fn(*args) if worker == "worker0" else rpc.rpc_sync(worker, fn, args=args)
+    """``fn(*args)`` on ``worker``."""
+    return rpc.rpc_sync(worker, fn, args=args)
 
 
-def _served(to: str = "worker1") -> None:
-    """Worker ``to`` still serves this worker and worker2."""
-    assert rpc.rpc_sync(to, helpers.add, args=(20, 22)) == 42
-    assert rpc.rpc_sync("worker2", rh.call, args=(to, torch.ones(3)))[0] == "ok"
+def _served(dialer: str) -> None:
+    """worker1 still serves worker4, and ``dialer`` at worker1's own address."""
+    assert _target(helpers.add, 20, 22) == 42
+    kind, got = _on(dialer, rh.call, "worker1", torch.ones(3))
+    assert kind == "ok" and torch.equal(got, torch.ones(3)), (kind, got)
 
 
 def test_the_option_reaches_the_transport(group):
     assert not rh.offers_tensor_mac()  # tensor_mac=False here
-    assert rpc.rpc_sync("worker1", rh.offers_tensor_mac)  # the default elsewhere
+    assert rpc.rpc_sync("worker4", rh.offers_tensor_mac)  # the default elsewhere
 
 
 def test_a_joiner_led_to_a_relay_fails_to_connect_naming_the_worker(group):
-    worker1 = tuple(rpc.rpc_sync("worker1", rh.publish_address, args=(None,)))
+    worker1 = tuple(_target(rh.publish_address, None))
     relay = rh.Relay(worker1)
     try:
-        rpc.rpc_sync("worker2", rh.point_at, args=("worker1", relay.address))
+        assert rpc.rpc_sync("worker2", rh.point_at, args=("worker1", relay.address)) == 0
         kind, text = rpc.rpc_sync("worker2", rh.call, args=("worker1", torch.ones(3)))
         assert relay.connections >= 1
         assert kind == "ConnectionLostError", (kind, text)
@@ -157,20 +167,21 @@ def test_a_joiner_led_to_a_relay_fails_to_connect_naming_the_worker(group):
     finally:
         rpc.rpc_sync("worker2", rh.point_at, args=("worker1", None))
         relay.close()
-    _served()
+    _served("worker2")
 
 
-@pytest.mark.parametrize("dialer", ["worker2", "worker0"])
+@pytest.mark.parametrize("dialer", ["worker3", "worker5"])
 def test_a_tensor_changed_by_a_relay_fails_the_call_naming_the_worker(group, dialer):
-    checked = dialer != "worker0"  # worker0 runs with tensor_mac=False
-    worker1 = tuple(rpc.rpc_sync("worker1", rh.publish_address, args=(None,)))
+    checked = dialer == "worker3"  # worker5 offers no MAC over tensor bytes, as with
+    rpc.rpc_sync(dialer, rh.offer_tensor_mac, args=(checked,))  # tensor_mac=False
+    worker1 = tuple(_target(rh.publish_address, None))
     relay = rh.Relay(worker1, rh.flip_one_tensor_byte)
     sent = rh.pattern_tensor(SIZE)
     try:
         # worker1 behind a port-forward it published: the handshake through it passes.
-        rpc.rpc_sync("worker1", rh.publish_address, args=(relay.address,))
-        _on(dialer, rh.point_at, "worker1", relay.address)
-        rpc.rpc_sync("worker1", rh.warnings_logged, args=(True,))
+        _target(rh.publish_address, relay.address)
+        assert _on(dialer, rh.point_at, "worker1", relay.address) == 0
+        _target(rh.warnings_logged, True)
         kind, got = _on(dialer, rh.call, "worker1", sent)
         assert relay.connections >= 1
         if checked:
@@ -178,16 +189,17 @@ def test_a_tensor_changed_by_a_relay_fails_the_call_naming_the_worker(group, dia
             assert "worker worker1 (rank 1)" in got, got
             # worker1 refused the frame for its tensor bytes, and closed the connection.
             wait_for("worker1 logs why", lambda: any(
-                "tensor bytes of a frame from rank 2 failed authentication" in m
-                for m in rpc.rpc_sync("worker1", rh.warnings_logged)), 10)
+                f"tensor bytes of a frame from rank {dialer[-1]} failed authentication" in m
+                for m in _target(rh.warnings_logged)), 10)
         else:  # the check off: the call passes with one byte changed
             assert kind == "ok", (kind, got)
             assert int((got != sent).sum()) == 1
     finally:
-        rpc.rpc_sync("worker1", rh.publish_address, args=(None,))
+        _target(rh.publish_address, None)
         _on(dialer, rh.point_at, "worker1", None)
+        _on(dialer, rh.offer_tensor_mac, True)
         relay.close()
-    _served()
+    _served(dialer)
     # Untouched, the same tensor passes.
     kind, got = _on(dialer, rh.call, "worker1", sent)
     assert kind == "ok" and torch.equal(got, sent)

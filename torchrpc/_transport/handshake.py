@@ -19,10 +19,10 @@ server refuses one that is not a member after checking the PROOF.
 
 The responder proves it is the worker the dialer meant: the dialer computes the MACs
 with the rank, the incarnation (0 in a static group) and the address (host and port, as
-the worker published them) it dialed, the server with its own. Neither is sent: a relay
-that forwards the bytes to the real worker, or another process at an address a forged
-store record names, makes the two sides compute different MACs, and the connection
-fails naming the worker that was meant.
+the worker published them) it dialed, the server with its own. The incarnation and the
+address are never sent: a relay that forwards the bytes to the real worker, or another
+process at an address a forged store record names, makes the two sides compute
+different MACs, and the connection fails naming the worker that was meant.
 
 The client checks the server's MAC (so it never talks to an impostor) and the
 server checks the client's (so it never unpickles an outsider's bytes). Both MACs

@@ -159,7 +159,8 @@ def test_a_stopped_member_removed_as_lost_finds_out_when_continued(group):
         agent = current_agent()
         with pytest.raises(ConnectionError, match="closed after 0 of 1 bytes"):
             authenticate(*agent._transport.address, agent._transport._secret, 6, 0,
-                         incarnation=stale_incarnation)
+                         incarnation=stale_incarnation,
+                         server_incarnation=agent.registry.incarnation)
         stale.send_signal(signal.SIGCONT)  # it comes back believing it is w6
         out, _ = stale.communicate(timeout=60)
         assert "REMOVED" in out and "declared lost by the group and removed" in out, out

@@ -74,7 +74,7 @@ class PrivateTransport:
         self.inline_max: Dict[int, int] = {}  # no peer with a bound of its own
 
     def connect(self, rank: int, host: str, port: int, timeout: float, local: bool = False,
-                private: bool = False) -> Any:
+                private: bool = False, incarnation: int = 0) -> Any:
         assert private, "the shared connection is in the table already"
         conn = FakePrivate(rank, self.auto)
         self.opened.append(conn)

@@ -27,6 +27,17 @@ def test_options_of_the_wrong_type_are_torchs_type_errors():
         opts.rpc_timeout = -3
 
 
+def test_tensor_mac_is_on_by_default_and_must_be_a_bool():
+    opts = rpc.TensorPipeRpcBackendOptions()
+    assert opts.tensor_mac is True
+    assert rpc.TensorPipeRpcBackendOptions(tensor_mac=False).tensor_mac is False
+    with pytest.raises(TypeError, match="tensor_mac must be a bool, got 'no'"):
+        rpc.TensorPipeRpcBackendOptions(tensor_mac="no")
+    with pytest.raises(TypeError, match="tensor_mac must be a bool, got 0"):
+        opts.tensor_mac = 0
+    assert opts.tensor_mac is True
+
+
 def test_options_of_another_backend_are_refused_with_torchs_words():
     faulty_opts = _testing.FaultyTensorPipeRpcBackendOptions(num_fail_sends=1)
     with pytest.raises(TypeError, match="`rpc_backend_options` must be a "

@@ -285,7 +285,7 @@ class _Target:
             s.sendall(hello)
             proof, _, _ = handshake.answer_challenge(
                 self.secret, recv_exact(s, handshake.CHALLENGE.size), FAKE_RANK, nonce, 1, 0,
-                binding)
+                binding, server_address=(self.host, self.port))
             s.sendall(proof)
             assert recv_exact(s, 1) == handshake.ACCEPT
         except BaseException:

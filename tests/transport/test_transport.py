@@ -255,11 +255,15 @@ def test_shared_memory_needs_both_sides_the_same_host_and_pids(a_shm, b_shm, sam
         b.close()
 
 
-def _authentic(conn, head: bytes, envelope: bytes) -> bytes:
-    """A frame's header and envelope as the peer's own code would send them (with its MAC
-    when the connection has them): bad content from a peer that holds the secret."""
-    tag = conn.mac_tx.tag(head, envelope) if conn.mac_tx is not None else b""
-    return head + envelope + tag
+def _authentic(conn, head: bytes, envelope: bytes, data: bytes = b"") -> bytes:
+    """A frame of ``head`` (with one buffer or more), ``envelope`` and the stream bytes
+    ``data`` of its buffers, as the peer's own code would send it (with its MACs when the
+    connection has them): bad content from a peer that holds the secret."""
+    mac = conn.mac_tx
+    if mac is None:
+        return head + envelope + data
+    seal = mac.seal([data]) if mac.buffers else b""
+    return head + envelope + seal + mac.tag(head, envelope, seal) + data
 
 
 def test_bad_shared_memory_references_close_only_that_connection():
@@ -272,7 +276,7 @@ def test_bad_shared_memory_references_close_only_that_connection():
             conn = a.connect(b)
             head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
             ref = bad_name.encode().ljust(_wire.SHM_REF_SIZE, b"\0")
-            conn.sock.sendall(_authentic(conn, head, b"e") + ref)
+            conn.sock.sendall(_authentic(conn, head, b"e", ref))
             wait_for(f"the connection that named {bad_name!r} closes", lambda: conn.closed, 10)
         wait_for("b records a ProtocolError",
                  lambda: any(isinstance(why, ProtocolError) for why in b.closed), 10)
@@ -280,7 +284,7 @@ def test_bad_shared_memory_references_close_only_that_connection():
         conn = a.connect(c)
         assert conn.shm_rx is None and conn.shm_tx is None
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 3, 1, [LARGE | _wire.SHM_BIT])
-        conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref("torchrpc-1-2-ab-3"))
+        conn.sock.sendall(_authentic(conn, head, b"e", _wire.pack_shm_ref("torchrpc-1-2-ab-3")))
         # Both ends: c records its reason a moment after a sees EOF.
         wait_for("both ends close", lambda: conn.closed and c.closed, 10)
         assert any("did not negotiate" in str(w) for w in c.closed), c.closed
@@ -375,7 +379,7 @@ def test_a_forged_return_reference_closes_the_connection():
             closed = len(a.closed)
             head = _wire.pack_header(Kind.RESPONSE, _wire.FLAG_SHM, 9, 1,
                                      [LARGE | _wire.SHM_BIT])
-            peer.sock.sendall(_authentic(peer, head, b"e") + _wire.pack_shm_ref(forge(seg)))
+            peer.sock.sendall(_authentic(peer, head, b"e", _wire.pack_shm_ref(forge(seg))))
             _wait(lambda: len(a.closed) > closed, "the connection closed")
             assert "return reference" in str(a.closed[-1]), a.closed[-1]
             assert conn.closed
@@ -492,12 +496,17 @@ def test_private_readers_poll_for_the_rest_of_a_frame_then_sleep():
 
 class _OnPath:
     """A party on the path between a client and a server (a TCP relay): after the
-    handshake it applies ``alter`` to the client's bytes before passing them on."""
+    handshake it applies ``alter`` to the client's bytes before passing them on.
 
-    def __init__(self, server_address, alter) -> None:
+    It stands where a port-forward would: ``server`` (a _Peer) publishes the relay's
+    address as its own, so the handshake passes (a relay at an address the server did
+    not publish fails it, tests/transport/test_relay.py)."""
+
+    def __init__(self, server, alter) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
-        self._server = server_address
+        self._server = server.t.address
+        server.t._links.address = self.address
         self._alter = alter
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -552,7 +561,7 @@ def _inject_a_frame(chunk: bytes) -> bytes:
 @pytest.mark.parametrize("alter", [_flip_envelope_byte, _replay_first_frame, _inject_a_frame])
 def test_frames_altered_on_the_path_are_refused(alter):
     a, b = _Peer(0, shm_on=False, same_host=False), _Peer(1, shm_on=False, same_host=False)
-    relay = _OnPath(b.t.address, alter)
+    relay = _OnPath(b, alter)
     try:
         conn = a.t.connect(1, *relay.address, timeout=5)
         assert conn.mac_tx is not None  # plain TCP: every frame carries a MAC
@@ -570,7 +579,7 @@ def test_frames_altered_on_the_path_are_refused(alter):
 
 def test_frames_pass_a_faithful_relay():
     a, b = _Peer(0, shm_on=False, same_host=False), _Peer(1, shm_on=False, same_host=False)
-    relay = _OnPath(b.t.address, None)
+    relay = _OnPath(b, None)
     try:
         conn = a.t.connect(1, *relay.address, timeout=5)
         for i in range(20):
@@ -611,7 +620,7 @@ def test_a_segment_that_could_shrink_is_refused_not_mapped():
         os.ftruncate(fd, shm.HEADER + LARGE)
         conn = a.connect(b)
         head = _wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 2, 1, [LARGE | _wire.SHM_BIT])
-        conn.sock.sendall(_authentic(conn, head, b"e") + _wire.pack_shm_ref(f"{name}.{fd}"))
+        conn.sock.sendall(_authentic(conn, head, b"e", _wire.pack_shm_ref(f"{name}.{fd}")))
         wait_for("b refuses the segment", lambda: any("not sealed" in str(why) for why in b.closed),
                  10)
         assert any(isinstance(why, ProtocolError) and "not sealed" in str(why)

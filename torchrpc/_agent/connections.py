@@ -92,7 +92,9 @@ class Connections:
             try:
                 return agent._transport.connect(dst.id, host, port,
                                                 max(deadline - time.monotonic(), 0.5),
-                                                local=agent.registry.same_host(dst.id))
+                                                local=agent.registry.same_host(dst.id),
+                                                incarnation=agent.registry.incarnations.get(
+                                                    dst.id, 0))
             except RpcError as exc:
                 busy = isinstance(exc.__cause__, (TimeoutError, ConnectionResetError,
                                                   BrokenPipeError)) \

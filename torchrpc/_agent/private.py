@@ -69,7 +69,8 @@ class PrivateConnections:
         host, port = registry.addresses[dst.id]
         try:
             conn = agent._transport.connect(dst.id, host, port, agent.default_timeout or 30.0,
-                                            local=registry.same_host(dst.id), private=True)
+                                            local=registry.same_host(dst.id), private=True,
+                                            incarnation=registry.incarnations.get(dst.id, 0))
         except RpcError:
             return None  # the shared connection reports what is wrong
         finally:

@@ -122,7 +122,8 @@ def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
                      local_socket=bool(getattr(options, "enable_uds", False)),
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,
-                     connection_type=agent.connection_type)
+                     connection_type=agent.connection_type,
+                     tensor_mac=bool(getattr(options, "tensor_mac", True)))
 
 
 def _features(options: Any) -> int:

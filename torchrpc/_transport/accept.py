@@ -55,6 +55,7 @@ class Acceptor:
                        "address of this machine") from exc
         self._listener.listen(128)
         self.address = self._listener.getsockname()[:2]
+        links.address = self.address
         # Same-host peers connect through a Unix socket instead: the same handshake and
         # frames, at a fraction of loopback TCP's cost per system call.
         self.local: Optional[socket.socket] = None
@@ -152,11 +153,14 @@ class Acceptor:
                 sock, binding = links.secure(sock, True, addr[0] if isinstance(addr, tuple)
                                              else self.address[0], deadline)
             hello = handshake.parse_hello(recv_exact(sock, handshake.HELLO.size, deadline))
+            # This worker proves its rank, incarnation and address as it published them.
             challenge, nonce = handshake.make_challenge(links.secret, hello, links.rank,
-                                                        links.features, binding)
+                                                        links.features, binding,
+                                                        links.incarnation, links.address)
             sock.sendall(challenge)
             handshake.check_proof(links.secret, recv_exact(sock, handshake.PROOF.size, deadline),
-                                  hello, nonce, links.rank, links.features, binding)
+                                  hello, nonce, links.rank, links.features, binding,
+                                  links.incarnation, links.address)
             refused = self._admit(hello.rank, hello.incarnation) if self._admit else None
             if refused is not None:
                 raise ConnectionRefusedError(refused)

@@ -9,7 +9,9 @@ message goes out at once.
 Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at least
 ``shm_threshold`` bytes go through shared memory instead (``shm.py``): the sender copies
 them into a segment, or sends back a buffer that lies in one of the peer's, and the
-frame carries a reference. Reading is :class:`~torchrpc._transport.reader.FrameReader`'s.
+frame carries a reference. On plain TCP each frame carries MACs (``handshake.FrameMac``):
+after its envelope, the seal of its buffers (where they are covered) and its tag, then
+the buffers. Reading is :class:`~torchrpc._transport.reader.FrameReader`'s.
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ class Connection(FrameReader):
             size += sum(_wire.SHM_REF_SIZE if n & _wire.SHM_BIT else n for n in lengths)
         else:
             data = []
+        mac = self.mac_tx
+        # Sealed before the lock, by the sending thread (see handshake.FrameMac).
+        seal = mac.seal(data) if mac is not None and mac.buffers and lengths else b""
         with self._lock:
             if self._writing and self.max_outbox and self._outbox \
                     and self._outbox_bytes + size > self.max_outbox \
@@ -162,8 +167,9 @@ class Connection(FrameReader):
                 raise ConnectionClosedError(
                     f"connection to rank {self.peer_rank} is closed"
                     + (f": {self._close_reason}" if self._close_reason else ""))
-            if self.mac_tx is not None:  # tagged in outbox order, the order frames leave in
-                parts.append(self.mac_tx.tag(head, envelope))
+            if mac is not None:  # tagged in outbox order, the order frames leave in
+                parts.append(seal + mac.tag(head, envelope, seal) if seal
+                             else mac.tag(head, envelope))
             parts.extend(data)
             if self._writing:
                 self._outbox.append((parts, keepalive))

@@ -17,9 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
-         local: bool = False, private: bool = False) -> Connection:
+         local: bool = False, private: bool = False, incarnation: int = 0) -> Connection:
     """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``;
-    with ``local`` (the peer shares this host), through its Unix socket.
+    with ``local`` (the peer shares this host), through its Unix socket. The peer must
+    prove it is process ``incarnation`` of that rank, listening at that address as it
+    published it (see ``handshake.py``); a relay or another process there cannot.
 
     A ``private`` connection gets no reader: whoever sends a request on it reads
     the reply with :meth:`Connection.read_frame`.
@@ -44,7 +46,7 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
         challenge = recv_exact(sock, handshake.CHALLENGE.size)
         proof, server_rank, features = handshake.answer_challenge(
             links.secret, challenge, links.rank, nonce, peer_rank, offer, binding,
-            links.incarnation)
+            links.incarnation, incarnation, (host, port))
         sock.sendall(proof)
         if recv_exact(sock, 1) != handshake.ACCEPT:
             raise AuthenticationError("the peer refused the handshake")

@@ -10,11 +10,19 @@ it is unpickled. Both sides hold the per-job secret; neither ever sends it.
     client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | bound)
     server -> client   ACCEPT     one byte, 1
 
-    bound = ranks | version | features_c | features_s | incarnation_c | binding
+    bound = ranks | version | features_c | features_s | incarnation_c | incarnation_s
+            | address | binding
 
 The client's incarnation tells a process apart from an earlier one under the same rank
 (a dynamic group's member that was removed as lost, see ``_agent.membership``); the
 server refuses one that is not a member after checking the PROOF.
+
+The responder proves it is the worker the dialer meant: the dialer computes the MACs
+with the rank, the incarnation (0 in a static group) and the address (host and port, as
+the worker published them) it dialed, the server with its own. The incarnation and the
+address are never sent: a relay that forwards the bytes to the real worker, or another
+process at an address a forged store record names, makes the two sides compute
+different MACs, and the connection fails naming the worker that was meant.
 
 The client checks the server's MAC (so it never talks to an impostor) and the
 server checks the client's (so it never unpickles an outsider's bytes). Both MACs
@@ -32,14 +40,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import os
 import struct
-from typing import Any
+from typing import Any, Sequence, Tuple
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import AuthenticationError
 
 MAGIC = b"TRPH"
-VERSION = 1
+VERSION = 2
 NONCE = 16
 # magic, version, client rank, features, nonce, incarnation
 HELLO = struct.Struct("<4sBxxxiQ16sQ")
@@ -55,7 +66,11 @@ FEATURE_SHM = 1
 FEATURE_PRIVATE = 2
 # Every frame on a plain TCP connection carries a MAC (see frame_keys); both sides offer it.
 FEATURE_FRAME_MAC = 4
+# The frames' MACs cover their out-of-band buffers too (see FrameMac); on when both offer it.
+FEATURE_TENSOR_MAC = 8
 FRAME_MAC_SIZE = 16
+SEAL_SIZE = 8 + 16  # see FrameMac
+PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +83,13 @@ class Hello:
 
 def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, client_rank: int,
          server_rank: int, client_features: int, server_features: int, binding: bytes,
-         client_incarnation: int = 0) -> bytes:
+         client_incarnation: int = 0, server_incarnation: int = 0,
+         server_address: Tuple[str, int] = ("", 0)) -> bytes:
+    host = server_address[0].encode("utf-8", "surrogateescape")
     msg = b"".join((label, first, second,
-                    struct.pack("<iiBQQQ", client_rank, server_rank, VERSION, client_features,
-                                server_features, client_incarnation), binding))
+                    struct.pack("<iiBQQQQII", client_rank, server_rank, VERSION, client_features,
+                                server_features, client_incarnation, server_incarnation,
+                                server_address[1], len(host)), host, binding))
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -94,20 +112,25 @@ def parse_hello(data: bytes) -> Hello:
 
 
 def make_challenge(secret: bytes, hello: Hello, server_rank: int, features: int,
-                   binding: bytes = b"") -> tuple[bytes, bytes]:
-    """Server: return (CHALLENGE bytes, server nonce to remember)."""
+                   binding: bytes = b"", server_incarnation: int = 0,
+                   server_address: Tuple[str, int] = ("", 0)) -> tuple[bytes, bytes]:
+    """Server: return (CHALLENGE bytes, server nonce to remember). ``server_incarnation``
+    and ``server_address`` are this worker's own, as it published them."""
     nonce = os.urandom(NONCE)
     mac = _mac(secret, b"srv", hello.nonce, nonce, hello.rank, server_rank, hello.features,
-               features, binding, hello.incarnation)
+               features, binding, hello.incarnation, server_incarnation, server_address)
     return CHALLENGE.pack(server_rank, features, nonce, mac), nonce
 
 
 def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce: bytes,
                      expected_server_rank: int | None, client_features: int = 0,
-                     binding: bytes = b"", client_incarnation: int = 0
-                     ) -> tuple[bytes, int, int]:
+                     binding: bytes = b"", client_incarnation: int = 0,
+                     server_incarnation: int = 0,
+                     server_address: Tuple[str, int] = ("", 0)) -> tuple[bytes, int, int]:
     """Client: check the server's MAC; return (PROOF bytes, server rank, server features).
-    ``client_features`` are the features the HELLO offered."""
+    ``client_features`` are the features the HELLO offered; ``server_incarnation`` and
+    ``server_address`` those of the worker the client meant to reach, the address as
+    dialed."""
     if len(data) != CHALLENGE.size:
         raise AuthenticationError(f"short handshake reply: {len(data)} of {CHALLENGE.size} bytes")
     server_rank, features, nonce, mac = CHALLENGE.unpack(data)
@@ -115,22 +138,30 @@ def answer_challenge(secret: bytes, data: bytes, client_rank: int, client_nonce:
         raise AuthenticationError(
             f"connected to rank {server_rank}, expected rank {expected_server_rank}")
     want = _mac(secret, b"srv", client_nonce, nonce, client_rank, server_rank, client_features,
-                features, binding, client_incarnation)
+                features, binding, client_incarnation, server_incarnation, server_address)
     if not hmac.compare_digest(mac, want):
-        raise AuthenticationError("the server failed authentication: wrong job secret, or "
-                                  "the handshake or TLS session was tampered with")
+        host, port = server_address
+        raise AuthenticationError(
+            f"the server failed authentication as rank {server_rank} (incarnation "
+            f"{server_incarnation}) listening at {host}:{port}: it holds another job secret, "
+            f"or it is a relay or another process at that address (a forged or stale "
+            f"address), or the handshake or TLS session was tampered with")
     proof = _mac(secret, b"cli", nonce, client_nonce, client_rank, server_rank, client_features,
-                 features, binding, client_incarnation)
+                 features, binding, client_incarnation, server_incarnation, server_address)
     return PROOF.pack(proof), server_rank, features
 
 
 def check_proof(secret: bytes, data: bytes, hello: Hello, server_nonce: bytes,
-                server_rank: int, server_features: int = 0, binding: bytes = b"") -> None:
-    """Server: check the client's PROOF (``server_features`` as the CHALLENGE sent them)."""
+                server_rank: int, server_features: int = 0, binding: bytes = b"",
+                server_incarnation: int = 0,
+                server_address: Tuple[str, int] = ("", 0)) -> None:
+    """Server: check the client's PROOF (``server_features`` as the CHALLENGE sent them;
+    ``server_incarnation`` and ``server_address`` as :func:`make_challenge` had them)."""
     if len(data) != PROOF.size:
         raise AuthenticationError(f"short handshake proof: {len(data)} of {PROOF.size} bytes")
     want = _mac(secret, b"cli", server_nonce, hello.nonce, hello.rank, server_rank,
-                hello.features, server_features, binding, hello.incarnation)
+                hello.features, server_features, binding, hello.incarnation,
+                server_incarnation, server_address)
     if not hmac.compare_digest(data, want):
         raise AuthenticationError(
             f"peer claiming rank {hello.rank} failed authentication: wrong job secret, or "
@@ -148,15 +179,30 @@ def frame_keys(secret: bytes, client_nonce: bytes, server_nonce: bytes, client_r
 
 
 class FrameMac:
-    """The MACs of one direction of a connection: keyed BLAKE2b over a sequence number,
-    the frame's header (with its length table) and its envelope. The sequence number is
-    implicit (both sides count), so a dropped, replayed or reordered frame fails too."""
+    """The MACs of one direction of a connection.
 
-    __slots__ = ("_keyed", "_seq")
+    The frame's tag: keyed BLAKE2b over a sequence number, the frame's header (with its
+    length table), its envelope and, where buffers are covered, its seal. The sequence
+    number is implicit (both sides count), so a dropped, replayed or reordered frame
+    fails too.
 
-    def __init__(self, key: bytes) -> None:
+    With ``buffers`` (``FEATURE_TENSOR_MAC``), a frame with out-of-band buffers carries a
+    seal of the bytes it sends after its tag (:class:`Seal`): a number the sender draws
+    (8 bytes, never the same twice on a direction) and a 16-byte digest of the GMAC tags
+    of those bytes. The frame's tag covers the seal, so a seal cannot move to another
+    frame. A seal is made without the sequence number, so a sending thread seals its
+    buffers before it takes the connection's lock.
+    """
+
+    __slots__ = ("_keyed", "_seq", "_gmac", "_numbers", "buffers")
+
+    def __init__(self, key: bytes, buffers: bool = False) -> None:
         self._keyed = hashlib.blake2b(key=key, digest_size=FRAME_MAC_SIZE)  # copied per frame
         self._seq = 0
+        self._gmac = AESGCM(hashlib.blake2b(key=key, digest_size=32,
+                                            person=b"trpc buffers").digest())
+        self._numbers = itertools.count()  # its next() is atomic: senders share it
+        self.buffers = buffers
 
     def tag(self, *parts: Any) -> bytes:
         """The tag of the next frame, made of ``parts``; advances the sequence."""
@@ -166,3 +212,52 @@ class FrameMac:
             h.update(part)
         self._seq += 1
         return h.digest()
+
+    def seal(self, data: Sequence[Any]) -> bytes:
+        """Sender: the seal (:data:`SEAL_SIZE` bytes) of the bytes ``data`` puts on the
+        stream, buffer by buffer; any thread may call it."""
+        number = next(self._numbers).to_bytes(8, "little")
+        check = Seal(self._gmac, number)
+        for part in data:
+            check.update(part)
+        return number + check.digest()
+
+    def unseal(self, seal: bytes) -> Tuple["Seal", bytes]:
+        """Receiver: (a :class:`Seal` to ``update`` with each buffer's bytes as they
+        arrive, the digest it must come to) of a frame whose tag covered ``seal``."""
+        return Seal(self._gmac, seal[:8]), seal[8:]
+
+
+class Seal:
+    """The seal of a frame's buffers, fed buffer by buffer: each buffer's bytes in
+    pieces of at most :data:`PIECE` bytes from its start (AES-GCM takes less than 2 GiB
+    at once), each piece MAC'd with GMAC (AES-GCM with nothing to encrypt) under the
+    direction's key and a nonce of its own (the seal's number and the piece's index),
+    and the tags hashed in order.
+
+    GMAC, because it runs at several times BLAKE2b's or HMAC-SHA256's speed where the
+    CPU multiplies carry-less (docs/security.md has the figures). Each call releases the
+    GIL, and getting it back can wait for another thread's switch interval, so a buffer
+    is MAC'd in as few calls as it allows: a receiver MACs it once it is all in place.
+    """
+
+    __slots__ = ("_gmac", "_number", "_index", "_tags")
+
+    def __init__(self, gmac: AESGCM, number: bytes) -> None:
+        self._gmac = gmac
+        self._number = number
+        self._index = 0
+        self._tags = hashlib.blake2b(digest_size=16)
+
+    def update(self, data: Any) -> None:
+        """MAC ``data`` (any contiguous buffer), in pieces of at most :data:`PIECE`."""
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        encrypt, update, number = self._gmac.encrypt, self._tags.update, self._number
+        for i in range(0, len(view), PIECE):
+            update(encrypt(number + self._index.to_bytes(4, "little"), b"", view[i:i + PIECE]))
+            self._index += 1
+
+    def digest(self) -> bytes:
+        return self._tags.digest()

@@ -29,8 +29,9 @@ from .reader import CloseCallback, FrameCallback
 log = logging.getLogger(__name__)
 
 # The most tensor bytes a message to a peer whose frames carry MACs sends inside its
-# envelope: the MAC covers the envelope, not out-of-band buffers, and its cost grows with
-# the bytes it covers (docs/design.md, "The bound").
+# envelope: the envelope's MAC (keyed BLAKE2b) costs several times more per byte than the
+# seal of out-of-band buffers, or none where they are not sealed (docs/design.md, "The
+# bound").
 MAC_INLINE_MAX = 512
 
 
@@ -64,6 +65,9 @@ class Links:
         self.limits = limits
         self.features = features
         self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
+        # The address this worker listens at, as it publishes it: its handshakes prove it
+        # (set by the acceptor once it listens).
+        self.address: Tuple[str, int] = ("", 0)
         self.tls = tls_contexts
         self.on_connect = on_connect
         self._on_frame = on_frame
@@ -187,7 +191,9 @@ class Links:
         if needs_frame_macs(conn):
             c2s, s2c = handshake.frame_keys(self.secret, nonces[0], nonces[1], *ranks)
             tx, rx = (c2s, s2c) if outbound else (s2c, c2s)
-            conn.mac_tx, conn.mac_rx = handshake.FrameMac(tx), handshake.FrameMac(rx)
+            buffers = bool(features & handshake.FEATURE_TENSOR_MAC)
+            conn.mac_tx = handshake.FrameMac(tx, buffers)
+            conn.mac_rx = handshake.FrameMac(rx, buffers)
             self.inline_max[peer_rank] = MAC_INLINE_MAX
         else:
             # This rank is reached without MACs now (a worker restarted on this host).

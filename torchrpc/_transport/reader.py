@@ -325,16 +325,22 @@ class FrameReader:
             self._rstart = start + n
         else:
             envelope = self._take_bytes(n)
+        check: Optional[handshake.Seal] = None  # of the buffers' bytes, where sealed
+        sealed_digest = b""
         if mac is not None:
-            size = handshake.FRAME_MAC_SIZE
+            sealed = handshake.SEAL_SIZE if mac.buffers and header.nbuffers else 0
+            size = sealed + handshake.FRAME_MAC_SIZE
             fill(size)
             start = self._rstart
-            tag = bytes(mv[start:start + size])
+            seal = bytes(mv[start:start + sealed])
+            tag = bytes(mv[start + sealed:start + size])
             self._rstart = start + size
-            if not hmac.compare_digest(tag, mac.tag(head, envelope)):
+            if not hmac.compare_digest(tag, mac.tag(head, envelope, seal)):
                 raise ProtocolError(f"a frame from rank {self.peer_rank} failed authentication "
                                     f"(altered, replayed, reordered or injected on the way); "
                                     f"the connection is closed")
+            if sealed:
+                check, sealed_digest = mac.unseal(seal)
         buffers = []
         for size in lengths:
             if size & _wire.SHM_BIT:
@@ -343,7 +349,10 @@ class FrameReader:
                                         "not negotiate shared memory")
                 fill(_wire.SHM_REF_SIZE)
                 start = self._rstart
-                name = _wire.parse_shm_ref(mv[start:start + _wire.SHM_REF_SIZE])
+                ref = mv[start:start + _wire.SHM_REF_SIZE]
+                if check is not None:
+                    check.update(ref)
+                name = _wire.parse_shm_ref(ref)
                 self._rstart = start + _wire.SHM_REF_SIZE
                 if shm.is_return_ref(name):  # a buffer of ours, sent back
                     if self.shm_tx is None:
@@ -356,5 +365,12 @@ class FrameReader:
             tensor, view = _wire.new_buffer(size)
             if size:
                 self._take_into(view)
+                if check is not None:
+                    check.update(view)
             buffers.append(tensor)
+        if check is not None and not hmac.compare_digest(check.digest(), sealed_digest):
+            # Checked once every byte is in place, before anyone sees the frame.
+            raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} failed "
+                                f"authentication (altered on the way); the connection is "
+                                f"closed")
         return header, envelope, buffers

@@ -34,6 +34,9 @@ class Transport:
     accepts buffers in shared memory, and sends its own buffers of at least
     ``shm_threshold`` bytes that way when ``same_host(peer_rank)`` says the peer
     shares this machine and ``same_pids(peer_rank)`` that it sees this process's pids.
+
+    Frames on plain TCP carry MACs; with ``tensor_mac`` (on a connection where both sides
+    offer it) they cover the out-of-band buffers too.
     """
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
@@ -46,7 +49,8 @@ class Transport:
                  send_timeout: float = 0.0, max_outbox: int = 0,
                  max_private: int = 0, incarnation: int = 0,
                  admit: Optional[Callable[[int, int], Optional[str]]] = None,
-                 connection_type: Callable[..., Connection] = Connection) -> None:
+                 connection_type: Callable[..., Connection] = Connection,
+                 tensor_mac: bool = True) -> None:
         self.rank = rank
         self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
         self._secret = secret
@@ -56,6 +60,8 @@ class Transport:
         if features & handshake.FEATURE_SHM and not shm.available():
             features &= ~handshake.FEATURE_SHM  # no memfds: no shared memory (see shm.py)
         features |= handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
+        if tensor_mac:
+            features |= handshake.FEATURE_TENSOR_MAC
         self._links = Links(rank, secret, limits, features, on_connect, on_frame, on_close,
                             tls_contexts=tls_contexts, shm_threshold=shm_threshold,
                             same_host=same_host, same_pids=same_pids,
@@ -70,15 +76,19 @@ class Transport:
         self.inline_max: Dict[int, int] = self._links.inline_max
 
     def connect(self, peer_rank: int, host: str, port: int, timeout: float,
-                local: bool = False, private: bool = False) -> Connection:
+                local: bool = False, private: bool = False,
+                incarnation: int = 0) -> Connection:
         """Open, authenticate and start a connection to ``peer_rank`` at ``host:port``;
         with ``local`` (the peer shares this host), through its Unix socket if it has one.
+        The peer must prove it is process ``incarnation`` of that rank (0 in a static
+        group) listening at ``host:port`` as it published it, or the connection fails.
 
         A ``private`` connection gets no reader: whoever sends a request on it reads
         the reply with :meth:`Connection.read_frame`.
         """
         return dial(self._links, peer_rank, host, port, timeout,
-                    local=local and self._acceptor.local is not None, private=private)
+                    local=local and self._acceptor.local is not None, private=private,
+                    incarnation=incarnation)
 
 
     def connections(self) -> List[Connection]:

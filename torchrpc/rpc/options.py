@@ -88,6 +88,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         enable_uds (bool): workers of one host (and network namespace) connect through a
             Unix socket instead of loopback TCP, with the same authentication (default
             True; see BENCHMARKS.md).
+        tensor_mac (bool): on plain TCP links, the frames' MACs cover the tensors' bytes
+            too (Poly1305, see docs/security.md); a tensor altered on the way closes the
+            connection and fails its calls. Same-host links (Unix sockets, shared
+            memory) and TLS need none. False leaves tensor bytes unchecked on links whose
+            other end sets it too (default True).
         shm_threshold (int): between workers of one host, buffers of at least this many
             bytes go through shared memory (default 64 KiB: where tensors stop
             travelling inside the envelope; see BENCHMARKS.md).
@@ -188,6 +193,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                          "PEM CA certificates that peers' certificates must chain to.")
     tls_require_client_cert = Field(_checks.flag,
                                       'Whether a connecting peer must present a certificate too (mutual TLS).')
+    tensor_mac = Field(_checks.flag,
+                       "Whether the frames' MACs on plain TCP cover the tensors' bytes.")
     log_debug_info_on_timeout = Field(_checks.flag,
                                         'Whether a timed-out call logs the debug info of this worker and of the callee.')
 
@@ -201,6 +208,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  max_message_size: int = constants.DEFAULT_MAX_MESSAGE_SIZE,
                  enable_shm: bool = True,
                  enable_uds: bool = True,
+                 tensor_mac: bool = True,
                  shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD,
                  heartbeat_interval: float = constants.DEFAULT_HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
@@ -235,6 +243,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.max_message_size = max_message_size
         self.enable_shm = enable_shm
         self.enable_uds = enable_uds
+        self.tensor_mac = tensor_mac
         self.shm_threshold = shm_threshold
         self._heartbeat_interval = _checks.seconds("heartbeat_interval", heartbeat_interval)
         self.heartbeat_timeout = heartbeat_timeout

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchrpc._agent import membership, records, rendezvous, shutdown
+from torchrpc._agent import barriers, membership, records, shutdown
 from torchrpc._agent.group_store import Records
 from torchrpc.errors import BarrierTimeoutError, RendezvousError
 
@@ -147,16 +147,16 @@ def test_the_barrier_counts_sealed_arrivals_not_the_counter(stores):
     raw.add("shutdown/1", 10)  # an outsider's count
     raw.set("shutdown/1/1", "1")  # and a forged arrival of rank 1
     with pytest.raises(BarrierTimeoutError, match="timed out at the shutdown barrier"):
-        rendezvous.barrier(store, "shutdown/1", 2, time.monotonic() + 1.0, rank=0)
+        barriers.barrier(store, "shutdown/1", 2, time.monotonic() + 1.0, rank=0)
     # rank 1 arrives for real: the barrier completes, for both
     done = []
-    waiter = threading.Thread(target=lambda: done.append(rendezvous.barrier(
+    waiter = threading.Thread(target=lambda: done.append(barriers.barrier(
         store, "shutdown/2", 2, time.monotonic() + 10, rank=0)))
     raw.add("shutdown/2", -5)  # an outsider takes from the counter: the arrivals still count
     waiter.start()
     time.sleep(0.3)
     assert not done
-    rendezvous.barrier(store, "shutdown/2", 2, time.monotonic() + 10, rank=1)
+    barriers.barrier(store, "shutdown/2", 2, time.monotonic() + 10, rank=1)
     waiter.join(10)
     assert done == [None]
 
@@ -202,15 +202,15 @@ def test_a_deleted_arrival_of_a_worker_gone_on_does_not_hold_the_others(stores):
     """An outsider deletes rank 1's arrival at the first barrier after rank 1 went on to
     the second: rank 0 still passes the first, since the second arrival implies it."""
     raw, store = stores
-    later = shutdown.BARRIERS[1:]
+    later = barriers.SHUTDOWN[1:]
     store.put("shutdown/1/1", {"rank": 1})  # rank 1 arrived at the first barrier,
     store.put("shutdown/2/1", {"rank": 1})  # rank 1 went on and waits at the second
     raw.delete_key("shutdown/1/1")
     with pytest.raises(BarrierTimeoutError):  # what the barrier did before it looked on
-        rendezvous.barrier(store, "shutdown/1", 2, time.monotonic() + 0.5, rank=0)
-    rendezvous.barrier(store, "shutdown/1", 2, time.monotonic() + 5, rank=0, later=later)
-    assert rendezvous.arrived(store, "shutdown/1", 1, later)
-    assert not rendezvous.arrived(store, "shutdown/1", 1)
+        barriers.barrier(store, "shutdown/1", 2, time.monotonic() + 0.5, rank=0)
+    barriers.barrier(store, "shutdown/1", 2, time.monotonic() + 5, rank=0, later=later)
+    assert barriers.arrived(store, "shutdown/1", 1, later)
+    assert not barriers.arrived(store, "shutdown/1", 1)
     # a forged arrival at a later barrier counts for nothing
     raw.set("shutdown/3/2", "1")
-    assert not rendezvous.arrived(store, "shutdown/1", 2, later)
+    assert not barriers.arrived(store, "shutdown/1", 2, later)

@@ -43,7 +43,7 @@ While it waits (for its requests, or at barriers 1 and 2), a worker checks its p
 (:meth:`Shutdown.check_peers`): a peer whose connection broke without a GOODBYE and that
 cannot be reached again is gone, and shutdown fails with a :class:`ShutdownError` naming
 it instead of waiting forever. Losses are shared through the store (``lost/<rank>``, a
-sealed record like each arrival at a barrier: see rendezvous.py), the workers missing
+sealed record like each arrival at a barrier: see barriers.py), the workers missing
 from a barrier are probed by connecting to them, and a worker that said
 GOODBYE without reaching the barrier (its own shutdown failed, or was not graceful) fails
 it at once. A worker that left early has usually found a dead one and said so in the
@@ -72,14 +72,14 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
 
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
                       ShutdownError, ThreadFailedError)
-from . import rendezvous
+from . import barriers
 from .hooks import describe
 
 if TYPE_CHECKING:
@@ -119,14 +119,19 @@ STOP_WAIT = 15.0
 LAST_BARRIER_WAIT = 30.0
 """The most seconds rank 0 waits at the last barrier for the others to count in."""
 
-BARRIERS = ("shutdown/1", "shutdown/2", "shutdown/3")
-"""The store barriers of a static group's graceful shutdown, in the order workers pass
-them; an arrival at one implies the arrivals at those before it."""
+def _arrived(agent: "Agent", barrier: str, rank: int) -> bool:
+    """Whether worker ``rank`` reached ``barrier`` of :data:`barriers.SHUTDOWN` or a later
+    one."""
+    return barriers.arrived(agent.store, barrier, rank, barriers.after(barrier))
 
 
-def _after(barrier: str) -> Tuple[str, ...]:
-    """The barriers of :data:`BARRIERS` that follow ``barrier``."""
-    return BARRIERS[BARRIERS.index(barrier) + 1:]
+def _meet(agent: "Agent", barrier: str, deadline: Optional[float],
+          check_peers: Optional[Callable[[str], None]] = None) -> None:
+    """Wait at ``barrier`` of :data:`barriers.SHUTDOWN` until the whole group is in (see
+    :func:`barriers.barrier`); ``check_peers(barrier)`` may raise to stop waiting."""
+    check = None if check_peers is None else (lambda: check_peers(barrier))
+    barriers.barrier(agent.store, barrier, agent.world_size, deadline, check, rank=agent.rank,
+                     later=barriers.after(barrier))
 
 
 REPORT_WAIT = 5.0
@@ -158,14 +163,14 @@ def _check_left(agent: "Agent", barrier: str) -> None:
     """Raise if a worker stopped (it said GOODBYE) while ``barrier`` is not complete:
     one that never reached it failed its shutdown or did not make it graceful; one
     that reached it left early, so its shutdown failed (a worker it waited for died).
-    Either way the count will not complete. :func:`rendezvous.barrier` reads the count
+    Either way the count will not complete. :func:`barriers.barrier` reads the count
     again before raising, so a worker that left a complete barrier is not counted."""
     with agent._lock:
         workers = agent.registry.workers
         left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
     if not left:
         return
-    missing = [(r, w) for r, w in left if not rendezvous.arrived(agent.store, barrier, r, _after(barrier))]
+    missing = [(r, w) for r, w in left if not _arrived(agent, barrier, r)]
     if missing:
         names = ", ".join(f"{w.name} (rank {r})" for r, w in missing)
         raise ShutdownError(f"graceful shutdown of {agent.name} cannot complete: worker(s) "
@@ -234,24 +239,19 @@ class Shutdown:
             except (RpcError, RuntimeError) as exc:
                 error = exc
         elif graceful:
-            store, world_size, rank = agent.store, agent.world_size, agent.rank
             try:
                 self._finish_work(deadline)
-                rendezvous.barrier(store, BARRIERS[0], world_size, deadline,
-                                   lambda: self.check_peers(BARRIERS[0]), rank=rank,
-                                   later=_after(BARRIERS[0]))
+                _meet(agent, barriers.SHUTDOWN[0], deadline, self.check_peers)
                 in_meet = meet is not None
                 if meet is not None:
                     meet()
                 in_meet = False
                 self._finish_work(deadline)
-                rendezvous.barrier(store, BARRIERS[1], world_size, deadline,
-                                   lambda: self.check_peers(BARRIERS[1]), rank=rank,
-                                   later=_after(BARRIERS[1]))
+                _meet(agent, barriers.SHUTDOWN[1], deadline, self.check_peers)
                 self.enter(STOPPING)
                 now, last = time.monotonic(), True
-                until = _earlier(now + LAST_BARRIER_WAIT, deadline) if rank == 0 else now
-                rendezvous.barrier(store, BARRIERS[2], world_size, until, rank=rank)
+                until = _earlier(now + LAST_BARRIER_WAIT, deadline) if agent.rank == 0 else now
+                _meet(agent, barriers.SHUTDOWN[2], until)
             except Exception as exc:  # noqa: BLE001 - the agent stops first, then raises it
                 error = exc
         self.stop(deadline)
@@ -392,7 +392,7 @@ class Shutdown:
         for r, why in gone:
             if r not in self._shared_lost and r not in agent.registry.left:
                 self._shared_lost.add(r)
-                rendezvous.mark_lost(store, r, f"{agent.name} lost it: {why}")
+                barriers.mark_lost(store, r, f"{agent.name} lost it: {why}")
         seen = int(store.add("lost", 0))
         if seen == self._lost_seen:
             return
@@ -402,7 +402,7 @@ class Shutdown:
         for r in ranks:
             why = None
             if r != agent.rank and r not in agent.connections.lost and r not in agent.registry.left:
-                why = rendezvous.lost(store, r)
+                why = barriers.lost(store, r)
             if why is not None:
                 with self._lock:
                     agent.connections.lost[r] = why
@@ -421,7 +421,7 @@ class Shutdown:
         with self._lock:
             ranks = list(agent.registry.workers)
         self.probe([r for r in ranks
-                    if r != agent.rank and not rendezvous.arrived(agent.store, barrier, r, _after(barrier))])
+                    if r != agent.rank and not _arrived(agent, barrier, r)])
 
     def probe(self, ranks: Iterable[int]) -> None:
         """:meth:`Agent.probe`."""

@@ -12,6 +12,13 @@ the next API call with it) and the loop ends. :func:`start` runs a thread's whol
 under its guard too, so whatever escapes a loop is reported the same way: no thread ever
 vanishes silently.
 
+Every thread torchrpc starts, starts through :func:`spawn` (``start``, the worker pool,
+the transport), which counts it among this process's threads until it ends.
+:func:`join_all` joins them at the interpreter's exit, before it finalizes (see
+``torchrpc._agent.process_exit``): a daemon thread still running then, once it comes back from
+torch's C++ code to Python, is ended by an unwind that aborts the process. After it,
+:func:`spawn` refuses to start another.
+
 This module sits below every layer (like ``errors``): it knows nothing but ``logging``.
 """
 
@@ -20,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 from .errors import ThreadFailedError
 
@@ -107,8 +115,60 @@ class Guard:
             self.fatal(exc)
 
 
+# Every thread spawn() started that has not ended (weak: an ended thread drops out).
+_ours: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_lock = threading.Lock()
+_exiting = False  # join_all ran: no thread starts after it
+
+
+def spawn(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:
+    """Start daemon thread ``name`` running ``target(*args)``, counted among the threads
+    :func:`join_all` joins; RuntimeError once the interpreter exits (join_all ran)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    # Started under the lock: join_all never misses a thread that starts while it looks.
+    with _lock:
+        if _exiting:
+            raise RuntimeError(f"cannot start thread {name}: the interpreter is exiting")
+        _ours.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            _ours.discard(thread)
+            raise
+    return thread
+
+
 def start(name: str, guard: Guard, target: Callable[..., Any], *args: Any) -> threading.Thread:
     """Start daemon thread ``name`` running ``target(*args)`` under ``guard``."""
-    thread = threading.Thread(target=guard.call, args=(target, *args), name=name, daemon=True)
-    thread.start()
-    return thread
+    return spawn(name, guard.call, target, *args)
+
+
+def running() -> List[threading.Thread]:
+    """The threads torchrpc started that still run."""
+    with _lock:
+        return [t for t in _ours if t.is_alive()]
+
+
+def join(threads: List[Optional[threading.Thread]], until: float) -> List[str]:
+    """Join each of ``threads`` (but the calling one), no later than ``until`` (a
+    ``time.monotonic()``) for all of them together; the names of those still running."""
+    me = threading.current_thread()
+    stuck = []
+    for t in threads:
+        if t is None or t is me:
+            continue
+        t.join(max(until - time.monotonic(), 0.0))
+        if t.is_alive():
+            stuck.append(t.name)
+    return stuck
+
+
+def join_all(timeout: float) -> List[str]:
+    """At the interpreter's exit: refuse new threads, then join every thread torchrpc
+    started, ``timeout`` seconds at most for all of them together; the names of those
+    still running."""
+    global _exiting
+    with _lock:
+        _exiting = True
+        threads: List[Optional[threading.Thread]] = list(_ours)
+    return join(threads, time.monotonic() + timeout)

@@ -174,8 +174,8 @@ def main() -> None:
         raise AssertionError("no SIGTERM came")
     if mode == "stuck":
         # A request's function that outlasts the exit's wait: named at WARNING.
-        from torchrpc._agent import process_exit
-        process_exit.EXIT_WAIT = 1.0
+        from torchrpc import _threads
+        _threads.EXIT_WAIT = 1.0
         fut = rpc.rpc_async(peer, sleep_for, args=(60,))
         time.sleep(0.5)
         del fut

@@ -87,12 +87,12 @@ import atexit, torch
 torch.set_num_threads(2)
 
 def tick_late():
-    # As an agent's timer may, in a program that never shut its agent down: after the
-    # guards' exit handler ran, while the interpreter exits.
+    # As an agent's timer may, in a program that never shut its agent down: after
+    # torchrpc's exit handler ran, while the interpreter exits.
     guard.check(2, threads=2, cpus=2)
     print("parked" if guard.parked else "not parked", flush=True)
 
-atexit.register(tick_late)  # before the guards' handler is registered: runs after it
+atexit.register(tick_late)  # before torchrpc's handler is registered: runs after it
 from torchrpc._agent.cpus import SpinGuard
 guard = SpinGuard("torchrpc-omp-late")
 """

@@ -1,4 +1,4 @@
-"""What the interpreter's exit does to torchrpc's agents and threads.
+"""What the interpreter's exit does to the agents still running.
 
 Theory of operation. torchrpc's threads are daemon threads, so that a program that never
 shuts its agent down still exits. But the interpreter ends the daemon threads still
@@ -9,16 +9,16 @@ a forced unwind through C++ frames that may not be unwound, and the process abor
 done. So no thread of torchrpc may run when the interpreter finalizes.
 
 ``shutdown()``, graceful or not, joins the threads of its agent (shutdown.py). For the
-rest, :func:`at_exit` runs from an ``atexit`` handler, before the interpreter finalizes:
+rest, ``_threads.at_exit`` runs from an ``atexit`` handler, before the interpreter
+finalizes, ``_threads.EXIT_WAIT`` seconds at most for all of it:
 
-1. it stops every agent still running, as ``shutdown(graceful=False)`` does: a program
-   that never called ``shutdown()`` (or exits on an exception or a signal's handler with
-   calls outstanding) has its pending calls failed, their futures completed and their
-   callbacks run here, on the exiting thread;
-2. it joins every thread torchrpc started (``_threads.join_all``), and none starts after;
-3. steps 1 and 2 together wait :data:`EXIT_WAIT` seconds at most; a thread that still
-   runs then (a request's function that does not return) is named at WARNING, and the
-   exit goes on with the code the program chose.
+1. :func:`stop_agents` stops every agent still running, as ``shutdown(graceful=False)``
+   does: a program that never called ``shutdown()`` (or exits on an exception, or from a
+   signal's handler, with calls outstanding) has its pending calls failed, their futures
+   completed and their callbacks run there, on the exiting thread;
+2. every thread torchrpc started is joined, and none starts after;
+3. a thread that still runs then (a request's function that does not return) is named at
+   WARNING, and the exit goes on with the code the program chose.
 
 An ``atexit`` handler, not ``threading._register_atexit``: the latter runs before the
 interpreter joins the program's own (non-daemon) threads, which may still be making
@@ -29,11 +29,10 @@ this one (the order is last in, first out), so they may still make calls.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 from .. import _threads
 from .shutdown import RUNNING
@@ -43,37 +42,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXIT_WAIT = 10.0
-"""The most seconds the interpreter's exit waits for torchrpc's agents to stop and its
-threads to end, all of them together."""
-
 _agents: "weakref.WeakSet[Agent]" = weakref.WeakSet()
 
 
 def track(agent: "Agent") -> None:
-    """Count ``agent`` among those :func:`at_exit` stops if they still run."""
+    """Count ``agent`` among those :func:`stop_agents` stops if they still run."""
     _agents.add(agent)
 
 
-def at_exit(wait: Optional[float] = None) -> List[str]:
-    """Stop every running agent, join every torchrpc thread (``wait`` seconds at most,
-    by default :data:`EXIT_WAIT`); the names of the threads still running, which it logs
-    at WARNING."""
-    wait = EXIT_WAIT if wait is None else wait
-    until = time.monotonic() + wait
+def stop_agents(until: float) -> None:
+    """At exit: stop every agent that still runs, as ``shutdown(graceful=False)`` does,
+    waiting no later than ``until`` (a ``time.monotonic()``)."""
     for agent in list(_agents):
-        if agent._state is not RUNNING:  # stopped, or another thread stops it: joined below
+        if agent._state is not RUNNING:  # stopped, or another thread stops it: joined after
             continue
         try:
             agent.shutdown(graceful=False, timeout=max(until - time.monotonic(), 0.001))
         except Exception as exc:  # noqa: BLE001 - a failed agent raises why, once stopped
             log.debug("the RPC agent of %s stopped at exit: %s", agent.name, exc)
-    stuck = _threads.join_all(max(until - time.monotonic(), 0.0))
-    if stuck:
-        log.warning("%d torchrpc threads still run at the interpreter's exit after %.0f s; "
-                    "a thread that is inside torch's code when the interpreter finalizes "
-                    "may abort the process: %s", len(stuck), wait, ", ".join(stuck))
-    return stuck
 
 
-atexit.register(at_exit)
+_threads.on_exit(stop_agents)

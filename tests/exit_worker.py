@@ -54,8 +54,10 @@ def sleep_for(seconds: float) -> int:
 
 async def keep_calling(caller: str, x: torch.Tensor) -> int:
     """A coroutine target that calls its caller back until that fails."""
-    await rpc.rpc_async(caller, mark_called)
-    _started.set()  # and the caller knows
+    try:
+        await rpc.rpc_async(caller, mark_called)
+    finally:
+        _started.set()  # and the caller knows (it may stop before its reply comes back)
     n = 0
     while True:
         try:

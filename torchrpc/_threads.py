@@ -12,15 +12,25 @@ the next API call with it) and the loop ends. :func:`start` runs a thread's whol
 under its guard too, so whatever escapes a loop is reported the same way: no thread ever
 vanishes silently.
 
+Every thread torchrpc starts, starts through :func:`spawn` (``start``, the worker pool,
+the transport), which counts it among this process's threads until it ends.
+:func:`at_exit` (an ``atexit`` handler) stops their owners (:func:`on_exit`: the agents
+still running, see ``torchrpc._agent.process_exit``) and joins them at the interpreter's
+exit, before it finalizes: a daemon thread still running then, once it comes back from
+torch's C++ code to Python, is ended by an unwind that aborts the process. After it,
+:func:`spawn` refuses to start another.
+
 This module sits below every layer (like ``errors``): it knows nothing but ``logging``.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 from .errors import ThreadFailedError
 
@@ -107,8 +117,109 @@ class Guard:
             self.fatal(exc)
 
 
-def start(name: str, guard: Guard, target: Callable[..., Any], *args: Any) -> threading.Thread:
-    """Start daemon thread ``name`` running ``target(*args)`` under ``guard``."""
-    thread = threading.Thread(target=guard.call, args=(target, *args), name=name, daemon=True)
-    thread.start()
+# Every thread spawn() started that has not ended (weak: an ended thread drops out), and
+# what ends it at exit, if anything but its owner's stop does.
+_ours: "weakref.WeakKeyDictionary[threading.Thread, Optional[Callable[[], None]]]" = \
+    weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_exiting = False  # join_all ran: no thread starts after it
+
+
+def spawn(name: str, target: Callable[..., Any], *args: Any,
+          stop: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start daemon thread ``name`` running ``target(*args)``, counted among the threads
+    :func:`join_all` joins (calling ``stop()`` first, if given, to end it);
+    RuntimeError once the interpreter exits (join_all ran)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    # Started under the lock: join_all never misses a thread that starts while it looks.
+    with _lock:
+        if _exiting:
+            raise RuntimeError(f"cannot start thread {name}: the interpreter is exiting")
+        _ours[thread] = stop
+        try:
+            thread.start()
+        except BaseException:
+            del _ours[thread]
+            raise
     return thread
+
+
+def start(name: str, guard: Guard, target: Callable[..., Any], *args: Any,
+          stop: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start daemon thread ``name`` running ``target(*args)`` under ``guard`` (see
+    :func:`spawn` for ``stop``)."""
+    return spawn(name, guard.call, target, *args, stop=stop)
+
+
+def running() -> List[threading.Thread]:
+    """The threads torchrpc started that still run."""
+    with _lock:
+        return [t for t in _ours if t.is_alive()]
+
+
+def join(threads: List[Optional[threading.Thread]], until: float) -> List[str]:
+    """Join each of ``threads`` (but the calling one), no later than ``until`` (a
+    ``time.monotonic()``) for all of them together; the names of those still running."""
+    me = threading.current_thread()
+    stuck = []
+    for t in threads:
+        if t is None or t is me:
+            continue
+        t.join(max(until - time.monotonic(), 0.0))
+        if t.is_alive():
+            stuck.append(t.name)
+    return stuck
+
+
+EXIT_WAIT = 10.0
+"""The most seconds the interpreter's exit waits for torchrpc's agents to stop and its
+threads to end, all of them together."""
+
+# What stops the threads' owners at exit, before they are joined (process_exit.py).
+_stoppers: List[Callable[[float], None]] = []
+
+
+def on_exit(stop: Callable[[float], None]) -> None:
+    """Run ``stop(until)`` at the interpreter's exit before the threads are joined;
+    ``until`` (a ``time.monotonic()``) bounds what it waits for."""
+    _stoppers.append(stop)
+
+
+def at_exit(wait: Optional[float] = None) -> List[str]:
+    """The interpreter exits (an ``atexit`` handler): run the :func:`on_exit` stoppers,
+    then :func:`join_all`, ``wait`` seconds (by default :data:`EXIT_WAIT`) at most for
+    all of it; the names of the threads still running, which it logs at WARNING."""
+    wait = EXIT_WAIT if wait is None else wait
+    until = time.monotonic() + wait
+    for stop in list(_stoppers):
+        try:
+            stop(until)
+        except Exception:  # noqa: BLE001 - the threads must still be joined
+            log.exception("stopping torchrpc at exit failed")
+    stuck = join_all(max(until - time.monotonic(), 0.0))
+    if stuck:
+        log.warning("%d torchrpc threads still run at the interpreter's exit after %g s; "
+                    "a thread that is inside torch's code when the interpreter finalizes "
+                    "may abort the process: %s", len(stuck), wait, ", ".join(stuck))
+    return stuck
+
+
+def join_all(timeout: float) -> List[str]:
+    """At the interpreter's exit: refuse new threads, stop those started with a ``stop``,
+    then join every thread torchrpc started, ``timeout`` seconds at most for all of them
+    together; the names of those still running."""
+    global _exiting
+    until = time.monotonic() + timeout
+    with _lock:
+        _exiting = True
+        ours = list(_ours.items())
+    for thread, stop in ours:
+        if stop is not None and thread.is_alive():
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - the others must still be joined
+                log.exception("stopping thread %s at exit failed", thread.name)
+    return join([t for t, _ in ours], until)
+
+
+atexit.register(at_exit)

@@ -12,7 +12,7 @@ import torch
 from torchrpc._agent import cpus
 from torchrpc._agent.cpus import SpinGuard
 
-from ..group import wait_for
+from ..group import ROOT, free_port, wait_for
 
 
 def _tasks() -> int:
@@ -87,12 +87,12 @@ import atexit, torch
 torch.set_num_threads(2)
 
 def tick_late():
-    # As an agent's timer may, in a program that never shut its agent down: after the
-    # guards' exit handler ran, while the interpreter exits.
+    # As an agent's timer may, in a program that never shut its agent down: after
+    # torchrpc's exit handler ran, while the interpreter exits.
     guard.check(2, threads=2, cpus=2)
     print("parked" if guard.parked else "not parked", flush=True)
 
-atexit.register(tick_late)  # before the guards' handler is registered: runs after it
+atexit.register(tick_late)  # before torchrpc's handler is registered: runs after it
 from torchrpc._agent.cpus import SpinGuard
 guard = SpinGuard("torchrpc-omp-late")
 """
@@ -104,3 +104,33 @@ def test_no_team_is_parked_once_the_process_exits():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "not parked"
+
+
+_NOPARK = """
+import torch
+from torchrpc._agent import cpus
+from torchrpc.rpc import api
+import tests.bench_nopark as variant
+guard = cpus.SpinGuard("torchrpc-omp-probe")
+guard.check(2, threads=2, cpus=2)
+parked_before = guard.parked
+guard.stop()
+variant.init_rpc("w", rank=0, world_size=1)
+omp = api._get_current_rpc_agent().omp
+omp.check(2, threads=2, cpus=2)  # as crowded as it gets: two workers of two threads
+print(parked_before, omp.parked)
+variant.shutdown()
+"""
+
+
+@pytest.mark.skipif(not cpus.libgomp_spins(), reason="torch here does not run on libgomp")
+def test_the_benchmarks_nopark_variant_parks_no_team():
+    # tests/bench_nopark.py, the system without the team that BENCHMARKS.md compares.
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=ROOT)
+    env.pop("GOMP_SPINCOUNT", None)
+    env.pop("OMP_WAIT_POLICY", None)
+    done = subprocess.run([sys.executable, "-c", _NOPARK], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"], done.stdout

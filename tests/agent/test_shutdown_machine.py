@@ -18,9 +18,10 @@ from torchrpc._agent.shutdown import (NEW, RUNNING, STOP_WAIT, STOPPED, STOPPING
                                       State, advance)
 from torchrpc._transport.tcp import Transport
 from torchrpc._wire import Kind
-from torchrpc.errors import (LifecycleError, NotInitializedError, ShutdownError,
+from torchrpc.errors import (ClosedError, LifecycleError, NotInitializedError, ShutdownError,
                              WorkerLeftError)
 from tests.agent_helpers import Agents, FakeConn, NoTransport, deliver, pending_to, running
+from tests.group import wait_for
 
 ORDER = [NEW, RUNNING, STOPPING, STOPPED]
 
@@ -252,10 +253,39 @@ def test_closing_the_transport_waits_for_all_its_threads_together():
         links._threads.update(stuck)  # threads that do not end when their socket closes
     try:
         start = time.monotonic()
-        transport.close(0.3)
+        left = transport.close(0.3)
         assert time.monotonic() - start < 0.9  # not 0.3 s for each thread
+        assert sorted(left) == sorted(t.name for t in stuck)  # named, for the WARNING
     finally:
         release.set()
+
+
+def test_no_thread_starts_on_a_closed_transport_or_pool():
+    # What close() joined is all there is: a reader that would start after it is refused
+    # (the dial that wanted it fails), and a pool thread that blocks adds none.
+    transport = Transport(0, b"s" * 32, _wire.Limits(), lambda conn: None, lambda *a: None,
+                          lambda conn, why: None, "127.0.0.1")
+    assert transport.close(1) == []
+    with pytest.raises(ClosedError, match="the transport is shut down"):
+        transport._links.spawn(time.sleep, "torchrpc-test-late", 0.01)
+    pool = WorkerPool(1, "torchrpc-test-closed")
+    entered, go, seen = threading.Event(), threading.Event(), []
+
+    def block() -> None:
+        entered.set()
+        go.wait(10)
+        with pool.blocking():  # work is queued: an open pool would add a thread here
+            seen.append(pool.num_threads)
+    pool.submit(block)
+    assert entered.wait(10)
+    pool.submit(lambda: None)  # queued behind it
+    closing = threading.Thread(target=pool.close, args=(10,))
+    closing.start()
+    wait_for("the pool closed", lambda: pool._closed, 10)
+    go.set()
+    closing.join(10)
+    assert seen == [1]
+    assert pool.num_threads == 0
 
 
 def test_closing_the_transport_as_a_thread_is_being_started_joins_it(monkeypatch):

@@ -286,10 +286,13 @@ PROCESS_STATE = {
     "_agent/secret.py:_fallback": "process resources",
     # Each thread's reusable pickler, holding nothing between messages.
     "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
-    # The parked OpenMP teams of this process's agents, ended at its exit at the latest.
-    "_agent/cpus.py:_running": "process resources",
-    "_agent/cpus.py:_exiting": "process resources",
-    "_agent/cpus.py:_starting": "process resources",
+    # The threads torchrpc started and the agents that run, which the interpreter's exit
+    # stops and joins (held weakly: an ended thread, a collected agent drops out).
+    "_threads.py:_ours": "process resources",
+    "_threads.py:_lock": "process resources",
+    "_threads.py:global _exiting": "process resources",
+    "_threads.py:_stoppers": "process resources",
+    "_agent/process_exit.py:_agents": "weak registry",
     # Tools that are not an agent: the benchmark's featureless floor RPC (its connections)
     # and the segment timer's event log, one per process they run in.
     "bench/variants/floor.py:_state": "the floor system's process state",

@@ -39,7 +39,7 @@ from .._threads import Guard
 from .._transport import Connection, Transport
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
-from . import debug, startup
+from . import debug, process_exit, startup
 from .rendezvous import Plan
 from .calls import Calls
 from .connections import Connections
@@ -131,6 +131,7 @@ class Agent:
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
+        process_exit.track(self)  # stopped at the interpreter's exit if it still runs then
 
     # -- start -----------------------------------------------------------------------------------
 

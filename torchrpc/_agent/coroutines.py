@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import traceback
-from typing import Any, Coroutine, Optional
+from typing import Any, Coroutine, List, Optional
 
 import torch
 
@@ -109,20 +110,20 @@ class CoroutineRunner:
         except ClosedError:  # the pool is closed (shutdown): nothing will block here
             _settle(task, fut)
 
-    def close(self, timeout: float = _CANCEL_WAIT + 10) -> None:
+    def close(self, timeout: float = _CANCEL_WAIT + 10) -> List[str]:
         """Cancel the coroutines still running, stop the loop and join its thread, waiting
-        ``timeout`` seconds at most."""
+        ``timeout`` seconds at most; the loop thread's name if it still runs (it does
+        when it closes itself: the interpreter's exit joins it then)."""
         with self._lock:
             self._closed = True
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
-            return
+            return []
         try:
             loop.call_soon_threadsafe(loop.stop)
         except RuntimeError:
             pass  # closed already
-        if thread is not threading.current_thread():
-            thread.join(timeout)
+        return _threads.join([thread], time.monotonic() + timeout)
 
 
 def _settle(task: "asyncio.Future[Any]", fut: torch.futures.Future) -> None:

@@ -10,22 +10,23 @@ thinks it has the CPUs to itself, and its waiting threads take the CPUs the othe
 workers compute and reply on. So on such a host, unless the user chose a wait policy
 (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), the agent parks one more team: a thread of its
 own runs a single parallel region and then sleeps, its team's threads with it, and
-libgomp, counting them, waits briefly. The thread ends with the agent, and its team then
-too, or at the interpreter's exit, before it finalizes: a thread that comes back from
+libgomp, counting them, waits briefly. The thread ends with the agent (a stop hook),
+and its team then too, or at the interpreter's exit, where it is stopped and joined
+before the interpreter finalizes (``_threads.join_all``): a thread that comes back from
 torch's C++ code after that is ended by an unwind that aborts the process. See
 docs/design.md, "OpenMP on a crowded host".
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
-import weakref
+import time
 from typing import Optional
 
 import torch
 
+from .. import _threads
 from .._threads import Guard, start
 
 # Elements per thread of the parked region: above torch's grain size, so that it runs
@@ -50,23 +51,6 @@ def libgomp_spins() -> bool:
             return any("libgomp" in line for line in maps)
     except OSError:
         return False
-
-
-_running: "weakref.WeakSet[SpinGuard]" = weakref.WeakSet()  # guards whose thread runs
-# Set at exit, under _starting: no guard starts a thread after that (the timer of an agent
-# never shut down may still tick while the interpreter exits).
-_exiting = threading.Event()
-_starting = threading.Lock()
-
-
-def _stop_all() -> None:
-    with _starting:
-        _exiting.set()
-    for guard in list(_running):
-        guard.stop()
-
-
-atexit.register(_stop_all)
 
 
 class SpinGuard:
@@ -97,22 +81,22 @@ class SpinGuard:
             self._applies = libgomp_spins()
             if not self._applies:
                 return
-        with _starting:
-            if _exiting.is_set():
-                return
-            _running.add(self)
+        # A guard stopped meanwhile starts a thread that ends at once (_hold); the
+        # interpreter's exit ends it too (a guard of no agent, or one never stopped).
+        try:
             self._thread = start(self._name, Guard(f"the OpenMP team of {self._name}"),
-                                 self._hold, threads)
+                                 self._hold, threads, stop=self._end.set)
+        except RuntimeError:  # the interpreter exits: no team now
+            self._applies = False
 
     def _hold(self, threads: int) -> None:
         if not self._end.is_set():
             torch.ones(threads * _REGION_PER_THREAD).add_(1)  # this thread's team starts here
         self._end.wait()
 
-    def stop(self, until: float = 0.0) -> None:
-        """The agent stops: end the thread, and with it its team."""
+    def stop(self, until: Optional[float] = None) -> None:
+        """The agent stops: end the thread, and with it its team, waiting for it no later
+        than ``until`` (a ``time.monotonic()``; by default 5 s from now)."""
         self._end.set()
-        _running.discard(self)
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(5.0)
+        _threads.join([thread], time.monotonic() + 5.0 if until is None else until)

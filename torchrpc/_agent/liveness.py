@@ -42,7 +42,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
-from .. import _wire
+from .. import _threads, _wire
 from .._threads import Guard
 from .._transport import Connection, shm
 from .._wire import Kind
@@ -97,10 +97,9 @@ class Liveness:
         """Tell the heartbeat thread to stop (:meth:`join` waits for it)."""
         self._stopped.set()
 
-    def join(self, timeout: float) -> None:
-        thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+    def join(self, timeout: float) -> List[str]:
+        """Wait ``timeout`` seconds at most for the thread to end; its name if it runs on."""
+        return _threads.join([self.thread], time.monotonic() + timeout)
 
     def joined(self, rank: int, interval: float) -> None:
         """Under the agent's lock: a worker took ``rank`` (it beats every ``interval``

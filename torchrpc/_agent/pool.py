@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
+from .. import _threads
 from .._threads import Guard
 from ..errors import ClosedError
 
@@ -106,7 +107,7 @@ class WorkerPool:
         with self._lock:
             self._blocked += 1
             if self._pending > self._idle and len(self._threads) - self._blocked < self._size \
-                    and len(self._threads) < HARD_CAP:
+                    and len(self._threads) < HARD_CAP and not self._closed:
                 self._spawn_locked()
         try:
             yield
@@ -128,15 +129,14 @@ class WorkerPool:
     def _spawn_locked(self) -> None:
         name = f"{self._name}-{len(self._threads)}"
         # Tasks cannot kill a thread (see _run); the guard reports whatever else would.
-        t = threading.Thread(target=Guard(f"worker thread {name}").call, args=(self._run,),
-                             name=name, daemon=True)
-        self._threads.add(t)
+        # Spawned under the pool's lock: the thread cannot leave _threads before it is in.
         try:
-            t.start()
+            t = _threads.spawn(name, Guard(f"worker thread {name}").call, self._run)
         except RuntimeError as exc:  # out of threads: the ones there take the work
-            self._threads.discard(t)
             log.error("pool %s cannot start another thread (%s); its %d threads "
                       "go on", self._name, exc, len(self._threads))
+            return
+        self._threads.add(t)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -183,11 +183,4 @@ class WorkerPool:
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(None)
-        me = threading.current_thread()
-        stuck = []
-        for t in threads:
-            if t is not me:
-                t.join(max(deadline - time.monotonic(), 0.0))
-                if t.is_alive():
-                    stuck.append(t.name)
-        return stuck
+        return _threads.join(threads, deadline)

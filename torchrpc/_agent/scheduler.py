@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+from .. import _threads
 from .._threads import Guard
 from ..errors import ClosedError
 from .futures import mark_reader_thread
@@ -112,10 +113,9 @@ class Scheduler:
             self._later.clear()
             self.cv.notify()
 
-    def join(self, timeout: float) -> None:
-        thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+    def join(self, timeout: float) -> List[str]:
+        """Wait ``timeout`` seconds at most for the thread to end; its name if it runs on."""
+        return _threads.join([self.thread], time.monotonic() + timeout)
 
     def _loop(self, guard: Guard) -> None:
         mark_reader_thread()  # callbacks of futures failed here go to the pool

@@ -481,13 +481,11 @@ class Shutdown:
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
         agent.fastpath.clear()
-        if agent._transport is not None:
-            agent._transport.close(_left(until))
-        agent.coroutines.close(_left(until))
-        agent.scheduler.join(_left(until))
-        agent.liveness.join(_left(until))
-        stuck = agent._pool.close(_left(until))
-        if stuck:
-            log.warning("%d worker threads of %s were still busy at shutdown: %s",
-                        len(stuck), agent.name, stuck[:4])
+        stuck = agent._transport.close(_left(until)) if agent._transport is not None else []
+        stuck += agent.coroutines.close(_left(until))
+        stuck += agent.scheduler.join(_left(until)) + agent.liveness.join(_left(until))
+        stuck += agent._pool.close(_left(until))
+        if stuck:  # the interpreter's exit joins them (_threads.at_exit)
+            log.warning("%d threads of %s still run after shutdown's wait: %s",
+                        len(stuck), agent.name, ", ".join(stuck))
         agent.store = None

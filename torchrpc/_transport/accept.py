@@ -132,6 +132,8 @@ class Acceptor:
             self._handshakes.release()
             links.forget(sock)
             sock.close()
+            if links.closing:
+                return False  # closed since track(): no thread starts now
             raise
         return True
 

@@ -18,9 +18,9 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from .. import _wire
+from .. import _threads, _wire
 from .._threads import Fatal, Guard
-from ..errors import ProtocolError
+from ..errors import ClosedError, ProtocolError
 from . import handshake, shm, tls
 from .connection import Connection
 from .logbudget import LogBudget
@@ -109,15 +109,13 @@ class Links:
             finally:
                 with self._lock:
                     self._threads.discard(threading.current_thread())
-        t = threading.Thread(target=run, name=name, daemon=True)
-        # Started under the lock: close() never sees a thread it cannot join yet.
+        # Started under the lock: close() never sees a thread it cannot join yet, and
+        # none starts once close() took its list.
         with self._lock:
+            if self._closing:
+                raise ClosedError(f"cannot start thread {name}: the transport is shut down")
+            t = _threads.spawn(name, run)
             self._threads.add(t)
-            try:
-                t.start()
-            except BaseException:
-                self._threads.discard(t)
-                raise
         return t
 
     def spawn_loop(self, loop: Callable[..., None], name: str, *args: Any) -> threading.Thread:
@@ -288,10 +286,10 @@ class Links:
 
     # -- closing -------------------------------------------------------------------------------
 
-    def close(self, listeners: Iterable[Any], timeout: float) -> None:
+    def close(self, listeners: Iterable[Any], timeout: float) -> List[str]:
         """Refuse new sockets, close ``listeners`` and then every socket, join every
         thread started here (``timeout`` seconds at most for all of them together), and
-        close every connection."""
+        close every connection; the names of the threads still running."""
         deadline = time.monotonic() + timeout
         with self._lock:
             self._closing = True
@@ -308,10 +306,10 @@ class Links:
             except OSError:
                 pass
         with self._lock:
-            threads = [t for t in self._threads if t is not threading.current_thread()]
-        for t in threads:
-            t.join(max(deadline - time.monotonic(), 0.0))
+            threads: List[Optional[threading.Thread]] = list(self._threads)
+        stuck = _threads.join(threads, deadline)
         with self._lock:
             conns = list(self._every_conn)
         for conn in conns:  # those without a reader (a caller's idle private ones) too:
             conn.close()    # their sockets and shared-memory segments would leak
+        return stuck

@@ -17,7 +17,7 @@ import socket
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .. import _wire
+from .. import _threads, _wire
 from .connection import Connection
 from .reader import CloseCallback, FrameCallback
 
@@ -122,10 +122,7 @@ class MemoryLink:
         self.b = Connection(sb, ranks[0], limits, on_frame, on_close, outbound=False)
         self._threads: List[threading.Thread] = []
         for conn, name in ((self.a, "a"), (self.b, "b")):
-            t = threading.Thread(target=conn.read_loop, name=f"torchrpc-memory-{name}",
-                                 daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._threads.append(_threads.spawn(f"torchrpc-memory-{name}", conn.read_loop))
 
     def close(self, timeout: float = 10.0) -> None:
         """Close both connections and join their readers."""

@@ -103,7 +103,8 @@ class Transport:
         """Let shared-memory segments that nobody used for a while go (call now and then)."""
         self._links.housekeeping()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> List[str]:
         """Stop listening, close every socket and join every thread the transport started,
-        waiting ``timeout`` seconds at most for all of them together."""
-        self._links.close(self._acceptor.listeners, timeout)
+        waiting ``timeout`` seconds at most for all of them together; the names of the
+        threads still running."""
+        return self._links.close(self._acceptor.listeners, timeout)

@@ -34,7 +34,6 @@ incarnation and knows it is out of the group.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import time
@@ -44,7 +43,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import torch.distributed as dist
 
 from ..errors import RendezvousError
-from .rendezvous import Plan, Records, claim_membership, host_identity, process_identity
+from .rendezvous import (Plan, Records, claim_membership, host_identity, process_identity,
+                         take_claim)
 
 PREFIX = "torchrpc-elastic"  # a dynamic group's store prefix: the job its records are sealed for
 
@@ -122,25 +122,17 @@ def _binding(claim: Dict[str, Any], log: "EventLog") -> bool:
 
 def _take(store: Records, key: str, mine: bytes, required: Dict[str, Any],
           log: "EventLog") -> Optional[Dict[str, Any]]:
-    """Claim ``key`` with ``mine`` unless a binding claim holds it; None if this worker
-    holds it now, else the fields of the claim that holds it. Released claims, values
-    that are no good sealed claims (an outsider's, logged once) and claims that no longer
-    bind (see :func:`_binding`) are taken over."""
-    current = b""
-    for _ in range(100):
-        held = store.compare_set(key, current, mine)
-        if held == mine:
+    """Claim ``key`` with ``mine`` unless a binding claim holds it (see
+    :func:`rendezvous.take_claim`): released claims, values that are no good sealed claims
+    (an outsider's, logged once) and claims that no longer bind (see :func:`_binding`)
+    are taken over."""
+    def holding(held: bytes) -> Optional[Dict[str, Any]]:
+        if held.startswith(_FREE):
             return None
-        if held == current:  # the key vanished under the compare: claim it from empty
-            current = b""
-            continue
-        if not held.startswith(_FREE):
-            other = store.open(key, held, required, "a claim")
-            if other is not None and _binding(other, log):
-                return other
-        current = held
-    raise RendezvousError(f"cannot claim {key!r} in the rendezvous store: its value keeps "
-                          f"changing under this worker (another process writes it)")
+        other = store.open(key, held, required, "a claim")
+        return other if other is not None and _binding(other, log) else None
+
+    return take_claim(store, key, mine, holding)
 
 
 def _release(store: Records, key: str, holder: str, value: Any, incarnation: int) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import fcntl
 import ipaddress
-import json
 import logging
 import os
 import secrets as random_tokens
@@ -27,7 +26,7 @@ import socket
 import struct
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
@@ -315,12 +314,12 @@ def abort(store: Records, message: str, rank: int,
     return RendezvousError(message)
 
 
-def _take_static(store: Records, key: str, fields: Dict[str, Any],
-                 required: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Claim ``key`` with a sealed record of ``fields``; None if this worker holds it now,
-    else the fields of the good claim another rank made first. A value that is not a good
-    sealed claim (junk an outsider left there) is logged once and taken over."""
-    mine = store.sealed(key, fields)
+def take_claim(store: Records, key: str, mine: bytes,
+               holding: Callable[[bytes], Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """Claim ``key`` with the sealed value ``mine`` by compare-and-set; None if this worker
+    holds it now, else the fields of the claim that holds it. ``holding(value)`` reads
+    another value found there: the fields of a claim that holds the key, or None for one
+    to take over (an outsider's junk, logged once; a released or expired claim)."""
     current = b""
     for _ in range(100):
         held = store.compare_set(key, current, mine)
@@ -329,12 +328,20 @@ def _take_static(store: Records, key: str, fields: Dict[str, Any],
         if held == current:  # the key vanished under the compare: claim it from empty
             current = b""
             continue
-        other = store.open(key, held, required, "a claim")
+        other = holding(held)
         if other is not None:
             return other
         current = held
     raise RendezvousError(f"cannot claim {key!r} in the rendezvous store: its value keeps "
                           f"changing under this worker (another process writes it)")
+
+
+def _take_static(store: Records, key: str, fields: Dict[str, Any],
+                 required: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Claim ``key`` with a sealed record of ``fields`` (see :func:`take_claim`); any good
+    sealed claim holds it."""
+    return take_claim(store, key, store.sealed(key, fields),
+                      lambda held: store.open(key, held, required, "a claim"))
 
 
 def claim(store: Records, name: str, rank: int, world_size: int,

@@ -10,15 +10,12 @@ import datetime
 import json
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
 from typing import Any, Dict
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import torchrpc.rpc as rpc
@@ -26,15 +23,11 @@ from torchrpc._agent import membership
 from torchrpc._agent.current import current_agent
 
 from .. import helpers
-from ..group import ROOT, free_port, start_module, wait_for, worker_env
+from ..group import free_port, start_module, wait_for, worker_env
+from ..nobody import needs_nobody, run_as_nobody
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-attacks-")
-SITE = os.path.dirname(os.path.dirname(torch.__file__))  # world-readable: nobody imports it
-
-needs_nobody = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("runuser") is None or not os.path.exists(
-        "/usr/bin/python3.11"), reason="needs root and runuser to run a process as nobody")
 
 
 def spawn(name: str, rank: int, **extra: str) -> Any:
@@ -174,11 +167,7 @@ def test_another_users_failed_join_denies_no_later_join():
               "    print('FAILED', type(exc).__name__, exc)\n"
               "else:\n"
               "    print('JOINED')\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(PORT), "PYTHONPATH": f"{ROOT}:{SITE}", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
-                          *[f"{k}={v}" for k, v in env.items()], "/usr/bin/python3.11", "-c",
-                          script], capture_output=True, text=True, timeout=120, cwd="/tmp")
+    out = run_as_nobody(script, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(PORT)})
     assert "FAILED RendezvousError" in out.stdout and "job secret" in out.stdout, out
     store = outsider()
     assert not store.check(["rank/4"]) and not store.check(["name/w4"])

@@ -10,15 +10,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
 from typing import Any, Dict, List
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import torchrpc.rpc as rpc
@@ -27,15 +24,12 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import RendezvousError
 
 from .. import helpers
-from ..group import ROOT, free_port, running_group, start_module, worker_env
+from ..group import free_port, running_group, start_module, worker_env
+from ..nobody import needs_nobody, run_as_nobody
 
-SITE = os.path.dirname(os.path.dirname(torch.__file__))  # world-readable: nobody imports it
 NOBODY = 65534
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
-needs_nobody = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("runuser") is None or not os.path.exists(
-        "/usr/bin/python3.11"), reason="needs root and runuser to run a process as nobody")
 
 
 def member(port: int, rank: int, world_size: int, options: Dict[str, Any]) -> Any:
@@ -96,11 +90,7 @@ def test_another_users_failed_init_and_a_forged_error_fail_no_rank_of_a_forming_
               "    rpc.init_rpc('worker1', rank=1, world_size=2)\n"
               "except Exception as exc:\n"
               "    print('FAILED', type(exc).__name__, exc)\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "PYTHONPATH": f"{ROOT}:{SITE}", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
-                          *[f"{k}={v}" for k, v in env.items()], "/usr/bin/python3.11", "-c",
-                          script], capture_output=True, text=True, timeout=120, cwd="/tmp")
+    out = run_as_nobody(script, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert "FAILED RendezvousError" in out.stdout and "job secret" in out.stdout, out
     assert zero.thread.is_alive() and not zero.error  # rank 0 still waits for rank 1
     assert not store.check(["rank/1"]) and not store.check(["name/worker1"])

@@ -1,0 +1,76 @@
+"""Run a Python script as uid ``nobody`` that imports this checkout's torchrpc and torch.
+
+The checkout and its ``.venv`` may sit under a directory ``nobody`` cannot enter (a home
+directory of mode 0700). Then the two are bind-mounted, read-only as their modes make
+them, under a fresh world-readable directory for the run, and unmounted after it: the
+world-readable environment the script runs in is built here, whatever the checkout's
+place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from typing import Dict, Iterator, List
+
+import pytest
+import torch
+
+from .group import ROOT
+
+PYTHON = "/usr/bin/python3.11"  # the system's interpreter, of the venv's Python version
+SITE = os.path.dirname(os.path.dirname(torch.__file__))
+
+needs_nobody = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("runuser") is None or not os.path.exists(PYTHON),
+    reason="needs root, runuser and /usr/bin/python3.11 to run a process as nobody")
+
+
+def _world_enters(path: str) -> bool:
+    """Whether any user may enter ``path`` and every directory above it."""
+    path = os.path.realpath(path)
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
+@contextlib.contextmanager
+def _readable(paths: List[str]) -> Iterator[List[str]]:
+    """``paths`` as ``nobody`` can reach them: themselves, or bind mounts of them."""
+    if all(_world_enters(p) for p in paths):
+        yield paths
+        return
+    top = tempfile.mkdtemp(prefix="torchrpc-nobody-")
+    os.chmod(top, 0o755)
+    mounted: List[str] = []
+    try:
+        for i, path in enumerate(paths):
+            target = os.path.join(top, str(i))
+            os.mkdir(target)
+            subprocess.run(["mount", "--bind", path, target], check=True)
+            mounted.append(target)
+        yield mounted
+    finally:
+        for target in mounted:
+            subprocess.run(["umount", "-l", target], check=False)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def run_as_nobody(script: str, env: Dict[str, str], timeout: float = 120
+                  ) -> subprocess.CompletedProcess:
+    """Run ``script`` with :data:`PYTHON` as ``nobody``, in an environment of ``env`` only
+    (plus a PATH, a HOME and a PYTHONPATH that reaches torchrpc and torch); its output."""
+    with _readable([ROOT, SITE]) as (root, site):
+        full = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": f"{root}:{site}", **env}
+        return subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
+                               *[f"{k}={v}" for k, v in full.items()], PYTHON, "-c", script],
+                              capture_output=True, text=True, timeout=timeout, cwd="/tmp")

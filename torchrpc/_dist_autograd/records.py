@@ -22,7 +22,8 @@ Both sides count tensors the same way because the wire rebuilds, in pickling
 order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``).
 
 The backward pass (FAST mode) uses these records: gradients that reach a recv
-leaf go back to the sender, which looks up its send record by key and runs
+leaf go back to the sender (zeros where the pass reaches the leaf with none, as
+torch's recv function sends), which looks up its send record by key and runs
 torch's autograd engine from that edge. Gradients that reach any other leaf are
 accumulated in the context, never left in ``.grad``: while torch's engine runs,
 each such leaf's ``.grad`` holds the context's gradient, so gradient accumulators
@@ -77,7 +78,7 @@ def message_id(rank: int, counter: int) -> int:
 
 def _recv_forward(ctx: Any, outputs: List[torch.Tensor], *leaves: torch.Tensor
                   ) -> Tuple[torch.Tensor, ...]:
-    ctx.set_materialize_grads(False)  # an unused output sends no gradient back
+    ctx.set_materialize_grads(False)  # no zeros made here: local_pass makes those it sends
     return tuple(outputs)
 
 
@@ -384,7 +385,10 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     gradient. Leaves with a gradient in ``ctx`` that this run does not reach take
     part too, since end-of-pass hooks may write them (DDP's reducer writes every
     parameter of a bucket). Gradients of received leaves are returned, grouped by the
-    rank of their sender, as ``(key, grad)`` pairs to send back. The graph is always
+    rank of their sender, as ``(key, grad)`` pairs to send back: zeros for a received
+    leaf the run reaches without a gradient (a function returned None for it), since
+    torch's receiving end runs then too and answers its send with zeros, which the
+    pass waits for. The graph is always
     retained: in FAST mode another part of this backward pass may still reach the
     same nodes through a later send record.
     """
@@ -425,10 +429,14 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
             routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
             for t in received:
                 g = t.grad
-                if g is not None:
+                if g is None:
+                    # Reached with no gradient (a function returned None for it): as in
+                    # torch, the receiving end still runs and answers its send with zeros.
+                    g = torch.zeros_like(t)
+                else:
                     t.grad = None
-                    _, src, key = recvs[id(t)]
-                    routed.setdefault(src, []).append((key, g))
+                _, src, key = recvs[id(t)]
+                routed.setdefault(src, []).append((key, g))
             for h in handles:
                 h.remove()
     return routed

@@ -82,11 +82,19 @@ class RRefLayer:
         agent = self.agent
         rref_id = self.book.new_id()
         if dst.id == agent.rank:
+            # To this worker itself the call is a message all the same, as in torch: its
+            # arguments are copies, and it runs with what a peer's would (the caller's
+            # distributed autograd context and its send/recv records, the profiler's
+            # scopes), under the call's deadline and the fault plan of a sent request.
             entry = self.book.owner_entry(rref_id)
             rref = RRef._make(self, rref_id, None, dst, entry)
-            fut = agent.run_here(Kind.RREF_REMOTE_CALL, func, timeout,
-                                 functools.partial(self._run_into, entry, func, args, kwargs),
-                                 entry.future)
+            try:
+                fut = agent.request(dst, Kind.RREF_REMOTE_CALL,
+                                    (func, args, kwargs, rref_id, None, ()), timeout, what=func)
+            except BaseException as exc:  # not sent (its arguments did not pickle)
+                entry.set_error(exc)
+                self.book.value_settled(rref_id)
+                raise
             rref._creation = fut
             ref = weakref.ref(rref)
             fut.add_done_callback(lambda f: self._created_here(ref, entry, f))
@@ -216,7 +224,8 @@ class RRefLayer:
     def _on_remote_call(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
         func, args, kwargs, rref_id, fork_id, deletes = payload
         self._remove_forks(deletes)
-        self.book.add_fork(rref_id, fork_id, src.id)
+        if fork_id is not None:  # None: a remote() of this worker to itself, no fork
+            self.book.add_fork(rref_id, fork_id, src.id)
         entry = self.book.owner_entry(rref_id)
         return self._run_into(entry, func, args, kwargs)
 

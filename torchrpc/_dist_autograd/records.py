@@ -22,8 +22,8 @@ Both sides count tensors the same way because the wire rebuilds, in pickling
 order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``).
 
 The backward pass (FAST mode) uses these records: gradients that reach a recv
-leaf go back to the sender (zeros where the pass reaches the leaf with none, as
-torch's recv function sends), which looks up its send record by key and runs
+leaf go back to the sender (None where the pass reaches the leaf with none: torch's
+recv function sends zeros then), which looks up its send record by key and runs
 torch's autograd engine from that edge. Gradients that reach any other leaf are
 accumulated in the context, never left in ``.grad``: while torch's engine runs,
 each such leaf's ``.grad`` holds the context's gradient, so gradient accumulators
@@ -78,7 +78,7 @@ def message_id(rank: int, counter: int) -> int:
 
 def _recv_forward(ctx: Any, outputs: List[torch.Tensor], *leaves: torch.Tensor
                   ) -> Tuple[torch.Tensor, ...]:
-    ctx.set_materialize_grads(False)  # no zeros made here: local_pass makes those it sends
+    ctx.set_materialize_grads(False)  # an output not used: None, which local_pass sends
     return tuple(outputs)
 
 
@@ -115,7 +115,8 @@ class SendRpcBackward:
 class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
-    __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known")
+    __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known",
+                 "_by_node")
 
     def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
@@ -123,12 +124,16 @@ class DistAutogradContext:
         self._lock = threading.Lock()
         self._sends: Dict[MessageKey, GradientEdge] = {}
         # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
-        # leaf, so the id cannot be reused while the record exists.
-        self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey]] = {}
+        # leaf, so the id cannot be reused while the record exists: (leaf, sender, key,
+        # when it arrived in the order of this worker's message ids).
+        self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey, int]] = {}
         # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
         self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
+        # (number of send records, what _graphs makes of them)
+        self._by_node: Tuple[int, Tuple[Dict[MessageKey, List[List[MessageKey]]],
+                                        Dict[MessageKey, int]]] = (0, ({}, {}))
 
     # -- introspection, as torch's DistAutogradContext ---------------------------------------------
 
@@ -197,6 +202,65 @@ class DistAutogradContext:
                 f"this context")
         return edge
 
+    def siblings(self, keys: Sequence[MessageKey]) -> Optional[Set[MessageKey]]:
+        """The send records whose gradients must be here with those of ``keys`` before
+        torch's engine runs from them: those whose graphs share a node with theirs (torch's
+        engine runs a node once, when all of its gradients are in; a checkpointed
+        partition whose outputs went to two workers recomputes once). None when ``keys``
+        have no such siblings. Accumulators of leaves and the receiving ends of messages
+        are left out: they only add or pass gradients on. So is a record sent before one
+        of the tensors behind ``keys`` was received: its gradient may need theirs (a call
+        back to the caller in between), where torch's engine runs the shared node once
+        both are in and waiting for it here would wait forever."""
+        sends = self._sends
+        count, graphs = self._by_node
+        if count != len(sends):
+            graphs = self._graphs(sends)
+            self._by_node = (len(sends), graphs)
+        if not graphs[0]:
+            return None
+        groups, last_recv = graphs
+        after = max((last_recv.get(key, -1) for key in keys), default=-1)
+        needed: Optional[Set[MessageKey]] = None
+        for key in keys:
+            for group in groups.get(key, ()):
+                for sibling in group:
+                    if sibling[0] > after:
+                        if needed is None:
+                            needed = set(keys)
+                        needed.add(sibling)
+        return needed
+
+    def _graphs(self, sends: Dict[MessageKey, GradientEdge]
+                ) -> Tuple[Dict[MessageKey, List[List[MessageKey]]], Dict[MessageKey, int]]:
+        """Send record -> the groups of send records it shares a node with (see siblings),
+        and send record -> the order of the last received message behind it."""
+        stops = set(self._recv_fns.values())
+        recvs = self._recvs
+        keys_of_node: Dict[Any, List[MessageKey]] = {}
+        last_recv: Dict[MessageKey, int] = {}
+        for key, edge in list(sends.items()):
+            stack, seen = [edge.node], set()
+            while stack:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                if type(node) is _ACCUMULATE_GRAD:
+                    rec = recvs.get(id(node.variable))  # type: ignore[attr-defined]
+                    if rec is not None:
+                        last_recv[key] = max(last_recv.get(key, -1), rec[3])
+                    continue
+                if node not in stops:
+                    keys_of_node.setdefault(node, []).append(key)
+                stack.extend(nxt for nxt, _ in node.next_functions)
+        by_key: Dict[MessageKey, List[List[MessageKey]]] = {}
+        for group in keys_of_node.values():
+            if len(group) > 1:
+                for key in group:
+                    by_key.setdefault(key, []).append(group)
+        return by_key, last_recv
+
     # -- gradients -------------------------------------------------------------------------------
 
     def gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
@@ -257,18 +321,19 @@ class RecvRecorder:
     the new node (messages carry few such tensors).
     """
 
-    __slots__ = ("_ctx", "_src", "_msg", "_leaves", "_outs")
+    __slots__ = ("_ctx", "_src", "_msg", "_seq", "_leaves", "_outs")
 
-    def __init__(self, ctx: DistAutogradContext, src: int, msg: int) -> None:
+    def __init__(self, ctx: DistAutogradContext, src: int, msg: int, seq: int = 0) -> None:
         self._ctx = ctx
         self._src = src
         self._msg = msg
+        self._seq = seq  # when it arrived, in the order of this worker's message ids
         self._leaves: List[torch.Tensor] = []
         self._outs: List[torch.Tensor] = []
 
     def __call__(self, leaf: torch.Tensor) -> torch.Tensor:
         ctx, leaves, outs = self._ctx, self._leaves, self._outs
-        ctx._recvs[id(leaf)] = (leaf, self._src, (self._msg, len(leaves)))
+        ctx._recvs[id(leaf)] = (leaf, self._src, (self._msg, len(leaves)), self._seq)
         out = leaf.detach()
         leaves.append(leaf)
         outs.append(out)
@@ -372,8 +437,68 @@ class _SharedGradGuard:
         return None
 
 
+class _NestedGuard:
+    """A pre-hook on the accumulator of one leaf whose ``.grad`` holds a context's gradient
+    during a local pass. A gradient that comes from a nested run of torch's engine (a
+    function of the pass that runs a backward itself, as checkpointing's recomputation
+    does) is kept aside for the leaf's own ``.grad``, where torch's engine puts it: only
+    the pass's own accumulations, captured by torch's distributed engine, go to the
+    context. The pass's own run is told by its graph task, taken from its first nodes."""
+
+    __slots__ = ("task", "shared", "nested")
+
+    def __init__(self, task: List[int], shared: Optional[_SharedGradGuard]) -> None:
+        self.task = task  # [the id of the pass's graph task], once its first node ran
+        self.shared = shared  # the leaf's own part: reached by the pass
+        self.nested: List[torch.Tensor] = []
+
+    def __call__(self, grads: Tuple[Optional[torch.Tensor], ...]
+                 ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+        if grads[0] is not None and (not self.task
+                                     or torch._C._current_graph_task_id() != self.task[0]):
+            self.nested.append(grads[0])
+            return (None,)
+        return self.shared(grads) if self.shared is not None else None
+
+
+def _first_task(task: List[int]) -> Callable[..., None]:
+    """A pre-hook that notes, once, the graph task that runs it."""
+    def note(_grads: Any) -> None:
+        if not task:
+            task.append(torch._C._current_graph_task_id())
+    return note
+
+
+def no_gradient(g: Optional[torch.Tensor]) -> bool:
+    """Whether ``g`` adds nothing: None (undefined), or a dense tensor of zeros (torch's
+    receiving end sends zeros for an undefined gradient)."""
+    return g is None or (g.layout is torch.strided and not bool(g.any()))
+
+
+def zero_reach(ctx: DistAutogradContext, nodes: List[object],
+               routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]
+               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
+    """What gradients that add nothing do from ``nodes``, without running torch's engine
+    (whose functions may have effects: checkpointing's recompute once a pass): each
+    received tensor reachable from them that ``routed`` has nothing for gets None there
+    (zeros, as torch's receiving end sends), and each other leaf reachable from them
+    gets a zero gradient in ``ctx`` if it has none (torch's accumulates the zeros)."""
+    recvs = ctx._recvs
+    have = {(rank, key) for rank, items in routed.items() for key, _ in items}
+    with _GRAD_SLOTS:
+        for leaf, _ in reachable_leaves(nodes):
+            rec = recvs.get(id(leaf))
+            if rec is None:
+                if leaf not in ctx._grads:
+                    ctx._grads[leaf] = torch.zeros_like(leaf)
+            elif (rec[1], rec[2]) not in have:
+                have.add((rec[1], rec[2]))
+                routed.setdefault(rec[1], []).append((rec[2], None))
+    return routed
+
+
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]
-               ) -> Dict[int, List[Tuple[MessageKey, torch.Tensor]]]:
+               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
     """Run torch's autograd engine from ``outputs`` (tensors or gradient edges) on this worker.
 
     The engine accumulates as in a normal backward pass, so accumulators run their
@@ -384,11 +509,13 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     distributed engine achieves by handing accumulators and hooks the context's
     gradient. Leaves with a gradient in ``ctx`` that this run does not reach take
     part too, since end-of-pass hooks may write them (DDP's reducer writes every
-    parameter of a bucket). Gradients of received leaves are returned, grouped by the
-    rank of their sender, as ``(key, grad)`` pairs to send back: zeros for a received
-    leaf the run reaches without a gradient (a function returned None for it), since
-    torch's receiving end runs then too and answers its send with zeros, which the
-    pass waits for. The graph is always
+    parameter of a bucket). What a nested backward run by a function of the pass
+    accumulates (checkpointing's recomputation) goes to the leaves' own ``.grad``, as
+    in torch (see _NestedGuard). Gradients of received leaves are returned, grouped
+    by the rank of their sender, as ``(key, grad)`` pairs to send back; the grad is None
+    (zeros) for a received leaf the run reaches without a gradient (a function returned
+    None for it) or with zeros: torch's receiving end runs then too and answers its send
+    with zeros, which the pass waits for. The graph is always
     retained: in FAST mode another part of this backward pass may still reach the
     same nodes through a later send record.
     """
@@ -401,18 +528,24 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     ctx_grads = ctx._grads
     own: List[torch.Tensor] = []
     received: List[torch.Tensor] = []
-    guard = _SharedGradGuard()
-    handles = []
+    shared = _SharedGradGuard()
+    task: List[int] = []
+    handles = [node.register_prehook(_first_task(task)) for node in set(nodes)]
+    guards: List[_NestedGuard] = []
     for leaf, node in reached:
         if id(leaf) in recvs:
             received.append(leaf)
         else:
             own.append(leaf)
-            handles.append(node.register_prehook(guard))
+            guards.append(_NestedGuard(task, shared))
+            handles.append(node.register_prehook(guards[-1]))
     slots = own
     if ctx_grads:
         ids = {id(t) for t in own}
         slots = own + [t for t in list(ctx_grads) if id(t) not in ids]
+        for t in slots[len(own):]:
+            guards.append(_NestedGuard(task, None))
+            handles.append(leaf_edge(t).node.register_prehook(guards[-1]))
     with _GRAD_SLOTS:
         saved = []
         try:
@@ -421,22 +554,23 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
                 t.grad = ctx_grads.get(t)
             _run_engine(outputs, grads, [leaf for leaf, _ in reached])
         finally:
-            for t, old in zip(slots, saved):
+            for t, old, guard in zip(slots, saved, guards):
                 g = t.grad
                 if g is not None:
                     ctx_grads[t] = g
                 t.grad = old
-            routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
+                for n in guard.nested:  # where torch's engine puts them
+                    if t.grad is None:
+                        t.grad = n.detach()
+                    else:
+                        t.grad.add_(n)
+            routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]] = {}
             for t in received:
                 g = t.grad
-                if g is None:
-                    # Reached with no gradient (a function returned None for it): as in
-                    # torch, the receiving end still runs and answers its send with zeros.
-                    g = torch.zeros_like(t)
-                else:
+                if g is not None:
                     t.grad = None
-                _, src, key = recvs[id(t)]
-                routed.setdefault(src, []).append((key, g))
+                _, src, key, _ = recvs[id(t)]
+                routed.setdefault(src, []).append((key, None if no_gradient(g) else g))
             for h in handles:
                 h.remove()
     return routed

@@ -34,6 +34,19 @@ def _rounded(t: Optional[torch.Tensor]) -> Optional[List[float]]:
     return None if t is None else [float(v) for v in t.detach().reshape(-1)]
 
 
+class Linear(nn.Linear):
+    """A linear layer whose parameters come from its own generator seeded with ``seed``:
+    the workers create modules on pool threads while the driver draws its data, so the
+    global generator would hand out numbers in any order."""
+
+    def __init__(self, n_in: int, n_out: int, seed: int = 0) -> None:
+        super().__init__(n_in, n_out)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5)
+            self.bias.copy_(torch.randn(n_out, generator=gen) / n_in ** 0.5)
+
+
 # -- helpers run on any worker -----------------------------------------------------------------------
 
 def context_seen() -> Optional[int]:
@@ -218,8 +231,8 @@ class Stage:
     stage; a stage joins the phony of its previous chunk's output, fetched with
     ``to_here()``, before computing the next (fairscale's fence)."""
 
-    def __init__(self, n_in: int, n_out: int) -> None:
-        self.layer = nn.Linear(n_in, n_out)
+    def __init__(self, n_in: int, n_out: int, seed: int) -> None:
+        self.layer = Linear(n_in, n_out, seed)
         self.inputs: Dict[int, torch.Tensor] = {}
         self.ready = threading.Condition()
 
@@ -276,9 +289,9 @@ def pipeline(chunks: int = 1, steps: int = 2) -> Dict[str, Any]:
     of every parameter, the driver's own included. Per step: every parameter's gradient
     and each worker's gradient count; then the loss after the steps."""
     DistributedOptimizer = API.DistributedOptimizer
-    torch.manual_seed(1)
-    x, target = torch.randn(8, 4), torch.randn(8, 2)
-    sizes = [(4, 6), (6, 5), (5, 2)]
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+    sizes = [(4, 6, 1), (6, 5, 2), (5, 2, 3)]
     stages = [rpc.remote(f"worker{i}", Stage, args=size) for i, size in enumerate(sizes)]
     params = [p for stage in stages for p in stage.rpc_sync().param_rrefs()]
     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
@@ -337,8 +350,8 @@ class _Traced(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         RemoteModule = API.RemoteModule
-        self.first = RemoteModule(f"{DRIVER}/cpu", nn.Linear, args=(4, 3))
-        self.second = RemoteModule("worker1/cpu", nn.Linear, args=(3, 2))
+        self.first = RemoteModule(f"{DRIVER}/cpu", Linear, args=(4, 3, 4))
+        self.second = RemoteModule("worker1/cpu", Linear, args=(3, 2, 5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.second(torch.relu(self.first(x)))
@@ -352,7 +365,6 @@ class _RemoteModuleLeaves(torch.fx.Tracer):
 def traced_remote_modules() -> Dict[str, Any]:
     """A module of RemoteModules traced by torch.fx (RemoteModules as leaves): its graph,
     and the output and gradients of the traced module run in a context."""
-    torch.manual_seed(2)
     model = _Traced()
     tracer = _RemoteModuleLeaves()
     # RemoteModule refuses named_modules(), which the tracer walks: lent nn.Module's for the
@@ -366,7 +378,7 @@ def traced_remote_modules() -> Dict[str, Any]:
     finally:
         RemoteModule.named_modules, RemoteModule.named_children = saved
     traced = torch.fx.GraphModule(model, graph)
-    x = torch.randn(5, 4)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(6))
     params = model.first.remote_parameters() + model.second.remote_parameters()
     with dist_autograd.context() as cid:
         out = traced(x)
@@ -377,10 +389,110 @@ def traced_remote_modules() -> Dict[str, Any]:
             "gradients": grads}
 
 
+# -- functions of the graph that torch's engine runs once a pass ---------------------------------------
+
+BACKWARD_CALLS: List[str] = []  # on each worker: the backward functions of _TwoOut run here
+
+
+class _TwoOut(torch.autograd.Function):
+    """Two outputs of one node, whose backward must run once a pass (it counts its runs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
+        BACKWARD_CALLS.append("two outputs")
+        return ga * 2 + gb * 3
+
+
+def split_and_send(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: the two outputs of one node go to two workers (one is the caller)."""
+    a, b = _TwoOut.apply(x)
+    return (rpc.rpc_sync("worker2", torch.mul, args=(a, 2))
+            + rpc.rpc_sync(DRIVER, torch.mul, args=(b, 3)))
+
+
+def backward_calls() -> int:
+    return len(BACKWARD_CALLS)
+
+
+def call_back_shared(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: an intermediate goes back to the caller and into the reply as well."""
+    y = x * 2
+    z = rpc.rpc_sync(DRIVER, torch.mul, args=(y, y))
+    return z * y
+
+
+PARAMS: Dict[str, torch.Tensor] = {}
+
+
+class _NestedBackward(torch.autograd.Function):
+    """Identity whose backward runs a backward of its own (as checkpointing does)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            inner = (PARAMS["p"] * 3).sum()
+        torch.autograd.backward([inner])
+        return g
+
+
+def nested(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: a parameter used by the graph and by a nested backward of it."""
+    PARAMS["p"] = nn.Parameter(torch.full((3,), 0.5))
+    return _NestedBackward.apply(x) * PARAMS["p"]
+
+
+def nested_gradients(context_id: int) -> Dict[str, Any]:
+    p = PARAMS["p"]
+    return {"context": _rounded(dist_autograd.get_gradients(context_id).get(p)),
+            ".grad": _rounded(p.grad)}
+
+
+def graph_functions() -> Dict[str, Any]:
+    """Node runs and gradients where torch's engine runs a function once: two outputs of a
+    node sent to two workers; an intermediate sent back to the caller and used in the
+    reply; a nested backward in a function of the pass; a pass whose gradients are zeros."""
+    out: Dict[str, Any] = {}
+    with dist_autograd.context() as cid:
+        x = torch.full((3,), 2.0, requires_grad=True)
+        rpc.rpc_sync("worker1", split_and_send, args=(x,))  # not used: a warm-up call
+    with dist_autograd.context() as cid:
+        before = rpc.rpc_sync("worker1", backward_calls)
+        x = torch.full((3,), 2.0, requires_grad=True)
+        dist_autograd.backward(cid, [rpc.rpc_sync("worker1", split_and_send, args=(x,)).sum()])
+        out["two outputs"] = {"x": _rounded(dist_autograd.get_gradients(cid)[x]),
+                              "runs": rpc.rpc_sync("worker1", backward_calls) - before}
+    with dist_autograd.context() as cid:
+        x = torch.full((3,), 1.5, requires_grad=True)
+        dist_autograd.backward(cid, [rpc.rpc_sync("worker1", call_back_shared,
+                                                  args=(x,)).sum()])
+        out["call back"] = _rounded(dist_autograd.get_gradients(cid)[x])
+    with dist_autograd.context() as cid:
+        x = torch.full((3,), 2.0, requires_grad=True)
+        dist_autograd.backward(cid, [rpc.rpc_sync("worker1", nested, args=(x,)).sum()])
+        out["nested"] = {"x": _rounded(dist_autograd.get_gradients(cid)[x]),
+                         "worker1": rpc.rpc_sync("worker1", nested_gradients, args=(cid,))}
+    with dist_autograd.context() as cid:
+        x = torch.full((3,), 2.0, requires_grad=True)
+        r = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+        dist_autograd.backward(cid, [(r * 0).sum()])
+        out["zeros"] = {k: _rounded(v) for k, v in
+                        (("x", dist_autograd.get_gradients(cid).get(x)),)}
+    return out
+
+
 # -- all of them, in one group -------------------------------------------------------------------------
 
 SCENARIOS = {"self requests": self_requests, "pipelines": pipelines,
              "rref backward": rref_backward, "traced remote modules": traced_remote_modules,
+             "graph functions": graph_functions,
              # last: it lowers the RPC timeout, and may leave a part of its pass waiting
              "none and unused": none_and_unused}
 

@@ -117,3 +117,32 @@ def test_remote_modules_traced_by_torch_fx(results):
                                                  "call_function", "call_module", "output"]
     assert None not in theirs["gradients"]
     assert_same(theirs, ours)
+
+
+def test_a_node_whose_outputs_went_to_two_workers_runs_once(results):
+    theirs, ours = values(results, "graph functions")
+    # torch's engine runs a node once a pass, when the gradients of all its outputs are
+    # in; torchrpc's waits for the second before it runs (a checkpoint recomputes once).
+    assert theirs["two outputs"] == {"x": [13.0] * 3, "runs": 1}
+    assert_same(theirs["two outputs"], ours["two outputs"])
+
+
+def test_an_intermediate_sent_back_to_the_caller_and_into_the_reply(results):
+    theirs, ours = values(results, "graph functions")
+    # d/dx of (2x)^2 * 2x at 1.5: no part waits for a gradient that needs its own
+    assert theirs["call back"] == [54.0] * 3
+    assert_same(theirs["call back"], ours["call back"])
+
+
+def test_a_nested_backward_in_a_function_of_the_pass_accumulates_into_grad(results):
+    theirs, ours = values(results, "graph functions")
+    # torch's engine captures only the pass's own accumulations in the context: what a
+    # backward run inside a function of the pass accumulates goes to .grad
+    assert theirs["nested"]["worker1"] == {"context": [2.0] * 3, ".grad": [3.0] * 3}
+    assert_same(theirs["nested"], ours["nested"])
+
+
+def test_gradients_that_are_zeros_reach_the_leaves_as_zeros(results):
+    theirs, ours = values(results, "graph functions")
+    assert theirs["zeros"] == {"x": [0.0] * 3}
+    assert_same(theirs["zeros"], ours["zeros"])

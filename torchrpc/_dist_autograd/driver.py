@@ -189,6 +189,8 @@ class PassDriver:
                 if gathered is None:
                     return None  # held, with its credit, until its siblings are here
                 grads, credit = gathered
+            else:
+                book.ran(context_id, pass_id, grads)
             defined = [(key, g) for key, g in grads if not no_gradient(g)]
             edges = [ctx.send_edge(key) for key, _ in defined]
             undefined = [ctx.send_edge(key).node for key, g in grads if no_gradient(g)]

@@ -244,7 +244,7 @@ class PassBook:
         (this part's are kept, credit included, until they come or the context is
         released: in FAST mode every send record gets its gradient, as in torch, whose
         engine runs a node once all of its gradients are in). A sibling that ran in the
-        pass already is not waited for again."""
+        pass already (see :meth:`ran`) is not waited for again."""
         grads = list(grads)
         got = set(keys_of(grads))
         with self._lock:
@@ -260,6 +260,12 @@ class PassBook:
                 return None
             ran |= got
         return grads, credit
+
+    def ran(self, context_id: int, pass_id: PassId, grads: Grads) -> None:
+        """The send records of ``grads`` have run in ``pass_id`` here: a part that waits
+        for them as siblings (see gather) waits no more."""
+        with self._lock:
+            self._of(context_id, pass_id)[1].update(keys_of(grads))
 
     def _of(self, context_id: int, pass_id: PassId
             ) -> Tuple[List[_Held], Set[MessageKey], Set[Tuple[int, MessageKey]]]:

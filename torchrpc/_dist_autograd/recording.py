@@ -41,8 +41,7 @@ class _CalleeScope(CallScope):
         self._ctx = ctx
         self._reply_msg = reply_msg
         self._prev: Optional[DistAutogradContext] = None
-        # Arrived before the reply's message id was drawn (see DistAutogradContext.siblings).
-        self.recv_hook = RecvRecorder(ctx, src, msg, reply_msg - 1)
+        self.recv_hook = RecvRecorder(ctx, src, msg)
         self.send_hook = SendRecorder(ctx, reply_msg)
 
     def __enter__(self) -> "_CalleeScope":
@@ -120,7 +119,7 @@ class Recorder(CallHook):
             return None
         if type(state) is _Piggyback:
             state = state.ctx
-        return RecvRecorder(state, src.id, meta, next(self._next_message))
+        return RecvRecorder(state, src.id, meta)
 
 
 def parse_meta(meta: Any) -> Tuple[int, int, Tuple[int, ...]]:

@@ -38,6 +38,7 @@ Nothing here does I/O; :mod:`torchrpc._dist_autograd.engine` moves the messages.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -66,6 +67,10 @@ def context_creator(context_id: int) -> int:
     """The rank of the worker that created ``context_id``."""
     return context_id >> CONTEXT_ID_BITS
 
+
+# The order of the sends and receipts of every context in this process (see
+# DistAutogradContext.siblings); next() on it is atomic.
+_ORDER = itertools.count(1)
 
 NODE_PREFIX = "torch::distributed::autograd::"
 """The namespace of torch's distributed autograd nodes; ours carry the same names."""
@@ -116,7 +121,7 @@ class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
     __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known",
-                 "_by_node")
+                 "_by_node", "_send_order")
 
     def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
@@ -125,12 +130,14 @@ class DistAutogradContext:
         self._sends: Dict[MessageKey, GradientEdge] = {}
         # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
         # leaf, so the id cannot be reused while the record exists: (leaf, sender, key,
-        # when it arrived in the order of this worker's message ids).
+        # when it arrived, in _ORDER).
         self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey, int]] = {}
         # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
         self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
+        # message id -> when it was sent, in _ORDER (see siblings)
+        self._send_order: Dict[int, int] = {}
         # (number of send records, what _graphs makes of them)
         self._by_node: Tuple[int, Tuple[Dict[MessageKey, List[List[MessageKey]]],
                                         Dict[MessageKey, int]]] = (0, ({}, {}))
@@ -221,11 +228,12 @@ class DistAutogradContext:
             return None
         groups, last_recv = graphs
         after = max((last_recv.get(key, -1) for key in keys), default=-1)
+        order = self._send_order
         needed: Optional[Set[MessageKey]] = None
         for key in keys:
             for group in groups.get(key, ()):
                 for sibling in group:
-                    if sibling[0] > after:
+                    if order.get(sibling[0], 0) > after:
                         if needed is None:
                             needed = set(keys)
                         needed.add(sibling)
@@ -309,6 +317,8 @@ class SendRecorder:
         key = id(t)  # the payload holds t until the message is encoded
         if key not in self._index:
             index = self._index[key] = len(self._index)
+            if not index:  # when it is sent, among the sends and receipts here
+                self._ctx._send_order[self._msg] = next(_ORDER)
             self._ctx.record_send((self._msg, index), t)
 
 
@@ -323,11 +333,11 @@ class RecvRecorder:
 
     __slots__ = ("_ctx", "_src", "_msg", "_seq", "_leaves", "_outs")
 
-    def __init__(self, ctx: DistAutogradContext, src: int, msg: int, seq: int = 0) -> None:
+    def __init__(self, ctx: DistAutogradContext, src: int, msg: int) -> None:
         self._ctx = ctx
         self._src = src
         self._msg = msg
-        self._seq = seq  # when it arrived, in the order of this worker's message ids
+        self._seq = next(_ORDER)  # when it arrived, among the sends and receipts here
         self._leaves: List[torch.Tensor] = []
         self._outs: List[torch.Tensor] = []
 

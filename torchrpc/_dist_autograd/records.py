@@ -220,6 +220,8 @@ class DistAutogradContext:
         back to the caller in between), where torch's engine runs the shared node once
         both are in and waiting for it here would wait forever."""
         sends = self._sends
+        if len(sends) < 2:
+            return None
         count, graphs = self._by_node
         if count != len(sends):
             graphs = self._graphs(sends)
@@ -540,23 +542,26 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     received: List[torch.Tensor] = []
     shared = _SharedGradGuard()
     task: List[int] = []
-    handles = [node.register_prehook(_first_task(task)) for node in set(nodes)]
     guards: List[_NestedGuard] = []
+    accumulators = []
     for leaf, node in reached:
         if id(leaf) in recvs:
             received.append(leaf)
         else:
             own.append(leaf)
             guards.append(_NestedGuard(task, shared))
-            handles.append(node.register_prehook(guards[-1]))
+            accumulators.append(node)
     slots = own
     if ctx_grads:
         ids = {id(t) for t in own}
         slots = own + [t for t in list(ctx_grads) if id(t) not in ids]
         for t in slots[len(own):]:
             guards.append(_NestedGuard(task, None))
-            handles.append(leaf_edge(t).node.register_prehook(guards[-1]))
+            accumulators.append(leaf_edge(t).node)
+    # The hooks go on under the lock: a pass waiting for it must not see this one's run.
     with _GRAD_SLOTS:
+        handles = [node.register_prehook(_first_task(task)) for node in set(nodes)]
+        handles += [node.register_prehook(guard) for node, guard in zip(accumulators, guards)]
         saved = []
         try:
             for t in slots:

@@ -34,7 +34,8 @@ from .contexts import ContextTable
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId
 from .passes import (ALL_CREDIT, Grads, PassBook, RootPass, Routed, deadline_of, keys_of,
                      plan_forward, unused_sends)
-from .records import NODE_PREFIX, DistAutogradContext, local_pass, no_gradient, zero_reach
+from .parts import siblings, zero_reach
+from .records import NODE_PREFIX, DistAutogradContext, local_pass, no_gradient
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class PassDriver:
         book.part_starts(context_id, pass_id, keys_of(grads), context_id in table.contexts)
         try:
             ctx = table.retrieve_for_pass(context_id)
-            needed = ctx.siblings(keys_of(grads))
+            needed = siblings(ctx, keys_of(grads))
             if needed is not None:
                 gathered = book.gather(context_id, pass_id, grads, credit, needed)
                 if gathered is None:

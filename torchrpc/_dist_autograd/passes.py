@@ -239,7 +239,7 @@ class PassBook:
                needed: Set[MessageKey]) -> Optional[Tuple[List[Any], Fraction]]:
         """A part of ``pass_id`` with gradients ``grads`` and ``credit`` whose send records
         have siblings: it must run together with the parts that bring the gradients of
-        all of ``needed`` (see ``DistAutogradContext.siblings``). Returns the gradients and
+        all of ``needed`` (see ``parts.siblings``). Returns the gradients and
         credit of the parts to run as one once all are here; None while some are missing
         (this part's are kept, credit included, until they come or the context is
         released: in FAST mode every send record gets its gradient, as in torch, whose

@@ -68,10 +68,6 @@ def context_creator(context_id: int) -> int:
     return context_id >> CONTEXT_ID_BITS
 
 
-# The order of the sends and receipts of every context in this process (see
-# DistAutogradContext.siblings); next() on it is atomic.
-_ORDER = itertools.count(1)
-
 NODE_PREFIX = "torch::distributed::autograd::"
 """The namespace of torch's distributed autograd nodes; ours carry the same names."""
 
@@ -121,7 +117,7 @@ class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
     __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known",
-                 "_by_node", "_send_order")
+                 "_by_node", "_send_order", "_order")
 
     def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
@@ -130,17 +126,17 @@ class DistAutogradContext:
         self._sends: Dict[MessageKey, GradientEdge] = {}
         # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
         # leaf, so the id cannot be reused while the record exists: (leaf, sender, key,
-        # when it arrived, in _ORDER).
+        # when it arrived, in _order).
         self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey, int]] = {}
         # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
         self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
-        # message id -> when it was sent, in _ORDER (see siblings)
+        # The order of sends and receipts here (parts.siblings); message id -> its send's.
+        self._order = itertools.count(1)
         self._send_order: Dict[int, int] = {}
-        # (number of send records, what _graphs makes of them)
-        self._by_node: Tuple[int, Tuple[Dict[MessageKey, List[List[MessageKey]]],
-                                        Dict[MessageKey, int]]] = (0, ({}, {}))
+        # (number of send records, what parts._graphs makes of them)
+        self._by_node: Tuple[int, Any] = (0, ({}, {}))
 
     # -- introspection, as torch's DistAutogradContext ---------------------------------------------
 
@@ -209,68 +205,6 @@ class DistAutogradContext:
                 f"this context")
         return edge
 
-    def siblings(self, keys: Sequence[MessageKey]) -> Optional[Set[MessageKey]]:
-        """The send records whose gradients must be here with those of ``keys`` before
-        torch's engine runs from them: those whose graphs share a node with theirs (torch's
-        engine runs a node once, when all of its gradients are in; a checkpointed
-        partition whose outputs went to two workers recomputes once). None when ``keys``
-        have no such siblings. Accumulators of leaves and the receiving ends of messages
-        are left out: they only add or pass gradients on. So is a record sent before one
-        of the tensors behind ``keys`` was received: its gradient may need theirs (a call
-        back to the caller in between), where torch's engine runs the shared node once
-        both are in and waiting for it here would wait forever."""
-        sends = self._sends
-        if len(sends) < 2:
-            return None
-        count, graphs = self._by_node
-        if count != len(sends):
-            graphs = self._graphs(sends)
-            self._by_node = (len(sends), graphs)
-        if not graphs[0]:
-            return None
-        groups, last_recv = graphs
-        after = max((last_recv.get(key, -1) for key in keys), default=-1)
-        order = self._send_order
-        needed: Optional[Set[MessageKey]] = None
-        for key in keys:
-            for group in groups.get(key, ()):
-                for sibling in group:
-                    if order.get(sibling[0], 0) > after:
-                        if needed is None:
-                            needed = set(keys)
-                        needed.add(sibling)
-        return needed
-
-    def _graphs(self, sends: Dict[MessageKey, GradientEdge]
-                ) -> Tuple[Dict[MessageKey, List[List[MessageKey]]], Dict[MessageKey, int]]:
-        """Send record -> the groups of send records it shares a node with (see siblings),
-        and send record -> the order of the last received message behind it."""
-        stops = set(self._recv_fns.values())
-        recvs = self._recvs
-        keys_of_node: Dict[Any, List[MessageKey]] = {}
-        last_recv: Dict[MessageKey, int] = {}
-        for key, edge in list(sends.items()):
-            stack, seen = [edge.node], set()
-            while stack:
-                node = stack.pop()
-                if node is None or node in seen:
-                    continue
-                seen.add(node)
-                if type(node) is _ACCUMULATE_GRAD:
-                    rec = recvs.get(id(node.variable))  # type: ignore[attr-defined]
-                    if rec is not None:
-                        last_recv[key] = max(last_recv.get(key, -1), rec[3])
-                    continue
-                if node not in stops:
-                    keys_of_node.setdefault(node, []).append(key)
-                stack.extend(nxt for nxt, _ in node.next_functions)
-        by_key: Dict[MessageKey, List[List[MessageKey]]] = {}
-        for group in keys_of_node.values():
-            if len(group) > 1:
-                for key in group:
-                    by_key.setdefault(key, []).append(group)
-        return by_key, last_recv
-
     # -- gradients -------------------------------------------------------------------------------
 
     def gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
@@ -319,8 +253,8 @@ class SendRecorder:
         key = id(t)  # the payload holds t until the message is encoded
         if key not in self._index:
             index = self._index[key] = len(self._index)
-            if not index:  # when it is sent, among the sends and receipts here
-                self._ctx._send_order[self._msg] = next(_ORDER)
+            if not index:  # when it is sent, among the context's sends and receipts
+                self._ctx._send_order[self._msg] = next(self._ctx._order)
             self._ctx.record_send((self._msg, index), t)
 
 
@@ -339,7 +273,7 @@ class RecvRecorder:
         self._ctx = ctx
         self._src = src
         self._msg = msg
-        self._seq = next(_ORDER)  # when it arrived, among the sends and receipts here
+        self._seq = next(ctx._order)  # when it arrived, among the context's sends and receipts
         self._leaves: List[torch.Tensor] = []
         self._outs: List[torch.Tensor] = []
 
@@ -450,12 +384,11 @@ class _SharedGradGuard:
 
 
 class _NestedGuard:
-    """A pre-hook on the accumulator of one leaf whose ``.grad`` holds a context's gradient
-    during a local pass. A gradient that comes from a nested run of torch's engine (a
-    function of the pass that runs a backward itself, as checkpointing's recomputation
-    does) is kept aside for the leaf's own ``.grad``, where torch's engine puts it: only
-    the pass's own accumulations, captured by torch's distributed engine, go to the
-    context. The pass's own run is told by its graph task, taken from its first nodes."""
+    """A pre-hook on the accumulator of a leaf whose ``.grad`` holds a context's gradient
+    during a local pass: what a nested run of torch's engine brings (a function of the
+    pass that runs a backward, as checkpointing's recomputation does) is kept for the
+    leaf's own ``.grad``, where torch puts it. The pass's own graph task is noted by its
+    first nodes."""
 
     __slots__ = ("task", "shared", "nested")
 
@@ -487,28 +420,6 @@ def no_gradient(g: Optional[torch.Tensor]) -> bool:
     return g is None or (g.layout is torch.strided and not bool(g.any()))
 
 
-def zero_reach(ctx: DistAutogradContext, nodes: List[object],
-               routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]
-               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
-    """What gradients that add nothing do from ``nodes``, without running torch's engine
-    (whose functions may have effects: checkpointing's recompute once a pass): each
-    received tensor reachable from them that ``routed`` has nothing for gets None there
-    (zeros, as torch's receiving end sends), and each other leaf reachable from them
-    gets a zero gradient in ``ctx`` if it has none (torch's accumulates the zeros)."""
-    recvs = ctx._recvs
-    have = {(rank, key) for rank, items in routed.items() for key, _ in items}
-    with _GRAD_SLOTS:
-        for leaf, _ in reachable_leaves(nodes):
-            rec = recvs.get(id(leaf))
-            if rec is None:
-                if leaf not in ctx._grads:
-                    ctx._grads[leaf] = torch.zeros_like(leaf)
-            elif (rec[1], rec[2]) not in have:
-                have.add((rec[1], rec[2]))
-                routed.setdefault(rec[1], []).append((rec[2], None))
-    return routed
-
-
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]
                ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
     """Run torch's autograd engine from ``outputs`` (tensors or gradient edges) on this worker.
@@ -521,15 +432,13 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     distributed engine achieves by handing accumulators and hooks the context's
     gradient. Leaves with a gradient in ``ctx`` that this run does not reach take
     part too, since end-of-pass hooks may write them (DDP's reducer writes every
-    parameter of a bucket). What a nested backward run by a function of the pass
-    accumulates (checkpointing's recomputation) goes to the leaves' own ``.grad``, as
-    in torch (see _NestedGuard). Gradients of received leaves are returned, grouped
-    by the rank of their sender, as ``(key, grad)`` pairs to send back; the grad is None
-    (zeros) for a received leaf the run reaches without a gradient (a function returned
-    None for it) or with zeros: torch's receiving end runs then too and answers its send
-    with zeros, which the pass waits for. The graph is always
-    retained: in FAST mode another part of this backward pass may still reach the
-    same nodes through a later send record.
+    parameter of a bucket); what a nested backward accumulates goes to ``.grad``, as in
+    torch (_NestedGuard). Gradients of received leaves are returned, grouped by the
+    rank of their sender, as ``(key, grad)`` pairs to send back; None (zeros) for one
+    reached with no gradient (a function returned None for it) or zeros: torch's
+    receiving end answers its send with zeros then, which the pass waits for. The graph
+    is always retained: in FAST mode another part of this backward pass may still reach
+    the same nodes through a later send record.
     """
     nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn  # type: ignore[attr-defined]
              for o in outputs]

@@ -111,7 +111,9 @@ class PassDriver:
             raise RpcTimeoutError(
                 f"distributed backward pass of autograd context {context_id} timed out after "
                 f"{timeout:g} s (the RPC timeout) with {state.missing()} of its work not "
-                f"reported back; a worker may have died or be stuck")
+                f"reported back; a worker may have died or be stuck, or waits for the "
+                f"gradient of a send that never came (in FAST mode every RPC made in the "
+                f"context with tensors that require grad must take part in the pass)")
         if state.error is not None:
             raise runtime_error(state.error)
 
@@ -192,9 +194,13 @@ class PassDriver:
                 grads, credit = gathered
             else:
                 book.ran(context_id, pass_id, grads)
-            defined = [(key, g) for key, g in grads if not no_gradient(g)]
+            defined, undefined = [], []
+            for key, g in grads:
+                if no_gradient(g):
+                    undefined.append(ctx.send_edge(key).node)
+                else:
+                    defined.append((key, g))
             edges = [ctx.send_edge(key) for key, _ in defined]
-            undefined = [ctx.send_edge(key).node for key, g in grads if no_gradient(g)]
             routed: Routed = {}
             try:
                 if defined and _profiling():

@@ -15,7 +15,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 import torch
@@ -74,3 +74,17 @@ def run_as_nobody(script: str, env: Dict[str, str], timeout: float = 120
         return subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
                                *[f"{k}={v}" for k, v in full.items()], PYTHON, "-c", script],
                               capture_output=True, text=True, timeout=timeout, cwd="/tmp")
+
+
+def init_rpc_as_nobody(name: str, rank: int, world_size: Optional[int], port: int
+                       ) -> subprocess.CompletedProcess:
+    """Run ``init_rpc(name, rank, world_size)`` as ``nobody`` against the rendezvous on
+    loopback ``port``; its stdout says ``FAILED <error type> <message>`` or ``JOINED``."""
+    script = ("import torchrpc.rpc as rpc\n"
+              "try:\n"
+              f"    rpc.init_rpc({name!r}, rank={rank}, world_size={world_size})\n"
+              "except Exception as exc:\n"
+              "    print('FAILED', type(exc).__name__, exc)\n"
+              "else:\n"
+              "    print('JOINED')\n")
+    return run_as_nobody(script, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

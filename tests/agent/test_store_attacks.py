@@ -24,7 +24,7 @@ from torchrpc._agent.current import current_agent
 
 from .. import helpers
 from ..group import free_port, start_module, wait_for, worker_env
-from ..nobody import needs_nobody, run_as_nobody
+from ..nobody import init_rpc_as_nobody, needs_nobody
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-attacks-")
@@ -160,14 +160,7 @@ def test_squatted_claims_and_error_keys_deny_no_joiner(caplog):
 def test_another_users_failed_join_denies_no_later_join():
     # Another uid runs torchrpc against the group's store: it cannot read the secret, so
     # its init_rpc fails, alone, and it leaves nothing that blocks rank 4 or its name.
-    script = ("import torchrpc.rpc as rpc\n"
-              "try:\n"
-              "    rpc.init_rpc('w4', rank=4, world_size=None)\n"
-              "except Exception as exc:\n"
-              "    print('FAILED', type(exc).__name__, exc)\n"
-              "else:\n"
-              "    print('JOINED')\n")
-    out = run_as_nobody(script, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(PORT)})
+    out = init_rpc_as_nobody("w4", 4, None, PORT)
     assert "FAILED RendezvousError" in out.stdout and "job secret" in out.stdout, out
     store = outsider()
     assert not store.check(["rank/4"]) and not store.check(["name/w4"])

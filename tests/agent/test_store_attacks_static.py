@@ -25,7 +25,7 @@ from torchrpc.errors import RendezvousError
 
 from .. import helpers
 from ..group import free_port, running_group, start_module, worker_env
-from ..nobody import needs_nobody, run_as_nobody
+from ..nobody import init_rpc_as_nobody, needs_nobody
 
 NOBODY = 65534
 
@@ -85,12 +85,7 @@ def test_another_users_failed_init_and_a_forged_error_fail_no_rank_of_a_forming_
     zero = RankZero(port, 2)
     store = zero.store(port)
     store.set("error", "rank 1: cannot read the job secret (forged)")  # the old attack, raw
-    script = ("import torchrpc.rpc as rpc\n"
-              "try:\n"
-              "    rpc.init_rpc('worker1', rank=1, world_size=2)\n"
-              "except Exception as exc:\n"
-              "    print('FAILED', type(exc).__name__, exc)\n")
-    out = run_as_nobody(script, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    out = init_rpc_as_nobody("worker1", 1, 2, port)
     assert "FAILED RendezvousError" in out.stdout and "job secret" in out.stdout, out
     assert zero.thread.is_alive() and not zero.error  # rank 0 still waits for rank 1
     assert not store.check(["rank/1"]) and not store.check(["name/worker1"])

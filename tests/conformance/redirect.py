@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 # Modules whose code is test code: it sees torchrpc.
 TEST_MODULE_PREFIXES = (
@@ -55,13 +55,14 @@ MODULE_MAP: Dict[str, Optional[str]] = {
 TORCH_MODULE_PREFIXES = ("torch.testing._internal.distributed.rpc.jit.",)
 
 
-def _asks_for_ours() -> bool:
-    """Whether the code two frames up (the caller of the proxy's method) is test code."""
+def _asks_for_ours(code: Tuple[str, ...]) -> bool:
+    """Whether the code two frames up (the caller of the proxy's method) is in a module
+    named by one of the prefixes ``code`` (test code, or a library under test)."""
     try:
         name = sys._getframe(2).f_globals.get("__name__", "")
     except ValueError:  # called from C++ with no Python caller: torch's own machinery
         return False
-    return name.startswith(TEST_MODULE_PREFIXES) and not name.startswith(TORCH_MODULE_PREFIXES)
+    return name.startswith(code) and not name.startswith(TORCH_MODULE_PREFIXES)
 
 
 class _MissingModule:
@@ -79,31 +80,34 @@ class _MissingModule:
 class _Proxy(types.ModuleType):
     """A module that is torchrpc's to test code and torch's to everyone else."""
 
-    def __init__(self, theirs: types.ModuleType, ours) -> None:
+    def __init__(self, theirs: types.ModuleType, ours, code: Tuple[str, ...]) -> None:
         super().__init__(theirs.__name__, theirs.__doc__)
         object.__setattr__(self, "_theirs", theirs)
         object.__setattr__(self, "_ours", ours)
+        object.__setattr__(self, "_code", code)
         # The import machinery reads these to find and name submodules.
         for attr in ("__path__", "__file__", "__spec__", "__loader__", "__package__"):
             if hasattr(theirs, attr):
                 object.__setattr__(self, attr, getattr(theirs, attr))
 
     def __getattr__(self, attr: str):
-        target = self._ours if _asks_for_ours() else self._theirs
+        target = self._ours if _asks_for_ours(self._code) else self._theirs
         return getattr(target, attr)
 
     def __setattr__(self, attr: str, value) -> None:
-        setattr(self._ours if _asks_for_ours() else self._theirs, attr, value)
+        setattr(self._ours if _asks_for_ours(self._code) else self._theirs, attr, value)
 
     def __delattr__(self, attr: str) -> None:
-        delattr(self._ours if _asks_for_ours() else self._theirs, attr)
+        delattr(self._ours if _asks_for_ours(self._code) else self._theirs, attr)
 
     def __dir__(self):
-        return dir(self._ours if _asks_for_ours() else self._theirs)
+        return dir(self._ours if _asks_for_ours(self._code) else self._theirs)
 
 
-def install(target: str = "torchrpc") -> None:
-    """Installs the proxies once in this process; ``target`` is ``torchrpc`` or ``torch``."""
+def install(target: str = "torchrpc", code: Sequence[str] = TEST_MODULE_PREFIXES) -> None:
+    """Installs the proxies once in this process; ``target`` is ``torchrpc`` or ``torch``.
+    ``code``: the prefixes of the modules whose code sees ``target`` (by default torch's
+    test suites; a library ported by imports, such as ``fairscale.``, for its tests)."""
     if target not in ("torchrpc", "torch"):
         raise ValueError(f"target must be 'torchrpc' or 'torch', got {target!r}")
     if getattr(sys.modules.get("torch.distributed.rpc"), "_theirs", None) is not None:
@@ -117,7 +121,7 @@ def install(target: str = "torchrpc") -> None:
                 ours = importlib.import_module(ours_name)
             except ImportError as exc:
                 ours = _MissingModule(torch_name, ours_name, exc)
-        proxy = _Proxy(theirs, ours)
+        proxy = _Proxy(theirs, ours, tuple(code))
         sys.modules[torch_name] = proxy
         parent_name, _, child = torch_name.rpartition(".")
         parent = sys.modules[parent_name]

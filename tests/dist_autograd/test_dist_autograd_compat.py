@@ -149,6 +149,40 @@ def test_unused_send_function_holds_the_pass_as_in_torch():
         rpc._set_rpc_timeout(old)
 
 
+class _TwoOut(Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ga * 2 + gb * 3
+
+
+def _send_both_return_one(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: the two outputs of one node go back to the caller; one result is unused."""
+    a, b = _TwoOut.apply(x)
+    used = rpc.rpc_sync("worker0", torch.mul, args=(a, 2))
+    rpc.rpc_sync("worker0", torch.mul, args=(b, 3))  # never used
+    return used + 0
+
+
+def test_a_node_waiting_for_a_send_that_never_gets_its_gradient_times_out():
+    # torch runs worker1's _TwoOut once both of its outputs' gradients are in; the one
+    # whose result is unused never comes, so the pass fails at the RPC timeout, as in
+    # torch's FAST mode, saying what it waited for.
+    old = rpc.get_rpc_timeout()
+    rpc._set_rpc_timeout(2)
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            out = rpc.rpc_sync("worker1", _send_both_return_one, args=(x,))
+            with pytest.raises(RpcTimeoutError, match="send that never came"):
+                dist_autograd.backward(context_id, [out.sum()])
+    finally:
+        rpc._set_rpc_timeout(old)
+
+
 # -- hooks, copies, .grad --------------------------------------------------------------------------
 
 def test_accumulator_post_hooks_run_once_per_pass():

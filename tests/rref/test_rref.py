@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import tempfile
+import threading
 import time
 import weakref
 
@@ -82,6 +83,21 @@ def test_local_owner_rref_and_remote_to_self():
     assert rref.owner_name() == "worker0"
     me = rpc.remote("worker0", helpers.add, args=(1, 2))
     assert me.is_owner() and me.to_here() == 3 and me.local_value() == 3
+
+
+def test_remote_to_self_is_a_message_whose_arguments_are_copies():
+    # As torch, which sends a remote() to itself through itself: the function gets a
+    # copy (an in-place change stays there), and an argument that does not pickle fails
+    # the call as it would to a peer, leaving no owner entry behind.
+    t = torch.zeros(2)
+    assert torch.equal(rpc.remote("worker0", torch.Tensor.add_, args=(t, 1)).to_here(),
+                       torch.ones(2))
+    assert torch.equal(t, torch.zeros(2))
+    with pytest.raises(Exception, match="pickle") as peer:
+        rpc.remote("worker1", helpers.echo, args=(threading.Lock(),))
+    with pytest.raises(type(peer.value), match="pickle"):
+        rpc.remote("worker0", helpers.echo, args=(threading.Lock(),))
+    wait_clean()
 
 
 def test_torchscript_function_taking_an_rref():

@@ -46,6 +46,31 @@ def test_test_code_sees_torchrpc_and_library_code_sees_torch():
     assert lib_gather.startswith("torch.distributed.rpc")
 
 
+_LIBRARY_PROBE = textwrap.dedent("""
+    from tests.conformance import redirect
+    redirect.install("torchrpc", code=("fairscale.",))
+    import torch.distributed.rpc as proxy
+
+    def caller(module_name):
+        code = compile("proxy.init_rpc.__module__", module_name, "eval")
+        return eval(code, {"__name__": module_name, "proxy": proxy})
+
+    print(caller("fairscale.experimental.nn.distributed_pipeline.pipeline"))
+    print(caller("torch.testing._internal.distributed.rpc.rpc_test"))
+    print(caller("torch.nn.parallel.distributed"))
+""")
+
+
+def test_a_library_named_as_the_code_that_sees_torchrpc():
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_PROBE], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    library, tests, torch_itself = out.stdout.split()
+    assert library.startswith("torchrpc.rpc")
+    assert tests.startswith("torch.distributed.rpc")  # only the modules named see torchrpc
+    assert torch_itself.startswith("torch.distributed.rpc")
+
+
 def test_mirror_gives_torch_to_everyone():
     modules = _probe("torch")
     assert len(modules) == 6 and all(m.startswith("torch.") for m in modules), modules

@@ -32,8 +32,6 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-import torch
-
 from .. import _threads, _wire
 from .._threads import Guard
 from .._transport import Connection, Transport
@@ -310,18 +308,6 @@ class Agent:
         """:meth:`request` and wait for the reply; the calling thread reads it itself
         (see :meth:`FastPath.call`, also for ``after``)."""
         return self.fastpath.call(dst, kind, payload, timeout, what, retry, after)
-
-    def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
-                 settled: torch.futures.Future) -> RpcFuture:
-        """A request of ``kind`` this worker addresses to itself, served without a message
-        (see :meth:`Calls.run_here`)."""
-        self.check_running()
-        return self.calls.run_here(kind, what, timeout, start, settled)
-
-    def _start_here(self, kind: int, rid: int, start: Callable[[], Any]) -> None:
-        """Start the work of :meth:`run_here`'s request ``rid`` (the fault-injecting agent
-        of the tests fails or delays it first, as it does a send)."""
-        self._pool.submit(start)
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:

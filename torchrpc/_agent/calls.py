@@ -80,33 +80,6 @@ class Calls:
             futures.append(p.future)
         return futures
 
-    def run_here(self, kind: int, what: Any, timeout: float, start: Callable[[], Any],
-                 settled: torch.futures.Future) -> RpcFuture:
-        """A request of ``kind`` this worker addresses to itself, served without a message
-        (an ``rpc.remote()`` to self): ``start()`` runs on the worker pool, and the future
-        returned completes when ``settled`` does, or fails with the timeout error at the
-        deadline, as a request's would (torch sends such requests to itself)."""
-        agent = self._agent
-        rid = next(self._rid)
-        p = Pending(new_future(agent.pool), agent.worker_info, what, timeout, None)
-        requests = agent.requests
-        requests.add(rid, p, time.monotonic() + timeout if timeout > 0 else None)
-
-        def finish(f: torch.futures.Future) -> None:
-            q = requests.pending.pop(rid, None)
-            if q is None:
-                return  # timed out or failed already
-            try:
-                f.wait()
-            except BaseException as exc:  # noqa: BLE001 - the work's own error
-                q.future.set_exception(exc)
-            else:
-                q.future.set_result(None)
-
-        torch.futures.Future.add_done_callback(settled, finish)
-        agent._start_here(kind, rid, start)
-        return p.future
-
     def new_request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float, what: Any,
                     oneway: bool = False, retry: Optional[RetryPolicy] = None,
                     private: Optional[Connection] = None,

@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 from fractions import Fraction
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional
 
 import torch
 
@@ -32,9 +32,10 @@ from ..errors import RpcError, RpcTimeoutError, SerializationError
 from .checks import on_node, runtime_error
 from .contexts import ContextTable
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId
-from .passes import (ALL_CREDIT, PassBook, RootPass, Routed, deadline_of, keys_of,
+from .passes import (ALL_CREDIT, Grads, PassBook, RootPass, Routed, deadline_of, keys_of,
                      plan_forward, unused_sends)
-from .records import NODE_PREFIX, DistAutogradContext, MessageKey, local_pass
+from .parts import siblings, zero_reach
+from .records import NODE_PREFIX, DistAutogradContext, local_pass, no_gradient
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class PassDriver:
                 routed = self._local_pass(ctx, roots, grads)
             except Exception as exc:
                 raise runtime_error(on_node(exc, self._rank)) from None
+            routed = book.routed_once(context_id, pass_id, routed)
             self._forward(context_id, pass_id, routed, ALL_CREDIT, None, deadline)
             # Between two workers the pass is usually over here: this thread drove it.
             finished = state.done or _wait(state, deadline)
@@ -109,7 +111,9 @@ class PassDriver:
             raise RpcTimeoutError(
                 f"distributed backward pass of autograd context {context_id} timed out after "
                 f"{timeout:g} s (the RPC timeout) with {state.missing()} of its work not "
-                f"reported back; a worker may have died or be stuck")
+                f"reported back; a worker may have died or be stuck, or waits for the "
+                f"gradient of a send that never came (in FAST mode every RPC made in the "
+                f"context with tensors that require grad must take part in the pass)")
         if state.error is not None:
             raise runtime_error(state.error)
 
@@ -168,21 +172,44 @@ class PassDriver:
         if isinstance(reply, BackwardReply):
             self._run_part(context_id, pass_id, reply.credit, reply.grads, None, deadline)
 
-    def _run_part(self, context_id: int, pass_id: PassId, credit: Fraction,
-                  grads: Sequence[Tuple[MessageKey, torch.Tensor]], reply_to: Optional[int],
-                  deadline: Optional[float]) -> Optional[BackwardReply]:
-        """Run this worker's engine from the send records ``grads`` name, then forward."""
+    def _run_part(self, context_id: int, pass_id: PassId, credit: Fraction, grads: Grads,
+                  reply_to: Optional[int], deadline: Optional[float]
+                  ) -> Optional[BackwardReply]:
+        """Run this worker's engine from the send records ``grads`` name, then forward.
+
+        A part whose send records have siblings (records whose graphs share a node with
+        theirs) waits for theirs and runs with them (:meth:`PassBook.gather`). Gradients
+        that add nothing (None: the receiving end was reached with none; zeros) run no
+        engine: what they reach gets zeros (:func:`zero_reach`), as torch's engine
+        carries them, without running functions twice in a pass."""
         table, book = self._table, self._book
         book.part_starts(context_id, pass_id, keys_of(grads), context_id in table.contexts)
         try:
             ctx = table.retrieve_for_pass(context_id)
-            edges = [ctx.send_edge(key) for key, _ in grads]
-            try:
-                if _profiling():
-                    with _record_function(NODE_PREFIX + "SendRpcBackward"):
-                        routed = self._local_pass(ctx, edges, [g for _, g in grads])
+            needed = siblings(ctx, keys_of(grads))
+            if needed is not None:
+                gathered = book.gather(context_id, pass_id, grads, credit, needed)
+                if gathered is None:
+                    return None  # held, with its credit, until its siblings are here
+                grads, credit = gathered
+            else:
+                book.ran(context_id, pass_id, grads)
+            defined, undefined = [], []
+            for key, g in grads:
+                if no_gradient(g):
+                    undefined.append(ctx.send_edge(key).node)
                 else:
-                    routed = self._local_pass(ctx, edges, [g for _, g in grads])
+                    defined.append((key, g))
+            edges = [ctx.send_edge(key) for key, _ in defined]
+            routed: Routed = {}
+            try:
+                if defined and _profiling():
+                    with _record_function(NODE_PREFIX + "SendRpcBackward"):
+                        routed = self._local_pass(ctx, edges, [g for _, g in defined])
+                elif defined:
+                    routed = self._local_pass(ctx, edges, [g for _, g in defined])
+                if undefined:
+                    zero_reach(ctx, undefined, routed)
             except Exception as exc:
                 raise on_node(exc, self._rank) from None
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit
@@ -190,6 +217,7 @@ class PassDriver:
             return None
         finally:
             book.exit(context_id)
+        routed = book.routed_once(context_id, pass_id, routed)
         return self._forward(context_id, pass_id, routed, credit, reply_to, deadline)
 
     def report(self, pass_id: PassId, credit: Fraction, error: Optional[BaseException]) -> None:

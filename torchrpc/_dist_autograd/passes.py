@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import threading
 from fractions import Fraction
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -35,8 +35,26 @@ from .records import DistAutogradContext, MessageKey
 
 ALL_CREDIT = Fraction(1)
 
-Routed = Dict[int, List[Tuple[MessageKey, torch.Tensor]]]
-"""The gradients a local pass produced for other workers: rank -> (send record, gradient)."""
+Routed = Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]
+"""The gradients a local pass produced for other workers: rank -> (send record, gradient);
+a gradient is None where the pass reached a received tensor without one."""
+
+Grads = Sequence[Tuple[MessageKey, Optional[torch.Tensor]]]
+"""Gradients for send records, as a part of a pass gets them (None: reached, with none)."""
+
+
+class _Held:
+    """A part of a pass waiting for the gradients of sibling send records (see
+    :meth:`PassBook.gather`): the keys it needs, those it has, its gradients and credit."""
+
+    __slots__ = ("needed", "got", "grads", "credit")
+
+    def __init__(self, needed: Set[MessageKey], got: Set[MessageKey], grads: List[Any],
+                 credit: Fraction) -> None:
+        self.needed = needed
+        self.got = got
+        self.grads = grads
+        self.credit = credit
 
 
 class RootPass:
@@ -158,6 +176,11 @@ class PassBook:
         # context id -> the passes rooted elsewhere that ran a part here (see worker_lost)
         self.visited: Dict[int, Set[PassId]] = {}
         self.running = 0  # local passes of torch's engine running now
+        # context id -> pass id -> the parts waiting for their siblings (see gather), the
+        # keys with siblings that have run in the pass, and the (sender, key) of the
+        # received tensors that gradients went to (see routed_once)
+        self._parts: Dict[int, Dict[PassId, Tuple[List[_Held], Set[MessageKey],
+                                                  Set[Tuple[int, MessageKey]]]]] = {}
 
     def start(self, context_id: int, deadline: Optional[float]) -> Tuple[PassId, RootPass]:
         """A pass rooted here: its id and what its root waits on."""
@@ -209,6 +232,60 @@ class PassBook:
     def released(self, context_id: int) -> None:
         """Context ``context_id`` is released here: forget the passes that visited it."""
         self.visited.pop(context_id, None)
+        with self._lock:
+            self._parts.pop(context_id, None)
+
+    def gather(self, context_id: int, pass_id: PassId, grads: Grads, credit: Fraction,
+               needed: Set[MessageKey]) -> Optional[Tuple[List[Any], Fraction]]:
+        """A part of ``pass_id`` with gradients ``grads`` and ``credit`` whose send records
+        have siblings: it must run together with the parts that bring the gradients of
+        all of ``needed`` (see ``parts.siblings``). Returns the gradients and
+        credit of the parts to run as one once all are here; None while some are missing
+        (this part's are kept, credit included, until they come or the context is
+        released: in FAST mode every send record gets its gradient, as in torch, whose
+        engine runs a node once all of its gradients are in). A sibling that ran in the
+        pass already (see :meth:`ran`) is not waited for again."""
+        grads = list(grads)
+        got = set(keys_of(grads))
+        with self._lock:
+            held, ran, _ = self._of(context_id, pass_id)
+            for h in [h for h in held if h.needed & needed]:
+                held.remove(h)
+                needed |= h.needed
+                got |= h.got
+                grads = h.grads + grads
+                credit += h.credit
+            if needed - got - ran:
+                held.append(_Held(needed, got, grads, credit))
+                return None
+            ran |= got
+        return grads, credit
+
+    def ran(self, context_id: int, pass_id: PassId, grads: Grads) -> None:
+        """The send records of ``grads`` have run in ``pass_id`` here: a part that waits
+        for them as siblings (see gather) waits no more."""
+        with self._lock:
+            self._of(context_id, pass_id)[1].update(keys_of(grads))
+
+    def _of(self, context_id: int, pass_id: PassId
+            ) -> Tuple[List[_Held], Set[MessageKey], Set[Tuple[int, MessageKey]]]:
+        """Under _lock: the parts' state of ``pass_id`` here, made on first use."""
+        return self._parts.setdefault(context_id, {}).setdefault(pass_id, ([], set(), set()))
+
+    def routed_once(self, context_id: int, pass_id: PassId, routed: Routed) -> Routed:
+        """``routed`` without the None gradients for received tensors that a gradient of
+        the pass went to already from here: torch's receiving end of a message runs once
+        in a pass, so what a later part finds reaches it with none adds nothing."""
+        with self._lock:
+            sent = self._of(context_id, pass_id)[2]
+            out: Routed = {}
+            for rank, items in routed.items():
+                kept = [(key, g) for key, g in items
+                        if g is not None or (rank, key) not in sent]
+                sent.update((rank, key) for key, _ in kept)
+                if kept:
+                    out[rank] = kept
+        return out
 
     def worker_lost(self, rank: int, context_ids: Set[int], lost: ConnectionLostError
                     ) -> List[PassId]:
@@ -231,6 +308,6 @@ def unused_sends(ctx: DistAutogradContext, state: RootPass) -> List[int]:
     return sorted({key[0] for key in list(sends)} - state.sends)
 
 
-def keys_of(grads: Sequence[Tuple[MessageKey, torch.Tensor]]) -> List[MessageKey]:
+def keys_of(grads: Grads) -> List[MessageKey]:
     """The send records a list of gradients names."""
     return [key for key, _ in grads]

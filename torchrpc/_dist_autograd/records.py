@@ -22,7 +22,8 @@ Both sides count tensors the same way because the wire rebuilds, in pickling
 order, exactly the tensors the sender's hook saw (see ``torchrpc._wire.encode``).
 
 The backward pass (FAST mode) uses these records: gradients that reach a recv
-leaf go back to the sender, which looks up its send record by key and runs
+leaf go back to the sender (None where the pass reaches the leaf with none: torch's
+recv function sends zeros then), which looks up its send record by key and runs
 torch's autograd engine from that edge. Gradients that reach any other leaf are
 accumulated in the context, never left in ``.grad``: while torch's engine runs,
 each such leaf's ``.grad`` holds the context's gradient, so gradient accumulators
@@ -37,6 +38,7 @@ Nothing here does I/O; :mod:`torchrpc._dist_autograd.engine` moves the messages.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -77,7 +79,7 @@ def message_id(rank: int, counter: int) -> int:
 
 def _recv_forward(ctx: Any, outputs: List[torch.Tensor], *leaves: torch.Tensor
                   ) -> Tuple[torch.Tensor, ...]:
-    ctx.set_materialize_grads(False)  # an unused output sends no gradient back
+    ctx.set_materialize_grads(False)  # an output not used: None, which local_pass sends
     return tuple(outputs)
 
 
@@ -114,7 +116,8 @@ class SendRpcBackward:
 class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
-    __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known")
+    __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known",
+                 "_by_node", "_send_order", "_order")
 
     def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
@@ -122,12 +125,18 @@ class DistAutogradContext:
         self._lock = threading.Lock()
         self._sends: Dict[MessageKey, GradientEdge] = {}
         # Keyed by id(leaf) (a Tensor's __hash__ is a Python call); the value holds the
-        # leaf, so the id cannot be reused while the record exists.
-        self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey]] = {}
+        # leaf, so the id cannot be reused while the record exists: (leaf, sender, key,
+        # when it arrived, in _order).
+        self._recvs: Dict[int, Tuple[torch.Tensor, int, MessageKey, int]] = {}
         # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
         self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._known: set = set()
+        # The order of sends and receipts here (parts.siblings); message id -> its send's.
+        self._order = itertools.count(1)
+        self._send_order: Dict[int, int] = {}
+        # (number of send records, what parts._graphs makes of them)
+        self._by_node: Tuple[int, Any] = (0, ({}, {}))
 
     # -- introspection, as torch's DistAutogradContext ---------------------------------------------
 
@@ -244,6 +253,8 @@ class SendRecorder:
         key = id(t)  # the payload holds t until the message is encoded
         if key not in self._index:
             index = self._index[key] = len(self._index)
+            if not index:  # when it is sent, among the context's sends and receipts
+                self._ctx._send_order[self._msg] = next(self._ctx._order)
             self._ctx.record_send((self._msg, index), t)
 
 
@@ -256,18 +267,19 @@ class RecvRecorder:
     the new node (messages carry few such tensors).
     """
 
-    __slots__ = ("_ctx", "_src", "_msg", "_leaves", "_outs")
+    __slots__ = ("_ctx", "_src", "_msg", "_seq", "_leaves", "_outs")
 
     def __init__(self, ctx: DistAutogradContext, src: int, msg: int) -> None:
         self._ctx = ctx
         self._src = src
         self._msg = msg
+        self._seq = next(ctx._order)  # when it arrived, among the context's sends and receipts
         self._leaves: List[torch.Tensor] = []
         self._outs: List[torch.Tensor] = []
 
     def __call__(self, leaf: torch.Tensor) -> torch.Tensor:
         ctx, leaves, outs = self._ctx, self._leaves, self._outs
-        ctx._recvs[id(leaf)] = (leaf, self._src, (self._msg, len(leaves)))
+        ctx._recvs[id(leaf)] = (leaf, self._src, (self._msg, len(leaves)), self._seq)
         out = leaf.detach()
         leaves.append(leaf)
         outs.append(out)
@@ -371,8 +383,45 @@ class _SharedGradGuard:
         return None
 
 
+class _NestedGuard:
+    """A pre-hook on the accumulator of a leaf whose ``.grad`` holds a context's gradient
+    during a local pass: what a nested run of torch's engine brings (a function of the
+    pass that runs a backward, as checkpointing's recomputation does) is kept for the
+    leaf's own ``.grad``, where torch puts it. The pass's own graph task is noted by its
+    first nodes."""
+
+    __slots__ = ("task", "shared", "nested")
+
+    def __init__(self, task: List[int], shared: Optional[_SharedGradGuard]) -> None:
+        self.task = task  # [the id of the pass's graph task], once its first node ran
+        self.shared = shared  # the leaf's own part: reached by the pass
+        self.nested: List[torch.Tensor] = []
+
+    def __call__(self, grads: Tuple[Optional[torch.Tensor], ...]
+                 ) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+        if grads[0] is not None and (not self.task
+                                     or torch._C._current_graph_task_id() != self.task[0]):
+            self.nested.append(grads[0])
+            return (None,)
+        return self.shared(grads) if self.shared is not None else None
+
+
+def _first_task(task: List[int]) -> Callable[..., None]:
+    """A pre-hook that notes, once, the graph task that runs it."""
+    def note(_grads: Any) -> None:
+        if not task:
+            task.append(torch._C._current_graph_task_id())
+    return note
+
+
+def no_gradient(g: Optional[torch.Tensor]) -> bool:
+    """Whether ``g`` adds nothing: None (undefined), or a dense tensor of zeros (torch's
+    receiving end sends zeros for an undefined gradient)."""
+    return g is None or (g.layout is torch.strided and not bool(g.any()))
+
+
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]
-               ) -> Dict[int, List[Tuple[MessageKey, torch.Tensor]]]:
+               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
     """Run torch's autograd engine from ``outputs`` (tensors or gradient edges) on this worker.
 
     The engine accumulates as in a normal backward pass, so accumulators run their
@@ -383,10 +432,13 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     distributed engine achieves by handing accumulators and hooks the context's
     gradient. Leaves with a gradient in ``ctx`` that this run does not reach take
     part too, since end-of-pass hooks may write them (DDP's reducer writes every
-    parameter of a bucket). Gradients of received leaves are returned, grouped by the
-    rank of their sender, as ``(key, grad)`` pairs to send back. The graph is always
-    retained: in FAST mode another part of this backward pass may still reach the
-    same nodes through a later send record.
+    parameter of a bucket); what a nested backward accumulates goes to ``.grad``, as in
+    torch (_NestedGuard). Gradients of received leaves are returned, grouped by the
+    rank of their sender, as ``(key, grad)`` pairs to send back; None (zeros) for one
+    reached with no gradient (a function returned None for it) or zeros: torch's
+    receiving end answers its send with zeros then, which the pass waits for. The graph
+    is always retained: in FAST mode another part of this backward pass may still reach
+    the same nodes through a later send record.
     """
     nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn  # type: ignore[attr-defined]
              for o in outputs]
@@ -397,19 +449,28 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
     ctx_grads = ctx._grads
     own: List[torch.Tensor] = []
     received: List[torch.Tensor] = []
-    guard = _SharedGradGuard()
-    handles = []
+    shared = _SharedGradGuard()
+    task: List[int] = []
+    guards: List[_NestedGuard] = []
+    accumulators = []
     for leaf, node in reached:
         if id(leaf) in recvs:
             received.append(leaf)
         else:
             own.append(leaf)
-            handles.append(node.register_prehook(guard))
+            guards.append(_NestedGuard(task, shared))
+            accumulators.append(node)
     slots = own
     if ctx_grads:
         ids = {id(t) for t in own}
         slots = own + [t for t in list(ctx_grads) if id(t) not in ids]
+        for t in slots[len(own):]:
+            guards.append(_NestedGuard(task, None))
+            accumulators.append(leaf_edge(t).node)
+    # The hooks go on under the lock: a pass waiting for it must not see this one's run.
     with _GRAD_SLOTS:
+        handles = [node.register_prehook(_first_task(task)) for node in set(nodes)]
+        handles += [node.register_prehook(guard) for node, guard in zip(accumulators, guards)]
         saved = []
         try:
             for t in slots:
@@ -417,18 +478,23 @@ def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torc
                 t.grad = ctx_grads.get(t)
             _run_engine(outputs, grads, [leaf for leaf, _ in reached])
         finally:
-            for t, old in zip(slots, saved):
+            for t, old, guard in zip(slots, saved, guards):
                 g = t.grad
                 if g is not None:
                     ctx_grads[t] = g
                 t.grad = old
-            routed: Dict[int, List[Tuple[MessageKey, torch.Tensor]]] = {}
+                for n in guard.nested:  # where torch's engine puts them
+                    if t.grad is None:
+                        t.grad = n.detach()
+                    else:
+                        t.grad.add_(n)
+            routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]] = {}
             for t in received:
                 g = t.grad
                 if g is not None:
                     t.grad = None
-                    _, src, key = recvs[id(t)]
-                    routed.setdefault(src, []).append((key, g))
+                _, src, key, _ = recvs[id(t)]
+                routed.setdefault(src, []).append((key, None if no_gradient(g) else g))
             for h in handles:
                 h.remove()
     return routed

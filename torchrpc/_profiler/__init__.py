@@ -30,7 +30,6 @@ The callee side, including ``rpc._server_process_global_profile``, is in
 
 from __future__ import annotations
 
-import inspect
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -39,8 +38,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.autograd.profiler_util import FunctionEvent
 
-from .._agent import Agent, AsyncResult, CallHook, CallScope, RpcFuture, WorkerInfo, describe
-from .._agent import Slot, run_callable
+from .._agent import Agent, CallHook, CallScope, RpcFuture, Slot, WorkerInfo, describe
 from .._agent.current import handle
 from . import callee, events
 from .callee import CalleeScope, ServerProfile
@@ -269,11 +267,9 @@ def profiled_remote(agent: Agent, dst: WorkerInfo, func: Any,
     """
     call, rf = _begin("remote", agent, dst, func)
     call.done = torch.futures.Future()
-    local = dst.id == agent.rank
-    state().thread.pending = None if local else call
+    state().thread.pending = call
     try:
-        # To itself, the value is made on the pool with no request: profile it there.
-        rref = send(_profiled_locally(func, call) if local else func)
+        rref = send(func)
     except BaseException:
         rf.__exit__(None, None, None)
         raise
@@ -283,28 +279,6 @@ def profiled_remote(agent: Agent, dst: WorkerInfo, func: Any,
     rf.__exit__(None, None, None)
     rref._profiling_future = ended
     return rref
-
-
-def _profiled_locally(func: Any, call: Call) -> Callable[..., Any]:
-    """``func``, profiled for ``call`` where it runs, as a callee profiles a request."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        scope = CalleeScope(call.options, callee.server_profiles())
-        try:
-            with scope:
-                result = run_callable(func, args, kwargs)
-        except BaseException:
-            call.receive(scope.response_meta())
-            raise
-        if isinstance(result, AsyncResult):
-            result.future.add_done_callback(lambda _: call.receive(scope.response_meta()))
-            return result.future
-        call.receive(scope.response_meta())
-        return result
-
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None \
-            or inspect.iscoroutinefunction(func):  # its future is the reply, as for func
-        run._wrapped_async_rpc_function = func  # type: ignore[attr-defined]
-    return run
 
 
 def install(agent: Agent) -> None:

@@ -82,15 +82,7 @@ class RRefLayer:
         agent = self.agent
         rref_id = self.book.new_id()
         if dst.id == agent.rank:
-            entry = self.book.owner_entry(rref_id)
-            rref = RRef._make(self, rref_id, None, dst, entry)
-            fut = agent.run_here(Kind.RREF_REMOTE_CALL, func, timeout,
-                                 functools.partial(self._run_into, entry, func, args, kwargs),
-                                 entry.future)
-            rref._creation = fut
-            ref = weakref.ref(rref)
-            fut.add_done_callback(lambda f: self._created_here(ref, entry, f))
-            return rref
+            return _remote_here(self, rref_id, func, args, kwargs, timeout)
         fork_id = self.book.new_id()
         rref = RRef._make(self, rref_id, fork_id, dst, None, confirmed=False)
         self.book.user_created(rref_id, fork_id, dst.id, confirmed=False, parent=None)
@@ -125,21 +117,6 @@ class RRefLayer:
         if rref is not None:
             rref._confirmed = True
         self.control.post(self.book.user_confirmed(fork_id))
-
-    def _created_here(self, ref: "weakref.ref[RRef]", entry: OwnerEntry,
-                      fut: torch.futures.Future) -> None:
-        """A remote() to this worker itself completed: as in torch, a creation that timed
-        out or never started marks the owner RRef, whose value may still come."""
-        try:
-            fut.wait()
-        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef
-            error = _creation_error(exc)
-            if isinstance(exc, ConnectionLostError):  # never started: no value will come
-                entry.set_error(error)
-                self.book.value_settled(entry.rref_id)
-            rref = ref()
-            if rref is not None:
-                rref._record_error(error)
 
     def fork(self, rref: RRef, ctx: MessageContext) -> Tuple[Any, ...]:
         """Pickle ``rref`` for the message of ``ctx``: register the fork as the protocol
@@ -216,7 +193,8 @@ class RRefLayer:
     def _on_remote_call(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> Any:
         func, args, kwargs, rref_id, fork_id, deletes = payload
         self._remove_forks(deletes)
-        self.book.add_fork(rref_id, fork_id, src.id)
+        if fork_id is not None:  # None: a remote() of this worker to itself, no fork
+            self.book.add_fork(rref_id, fork_id, src.id)
         entry = self.book.owner_entry(rref_id)
         return self._run_into(entry, func, args, kwargs)
 
@@ -333,6 +311,42 @@ class RRefLayer:
         for rref in users:
             rref._deleted = True
         self.book.clear()
+
+
+def _remote_here(layer: RRefLayer, rref_id: GloballyUniqueId, func: Any,
+                 args: Tuple[Any, ...], kwargs: Dict[str, Any], timeout: float) -> RRef:
+    """``rpc.remote()`` to this worker itself: a message all the same, as in torch. Its
+    arguments are copies, and it runs with what a peer's would (the caller's distributed
+    autograd context and its send/recv records, the profiler's scopes), under the call's
+    deadline and the fault plan of a sent request. The RRef is the owner's, no fork."""
+    agent = layer.agent
+    entry = layer.book.owner_entry(rref_id)
+    rref = RRef._make(layer, rref_id, None, agent.worker_info, entry)
+    try:
+        fut = agent.request(agent.worker_info, Kind.RREF_REMOTE_CALL,
+                            (func, args, kwargs, rref_id, None, ()), timeout, what=func)
+    except BaseException as exc:  # not sent (its arguments did not pickle)
+        entry.set_error(exc)
+        layer.book.value_settled(rref_id)
+        raise
+    rref._creation = fut
+    ref = weakref.ref(rref)
+
+    def created(f: torch.futures.Future) -> None:
+        # As in torch, a creation that timed out or never started marks the owner RRef,
+        # whose value may still come.
+        try:
+            f.wait()
+        except BaseException as exc:  # noqa: BLE001 - recorded on the RRef
+            error = _creation_error(exc)
+            if isinstance(exc, ConnectionLostError):  # never started: no value will come
+                entry.set_error(error)
+                layer.book.value_settled(entry.rref_id)
+            held = ref()
+            if held is not None:
+                held._record_error(error)
+    fut.add_done_callback(created)
+    return rref
 
 
 def install(agent: Agent) -> None:

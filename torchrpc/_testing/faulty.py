@@ -208,19 +208,6 @@ class FaultyAgent(Agent):
         """The worker of ``rank``; one named by its rank if it is not a member (any more)."""
         return self.registry.workers.get(rank) or WorkerInfo(str(rank), rank)
 
-    def _start_here(self, kind: int, rid: int, start: Any) -> None:
-        # A request to this worker itself meets the same plan as one that is sent.
-        plan = self.faults
-        if plan.should_fail(kind):
-            self.calls.request_lost(rid, self.worker_info,
-                                    injected_failure(kind, self.name, " (itself)"))
-            return
-        seconds = plan.delay_for(kind)
-        if seconds > 0:
-            self.call_later(seconds, functools.partial(Agent._start_here, self), kind, rid,
-                            start)
-            return
-        super()._start_here(kind, rid, start)
 
 
 def _construct_options(rpc_timeout: float = constants.DEFAULT_RPC_TIMEOUT_SEC,

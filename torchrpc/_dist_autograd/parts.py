@@ -1,0 +1,106 @@
+"""What a part of a backward pass runs with: its siblings, and what gradients that add
+nothing reach (see docs/design.md, "A function runs once a pass").
+
+torch's engine runs each node of a worker's graph once a pass, when all of its gradients
+are in. torchrpc runs one engine call per part (the gradients one message brings), so the
+send records whose graphs share a node wait for each other (:func:`siblings`, with
+``PassBook.gather``), and gradients that are None or zeros run no engine call at all
+(:func:`zero_reach`). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from .records import (_ACCUMULATE_GRAD, _GRAD_SLOTS, DistAutogradContext, MessageKey,
+                      reachable_leaves)
+
+
+def siblings(ctx: DistAutogradContext, keys: Sequence[MessageKey]
+             ) -> Optional[Set[MessageKey]]:
+    """The send records whose gradients must be here with those of ``keys`` before
+    torch's engine runs from them: those whose graphs share a node with theirs (torch's
+    engine runs a node once, when all of its gradients are in; a checkpointed
+    partition whose outputs went to two workers recomputes once). None when ``keys``
+    have no such siblings. Accumulators of leaves and the receiving ends of messages
+    are left out: they only add or pass gradients on. So is a record sent before one
+    of the tensors behind ``keys`` was received: its gradient may need theirs (a call
+    back to the caller in between), where torch's engine runs the shared node once
+    both are in and waiting for it here would wait forever."""
+    sends = ctx._sends
+    if len(sends) < 2:
+        return None
+    count, graphs = ctx._by_node
+    if count != len(sends):
+        graphs = _graphs(ctx, sends)
+        ctx._by_node = (len(sends), graphs)
+    if not graphs[0]:
+        return None
+    groups, last_recv = graphs
+    after = max((last_recv.get(key, -1) for key in keys), default=-1)
+    order = ctx._send_order
+    needed: Optional[Set[MessageKey]] = None
+    for key in keys:
+        for group in groups.get(key, ()):
+            for sibling in group:
+                if order.get(sibling[0], 0) > after:
+                    if needed is None:
+                        needed = set(keys)
+                    needed.add(sibling)
+    return needed
+
+
+def _graphs(ctx: DistAutogradContext, sends: Dict[MessageKey, GradientEdge]
+            ) -> Tuple[Dict[MessageKey, List[List[MessageKey]]], Dict[MessageKey, int]]:
+    """Send record -> the groups of send records it shares a node with (see siblings),
+    and send record -> the order of the last received message behind it."""
+    stops = set(ctx._recv_fns.values())
+    recvs = ctx._recvs
+    keys_of_node: Dict[Any, List[MessageKey]] = {}
+    last_recv: Dict[MessageKey, int] = {}
+    for key, edge in list(sends.items()):
+        stack, seen = [edge.node], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node) is _ACCUMULATE_GRAD:
+                rec = recvs.get(id(node.variable))  # type: ignore[attr-defined]
+                if rec is not None:
+                    last_recv[key] = max(last_recv.get(key, -1), rec[3])
+                continue
+            if node not in stops:
+                keys_of_node.setdefault(node, []).append(key)
+            stack.extend(nxt for nxt, _ in node.next_functions)
+    by_key: Dict[MessageKey, List[List[MessageKey]]] = {}
+    for group in keys_of_node.values():
+        if len(group) > 1:
+            for key in group:
+                by_key.setdefault(key, []).append(group)
+    return by_key, last_recv
+
+
+def zero_reach(ctx: DistAutogradContext, nodes: List[object],
+               routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]
+               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
+    """What gradients that add nothing do from ``nodes``, without running torch's engine
+    (whose functions may have effects: checkpointing's recompute once a pass): each
+    received tensor reachable from them that ``routed`` has nothing for gets None there
+    (zeros, as torch's receiving end sends), and each other leaf reachable from them
+    gets a zero gradient in ``ctx`` if it has none (torch's accumulates the zeros)."""
+    recvs = ctx._recvs
+    have = {(rank, key) for rank, items in routed.items() for key, _ in items}
+    with _GRAD_SLOTS:
+        for leaf, _ in reachable_leaves(nodes):
+            rec = recvs.get(id(leaf))
+            if rec is None:
+                if leaf not in ctx._grads:
+                    ctx._grads[leaf] = torch.zeros_like(leaf)
+            elif (rec[1], rec[2]) not in have:
+                have.add((rec[1], rec[2]))
+                routed.setdefault(rec[1], []).append((rec[2], None))
+    return routed

@@ -34,8 +34,8 @@ from .contexts import ContextTable
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId
 from .passes import (ALL_CREDIT, Grads, PassBook, RootPass, Routed, deadline_of, keys_of,
                      plan_forward, unused_sends)
-from .parts import siblings, zero_reach
-from .records import NODE_PREFIX, DistAutogradContext, local_pass, no_gradient
+from .parts import siblings
+from .records import NODE_PREFIX, DistAutogradContext, local_pass, materialize
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,10 @@ class PassDriver:
         """Run this worker's engine from the send records ``grads`` name, then forward.
 
         A part whose send records have siblings (records whose graphs share a node with
-        theirs) waits for theirs and runs with them (:meth:`PassBook.gather`). Gradients
-        that add nothing (None: the receiving end was reached with none; zeros) run no
-        engine: what they reach gets zeros (:func:`zero_reach`), as torch's engine
-        carries them, without running functions twice in a pass."""
+        theirs) waits for theirs and runs with them (:meth:`PassBook.gather`). A gradient
+        that is None (the receiving end was reached with none) runs the engine as zeros,
+        as torch's engine runs a node whose gradients are undefined: a Python function's
+        backward gets zeros (checkpointing recomputes there, DDP's hooks fire)."""
         table, book = self._table, self._book
         book.part_starts(context_id, pass_id, keys_of(grads), context_id in table.contexts)
         try:
@@ -194,22 +194,14 @@ class PassDriver:
                 grads, credit = gathered
             else:
                 book.ran(context_id, pass_id, grads)
-            defined, undefined = [], []
-            for key, g in grads:
-                if no_gradient(g):
-                    undefined.append(ctx.send_edge(key).node)
-                else:
-                    defined.append((key, g))
-            edges = [ctx.send_edge(key) for key, _ in defined]
-            routed: Routed = {}
+            edges = [ctx.send_edge(key) for key, _ in grads]
+            values = [materialize(edge, g) for edge, (_, g) in zip(edges, grads)]
             try:
-                if defined and _profiling():
+                if _profiling():
                     with _record_function(NODE_PREFIX + "SendRpcBackward"):
-                        routed = self._local_pass(ctx, edges, [g for _, g in defined])
-                elif defined:
-                    routed = self._local_pass(ctx, edges, [g for _, g in defined])
-                if undefined:
-                    zero_reach(ctx, undefined, routed)
+                        routed = self._local_pass(ctx, edges, values)
+                else:
+                    routed = self._local_pass(ctx, edges, values)
             except Exception as exc:
                 raise on_node(exc, self._rank) from None
         except BaseException as exc:  # noqa: BLE001 - goes to the root with the credit

@@ -1,22 +1,19 @@
-"""What a part of a backward pass runs with: its siblings, and what gradients that add
-nothing reach (see docs/design.md, "A function runs once a pass").
+"""What a part of a backward pass runs with: its siblings (see docs/design.md, "A function
+runs once a pass").
 
 torch's engine runs each node of a worker's graph once a pass, when all of its gradients
 are in. torchrpc runs one engine call per part (the gradients one message brings), so the
 send records whose graphs share a node wait for each other (:func:`siblings`, with
-``PassBook.gather``), and gradients that are None or zeros run no engine call at all
-(:func:`zero_reach`). Nothing here does I/O.
+``PassBook.gather``). Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch.autograd.graph import GradientEdge
 
-from .records import (_ACCUMULATE_GRAD, _GRAD_SLOTS, DistAutogradContext, MessageKey,
-                      reachable_leaves)
+from .records import _ACCUMULATE_GRAD, DistAutogradContext, MessageKey
 
 
 def siblings(ctx: DistAutogradContext, keys: Sequence[MessageKey]
@@ -82,25 +79,3 @@ def _graphs(ctx: DistAutogradContext, sends: Dict[MessageKey, GradientEdge]
             for key in group:
                 by_key.setdefault(key, []).append(group)
     return by_key, last_recv
-
-
-def zero_reach(ctx: DistAutogradContext, nodes: List[object],
-               routed: Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]
-               ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
-    """What gradients that add nothing do from ``nodes``, without running torch's engine
-    (whose functions may have effects: checkpointing's recompute once a pass): each
-    received tensor reachable from them that ``routed`` has nothing for gets None there
-    (zeros, as torch's receiving end sends), and each other leaf reachable from them
-    gets a zero gradient in ``ctx`` if it has none (torch's accumulates the zeros)."""
-    recvs = ctx._recvs
-    have = {(rank, key) for rank, items in routed.items() for key, _ in items}
-    with _GRAD_SLOTS:
-        for leaf, _ in reachable_leaves(nodes):
-            rec = recvs.get(id(leaf))
-            if rec is None:
-                if leaf not in ctx._grads:
-                    ctx._grads[leaf] = torch.zeros_like(leaf)
-            elif (rec[1], rec[2]) not in have:
-                have.add((rec[1], rec[2]))
-                routed.setdefault(rec[1], []).append((rec[2], None))
-    return routed

@@ -34,8 +34,8 @@ from .contexts import ContextTable
 from .messages import BackwardReply, BackwardRequest, DoneReport, PassId
 from .passes import (ALL_CREDIT, Grads, PassBook, RootPass, Routed, deadline_of, keys_of,
                      plan_forward, unused_sends)
-from .parts import siblings
-from .records import NODE_PREFIX, DistAutogradContext, local_pass, materialize
+from .parts import materialize, siblings
+from .records import NODE_PREFIX, DistAutogradContext, local_pass
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What a part of a backward pass runs with: its siblings (see docs/design.md, "A function
-runs once a pass").
+runs once a pass"), and zeros for gradients that are None.
 
 torch's engine runs each node of a worker's graph once a pass, when all of its gradients
 are in. torchrpc runs one engine call per part (the gradients one message brings), so the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch.autograd.graph import GradientEdge
 
 from .records import _ACCUMULATE_GRAD, DistAutogradContext, MessageKey
@@ -79,3 +80,11 @@ def _graphs(ctx: DistAutogradContext, sends: Dict[MessageKey, GradientEdge]
             for key in group:
                 by_key.setdefault(key, []).append(group)
     return by_key, last_recv
+
+
+def materialize(edge: GradientEdge, g: Optional[torch.Tensor]) -> torch.Tensor:
+    """``g``, or zeros shaped as the tensor sent on ``edge`` when ``g`` is None."""
+    if g is not None:
+        return g
+    meta = edge.node._input_metadata[edge.output_nr]  # type: ignore[attr-defined]
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)

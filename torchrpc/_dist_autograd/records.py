@@ -420,14 +420,6 @@ def no_gradient(g: Optional[torch.Tensor]) -> bool:
     return g is None or (g.layout is torch.strided and not bool(g.any()))
 
 
-def materialize(edge: GradientEdge, g: Optional[torch.Tensor]) -> torch.Tensor:
-    """``g``, or zeros shaped as the tensor sent on ``edge`` when ``g`` is None."""
-    if g is not None:
-        return g
-    meta = edge.node._input_metadata[edge.output_nr]  # type: ignore[attr-defined]
-    return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
-
-
 def local_pass(ctx: DistAutogradContext, outputs: List[object], grads: List[torch.Tensor]
                ) -> Dict[int, List[Tuple[MessageKey, Optional[torch.Tensor]]]]:
     """Run torch's autograd engine from ``outputs`` (tensors or gradient edges) on this worker.

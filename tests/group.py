@@ -8,6 +8,7 @@ down too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -193,3 +194,13 @@ def wait_for(what: str, check: Callable[[], Any], limit: float,
             raise AssertionError(f"{what}: not after {limit:g} s{seen}")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def exit_fast() -> None:
+    """Exit with 0, skipping the interpreter's teardown of torch (about a second per
+    worker, which every group waits for); atexit handlers still run (torchrpc's removes
+    a secret file)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(0)

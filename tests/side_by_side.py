@@ -15,7 +15,6 @@ scenario's value on one line after :data:`RESULT`.
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import os
@@ -23,7 +22,7 @@ import sys
 import types
 from typing import Any, Dict, List, Optional
 
-from .group import free_port, start_module, worker_env
+from .group import exit_fast, free_port, start_module, worker_env
 
 IMPL_ENV = "TORCHRPC_TEST_IMPL"  # "torch" or "torchrpc"
 RESULT = "SIDE-BY-SIDE-RESULT "
@@ -113,8 +112,4 @@ def run_both(scenario: str, world_size: int, timeout: float = 30.0,
 
 if __name__ == "__main__":
     main()
-    # As tests.worker_main: skip the interpreter's teardown of torch, run atexit handlers.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()
-    os._exit(0)
+    exit_fast()

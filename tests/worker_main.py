@@ -1,6 +1,5 @@
 """A group member for tests: init_rpc, then serve until the group shuts down."""
 
-import atexit
 import json
 import os
 import resource
@@ -9,7 +8,7 @@ import sys
 import torch
 
 import torchrpc.rpc as rpc
-from tests.group import backend_and_options
+from tests.group import backend_and_options, exit_fast
 from tests.thread_watch import WATCH_ENV, ThreadWatch
 
 # Set: serve until helpers.stop_serving is called, then stop without meeting the group.
@@ -49,9 +48,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Skip the interpreter's teardown of torch (about a second per worker, which every
-    # group waits for); atexit handlers still run (torchrpc's removes a secret file).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()
-    os._exit(0)
+    exit_fast()

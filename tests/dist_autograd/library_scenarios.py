@@ -96,6 +96,17 @@ def gradient_of(param: Any, context_id: int) -> Optional[List[float]]:
     return _rounded(dist_autograd.get_gradients(context_id).get(param.local_value()))
 
 
+def step_record(loss: Any, params: List[Any], context_id: int, workers: int = 3
+                ) -> Dict[str, Any]:
+    """What a training step of a pipeline gives: its loss (an RRef), every parameter's
+    gradient in the context and each worker's gradient count."""
+    return {"loss": float(loss.to_here()),
+            "gradients": [rpc.rpc_sync(p.owner(), gradient_of, args=(p, context_id))
+                          for p in params],
+            "gradient counts": [rpc.rpc_sync(f"worker{r}", gradient_count, args=(context_id,))
+                                for r in range(workers)]}
+
+
 # -- requests to the driver itself -------------------------------------------------------------------
 
 def self_requests() -> Dict[str, Any]:
@@ -138,7 +149,8 @@ def self_requests() -> Dict[str, Any]:
 # -- gradients that are None, results that are not used ----------------------------------------------
 
 class NoneGrad(torch.autograd.Function):
-    """Passes its first input on; its backward gives the second none (a phony's join)."""
+    """Passes its first input on; its backward gives the second none (a phony's join,
+    which makes the first input's backward wait for the phony's lane)."""
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -213,18 +225,6 @@ class _Fork(torch.autograd.Function):
         return grad
 
 
-class _Join(torch.autograd.Function):
-    """Makes ``x``'s backward wait for the phony's lane; gives the phony no gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad, None
-
-
 class Stage:
     """One stage of a micro-batched pipeline, on its worker: inputs arrive by ``feed`` (each
     answered with a phony tensor), ``run`` computes the chunks in order and feeds the next
@@ -258,7 +258,7 @@ class Stage:
                     self.ready.wait()
                 x = self.inputs.pop(chunk)
             if phonies and torch.is_grad_enabled():
-                x = _Join.apply(x, phonies[-1].to_here())
+                x = NoneGrad.apply(x, phonies[-1].to_here())
             y = torch.tanh(self.layer(x))
             if following is None:
                 outputs.append(y)
@@ -301,12 +301,7 @@ def pipeline(chunks: int = 1, steps: int = 2) -> Dict[str, Any]:
             out = _pipeline_step(stages, x, chunks)
             loss = rpc.remote("worker2", _mse, args=(out, target))
             loss.backward(cid)
-            per_step.append({
-                "loss": float(loss.to_here()),
-                "gradients": [rpc.rpc_sync(p.owner(), gradient_of, args=(p, cid))
-                              for p in params],
-                "gradient counts": [rpc.rpc_sync(f"worker{r}", gradient_count, args=(cid,))
-                                    for r in range(3)]})
+            per_step.append(step_record(loss, params, cid))
             opt.step(cid)
     out = _pipeline_step(stages, x, chunks)
     final = float(rpc.rpc_sync("worker2", _mse, args=(out, target)))

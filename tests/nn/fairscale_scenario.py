@@ -17,11 +17,12 @@ context and each worker's gradient count; then the loss after the two steps.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
 
+from ..dist_autograd.library_scenarios import Linear, step_record
 from ..side_by_side import api
 
 API = api()
@@ -36,29 +37,6 @@ from fairscale.experimental.nn.distributed_pipeline.trace import make_graph  # n
 rpc = API.rpc
 dist_autograd = API.dist_autograd
 RemoteModule = API.RemoteModule
-
-
-def gradient_of(param: Any, context_id: int) -> Optional[List[float]]:
-    """On the owner: the gradient of the parameter behind RRef ``param`` in the context."""
-    grad = dist_autograd.get_gradients(context_id).get(param.local_value())
-    return None if grad is None else [float(v) for v in grad.reshape(-1)]
-
-
-def gradient_count(context_id: int) -> int:
-    return len(dist_autograd.get_gradients(context_id))
-
-
-class Linear(nn.Linear):
-    """A linear layer whose parameters come from its own generator seeded with ``seed``:
-    the workers create the layers on pool threads, concurrently, so the global generator
-    would hand them out in any order."""
-
-    def __init__(self, n_in: int, n_out: int, seed: int) -> None:
-        super().__init__(n_in, n_out)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.weight.copy_(torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5)
-            self.bias.copy_(torch.randn(n_out, generator=gen) / n_in ** 0.5)
 
 
 class Split(nn.Module):
@@ -116,12 +94,7 @@ def train(graph: PipelineModulesGraph, steps: int = 2, chunks: int = 4) -> Dict[
             pipe.train()
             loss = criterion(pipe(x), rpc.RRef(y))
             loss.backward(cid)
-            per_step.append({
-                "loss": float(loss.to_here()),
-                "gradients": [rpc.rpc_sync(p.owner(), gradient_of, args=(p, cid))
-                              for p in params],
-                "gradient counts": [rpc.rpc_sync(f"worker{r}", gradient_count, args=(cid,))
-                                    for r in range(3)]})
+            per_step.append(step_record(loss, params, cid))
             opt.step(cid)
     final = float(criterion(pipe(x), rpc.RRef(y)).to_here())
     return {"steps": per_step, "loss after": final}

@@ -6,8 +6,9 @@ the same program.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 import pytest
 import torch
@@ -136,17 +137,22 @@ def test_error_on_another_worker_is_a_runtime_error_naming_the_node():
             dist_autograd.backward(context_id, [loss])
 
 
-def test_unused_send_function_holds_the_pass_as_in_torch():
+@contextlib.contextmanager
+def _rpc_timeout(seconds: float) -> Iterator[None]:
     old = rpc.get_rpc_timeout()
-    rpc._set_rpc_timeout(2)
+    rpc._set_rpc_timeout(seconds)
     try:
-        t1 = torch.rand(3, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            rpc.rpc_sync("worker1", torch.add, args=(t1, t1))  # result never used
-            with pytest.raises(RpcTimeoutError, match="send function"):
-                dist_autograd.backward(context_id, [(t1 * 2).sum()])
+        yield
     finally:
         rpc._set_rpc_timeout(old)
+
+
+def test_unused_send_function_holds_the_pass_as_in_torch():
+    t1 = torch.rand(3, requires_grad=True)
+    with _rpc_timeout(2), dist_autograd.context() as context_id:
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t1))  # result never used
+        with pytest.raises(RpcTimeoutError, match="send function"):
+            dist_autograd.backward(context_id, [(t1 * 2).sum()])
 
 
 class _TwoOut(Function):
@@ -171,16 +177,11 @@ def test_a_node_waiting_for_a_send_that_never_gets_its_gradient_times_out():
     # torch runs worker1's _TwoOut once both of its outputs' gradients are in; the one
     # whose result is unused never comes, so the pass fails at the RPC timeout, as in
     # torch's FAST mode, saying what it waited for.
-    old = rpc.get_rpc_timeout()
-    rpc._set_rpc_timeout(2)
-    try:
-        x = torch.ones(3, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            out = rpc.rpc_sync("worker1", _send_both_return_one, args=(x,))
-            with pytest.raises(RpcTimeoutError, match="send that never came"):
-                dist_autograd.backward(context_id, [out.sum()])
-    finally:
-        rpc._set_rpc_timeout(old)
+    x = torch.ones(3, requires_grad=True)
+    with _rpc_timeout(2), dist_autograd.context() as context_id:
+        out = rpc.rpc_sync("worker1", _send_both_return_one, args=(x,))
+        with pytest.raises(RpcTimeoutError, match="send that never came"):
+            dist_autograd.backward(context_id, [out.sum()])
 
 
 # -- hooks, copies, .grad --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The side-by-side benchmark, ``python -m torchrpc.bench``, run end to end.
+"""The side-by-side benchmark, ``python -m benchmarks``, run end to end.
 
 These run the real program as a subprocess, as a user would, with ``--quick`` sizes. They
 check the shape of the report, not the speed: every metric must have a number for torch and
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch.distributed
 
-from torchrpc.bench.metrics import metric_specs
-from torchrpc.bench.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from benchmarks.metrics import metric_specs
+from benchmarks.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 
 from ..group import free_port
 
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 
 def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Run ``python -m torchrpc.bench ARGS`` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "torchrpc.bench", *args], cwd=REPO_ROOT,
+    """Run ``python -m benchmarks ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -188,7 +188,7 @@ def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused(args: list[str], said: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     # Refused while the arguments are read, before any worker starts: in this process.
-    from torchrpc.bench.cli import main
+    from benchmarks.cli import main
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
@@ -213,7 +213,7 @@ def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
     assert "skipped: memory ran out at 2 workers" in errors["scale_3w_rss_MB"]["errors"]["torchrpc"]
 
 
-NOMAC = "torchrpc-tcp-nomac=tests.bench_tcp_nomac,torchrpc.autograd,torchrpc.optim"
+NOMAC = "torchrpc-tcp-nomac=benchmarks.variants.tcp_nomac,torchrpc.autograd,torchrpc.optim"
 
 
 def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
@@ -230,14 +230,14 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
              "c = type('C', (), {{'features': handshake.FEATURE_FRAME_MAC,\n"
              "                    'sock': socket.socket()}})()\n"
              "print(o.enable_uds, o.enable_shm, links.needs_frame_macs(c))\n")
-    for variant, macs in (("torchrpc.bench.variants.tcp", "True"),
-                          ("tests.bench_tcp_nomac", "False")):
+    for variant, macs in (("benchmarks.variants.tcp", "True"),
+                          ("benchmarks.variants.tcp_nomac", "False")):
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert out.split() == ["False", "False", macs], (variant, out)
 
 
-NOGC = "torchrpc-nogc=tests.bench_nogc,torchrpc.autograd,torchrpc.optim"
+NOGC = "torchrpc-nogc=benchmarks.variants.nogc,torchrpc.autograd,torchrpc.optim"
 
 
 def test_nogc_variant_turns_the_collector_off_in_the_chosen_workers() -> None:
@@ -248,7 +248,7 @@ def test_nogc_variant_turns_the_collector_off_in_the_chosen_workers() -> None:
     assert value["torchrpc-nogc"] > 0, value
     # A group of one, in a fresh interpreter: the collector stays on until init_rpc, then
     # goes off in every worker, or only in the one TORCHRPC_BENCH_NOGC names.
-    probe = ("import gc, tests.bench_nogc as v\n"
+    probe = ("import gc, benchmarks.variants.nogc as v\n"
              "on = gc.isenabled()\n"
              "v.init_rpc('caller', rank=0, world_size=1)\n"
              "print(on, gc.isenabled())\n"
@@ -355,7 +355,7 @@ def test_echo_rss_growth_counts_from_the_resident_size_after_warming_torch() -> 
     # A fresh process: the peak of this one holds whatever the other tests left there.
     script = (
         "import torch\n"
-        "from torchrpc.bench.callees import baseline_rss_mb, peak_rss_mb\n"
+        "from benchmarks.callees import baseline_rss_mb, peak_rss_mb\n"
         "base = baseline_rss_mb()\n"
         "x = torch.rand(16 << 20)\n"  # 64 MiB, made and touched by torch's large-tensor code
         "print(base, peak_rss_mb())\n")

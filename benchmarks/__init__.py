@@ -1,9 +1,9 @@
 """Side-by-side benchmark of torchrpc against ``torch.distributed.rpc``.
 
-``python -m torchrpc.bench`` runs the same workloads on both systems, one after the other,
+``python -m benchmarks`` runs the same workloads on both systems, one after the other,
 each in its own freshly spawned worker processes on this machine, and prints a markdown table
 of every metric for both with the ratio torchrpc / torch (``--json`` for the machine-readable
-form). Run ``python -m torchrpc.bench --help`` for the workloads and their options.
+form). Run ``python -m benchmarks --help`` for the workloads and their options.
 
 Layout:
 
@@ -17,8 +17,11 @@ Layout:
 * :mod:`.report`    JSON and markdown;
 * :mod:`.cli`       the command line.
 
-This is the only code in torchrpc that may import ``torch.distributed.rpc``, and it does so
-only by name, inside the worker processes.
+It lives beside the package, not in it (the installed ``torchrpc`` does not ship it): run
+it from the repository root. It imports ``torch.distributed.rpc`` only by name, inside the
+worker processes. Beside the bench, :mod:`.segments` (``python -m benchmarks.segments``)
+times one small ``rpc_sync`` step by step, and ``python -m benchmarks chart`` draws a
+report's ratios as an SVG (:mod:`.chart`).
 """
 
 __all__: list[str] = []

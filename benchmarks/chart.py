@@ -133,8 +133,9 @@ def render_svg(reports: list[dict[str, Any]], systems: list[str] | None = None,
     span = _span(rows)
     machine = reports[0].get("machine", {})
     heading = title or f"Against {baseline}: times better (right) or worse (left)"
-    subtitle = ", ".join(str(machine[k]) for k in ("cpu_model", "cpus", "torch", "date_utc")
-                         if machine.get(k) is not None)
+    subtitle = ", ".join(form.format(machine[key]) for key, form in (
+        ("cpu_model", "{}"), ("cpus", "{} CPUs"), ("torch", "torch {}"), ("date_utc", "{} UTC"))
+        if machine.get(key) is not None)
     top = 58 + 18 * len(series)
     body: list[str] = [_text(12, 22, heading, size=15, extra=' font-weight="bold"'),
                        _text(12, 40, f"machine: {subtitle}" if subtitle else "", size=11)]

@@ -15,13 +15,15 @@ Layout:
 * :mod:`.launcher`  spawning, supervising and killing one session's workers;
 * :mod:`.runner`    all workloads on all systems;
 * :mod:`.report`    JSON and markdown;
-* :mod:`.cli`       the command line.
+* :mod:`.cli`       the command line;
+* :mod:`.chart`     the ratios of a report as an SVG;
+* :mod:`.variants`  systems besides torch and torchrpc (a floor, torchrpc configured otherwise);
+* :mod:`.segments`  the step-by-step timer of one call.
 
 It lives beside the package, not in it (the installed ``torchrpc`` does not ship it): run
 it from the repository root. It imports ``torch.distributed.rpc`` only by name, inside the
-worker processes. Beside the bench, :mod:`.segments` (``python -m benchmarks.segments``)
-times one small ``rpc_sync`` step by step, and ``python -m benchmarks chart`` draws a
-report's ratios as an SVG (:mod:`.chart`).
+worker processes. ``python -m benchmarks chart REPORT.json -o chart.svg`` draws a saved
+report; ``python -m benchmarks.segments`` times one small ``rpc_sync`` step by step.
 """
 
 __all__: list[str] = []

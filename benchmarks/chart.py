@@ -7,7 +7,7 @@ workload, one bar per system and thread setting. Every bar is that system's figu
 against the baseline (torch), turned so that right of the middle line is better and left
 is worse whatever the metric's direction: ``value / torch`` for a rate, ``torch / value``
 for a time or a size. The axis is logarithmic, so 2x better and 2x worse are the same
-length. A metric with no ratio (an error, a missing system) shows ``n/a``.
+length; it reaches from the worst bar to the best, and at least 2x each way. A metric with no ratio (an error, a missing system) shows ``n/a``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _WIDTH = 960
 _LABEL_W = 330      # the metric labels, left of the plot
 _PLOT_X0 = _LABEL_W + 20
 _PLOT_X1 = _WIDTH - 70  # room for the value beside a bar that reaches the edge
+_LABEL_CHARS = 52   # what fits in _LABEL_W at the labels' size
 _BAR_H = 11
 _BAR_GAP = 2
 _ROW_GAP = 9
@@ -102,16 +103,23 @@ def chart_rows(reports: list[dict[str, Any]],
     return ordered, series
 
 
-def _span(rows: list[Row]) -> float:
-    """The axis' reach each side of 1: a power of two that holds every bar."""
-    worst = max((abs(math.log2(v)) for r in rows for v in r.advantage.values() if v),
-                default=1.0)
-    return 2.0 ** max(1, math.ceil(worst + 0.05))
+def _span(rows: list[Row]) -> tuple[int, int]:
+    """The axis' ends as powers of two, at least 2x each side of 1, holding every bar."""
+    logs = [math.log2(v) for r in rows for v in r.advantage.values() if v]
+    return (min(-1, math.floor(min(logs, default=0) - 0.05)),
+            max(1, math.ceil(max(logs, default=0) + 0.05)))
 
 
-def _x(advantage: float, span: float) -> float:
-    middle = (_PLOT_X0 + _PLOT_X1) / 2
-    return middle + math.log2(advantage) / math.log2(span) * (_PLOT_X1 - _PLOT_X0) / 2
+def _x(advantage: float, span: tuple[int, int]) -> float:
+    low, high = span
+    return _PLOT_X0 + (math.log2(advantage) - low) / (high - low) * (_PLOT_X1 - _PLOT_X0)
+
+
+def _fit(label: str) -> str:
+    """The label, less a closing parenthesis or its end, within the room left of the plot."""
+    if len(label) > _LABEL_CHARS and label.endswith(")") and " (" in label:
+        label = label[:label.rindex(" (")]
+    return label if len(label) <= _LABEL_CHARS else label[:_LABEL_CHARS - 1] + "\u2026"
 
 
 def _text(x: float, y: float, text: str, anchor: str = "start", size: int = 12,
@@ -152,7 +160,8 @@ def render_svg(reports: list[dict[str, Any]], systems: list[str] | None = None,
             body.append(_text(12, y + 4, workload, size=12, extra=' font-weight="bold"'))
             y += 14
         height = len(series) * (_BAR_H + _BAR_GAP)
-        body.append(_text(_LABEL_W + 10, y + height / 2 + 4, row.label, anchor="end", size=11))
+        body.append(_text(_LABEL_W + 10, y + height / 2 + 4, _fit(row.label), anchor="end",
+                          size=11))
         for i, one in enumerate(series):
             value = row.advantage.get(one)
             bar_y = y + i * (_BAR_H + _BAR_GAP)
@@ -174,15 +183,12 @@ def render_svg(reports: list[dict[str, Any]], systems: list[str] | None = None,
     bottom = y + 4
     axis = [f'<line x1="{_x(1.0, span):.1f}" y1="{top}" x2="{_x(1.0, span):.1f}" '
             f'y2="{bottom}" stroke="#000" stroke-width="1"/>']
-    power = 1.0
-    while power <= span:
-        for tick in {power, 1 / power}:
-            x = _x(tick, span)
-            axis.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" '
-                        f'stroke="#ddd" stroke-width="1"/>')
-            axis.append(_text(x, top - 4, "1" if tick == 1 else _times(tick), anchor="middle",
-                              size=10))
-        power *= 2
+    for power in range(span[0], span[1] + 1):
+        x = _x(2.0 ** power, span)
+        axis.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" '
+                    f'stroke="#ddd" stroke-width="1"/>')
+        axis.append(_text(x, top - 4, "1" if power == 0 else _times(2.0 ** power),
+                          anchor="middle", size=10))
     axis.append(_text(_x(1.0, span) - 8, bottom + 16, f"worse than {baseline}", anchor="end",
                       size=11))
     axis.append(_text(_x(1.0, span) + 8, bottom + 16, f"better than {baseline}", size=11))

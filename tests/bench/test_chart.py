@@ -121,3 +121,15 @@ def test_the_command_writes_the_chart_of_saved_reports(tmp_path: Path) -> None:
     proc = _chart(str(bad), "-o", str(tmp_path / "no.svg"))
     assert proc.returncode == 2 and "JSONDecodeError" in proc.stderr
     assert not (tmp_path / "no.svg").exists()
+
+
+def test_long_labels_lose_their_parenthesis_then_their_end() -> None:
+    report = small_report()
+    long = "parameter server, 4 trainers: steps of all (table 1024x32, MLP 32-64-10)"
+    longer = "a metric whose label goes on and on and on well beyond the room left of the plot"
+    for entry in report["metrics"].values():
+        entry["label"] = long if entry["workload"] == "latency" else longer
+    texts = [t.text for t in ET.fromstring(render_svg([report])).iter(f"{SVG}text")]
+    assert "parameter server, 4 trainers: steps of all" in texts
+    cut = [t for t in texts if t and t.startswith("a metric whose")]
+    assert len(cut) == 1 and cut[0].endswith("\u2026") and len(cut[0]) <= 52, cut

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -300,9 +301,10 @@ def test_ps_trains_four_trainers_against_a_parameter_server(
 
 
 def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
-    table = tmp_path / "table.md"
-    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
-                     "--threads", "default,1", "--json", "--markdown-out", str(table))
+    table, chart = tmp_path / "table.md", tmp_path / "chart.svg"
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,torchrpc",
+                     "--threads", "default,1", "--json", "--markdown-out", str(table),
+                     "--chart-out", str(chart))
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["threads"] == ["default", "1"]
@@ -318,10 +320,18 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
     assert [run["threads"] for run in runs] == ["default", "1"]
     assert runs[1]["torch_threads"] == 1  # what torch.get_num_threads() said
     assert runs[0]["torch_threads"] >= 1
-    assert sorted(s["threads"] for s in report["sessions"]) == ["1", "default"]
+    assert sorted(s["threads"] for s in report["sessions"]
+                  if s["system"] == "torchrpc") == ["1", "default"]
     markdown = table.read_text(encoding="utf-8")
     assert "## torch intra-op threads per worker: default (torch's own: " in markdown
     assert "## torch intra-op threads per worker: 1\n" in markdown
+    # The chart of the same report: a bar per metric and setting, the metrics' labels.
+    svg = ET.fromstring(chart.read_text(encoding="utf-8"))
+    texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"torchrpc, torch threads default", "torchrpc, torch threads 1",
+            "small rpc_sync p50"} <= texts, texts
+    assert sum(1 for r in svg.iter("{http://www.w3.org/2000/svg}rect")
+               if r.find("{http://www.w3.org/2000/svg}title") is not None) == 2 * len(names)
     # One setting (--torch-threads, or nothing): the report keeps its plain metric names.
     proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
                      "--torch-threads", "1", "--json")

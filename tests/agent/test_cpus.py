@@ -110,7 +110,7 @@ _NOPARK = """
 import torch
 from torchrpc._agent import cpus
 from torchrpc.rpc import api
-import tests.bench_nopark as variant
+import benchmarks.variants.nopark as variant
 guard = cpus.SpinGuard("torchrpc-omp-probe")
 guard.check(2, threads=2, cpus=2)
 parked_before = guard.parked
@@ -125,7 +125,7 @@ variant.shutdown()
 
 @pytest.mark.skipif(not cpus.libgomp_spins(), reason="torch here does not run on libgomp")
 def test_the_benchmarks_nopark_variant_parks_no_team():
-    # tests/bench_nopark.py, the system without the team that BENCHMARKS.md compares.
+    # benchmarks/variants/nopark.py, the system without the team that BENCHMARKS.md compares.
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=ROOT)
     env.pop("GOMP_SPINCOUNT", None)

@@ -1,4 +1,4 @@
-"""The side-by-side benchmark, ``python -m torchrpc.bench``, run end to end.
+"""The side-by-side benchmark, ``python -m benchmarks``, run end to end.
 
 These run the real program as a subprocess, as a user would, with ``--quick`` sizes. They
 check the shape of the report, not the speed: every metric must have a number for torch and
@@ -12,14 +12,15 @@ import math
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed
 
-from torchrpc.bench.metrics import metric_specs
-from torchrpc.bench.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
+from benchmarks.metrics import metric_specs
+from benchmarks.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 
 from ..group import free_port
 
@@ -31,8 +32,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 
 def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """Run ``python -m torchrpc.bench ARGS`` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "torchrpc.bench", *args], cwd=REPO_ROOT,
+    """Run ``python -m benchmarks ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -188,7 +189,7 @@ def test_unimportable_system_becomes_an_error_row(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused(args: list[str], said: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     # Refused while the arguments are read, before any worker starts: in this process.
-    from torchrpc.bench.cli import main
+    from benchmarks.cli import main
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
@@ -213,7 +214,7 @@ def test_scale_reports_memory_and_stops_short_of_the_memory_floor() -> None:
     assert "skipped: memory ran out at 2 workers" in errors["scale_3w_rss_MB"]["errors"]["torchrpc"]
 
 
-NOMAC = "torchrpc-tcp-nomac=tests.bench_tcp_nomac,torchrpc.autograd,torchrpc.optim"
+NOMAC = "torchrpc-tcp-nomac=benchmarks.variants.tcp_nomac,torchrpc.autograd,torchrpc.optim"
 
 
 def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
@@ -230,14 +231,14 @@ def test_tcp_variants_run_over_tcp_with_and_without_frame_macs() -> None:
              "c = type('C', (), {{'features': handshake.FEATURE_FRAME_MAC,\n"
              "                    'sock': socket.socket()}})()\n"
              "print(o.enable_uds, o.enable_shm, links.needs_frame_macs(c))\n")
-    for variant, macs in (("torchrpc.bench.variants.tcp", "True"),
-                          ("tests.bench_tcp_nomac", "False")):
+    for variant, macs in (("benchmarks.variants.tcp", "True"),
+                          ("benchmarks.variants.tcp_nomac", "False")):
         out = subprocess.run([sys.executable, "-c", probe.format(variant)], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert out.split() == ["False", "False", macs], (variant, out)
 
 
-NOGC = "torchrpc-nogc=tests.bench_nogc,torchrpc.autograd,torchrpc.optim"
+NOGC = "torchrpc-nogc=benchmarks.variants.nogc,torchrpc.autograd,torchrpc.optim"
 
 
 def test_nogc_variant_turns_the_collector_off_in_the_chosen_workers() -> None:
@@ -248,7 +249,7 @@ def test_nogc_variant_turns_the_collector_off_in_the_chosen_workers() -> None:
     assert value["torchrpc-nogc"] > 0, value
     # A group of one, in a fresh interpreter: the collector stays on until init_rpc, then
     # goes off in every worker, or only in the one TORCHRPC_BENCH_NOGC names.
-    probe = ("import gc, tests.bench_nogc as v\n"
+    probe = ("import gc, benchmarks.variants.nogc as v\n"
              "on = gc.isenabled()\n"
              "v.init_rpc('caller', rank=0, world_size=1)\n"
              "print(on, gc.isenabled())\n"
@@ -300,9 +301,10 @@ def test_ps_trains_four_trainers_against_a_parameter_server(
 
 
 def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
-    table = tmp_path / "table.md"
-    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
-                     "--threads", "default,1", "--json", "--markdown-out", str(table))
+    table, chart = tmp_path / "table.md", tmp_path / "chart.svg"
+    proc = run_bench("--quick", "--workloads", "latency", "--systems", "torch,torchrpc",
+                     "--threads", "default,1", "--json", "--markdown-out", str(table),
+                     "--chart-out", str(chart))
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["threads"] == ["default", "1"]
@@ -318,10 +320,18 @@ def test_threads_runs_every_workload_under_each_setting(tmp_path: Path) -> None:
     assert [run["threads"] for run in runs] == ["default", "1"]
     assert runs[1]["torch_threads"] == 1  # what torch.get_num_threads() said
     assert runs[0]["torch_threads"] >= 1
-    assert sorted(s["threads"] for s in report["sessions"]) == ["1", "default"]
+    assert sorted(s["threads"] for s in report["sessions"]
+                  if s["system"] == "torchrpc") == ["1", "default"]
     markdown = table.read_text(encoding="utf-8")
     assert "## torch intra-op threads per worker: default (torch's own: " in markdown
     assert "## torch intra-op threads per worker: 1\n" in markdown
+    # The chart of the same report: a bar per metric and setting, the metrics' labels.
+    svg = ET.fromstring(chart.read_text(encoding="utf-8"))
+    texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"torchrpc, torch threads default", "torchrpc, torch threads 1",
+            "small rpc_sync p50"} <= texts, texts
+    assert sum(1 for r in svg.iter("{http://www.w3.org/2000/svg}rect")
+               if r.find("{http://www.w3.org/2000/svg}title") is not None) == 2 * len(names)
     # One setting (--torch-threads, or nothing): the report keeps its plain metric names.
     proc = run_bench("--quick", "--workloads", "latency", "--systems", "torchrpc",
                      "--torch-threads", "1", "--json")
@@ -355,7 +365,7 @@ def test_echo_rss_growth_counts_from_the_resident_size_after_warming_torch() -> 
     # A fresh process: the peak of this one holds whatever the other tests left there.
     script = (
         "import torch\n"
-        "from torchrpc.bench.callees import baseline_rss_mb, peak_rss_mb\n"
+        "from benchmarks.callees import baseline_rss_mb, peak_rss_mb\n"
         "base = baseline_rss_mb()\n"
         "x = torch.rand(16 << 20)\n"  # 64 MiB, made and touched by torch's large-tensor code
         "print(base, peak_rss_mb())\n")

@@ -11,11 +11,11 @@ import socket
 
 import torch
 
-from torchrpc.bench.callees import echo
+from benchmarks.callees import echo
 
 
 def _worker(rank: int, port: int, self_read: bool) -> None:
-    from torchrpc.bench.variants import floor
+    from benchmarks.variants import floor
 
     floor.init_rpc("w", rank=rank, world_size=2, self_read=self_read,
                    rpc_backend_options=floor.TensorPipeRpcBackendOptions(

@@ -51,7 +51,7 @@ def _peer(info: dict, name: str) -> dict:
 
 def test_each_module_logs_under_its_own_name():
     modules = [m.name for m in pkgutil.walk_packages(torchrpc.__path__, "torchrpc.")
-               if ".bench" not in m.name and ".examples" not in m.name]
+               if ".examples" not in m.name]
     loggers = {}
     for name in modules:
         log = getattr(importlib.import_module(name), "log", None)

@@ -32,7 +32,6 @@ ALLOWED = {
     "optim": {"rpc", "autograd"},
     "nn": {"rpc", "autograd"},
     "examples": {"rpc", "autograd", "optim", "nn", "examples"},
-    "bench": {"rpc", "autograd", "optim", "nn", "bench"},
 }
 FORBIDDEN = ("torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
              "torch.distributed.nn", "torch._C._distributed_rpc", "torch._C._distributed_autograd")
@@ -62,7 +61,7 @@ def test_layers_import_only_downward():
     for path in PKG.rglob("*.py"):
         layer = path.relative_to(PKG).parts[0]
         for mod in _imports(path):
-            if layer != "bench" and mod.startswith(FORBIDDEN):
+            if mod.startswith(FORBIDDEN):
                 problems.append(f"{path}: imports {mod}")
             if not mod.startswith("torchrpc."):
                 continue
@@ -74,7 +73,7 @@ def test_layers_import_only_downward():
     assert not problems, "\n".join(problems)
 
 
-UPPER = ("optim", "nn", "autograd", "examples", "bench", "_testing")
+UPPER = ("optim", "nn", "autograd", "examples", "_testing")
 """Layers built on the RPC API as a user's code is: the public names only."""
 
 
@@ -293,10 +292,6 @@ PROCESS_STATE = {
     "_threads.py:global _exiting": "process resources",
     "_threads.py:_stoppers": "process resources",
     "_agent/process_exit.py:_agents": "weak registry",
-    # Tools that are not an agent: the benchmark's featureless floor RPC (its connections)
-    # and the segment timer's event log, one per process they run in.
-    "bench/variants/floor.py:_state": "the floor system's process state",
-    "_testing/segments.py:_EVENTS": "a tool's per-process log",
     # Caches of pure functions, and the types they made.
     "_agent/worker.py:_checked": "cache",
     "errors.py:_runtime_twins": "cache",

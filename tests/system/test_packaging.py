@@ -3,6 +3,7 @@ platform check, the interface variables, and option docstrings that match the de
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
 import os
 import re
@@ -157,6 +158,30 @@ def test_version_is_written_once_and_py_typed_ships():
     assert os.path.exists(os.path.join(ROOT, "torchrpc", "py.typed"))
 
 
+def test_the_package_ships_no_benchmark_or_developer_tool():
+    # The bench and the timing tool live beside the package, in benchmarks/: the package
+    # configuration must not pick them (or the tests) up, and nothing in torchrpc/ may
+    # import them. Programs under torchrpc/ are the examples only.
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    for folder in ("benchmarks", "benchmarks.variants", "tests", "scripts"):
+        assert not any(fnmatch.fnmatchcase(folder, pattern) for pattern in include), folder
+    assert os.path.exists(os.path.join(ROOT, "benchmarks", "__main__.py"))
+    problems = []
+    for base, dirs, files in os.walk(os.path.join(ROOT, "torchrpc")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = os.path.relpath(base, ROOT)
+        if os.path.basename(base) in ("bench", "benchmarks"):
+            problems.append(f"{rel}: a benchmark inside the package")
+        for name in (f for f in files if f.endswith(".py")):
+            text = _read(rel, name)
+            if re.search(r"^\s*(from|import) (benchmarks|tests)\b", text, re.MULTILINE):
+                problems.append(f"{rel}/{name}: imports a tool from outside the package")
+            program = name == "__main__.py" or re.search(r"__name__ == .__main__.", text)
+            if program and not rel.startswith(os.path.join("torchrpc", "examples")):
+                problems.append(f"{rel}/{name}: a program outside torchrpc/examples")
+    assert not problems, "\n".join(problems)
+
+
 # -- platform and interfaces -------------------------------------------------------------------
 
 @pytest.mark.parametrize("platform", ["win32", "cygwin"])
@@ -247,7 +272,7 @@ def test_readme_is_short_and_covers_every_option_and_variable():
             assert f"`{name}" in readme or f"{name}=" in readme, name
     code = "".join(_read(os.path.relpath(os.path.join(base, f), ROOT))
                    for base, _, files in os.walk(os.path.join(ROOT, "torchrpc"))
-                   if "bench" not in base for f in files if f.endswith(".py"))
+                   for f in files if f.endswith(".py"))
     for variable in set(re.findall(r'"((?:TORCHRPC|TP)_[A-Z_]+)"', code)):
         assert variable in readme, variable
     for variable in ("PYTHON", "TORCHRPC_REUSE_TORCH", "TORCHRPC_TORCH_INDEX_URL",

@@ -1,6 +1,6 @@
 """torchrpc without the parked OpenMP team, for measuring what the team buys.
 
-``--define-system torchrpc-nopark=tests.bench_nopark,torchrpc.autograd,torchrpc.optim``
+``--define-system torchrpc-nopark=benchmarks.variants.nopark,torchrpc.autograd,torchrpc.optim``
 (run from the repository root): ``GOMP_SPINCOUNT`` is set in the worker's environment
 before ``init_rpc``, which libgomp has read already (its own wait policy is unchanged)
 but which tells the agent the user chose a policy, so it parks no team.

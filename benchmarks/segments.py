@@ -1,4 +1,4 @@
-"""``python -m torchrpc._testing.segments``: where the time of one small ``rpc_sync`` goes.
+"""``python -m benchmarks.segments``: where the time of one small ``rpc_sync`` goes.
 
 Two torchrpc workers on this host; the caller makes ``--calls`` blocking calls of a no-op
 (``noop(i)``) or of ``torch.add(torch.ones(2), 1)``, or (``--call remote``) creates the
@@ -56,9 +56,9 @@ def _wrap(owner: Any, name: str, before: str, after: str = "") -> None:
 
 
 def _instrument() -> None:
-    from .. import _wire
-    from .._agent import calls, dispatch, reading
-    from .._transport import connection
+    from torchrpc import _wire
+    from torchrpc._agent import calls, dispatch, reading
+    from torchrpc._transport import connection
 
     _wrap(connection.Connection, "send", "send>", "send<")
     _wrap(connection.Connection, "read_frame", "", "frame<")
@@ -154,7 +154,7 @@ def _median(values: List[float]) -> float:
 
 
 def main(argv: List[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchrpc._testing.segments",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.segments",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--call", choices=("noop", "add", "remote"), default="noop")
     parser.add_argument("--threads", type=int, default=1,

@@ -1,6 +1,6 @@
 """Entry point of one benchmark worker process.
 
-Run as ``python -m torchrpc.bench._worker SPEC_JSON``; the launcher writes the spec. The
+Run as ``python -m benchmarks._worker SPEC_JSON``; the launcher writes the spec. The
 worker imports its system's modules by name, joins the RPC group and plays its part:
 
 * ``pair`` sessions: rank 0 ("caller") runs the session's workloads, one after the other,

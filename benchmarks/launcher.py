@@ -30,8 +30,9 @@ from .systems import SystemSpec
 
 __all__ = ["REPO_ROOT", "SessionOutcome", "free_port", "run_session"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-"""The directory that holds the ``torchrpc`` package; put on the workers' PYTHONPATH."""
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The repository root, which holds ``benchmarks`` (and ``torchrpc``); put on the workers'
+PYTHONPATH."""
 
 _POLL_S = 0.05
 _FAIL_GRACE_S = 2.0
@@ -317,7 +318,7 @@ def run_session(system: SystemSpec, workloads: list[str], kind: str, world_size:
             spec_path.write_text(json.dumps(spec), encoding="utf-8")
             with open(session_dir / f"rank{rank}.log", "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "torchrpc.bench._worker", str(spec_path)],
+                    [sys.executable, "-m", "benchmarks._worker", str(spec_path)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))
         kill_reason, least = _supervise(procs, kind, time_limit + _KILL_MARGIN_S, start,

@@ -1,4 +1,4 @@
-"""``python -m torchrpc._testing.segments``: two real workers, one table of segments."""
+"""``python -m benchmarks.segments``: two real workers, one table of segments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _report(call: str) -> Tuple[str, int, float]:
     """The report of 300 ``call`` calls; how many came in the usual order, their total."""
-    proc = subprocess.run([sys.executable, "-m", "torchrpc._testing.segments", "--call", call,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.segments", "--call", call,
                            "--calls", "300"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

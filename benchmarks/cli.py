@@ -1,4 +1,4 @@
-"""Command line of ``python -m torchrpc.bench``."""
+"""Command line of ``python -m benchmarks``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import chart
 from .options import ALL_WORKLOADS, DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 from .report import build_report, combine_reports, render_markdown, threads_label
 from .runner import run_benchmark
@@ -122,7 +123,7 @@ def _thread_settings(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; every :class:`BenchOptions` field is a ``--flag``."""
     parser = argparse.ArgumentParser(
-        prog="python -m torchrpc.bench",
+        prog="python -m benchmarks",
         description="Run the same RPC workloads on torchrpc and on torch.distributed.rpc, "
                     "each in its own freshly spawned worker processes, and print a table "
                     "with the ratios.",
@@ -134,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                "DistributedOptimizer: steps/s of all), fanout (one caller to 8 callees: "
                "rpc_async_many where a system has it, else rpc_async + wait_all; only "
                "when asked for), scale (init, "
-               "all-to-all and shutdown of 4..32 workers; only when asked for).")
+               "all-to-all and shutdown of 4..32 workers; only when asked for). "
+               "'python -m benchmarks chart REPORT.json -o chart.svg' draws a saved "
+               "report's ratios.")
     parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
                         help=f"comma-separated systems to run, in order; ratios are "
                              f"taken against '{BASELINE}' if it runs, else the first "
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the JSON report on stdout instead of the table")
     parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
     parser.add_argument("--markdown-out", type=Path, help="also write the table here")
+    parser.add_argument("--chart-out", type=Path,
+                        help="also draw the ratios as an SVG here (as 'python -m benchmarks "
+                             "chart REPORT.json -o PATH' does from a saved report)")
     parser.add_argument("--keep-logs", type=Path,
                         help="keep worker specs, records and logs in this directory")
     parser.add_argument("--strict", action="store_true",
@@ -268,8 +274,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; return the process exit status."""
+    """Run the benchmark (or, with ``chart`` first, draw a saved report); return the
+    process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chart"]:
+        return chart.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     sessions = args.sessions or ("shared" if args.quick else "per-workload")
     shared = sessions == "shared"
     labels = [threads_label(n) for n in settings]
-    log(f"torchrpc.bench: systems {', '.join(s.name for s in systems)}; workloads "
+    log(f"benchmarks: systems {', '.join(s.name for s in systems)}; workloads "
         f"{', '.join(workloads)}; torch threads per worker {', '.join(labels)}")
     names = [s.name for s in systems]
     machine = machine_info()
@@ -318,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline=BASELINE if BASELINE in names else names[0] if len(names) > 1 else None,
             cells=cells, details=result.details, sessions=result.sessions,
             machine=machine, options=setting.to_json(),
-            command=shlex.join(["python", "-m", "torchrpc.bench", *argv]),
+            command=shlex.join(["python", "-m", "benchmarks", *argv]),
             workloads=workloads, rounds=args.rounds, samples=result.values,
             warnings=result.partial_failures(), threads=label))
     report = combine_reports(reports)
@@ -328,5 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json_out.write_text(document + "\n", encoding="utf-8")
     if args.markdown_out is not None:
         args.markdown_out.write_text(markdown, encoding="utf-8")
+    if args.chart_out is not None:
+        try:
+            args.chart_out.write_text(chart.render_svg([report]), encoding="utf-8")
+        except ValueError as exc:  # no ratios: a single system
+            log(f"no chart: {exc}")
     print(document if args.json else markdown, end="\n" if args.json else "")
     return 1 if args.strict and failed else 0

@@ -1,4 +1,4 @@
-"""``python -m torchrpc.bench``: see :mod:`torchrpc.bench.cli`."""
+"""``python -m benchmarks``: see :mod:`benchmarks.cli`."""
 
 from .cli import main
 

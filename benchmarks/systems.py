@@ -48,12 +48,12 @@ SYSTEMS: dict[str, SystemSpec] = {
     "torch": SystemSpec("torch", **_TORCH_MODULES),
     "torchrpc": SystemSpec("torchrpc", rpc="torchrpc.rpc", autograd="torchrpc.autograd",
                            optim="torchrpc.optim"),
-    "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="torchrpc.bench.variants.tcp",
+    "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="benchmarks.variants.tcp",
                                autograd="torchrpc.autograd", optim="torchrpc.optim"),
     "shim": SystemSpec("shim", **_TORCH_MODULES),
-    "floor": SystemSpec("floor", rpc="torchrpc.bench.variants.floor",
+    "floor": SystemSpec("floor", rpc="benchmarks.variants.floor",
                         autograd="torchrpc.autograd", optim="torchrpc.optim"),
-    "floor-self": SystemSpec("floor-self", rpc="torchrpc.bench.variants.floor_self",
+    "floor-self": SystemSpec("floor-self", rpc="benchmarks.variants.floor_self",
                              autograd="torchrpc.autograd", optim="torchrpc.optim"),
 }
 """Built-in systems, selectable with ``--systems``."""

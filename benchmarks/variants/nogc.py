@@ -1,10 +1,10 @@
 """torchrpc with Python's cycle collector off, for measuring what its collections cost.
 
-``--define-system torchrpc-nogc=tests.bench_nogc,torchrpc.autograd,torchrpc.optim`` (run
+``--define-system torchrpc-nogc=benchmarks.variants.nogc,torchrpc.autograd,torchrpc.optim`` (run
 from the repository root) is torchrpc with ``gc.disable()`` in every benchmark worker once
 ``init_rpc`` returns; with ``TORCHRPC_BENCH_NOGC=caller`` (or ``callee``) set, only in the
 worker of that name. It turns off a process-wide service, so it is for a benchmark worker
-and nothing else, which is why it lives with the tests and not in the package.
+and nothing else, which is why it lives with the benchmarks and not in the package.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def build_report(*, specs: list[MetricSpec], systems: dict[str, dict[str, str]],
     notes += [f"{s['system']} {'+'.join(s['workloads'])}: {w}" for s in sessions
               for w in s["warnings"] if not s["error"]]
     return {
-        "benchmark": "torchrpc.bench",
+        "benchmark": "benchmarks",
         "command": command,
         "machine": machine,
         "options": options,
@@ -218,7 +218,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         return lines
 
     machine = report["machine"]
-    out = [f"# torchrpc.bench: {', '.join(systems)}", "",
+    out = [f"# benchmarks: {', '.join(systems)}", "",
            f"`{report['command']}`", "",
            f"{machine.get('cpu_model', '?')}, {machine.get('cpus', '?')} CPUs, "
            f"{machine.get('memory_GiB', '?')} GiB, {machine.get('platform', '?')}, "

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torchrpc.rpc as rpc
 from torchrpc import _testing
 from torchrpc._agent.dispatch import run_callable
-from torchrpc._agent.rendezvous import claim_membership, missing_rank_error
+from torchrpc._rendezvous.rendezvous import claim_membership, missing_rank_error
 from torchrpc.rpc import backend_registry
 
 

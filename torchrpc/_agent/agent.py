@@ -38,7 +38,7 @@ from .._transport import Connection, Transport
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
 from . import debug, process_exit, startup
-from .rendezvous import Plan
+from .._rendezvous.rendezvous import Plan
 from .calls import Calls
 from .connections import Connections
 from .coroutines import CoroutineRunner
@@ -100,7 +100,7 @@ class Agent:
         self.shutdown_protocol = Shutdown(self)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
-        # Elastic membership (world_size=None): see torchrpc._agent.membership.
+        # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
         # The workers of the group, membership and device maps (registry.py).
         self.registry = Registry(self, dict(getattr(options, "device_maps", None) or {}))

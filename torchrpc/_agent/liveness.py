@@ -47,7 +47,7 @@ from .._threads import Guard
 from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
-from . import membership
+from .._rendezvous import membership
 from .shutdown import RUNNING
 from .worker import WorkerInfo
 

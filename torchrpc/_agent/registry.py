@@ -46,8 +46,9 @@ from .._threads import Guard
 from .._transport import shm
 from ..errors import (DestinationTypeError, InvalidArgumentError,
                       ThreadFailedError, WorkerLeftError)
-from . import devices, membership
-from .secret import discard_local as discard_local_secret
+from . import devices
+from .._rendezvous import membership
+from .._rendezvous.secret import discard_local as discard_local_secret
 from .shutdown import RUNNING, STOPPING
 from .worker import WorkerInfo
 

@@ -79,7 +79,7 @@ from .._transport import Connection
 from .._wire import Kind
 from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
                       ShutdownError, ThreadFailedError)
-from . import barriers
+from .._rendezvous import barriers
 from .hooks import describe
 
 if TYPE_CHECKING:

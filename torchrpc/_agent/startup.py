@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from .._transport import Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from ..errors import RendezvousError, RpcError
-from . import devices, membership, rendezvous
-from .secret import discard_local as discard_local_secret
+from . import devices
+from .._rendezvous import membership, rendezvous
+from .._rendezvous.secret import discard_local as discard_local_secret
 from .shutdown import RUNNING
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RREF_LAYER, RRef
-from .._agent.membership import open_elastic_store
-from .._agent.rendezvous import missing_rank_error, open_store, validate_name
+from .._rendezvous.membership import open_elastic_store
+from .._rendezvous.rendezvous import missing_rank_error, open_store, validate_name
 from ..errors import RpcError
 from . import _gather, backend_registry, constants
 from ._calls import (WorkerLike, _invoke, _invoke_sync, _prepare,  # noqa: F401

@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 
-from .._agent import secret as _secret
-from .._agent.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
+from .._rendezvous import secret as _secret
+from .._rendezvous.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
 from . import _checks, constants
 from ._checks import DeviceLike, Field
 

@@ -13,7 +13,7 @@ from torchrpc._agent import Agent
 from torchrpc._agent.futures import mark_reader_thread, new_future
 from torchrpc._agent.requests import Pending
 from torchrpc._rendezvous.rendezvous import PREFIX, Records
-from torchrpc._agent.shutdown import RUNNING
+from torchrpc._agent.lifecycle import RUNNING
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError, ThreadFailedError
 from torchrpc.rpc.options import TensorPipeRpcBackendOptions
@@ -92,7 +92,7 @@ class Agents:
     def close(self) -> None:
         mark_reader_thread(False)  # _on_frame marks the thread that delivers a frame
         for agent in self.made:
-            if agent._state is RUNNING:
+            if agent.lifecycle.state is RUNNING:
                 agent._transport = None
                 try:
                     agent.shutdown(graceful=False)

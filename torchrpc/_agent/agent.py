@@ -17,7 +17,7 @@ requests and see the tensors that cross (hooks.py); the agent never imports them
 handler's exception goes back to the caller as a ``RemoteErrorInfo`` (remote_error.py).
 
 Lifecycle: ``new`` -> ``running`` -> ``stopping`` -> ``stopped``, a state machine
-driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
+(lifecycle.py) driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
 layers' shutdown hooks, waits for this worker's outstanding requests, meets every
 worker at store barriers (once when all have stopped calling, once when all
 replies are out), says GOODBYE to its peers and closes. A connection that breaks
@@ -48,13 +48,14 @@ from .dispatch import Dispatch
 from .fastpath import FastPath, Parked
 from .futures import RpcFuture
 from .hooks import CallHook, Extensions
+from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
 from .registry import Registry
 from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
-from .shutdown import NEW, RUNNING, Shutdown, State
+from .shutdown import Shutdown
 from .stats import PeerStats
 from .worker import WorkerInfo
 
@@ -94,10 +95,10 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
-        # the request path; written only by the shutdown protocol's transitions.
-        self._state: State = NEW
-        self.shutdown_protocol = Shutdown(self)
+        # The lifecycle state (lifecycle.py): read as ``lifecycle.state``, with ``is``, on
+        # the request path; entered only by the shutdown protocol's transitions.
+        self.lifecycle = Lifecycle()
+        self.shutdown_protocol = Shutdown(self, self.lifecycle)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
@@ -153,9 +154,10 @@ class Agent:
     def check_running(self) -> None:
         """Raise unless the agent runs (and no background thread has failed)."""
         self.check_failure()
-        if self._state is not RUNNING:
+        state = self.lifecycle.state
+        if state is not RUNNING:
             raise NotInitializedError(
-                f"RPC agent of {self.name!r} is {self._state.value}; call init_rpc() first")
+                f"RPC agent of {self.name!r} is {state.value}; call init_rpc() first")
 
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""

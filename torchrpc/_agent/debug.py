@@ -81,7 +81,7 @@ def counters(agent: "Agent") -> Dict[str, Any]:
         "agent.max_outbox_bytes_queued": max(
             (c.outbox_bytes for c in transport.connections()), default=0)
         if transport is not None else 0,
-        "agent.state": agent._state.value if agent.failure is None else "failed",
+        "agent.state": agent.lifecycle.state.value if agent.failure is None else "failed",
     }
     if transport is not None:
         info.update(transport.debug_info())

@@ -51,7 +51,7 @@ from .reading import Reading
 from .requests import Pending
 from .retry import RetryPolicy
 from .scheduler import LENT_TICK
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class FastPath:
         replies.
         """
         agent = self._agent
-        if agent.failure is not None or agent._state is not RUNNING:
+        if agent.failure is not None or agent.lifecycle.state is not RUNNING:
             agent.check_running()  # raises
         conn = None
         also: Tuple[int, ...] = ()

@@ -48,7 +48,7 @@ from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
 from .._rendezvous import membership
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class Liveness:
     def check(self, now: float) -> None:
         """Timer: lose every watched peer silent for longer than its limit."""
         timeout = self.timeout
-        if timeout <= 0 or self._agent._state is not RUNNING:
+        if timeout <= 0 or self._agent.lifecycle.state is not RUNNING:
             return
         stalled = now - self._last_check > timeout / 2
         self._last_check = now
@@ -242,7 +242,7 @@ class Liveness:
         agent = self._agent
         with self._lock:
             if rank in self._confirming or rank in self.declared or rank in agent.registry.left \
-                    or agent._state is not RUNNING:
+                    or agent.lifecycle.state is not RUNNING:
                 return
             self._confirming.add(rank)
         try:
@@ -255,7 +255,7 @@ class Liveness:
         agent = self._agent
         try:
             w = agent.registry.workers.get(rank)
-            if w is None or rank in agent.registry.left or agent._state is not RUNNING:
+            if w is None or rank in agent.registry.left or agent.lifecycle.state is not RUNNING:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .._transport import Connection
 from ..errors import RpcError
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class PrivateConnections:
     def checkin(self, dst: WorkerInfo, conn: Connection) -> None:
         """``conn``, to ``dst``, is free again: it waits for the next call, unless closed
         or the agent stops."""
-        if not conn.closed and self._agent._state is RUNNING:
+        if not conn.closed and self._agent.lifecycle.state is RUNNING:
             free = self._idle.get(dst.id)
             if free is None:
                 with self._lock:  # keys change under the lock only (debug_info iterates)

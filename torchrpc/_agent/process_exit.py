@@ -35,7 +35,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .. import _threads
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -54,7 +54,7 @@ def stop_agents(until: float) -> None:
     """At exit: stop every agent that still runs, as ``shutdown(graceful=False)`` does,
     waiting no later than ``until`` (a ``time.monotonic()``)."""
     for agent in list(_agents):
-        if agent._state is not RUNNING:  # stopped, or another thread stops it: joined after
+        if agent.lifecycle.state is not RUNNING:  # stopped, or another thread stops it: joined after
             continue
         try:
             agent.shutdown(graceful=False, timeout=max(until - time.monotonic(), 0.001))

@@ -49,7 +49,7 @@ from ..errors import (DestinationTypeError, InvalidArgumentError,
 from . import devices
 from .._rendezvous import membership
 from .._rendezvous.secret import discard_local as discard_local_secret
-from .shutdown import RUNNING, STOPPING
+from .lifecycle import RUNNING, STOPPING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class Registry:
             return w
         if isinstance(to, str):
             w = self.by_name.get(to)
-            if w is None and self.log is not None and agent._state is RUNNING:
+            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
                 # A dynamic group: the worker may have joined since the log was last read.
                 self.refresh()
                 w = self.by_name.get(to)
@@ -161,7 +161,7 @@ class Registry:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self.workers.get(to)
-            if w is None and self.log is not None and agent._state is RUNNING:
+            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
                 self.refresh()  # as for names above
                 w = self.workers.get(to)
             if w is None:
@@ -226,7 +226,7 @@ class Registry:
         """The members thread: follow the membership log until the agent stops."""
         agent = self._agent
         failures = 0
-        while guard.ok and (agent._state is RUNNING or agent._state is STOPPING) \
+        while guard.ok and (agent.lifecycle.state is RUNNING or agent.lifecycle.state is STOPPING) \
                 and not self._members_stop.wait(0.05):
             with self._members_lock:
                 try:

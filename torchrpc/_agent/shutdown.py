@@ -18,13 +18,9 @@ Theory of operation. An agent goes through four states, each entered once, in or
 - ``STOPPED``: closed: every pending call has failed, every thread this agent started is
   joined, the pool is closed, the store is let go. No state follows.
 
-The state is ``Agent._state``, one plain attribute that the request path reads with
-``is`` against the module constants below (``agent._state is not RUNNING``: a global and an
-identity test, as cheap as the string comparison it replaces; ``State.RUNNING`` is a
-lookup through the enum's metaclass, ten times slower). Only :meth:`Shutdown.enter`
-writes it, through :func:`advance`, which refuses any transition :data:`TRANSITIONS` does
-not list; starting and shutting down are serialized by the API's lock, so transitions do
-not race each other.
+The states, the table of transitions and the object that holds the current state are
+in lifecycle.py; :meth:`Shutdown.enter` (which ``startup`` also calls, for ``RUNNING``) is
+the one caller of :meth:`Lifecycle.enter`.
 
 Graceful shutdown of a fixed group meets every worker at three store barriers:
 
@@ -69,48 +65,23 @@ together wait :data:`STOP_WAIT` seconds at most even without a timeout.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
 
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
+from ..errors import (BarrierTimeoutError, NotInitializedError, RpcError,
                       ShutdownError, ThreadFailedError)
 from .._rendezvous import barriers
 from .hooks import describe
+from .lifecycle import RUNNING, STOPPED, STOPPING, Lifecycle, State
 
 if TYPE_CHECKING:
     from .agent import Agent
 
 log = logging.getLogger(__name__)
-
-
-class State(enum.Enum):
-    """The states of an agent (see the module docs); the value is what ``debug_info`` and
-    error messages say."""
-
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-# For hot paths: ``agent._state is RUNNING`` (see the module docs).
-NEW = State.NEW
-RUNNING = State.RUNNING
-STOPPING = State.STOPPING
-STOPPED = State.STOPPED
-
-TRANSITIONS: Dict[State, FrozenSet[State]] = {
-    NEW: frozenset({RUNNING}),
-    RUNNING: frozenset({STOPPING}),
-    STOPPING: frozenset({STOPPED}),
-    STOPPED: frozenset(),
-}
-"""The transitions an agent may make: state -> the states it may enter next."""
 
 
 STOP_WAIT = 15.0
@@ -147,16 +118,6 @@ def _earlier(when: float, deadline: Optional[float]) -> float:
 def _left(until: float) -> float:
     """Seconds from now until ``until`` (a ``time.monotonic()``), at least 0."""
     return max(until - time.monotonic(), 0.0)
-
-
-def advance(current: State, target: State) -> State:
-    """``target``, if an agent in state ``current`` may enter it; else raise
-    :class:`LifecycleError` naming both and the states ``current`` leads to."""
-    if target not in TRANSITIONS[current]:
-        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none"
-        raise LifecycleError(f"an RPC agent that is {current.value} cannot become "
-                             f"{target.value} (it may become: {allowed})")
-    return target
 
 
 def _check_left(agent: "Agent", barrier: str) -> None:
@@ -201,8 +162,9 @@ class Shutdown:
     Its tables of peers are guarded by the agent's lock, like the agent's own.
     """
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "Agent", lifecycle: Lifecycle) -> None:
         self._agent = agent
+        self._lifecycle = lifecycle
         self._lock = agent._lock
         self.gone: Dict[int, str] = {}  # rank -> why: lost, and connecting again failed
         self._shared_lost: set[int] = set()  # ranks this worker told the store it lost
@@ -216,8 +178,7 @@ class Shutdown:
 
     def enter(self, target: State) -> None:
         """Move the agent to state ``target``; :class:`LifecycleError` if it may not."""
-        agent = self._agent
-        agent._state = advance(agent._state, target)
+        self._lifecycle.enter(target)
 
     # -- graceful shutdown -------------------------------------------------------------------------
 
@@ -225,7 +186,7 @@ class Shutdown:
                  meet: Optional[Callable[[], None]] = None) -> None:
         """:meth:`Agent.shutdown`."""
         agent = self._agent
-        if agent._state is not RUNNING:
+        if self._lifecycle.state is not RUNNING:
             return
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         self.deadline = deadline
@@ -311,8 +272,8 @@ class Shutdown:
     def fail(self, error: ThreadFailedError) -> None:
         """:meth:`Agent.fail`: a background thread cannot go on."""
         agent = self._agent
-        if agent.failure is not None or (agent._state is not RUNNING
-                                         and agent._state is not STOPPING):
+        if agent.failure is not None or (self._lifecycle.state is not RUNNING
+                                         and self._lifecycle.state is not STOPPING):
             return
         agent.failure = ThreadFailedError(
             f"the RPC agent of {agent.name} has failed: {error}; call rpc.shutdown() and "
@@ -462,7 +423,7 @@ class Shutdown:
         at ``deadline`` (a ``time.monotonic()``) if that comes first."""
         agent = self._agent
         until = _earlier(time.monotonic() + STOP_WAIT, deadline)
-        if agent._state is not STOPPING:  # a graceful shutdown entered it already
+        if self._lifecycle.state is not STOPPING:  # a graceful shutdown entered it already
             self.enter(STOPPING)
         agent.final_debug_info = agent.debug_info()
         if agent.elastic:

@@ -21,7 +21,7 @@ from ..errors import RendezvousError, RpcError
 from . import devices
 from .._rendezvous import membership, rendezvous
 from .._rendezvous.secret import discard_local as discard_local_secret
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 
 if TYPE_CHECKING:
     from .agent import Agent

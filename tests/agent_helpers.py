@@ -16,7 +16,7 @@ from torchrpc._rendezvous.rendezvous import PREFIX, Records
 from torchrpc._agent.lifecycle import RUNNING
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError, ThreadFailedError
-from torchrpc.rpc.options import TensorPipeRpcBackendOptions
+from torchrpc.rpc.options import TensorPipeRpcBackendOptions, agent_settings
 
 SECRET = b"s" * 64  # the job secret of the agents made here (no rendezvous)
 
@@ -80,7 +80,7 @@ class Agents:
         ``world_size`` workers already, in a dynamic one (None) only itself."""
         options = TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=5)
         agent = Agent(store if store is not None else dist.HashStore(), "worker0", 0,
-                      world_size, options)
+                      world_size, agent_settings(options))
         # as start() leaves it: the job secret is known, the group's records are sealed
         agent.store = Records(agent.store, SECRET, PREFIX)
         for rank in range(world_size or 1):

@@ -55,6 +55,7 @@ from .registry import Registry
 from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
+from .settings import Settings
 from .shutdown import Shutdown
 from .stats import PeerStats
 from .worker import WorkerInfo
@@ -65,21 +66,21 @@ log = logging.getLogger(__name__)
 class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
-    connection_type: Callable[..., Connection] = Connection
-    """What the transport makes its connections with (the tests' faulty agent sends
-    through a subclass that fails, drops and delays frames)."""
-
-    def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
+    def __init__(self, store: Any, name: str, rank: int, world_size: Optional[int],
+                 settings: Settings,
+                 connection_type: Callable[..., Connection] = Connection) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
-        self.options = options
+        self.settings = settings
+        # What the transport makes its connections with (the faulty backend's fail, drop
+        # and delay frames as they leave: torchrpc._testing.faulty).
+        self.connection_type = connection_type
         self.store = store
-        self.default_timeout = float(options.rpc_timeout)
-        self._limits = _wire.Limits(
-            max_message_size=int(getattr(options, "max_message_size", _wire.frame.DEFAULT_MAX_MESSAGE_SIZE)))
+        self.default_timeout = settings.rpc_timeout
+        self._limits = _wire.Limits(max_message_size=settings.max_message_size)
         self._lock = threading.Lock()
-        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._pool = WorkerPool(settings.num_worker_threads, f"torchrpc-{name}")
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
@@ -104,7 +105,7 @@ class Agent:
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
         # The workers of the group, membership and device maps (registry.py).
-        self.registry = Registry(self, dict(getattr(options, "device_maps", None) or {}))
+        self.registry = Registry(self, dict(settings.device_maps))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
@@ -120,13 +121,12 @@ class Agent:
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
         # heartbeats and lost peers (see liveness.py)
-        self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
-                                 float(getattr(options, "heartbeat_timeout", 0.0)))
-        self._max_queued = int(getattr(options, "max_queued_requests", 0))
+        self.liveness = Liveness(self, settings.heartbeat_interval, settings.heartbeat_timeout)
+        self._max_queued = settings.max_queued_requests
         # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
         self._peer_stats: Dict[int, PeerStats] = {}
         self.timeout_reports = TimeoutReports(
-            self, bool(getattr(options, "log_debug_info_on_timeout", False)))
+            self, settings.log_debug_info_on_timeout)
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
@@ -231,7 +231,7 @@ class Agent:
 
     def get_num_worker_threads(self) -> int:
         """The size of the worker thread pool the options asked for."""
-        return int(self.options.num_worker_threads)
+        return self.settings.num_worker_threads
 
     def add_debug_source(self, layer: str, source: Callable[[], Dict[str, Any]]) -> None:
         """Make ``source()``'s counters part of :meth:`debug_info`, under ``layer``."""

@@ -64,7 +64,7 @@ def counters(agent: "Agent") -> Dict[str, Any]:
     pool, probes, transport = agent.pool, agent.calls.probes, agent._transport
     info: Dict[str, Any] = {
         "agent.num_pending_requests": len(agent.requests.pending),
-        "agent.thread_pool_size": int(agent.options.num_worker_threads),
+        "agent.thread_pool_size": agent.settings.num_worker_threads,
         "agent.num_threads_started": pool.num_threads,
         "agent.num_idle_threads": pool.num_threads - pool.num_pending,
         "agent.num_queued_tasks": pool.num_pending,

@@ -83,7 +83,7 @@ class FastPath:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
         # handed to every private connection (Connections.on_connect); the spin_us option
-        self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
+        self.poll = PollPolicy.from_option(agent.settings.spin_us)
         self.reading = Reading(agent)
         self.private = PrivateConnections(agent)
         self.bursts = Bursts(agent, self)

@@ -28,7 +28,7 @@ class PrivateConnections:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
         self.enabled = True  # whether calls use private connections at all
-        self.max = int(getattr(agent.options, "max_private_connections", 1 << 30))
+        self.max = agent.settings.max_private_connections
         self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._opening: Dict[int, int] = {}  # rank -> private connections being opened
 

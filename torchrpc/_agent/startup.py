@@ -22,6 +22,7 @@ from . import devices
 from .._rendezvous import membership, rendezvous
 from .._rendezvous.secret import discard_local as discard_local_secret
 from .lifecycle import RUNNING
+from .settings import Settings
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -32,11 +33,11 @@ log = logging.getLogger(__name__)
 def start(agent: "Agent", plan: rendezvous.Plan) -> None:
     """Rendezvous with the group under ``plan``, start listening and the agent's threads."""
     store, rank, registry = agent.store, agent.rank, agent.registry
-    host = rendezvous.listen_host(agent.options.init_method,
-                                  getattr(agent.options, "listen_addr", None))
+    settings = agent.settings
+    host = rendezvous.listen_host(settings.init_method, settings.listen_addr)
     if agent.elastic:
         secret = rendezvous.job_secret(store, rank, plan,
-                                       keep=membership.outlives_rank0(agent.options.init_method))
+                                       keep=membership.outlives_rank0(settings.init_method))
         store = agent.store = rendezvous.Records(store, secret, membership.PREFIX)
         registry.log = membership.EventLog(store)
         membership.join(store, agent.name, rank, plan, registry.incarnation, registry.log)
@@ -56,7 +57,7 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
         # Peers watch this worker for silence only if they know it sends heartbeats.
         facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
                                  **devices.facts(registry.device_maps,
-                                                 list(getattr(agent.options, "devices", ())))}
+                                                 list(settings.devices))}
         if agent.elastic:
             membership.announce(store, agent.name, rank, agent._transport.address, facts,
                                 registry.incarnation)
@@ -82,7 +83,7 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
     agent.liveness.start()
     log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
              agent.world_size, *agent._transport.address,
-             " (TLS)" if getattr(agent.options, "tls_certfile", None) else "")
+             " (TLS)" if settings.tls_certfile else "")
 
 
 def _failed(agent: "Agent", error: Exception) -> RendezvousError:
@@ -110,29 +111,25 @@ def _undo_join(agent: "Agent", announced: bool) -> None:
 
 def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
-    options, registry = agent.options, agent.registry
+    settings, registry = agent.settings, agent.registry
     return Transport(agent.rank, secret, agent._limits, agent.connections.on_connect,
                      agent.fastpath.reading.on_frame, agent.connections.on_close, host,
-                     on_fatal=agent.fail, tls_contexts=_tls_contexts(options),
-                     features=_features(options),
-                     shm_threshold=int(getattr(options, "shm_threshold", 0)),
+                     on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
+                     features=handshake.FEATURE_SHM if settings.enable_shm else 0,
+                     shm_threshold=settings.shm_threshold,
                      same_host=registry.same_host, same_pids=registry.same_pids,
-                     send_timeout=float(getattr(options, "send_timeout", 0.0)),
-                     max_outbox=int(getattr(options, "max_outbox_bytes", 0)),
+                     send_timeout=settings.send_timeout,
+                     max_outbox=settings.max_outbox_bytes,
                      max_private=agent.fastpath.private.max,
-                     local_socket=bool(getattr(options, "enable_uds", False)),
+                     local_socket=settings.enable_uds,
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,
                      connection_type=agent.connection_type,
-                     tensor_mac=bool(getattr(options, "tensor_mac", True)))
+                     tensor_mac=settings.tensor_mac)
 
 
-def _features(options: Any) -> int:
-    return handshake.FEATURE_SHM if getattr(options, "enable_shm", False) else 0
-
-
-def _tls_contexts(options: Any) -> Optional[TlsContexts]:
-    if not getattr(options, "tls_certfile", None):
+def _tls_contexts(settings: Settings) -> Optional[TlsContexts]:
+    if not settings.tls_certfile:
         return None
-    return make_contexts(options.tls_certfile, options.tls_keyfile, options.tls_cafile,
-                         options.tls_require_client_cert, getattr(options, "tls_identity", None))
+    return make_contexts(settings.tls_certfile, settings.tls_keyfile, settings.tls_cafile,
+                         settings.tls_require_client_cert, settings.tls_identity)

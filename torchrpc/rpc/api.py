@@ -226,8 +226,7 @@ def device_map_to(to: WorkerLike) -> Dict[Any, Any]:
     """The device map this worker's options set for its calls to ``to`` (empty when
     none): for layers built on the public API, such as ``RemoteModule``."""
     agent = current_agent()
-    device_maps = getattr(agent.options, "device_maps", None) or {}
-    return dict(device_maps.get(agent.resolve(to).name) or {})
+    return dict(agent.settings.device_maps.get(agent.resolve(to).name) or {})
 
 
 def get_rpc_timeout() -> float:

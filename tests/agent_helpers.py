@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Tuple
 import torch.distributed as dist
 
 from torchrpc import _wire
-from torchrpc._agent import Agent
+from torchrpc._agent import Agent, collect
 from torchrpc._agent.futures import mark_reader_thread, new_future
 from torchrpc._agent.requests import Pending
 from torchrpc._rendezvous.rendezvous import PREFIX, Records
@@ -74,6 +74,7 @@ class Agents:
 
     def __init__(self) -> None:
         self.made: List[Agent] = []
+        collect.install()  # as init_rpc does
 
     def __call__(self, world_size: Optional[int] = 1, store: Any = None) -> Agent:
         """An agent of rank 0 (``worker0``); in a fixed group it knows its

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
+from .._agent import collect
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RREF_LAYER, RRef
@@ -137,6 +138,7 @@ def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
             raise RuntimeError(f"RPC is already initialized on this process as "
                                f"{_state.agent.name!r}; call shutdown() first")
         rpc_backend_options, _ = _read_environment(rpc_backend_options)
+        collect.install()  # torch.futures.wait_all and collect_all read our futures' replies
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         if isinstance(agent, Agent):

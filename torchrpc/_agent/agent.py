@@ -99,13 +99,17 @@ class Agent:
         # The lifecycle state (lifecycle.py): read as ``lifecycle.state``, with ``is``, on
         # the request path; entered only by the shutdown protocol's transitions.
         self.lifecycle = Lifecycle()
-        self.shutdown_protocol = Shutdown(self, self.lifecycle)
+        self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
+                                          self._shutdown_hooks, self._stop_hooks)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
         # The workers of the group, membership and device maps (registry.py).
-        self.registry = Registry(self, dict(settings.device_maps))
+        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
+        self._peer_stats: Dict[int, PeerStats] = {}
+        self.registry = Registry(self, dict(settings.device_maps), self._lock, self.start_thread,
+                                 lambda rank: self._peer_stats.pop(rank, None))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
@@ -121,10 +125,9 @@ class Agent:
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
         # heartbeats and lost peers (see liveness.py)
-        self.liveness = Liveness(self, settings.heartbeat_interval, settings.heartbeat_timeout)
+        self.liveness = Liveness(self, settings.heartbeat_interval, settings.heartbeat_timeout,
+                                 self._lock, self.start_thread)
         self._max_queued = settings.max_queued_requests
-        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
-        self._peer_stats: Dict[int, PeerStats] = {}
         self.timeout_reports = TimeoutReports(
             self, settings.log_debug_info_on_timeout)
         # Set when a background thread cannot go on (see fail): every API call raises it.
@@ -137,10 +140,18 @@ class Agent:
     def start(self, plan: Plan) -> "Agent":
         """Rendezvous with the group under ``plan``, start listening and the timer;
         return self."""
-        startup.start(self, plan)
+        startup.start(self, plan, self._limits, self._adopt)
         return self
 
-    def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
+    def _adopt(self, transport: Transport) -> None:
+        self._transport = transport
+
+    @property
+    def transport(self) -> Optional[Transport]:
+        """The transport, once :meth:`start` has made it."""
+        return self._transport
+
+    def start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
         """Start background thread ``role`` running ``loop(guard)``; if it cannot go on,
         the agent fails."""
         guard = Guard(f"the {role} thread of {self.name}", self.fail)
@@ -240,11 +251,14 @@ class Agent:
     def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
         """Counters of the agent and every layer; of one layer when ``layer`` is given
         (``"agent"`` for the agent's and the transport's own; see debug.py)."""
-        return debug.debug_info(self, layer)
+        return debug.debug_info(self, self._debug_sources, layer)
 
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
-        return debug.peer_stats(self)
+        with self._lock:
+            stats = list(self._peer_stats.items())
+            names = {rank: w.name for rank, w in self.registry.workers.items()}
+        return debug.peer_stats(stats, names)
 
     def new_stats(self, rank: int) -> PeerStats:
         """The traffic counters of peer ``rank``, made on first use."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from .._wire import Kind
 from ..errors import ClosedError
 from .current import current_agent
 from .hooks import describe
+from .stats import PeerStats
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -33,10 +34,11 @@ def debug_info_here() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
-def debug_info(agent: "Agent", layer: Optional[str] = None) -> Dict[str, Any]:
-    """Counters of ``agent`` and every layer; of one layer when ``layer`` is given
-    (``"agent"`` for the agent's and the transport's own)."""
-    sources = agent._debug_sources
+def debug_info(agent: "Agent", sources: Dict[str, Callable[[], Dict[str, Any]]],
+               layer: Optional[str] = None) -> Dict[str, Any]:
+    """Counters of ``agent`` and every layer (``sources``: layer name -> its counters);
+    of one layer when ``layer`` is given (``"agent"`` for the agent's and the
+    transport's own)."""
     if layer is not None and layer != "agent":
         source = sources.get(layer)
         return source() if source is not None else {}
@@ -44,24 +46,23 @@ def debug_info(agent: "Agent", layer: Optional[str] = None) -> Dict[str, Any]:
     if layer is None:
         for source in sources.values():
             info.update(source())
-        info["peers"] = peer_stats(agent)
+        info["peers"] = agent.peer_stats()
     elif "agent" in sources:  # counters upper layers keep for the agent
         info.update(sources["agent"]())
     return info
 
 
-def peer_stats(agent: "Agent") -> Dict[str, Dict[str, Any]]:
-    """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
-    and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
-    with agent._lock:
-        stats = list(agent._peer_stats.items())
-        names = {rank: w.name for rank, w in agent.registry.workers.items()}
+def peer_stats(stats: List[Tuple[int, PeerStats]], names: Dict[int, str]
+               ) -> Dict[str, Dict[str, Any]]:
+    """Traffic counters by peer name (``stats`` by rank, ``names`` of the ranks): calls,
+    bytes and errors both ways, and the p50 and p99 latency of the last calls (see
+    :class:`~torchrpc._agent.stats.PeerStats`)."""
     return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
 
 
 def counters(agent: "Agent") -> Dict[str, Any]:
     """The counters of ``agent`` and of its transport."""
-    pool, probes, transport = agent.pool, agent.calls.probes, agent._transport
+    pool, probes, transport = agent.pool, agent.calls.probes, agent.transport
     info: Dict[str, Any] = {
         "agent.num_pending_requests": len(agent.requests.pending),
         "agent.thread_pool_size": agent.settings.num_worker_threads,

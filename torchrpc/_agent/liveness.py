@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from .. import _threads, _wire
-from .._threads import Guard
+from .._threads import Guard, StartThread
 from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
@@ -66,9 +66,11 @@ class Liveness:
     connection and membership tables they are read with.
     """
 
-    def __init__(self, agent: "Agent", interval: float, timeout: float) -> None:
+    def __init__(self, agent: "Agent", interval: float, timeout: float, lock: "threading.Lock",
+                 start_thread: StartThread) -> None:
         self._agent = agent
-        self._lock = agent._lock
+        self._lock = lock  # the agent's: it guards the connection tables read with these
+        self._start_thread = start_thread
         self.interval = interval  # heartbeat_interval (0: send none)
         self.timeout = timeout  # heartbeat_timeout (0: never time a peer out)
         # Told of every worker found lost (see suspect).
@@ -91,7 +93,7 @@ class Liveness:
     def start(self) -> None:
         """Start the heartbeat thread, if this worker sends heartbeats."""
         if self.interval > 0:
-            self.thread = self._agent._start_thread("heartbeat", self._heartbeat_loop)
+            self.thread = self._start_thread("heartbeat", self._heartbeat_loop)
 
     def stop(self) -> None:
         """Tell the heartbeat thread to stop (:meth:`join` waits for it)."""

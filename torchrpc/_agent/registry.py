@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._threads import Guard
+from .._threads import Guard, StartThread
 from .._transport import shm
 from ..errors import (DestinationTypeError, InvalidArgumentError,
                       ThreadFailedError, WorkerLeftError)
@@ -61,10 +61,13 @@ log = logging.getLogger(__name__)
 class Registry:
     """One agent's table of workers and its part in the group's membership."""
 
-    def __init__(self, agent: "Agent", device_maps: Dict[str, Dict[torch.device, torch.device]]
-                 ) -> None:
+    def __init__(self, agent: "Agent", device_maps: Dict[str, Dict[torch.device, torch.device]],
+                 lock: "threading.Lock", start_thread: StartThread,
+                 forget_stats: Callable[[int], None]) -> None:
         self._agent = agent
-        self._lock = agent._lock
+        self._lock = lock  # the agent's: the request path reads these tables under it
+        self._start_thread = start_thread
+        self._forget_stats = forget_stats  # the traffic counters of a rank, under the lock
         self.elastic = agent.elastic
         self.workers: Dict[int, WorkerInfo] = {}
         self.by_name: Dict[str, WorkerInfo] = {}
@@ -98,7 +101,7 @@ class Registry:
         with self._lock:
             old = self.workers.get(rank)
             if old is not None and old.name != w.name:
-                agent._peer_stats.pop(rank, None)  # another worker under a rank: new counters
+                self._forget_stats(rank)  # another worker under a rank: new counters
             self.workers[rank] = w
             self.by_name[w.name] = w
             self.departed.pop(w.name, None)
@@ -202,7 +205,7 @@ class Registry:
 
     def follow(self) -> None:
         """Start the members thread (dynamic groups): it follows the log until the end."""
-        self._members_thread = self._agent._start_thread("members", self._follow)
+        self._members_thread = self._start_thread("members", self._follow)
 
     def leave(self, timeout: float = 10.0) -> None:
         """Dynamic group, stopping: stop following the log (waiting ``timeout`` seconds at
@@ -294,7 +297,8 @@ class Registry:
                                   f"by the group and removed from it: {why}")
         log.error("%s", error)
         agent.fail(error)
-        for conn in agent._transport.connections():
+        transport = agent.transport
+        for conn in transport.connections() if transport is not None else ():
             conn.close(error)
 
     def admit(self, rank: int, incarnation: int) -> Optional[str]:

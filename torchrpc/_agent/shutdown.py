@@ -66,8 +66,9 @@ together wait :data:`STOP_WAIT` seconds at most even without a timeout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
 
 from .. import _wire
 from .._transport import Connection
@@ -120,13 +121,13 @@ def _left(until: float) -> float:
     return max(until - time.monotonic(), 0.0)
 
 
-def _check_left(agent: "Agent", barrier: str) -> None:
+def _check_left(agent: "Agent", lock: "threading.Lock", barrier: str) -> None:
     """Raise if a worker stopped (it said GOODBYE) while ``barrier`` is not complete:
     one that never reached it failed its shutdown or did not make it graceful; one
     that reached it left early, so its shutdown failed (a worker it waited for died).
     Either way the count will not complete. :func:`barriers.barrier` reads the count
     again before raising, so a worker that left a complete barrier is not counted."""
-    with agent._lock:
+    with lock:
         workers = agent.registry.workers
         left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
     if not left:
@@ -162,10 +163,14 @@ class Shutdown:
     Its tables of peers are guarded by the agent's lock, like the agent's own.
     """
 
-    def __init__(self, agent: "Agent", lifecycle: Lifecycle) -> None:
+    def __init__(self, agent: "Agent", lifecycle: Lifecycle, lock: "threading.Lock",
+                 shutdown_hooks: List[Callable[[Optional[float]], None]],
+                 stop_hooks: List[Callable[[float], None]]) -> None:
         self._agent = agent
         self._lifecycle = lifecycle
-        self._lock = agent._lock
+        self._lock = lock
+        self._shutdown_hooks = shutdown_hooks  # the upper layers', in the order they came
+        self._stop_hooks = stop_hooks
         self.gone: Dict[int, str] = {}  # rank -> why: lost, and connecting again failed
         self._shared_lost: set[int] = set()  # ranks this worker told the store it lost
         self._lost_seen = 0  # the store's count of losses when last looked at
@@ -234,7 +239,7 @@ class Shutdown:
         agent = self._agent
         if agent.failure is not None:
             return
-        for hook in agent._shutdown_hooks:
+        for hook in self._shutdown_hooks:
             hook(deadline)
         self._wait_pending(deadline)
 
@@ -311,7 +316,7 @@ class Shutdown:
                 self._probe_absent(barrier)
         self._raise_gone()
         if at_barrier:
-            _check_left(agent, barrier)
+            _check_left(agent, self._lock, barrier)
 
     def _raise_gone(self) -> None:
         """Raise :class:`ShutdownError` naming the lost workers that cannot be reached
@@ -430,7 +435,7 @@ class Shutdown:
             agent.registry.leave(_left(until))  # stop following the membership log, announce it
         for conn in agent.connections.every_shared():
             self.goodbye(conn)
-        for hook in agent._stop_hooks:
+        for hook in self._stop_hooks:
             try:
                 hook(until)
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
@@ -442,10 +447,11 @@ class Shutdown:
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
         agent.fastpath.clear()
-        stuck = agent._transport.close(_left(until)) if agent._transport is not None else []
+        transport = agent.transport
+        stuck = transport.close(_left(until)) if transport is not None else []
         stuck += agent.coroutines.close(_left(until))
         stuck += agent.scheduler.join(_left(until)) + agent.liveness.join(_left(until))
-        stuck += agent._pool.close(_left(until))
+        stuck += agent.pool.close(_left(until))
         if stuck:  # the interpreter's exit joins them (_threads.at_exit)
             log.warning("%d threads of %s still run after shutdown's wait: %s",
                         len(stuck), agent.name, ", ".join(stuck))

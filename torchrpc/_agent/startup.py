@@ -13,8 +13,9 @@ joiner releases its claims).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
+from .. import _wire
 from .._transport import Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from ..errors import RendezvousError, RpcError
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start(agent: "Agent", plan: rendezvous.Plan) -> None:
-    """Rendezvous with the group under ``plan``, start listening and the agent's threads."""
+def start(agent: "Agent", plan: rendezvous.Plan, limits: _wire.Limits,
+          adopt: Callable[[Transport], None]) -> None:
+    """Rendezvous with the group under ``plan``, start listening (``adopt`` hands the
+    agent its transport, whose frames ``limits`` bound) and the agent's threads."""
     store, rank, registry = agent.store, agent.rank, agent.registry
     settings = agent.settings
     host = rendezvous.listen_host(settings.init_method, settings.listen_addr)
@@ -46,12 +49,13 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
         store = agent.store = rendezvous.Records(store, secret, rendezvous.PREFIX)
         rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
     try:
-        agent._transport = _transport(agent, secret, host)
+        transport = _transport(agent, secret, host, limits)
     except ValueError as exc:
         _failed(agent, exc)
         raise
     except RpcError as exc:
         raise _failed(agent, exc) from exc
+    adopt(transport)
     announced = False
     try:
         # Peers watch this worker for silence only if they know it sends heartbeats.
@@ -59,30 +63,30 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
                                  **devices.facts(registry.device_maps,
                                                  list(settings.devices))}
         if agent.elastic:
-            membership.announce(store, agent.name, rank, agent._transport.address, facts,
+            membership.announce(store, agent.name, rank, transport.address, facts,
                                 registry.incarnation)
             announced = True
             registry.log.poll()
             infos = dict(registry.log.current)
         else:
             infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
-                                       agent._transport.address, plan, facts)
+                                       transport.address, plan, facts)
             discard_local_secret()  # every rank has joined, so has read it
         devices.check(infos, static=not agent.elastic)
     except BaseException:
-        agent._transport.close()
+        transport.close()
         if agent.elastic:
             _undo_join(agent, announced)
         raise
     for r, info in infos.items():
         registry.add(r, info)
     agent.shutdown_protocol.enter(RUNNING)
-    agent.scheduler.start(agent._start_thread)
+    agent.scheduler.start(agent.start_thread)
     if agent.elastic:
         registry.follow()
     agent.liveness.start()
     log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
-             agent.world_size, *agent._transport.address,
+             agent.world_size, *transport.address,
              " (TLS)" if settings.tls_certfile else "")
 
 
@@ -109,10 +113,10 @@ def _undo_join(agent: "Agent", announced: bool) -> None:
         log.warning("%s could not release its claims after a failed join: %s", agent.name, exc)
 
 
-def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
+def _transport(agent: "Agent", secret: bytes, host: str, limits: _wire.Limits) -> Transport:
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
     settings, registry = agent.settings, agent.registry
-    return Transport(agent.rank, secret, agent._limits, agent.connections.on_connect,
+    return Transport(agent.rank, secret, limits, agent.connections.on_connect,
                      agent.fastpath.reading.on_frame, agent.connections.on_close, host,
                      on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
                      features=handshake.FEATURE_SHM if settings.enable_shm else 0,

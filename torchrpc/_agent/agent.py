@@ -67,14 +67,13 @@ class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
     def __init__(self, store: Any, name: str, rank: int, world_size: Optional[int],
-                 settings: Settings,
-                 connection_type: Callable[..., Connection] = Connection) -> None:
+                 settings: Settings, connection_type: Callable[..., Connection] = Connection
+                 ) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
         self.settings = settings
-        # What the transport makes its connections with (the faulty backend's fail, drop
-        # and delay frames as they leave: torchrpc._testing.faulty).
+        # What the transport makes connections with (the faulty backend's fail frames).
         self.connection_type = connection_type
         self.store = store
         self.default_timeout = settings.rpc_timeout
@@ -96,8 +95,8 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        # The lifecycle state (lifecycle.py): read as ``lifecycle.state``, with ``is``, on
-        # the request path; entered only by the shutdown protocol's transitions.
+        # The lifecycle (lifecycle.py), handed to the parts that read it; only the
+        # shutdown protocol makes its transitions.
         self.lifecycle = Lifecycle()
         self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
                                           self._shutdown_hooks, self._stop_hooks)
@@ -128,8 +127,8 @@ class Agent:
         self.liveness = Liveness(self, settings.heartbeat_interval, settings.heartbeat_timeout,
                                  self._lock, self.start_thread)
         self._max_queued = settings.max_queued_requests
-        self.timeout_reports = TimeoutReports(
-            self, settings.log_debug_info_on_timeout)
+        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
+                                              settings.log_debug_info_on_timeout)
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
@@ -143,7 +142,7 @@ class Agent:
         startup.start(self, plan, self._limits, self._adopt)
         return self
 
-    def _adopt(self, transport: Transport) -> None:
+    def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
 
     @property
@@ -251,7 +250,7 @@ class Agent:
     def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
         """Counters of the agent and every layer; of one layer when ``layer`` is given
         (``"agent"`` for the agent's and the transport's own; see debug.py)."""
-        return debug.debug_info(self, self._debug_sources, layer)
+        return debug.debug_info(functools.partial(_counters, self), self._debug_sources, self.peer_stats, layer)
 
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
@@ -392,3 +391,33 @@ def _housekeeping(agent: Agent) -> None:
             workers = agent.registry.workers_on_this_host()
             agent.fastpath.check_cpus(workers)
             agent.omp.check(workers)
+
+
+def _counters(agent: Agent) -> Dict[str, Any]:
+    """The agent's own counters and its transport's (the ``agent.*`` keys of
+    :meth:`debug_info`)."""
+    pool, probes, transport = agent.pool, agent.calls.probes, agent.transport
+    info: Dict[str, Any] = {
+        "agent.num_pending_requests": len(agent.requests.pending),
+        "agent.thread_pool_size": agent.settings.num_worker_threads,
+        "agent.num_threads_started": pool.num_threads,
+        "agent.num_idle_threads": pool.num_threads - pool.num_pending,
+        "agent.num_queued_tasks": pool.num_pending,
+        "agent.num_connections": agent.connections.count(),
+        "agent.num_private_connections": agent.fastpath.private.num_idle(),
+        "agent.num_parked": agent.fastpath.num_parked,
+        "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
+        "agent.num_duplicate_requests": agent.dispatch.duplicates,
+        "agent.num_remembered_requests": len(agent.dispatch.once),
+        "agent.num_kept_replies": agent.dispatch.kept_replies(),
+        "agent.num_once_probes": probes.sent,
+        "agent.num_resends_avoided": probes.resends_avoided,
+        "agent.num_resends_after_probe": probes.resends_after_probe,
+        "agent.max_outbox_bytes_queued": max(
+            (c.outbox_bytes for c in transport.connections()), default=0)
+        if transport is not None else 0,
+        "agent.state": agent.lifecycle.state.value if agent.failure is None else "failed",
+    }
+    if transport is not None:
+        info.update(transport.debug_info())
+    return info

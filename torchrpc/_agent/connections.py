@@ -180,6 +180,15 @@ class Connections:
             f"died.", worker=name))
         agent.liveness.suspect(rank, reason)
 
+    def note_lost(self, rank: int, why: str) -> None:
+        """Under the agent's lock: worker ``rank`` seems lost (silent, or gone in the
+        store's record of the shutdown), with why."""
+        self.lost[rank] = why
+
+    def forget_lost(self, rank: int) -> None:
+        """Under the agent's lock: a new worker took ``rank``; it is not lost."""
+        self.lost.pop(rank, None)
+
     def of(self, rank: int) -> List[Connection]:
         """The open connections, shared and private, with worker ``rank``."""
         with self._lock:

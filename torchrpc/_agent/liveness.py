@@ -109,6 +109,10 @@ class Liveness:
         self.declared.discard(rank)
         self.beats_every[rank] = interval
 
+    def declare(self, rank: int) -> None:
+        """Under the agent's lock: ``rank`` is lost for good; its calls fail, unretried."""
+        self.declared.add(rank)
+
     def reconnected(self, rank: int) -> None:
         """Under the agent's lock: a shared connection with ``rank`` opened."""
         self._silent.pop(rank, None)
@@ -223,7 +227,7 @@ class Liveness:
             worker=name)
         self.heartbeat_timeouts += 1
         with self._lock:
-            agent.connections.lost[rank] = str(error)
+            agent.connections.note_lost(rank, str(error))
             self._silent[rank] = error
         self.suspect(rank, error)  # the loss hooks hear of it (first: see declared)
         with self._lock:

@@ -108,8 +108,8 @@ class Registry:
             self.removed.pop(rank, None)
             self.incarnations[rank] = int(info.get("incarnation") or 0)
             self.left.discard(rank)
-            agent.connections.lost.pop(rank, None)  # a new worker under a rank that was lost
-            agent.shutdown_protocol.gone.pop(rank, None)
+            agent.connections.forget_lost(rank)  # a new worker under a rank that was lost
+            agent.shutdown_protocol.forget(rank)
             self.addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
@@ -286,7 +286,7 @@ class Registry:
             agent.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:
-                    agent.liveness.declared.add(rank)
+                    agent.liveness.declare(rank)
                 agent.liveness.run_loss_hooks(w, error)
 
     def _was_removed(self, why: str) -> None:

@@ -158,10 +158,8 @@ def _gone_error(agent: "Agent", gone: Dict[int, str]) -> ShutdownError:
 
 
 class Shutdown:
-    """One agent's lifecycle transitions and shutdown protocol (see the module docs).
-
-    Its tables of peers are guarded by the agent's lock, like the agent's own.
-    """
+    """One agent's lifecycle transitions and shutdown protocol (see the module docs). Its
+    tables of peers are guarded by ``lock``, the agent's."""
 
     def __init__(self, agent: "Agent", lifecycle: Lifecycle, lock: "threading.Lock",
                  shutdown_hooks: List[Callable[[Optional[float]], None]],
@@ -294,6 +292,9 @@ class Shutdown:
         error = ThreadFailedError(str(failure))
         raise error from failure.__cause__
 
+    def forget(self, rank: int) -> None:  # under the lock: a new worker took ``rank``
+        self.gone.pop(rank, None)
+
     def check_peers(self, barrier: Optional[str] = None) -> None:
         """Raise :class:`ShutdownError` naming any worker that is gone.
 
@@ -371,7 +372,7 @@ class Shutdown:
                 why = barriers.lost(store, r)
             if why is not None:
                 with self._lock:
-                    agent.connections.lost[r] = why
+                    agent.connections.note_lost(r, why)
                 self._shared_lost.add(r)
 
     def _probe_absent(self, barrier: str) -> None:
@@ -402,8 +403,8 @@ class Shutdown:
                 agent.connections.to(w, limit=self._time_left())
             except RpcError as exc:
                 with self._lock:
-                    agent.connections.lost[r] = self.gone[r] = \
-                        f"unreachable while the group shuts down: {exc}"
+                    why = self.gone[r] = f"unreachable while the group shuts down: {exc}"
+                    agent.connections.note_lost(r, why)
                 log.warning("%s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", agent.name, w.name, r, exc)
 

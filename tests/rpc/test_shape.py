@@ -130,11 +130,13 @@ def test_the_cycle_finder_counts_type_only_and_function_local_imports(tmp_path):
     assert import_cycles(pkg) == []
 
 
-# Cycles that other work of issue 50 removes: the call path's parts still hold the agent
-# (and import its module for the type), and the transport's connection and reader know
-# each other. The coordinator removes an entry once that work has landed.
+# Cycles that later work of issue 50 removes: parts that still take the Agent import its
+# module for the type (the call path's parts, which the call-path work rebuilds, and
+# liveness, registry, shutdown and startup), and the transport's connection and reader
+# know each other. The coordinator removes an entry once that work has landed.
 PENDING_CYCLES = {
-    "_agent": "the call path's parts still take the Agent (issue 50, the call-path work)",
+    "_agent": "the call path's parts, liveness, registry, shutdown and startup still take "
+              "the Agent (issue 50: the call-path work, then the composition work's rest)",
     "_transport": "connection.py and reader.py import each other (issue 50, the call-path work)",
 }
 PACKAGES = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
@@ -210,6 +212,41 @@ def test_no_module_but_agent_py_touches_a_private_attribute_of_the_agent():
     for rel, why in sorted(PENDING_PRIVATE.items())])
 def test_a_part_of_the_call_path_touches_no_private_attribute_of_the_agent(rel):
     assert not private_reaches(PKG / rel), "\n".join(private_reaches(PKG / rel))
+
+
+# -- options: one typed object, read as it is ---------------------------------------------------------
+
+
+def defaulted_option_reads(path: pathlib.Path, base: pathlib.Path = PKG.parent) -> List[str]:
+    """Where ``path`` reads an option with a default of its own: ``getattr(x, name,
+    default)`` where ``x`` is named (or is an attribute named) options, opts or settings."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "getattr" and len(node.args) == 3:
+            owner = node.args[0]
+            name = owner.id if isinstance(owner, ast.Name) else \
+                owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("options", "opts", "settings", "rpc_backend_options"):
+                found.append(f"{path.relative_to(base)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_option_read_finder_sees_getattr_with_a_default(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(agent, options):\n"
+                     "    getattr(agent.options, 'a', 1), getattr(options, 'b', None)\n"
+                     "    getattr(agent, 'c', 2), getattr(options, 'd'), options.e\n")
+    assert defaulted_option_reads(probe, tmp_path) == [
+        "probe.py:2: getattr(agent.options, 'a', 1)", "probe.py:2: getattr(options, 'b', None)"]
+
+
+def test_no_option_is_read_with_a_default_below_rpc_options():
+    found = [line for path in sorted(PKG.rglob("*.py"))
+             if path.relative_to(PKG).parts[0] != "bench"  # a tool, leaving the package
+             and path.relative_to(PKG).as_posix() != "rpc/options.py"
+             for line in defaulted_option_reads(path)]
+    assert not found, "\n".join(found)
 
 
 # -- no tools in the library -----------------------------------------------------------------------

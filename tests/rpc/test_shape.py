@@ -132,11 +132,11 @@ def test_the_cycle_finder_counts_type_only_and_function_local_imports(tmp_path):
 
 # Cycles that later work of issue 50 removes: parts that still take the Agent import its
 # module for the type (the call path's parts, which the call-path work rebuilds, and
-# liveness, registry, shutdown and startup), and the transport's connection and reader
+# registry, shutdown and startup), and the transport's connection and reader
 # know each other. The coordinator removes an entry once that work has landed.
 PENDING_CYCLES = {
-    "_agent": "the call path's parts, liveness, registry, shutdown and startup still take "
-              "the Agent (issue 50: the call-path work, then the composition work's rest)",
+    "_agent": "the call path's parts, registry, shutdown and startup still take the Agent "
+              "(issue 50: the call-path work, then the composition work's rest)",
     "_transport": "connection.py and reader.py import each other (issue 50, the call-path work)",
 }
 PACKAGES = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())

@@ -95,18 +95,15 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        # The lifecycle (lifecycle.py), handed to the parts that read it; only the
-        # shutdown protocol makes its transitions.
-        self.lifecycle = Lifecycle()
+        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
         self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
                                           self._shutdown_hooks, self._stop_hooks)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
+        self._peer_stats: Dict[int, PeerStats] = {}  # rank -> traffic counters (stats.py)
         # The workers of the group, membership and device maps (registry.py).
-        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
-        self._peer_stats: Dict[int, PeerStats] = {}
         self.registry = Registry(self, dict(settings.device_maps), self._lock, self.start_thread,
                                  lambda rank: self._peer_stats.pop(rank, None))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
@@ -123,9 +120,11 @@ class Agent:
         self.omp = SpinGuard(f"torchrpc-omp-{name}")
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
-        # heartbeats and lost peers (see liveness.py)
-        self.liveness = Liveness(self, settings.heartbeat_interval, settings.heartbeat_timeout,
-                                 self._lock, self.start_thread)
+        self.liveness = Liveness(  # heartbeats and lost peers (liveness.py)
+            name, self.elastic, settings.heartbeat_interval, settings.heartbeat_timeout,
+            self._lock, self.start_thread, self.lifecycle, self.registry, self.connections,
+            self.requests, self.fastpath.private, self._pool, lambda: self.store,
+            lambda: self.failure)
         self._max_queued = settings.max_queued_requests
         self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
                                               settings.log_debug_info_on_timeout)

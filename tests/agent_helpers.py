@@ -9,14 +9,14 @@ from typing import Any, List, Optional, Tuple
 import torch.distributed as dist
 
 from torchrpc import _wire
-from torchrpc._agent import Agent
+from torchrpc._agent import Agent, collect
 from torchrpc._agent.futures import mark_reader_thread, new_future
 from torchrpc._agent.requests import Pending
-from torchrpc._agent.rendezvous import PREFIX, Records
-from torchrpc._agent.shutdown import RUNNING
+from torchrpc._rendezvous.rendezvous import PREFIX, Records
+from torchrpc._agent.lifecycle import RUNNING
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError, ThreadFailedError
-from torchrpc.rpc.options import TensorPipeRpcBackendOptions
+from torchrpc.rpc.options import TensorPipeRpcBackendOptions, agent_settings
 
 SECRET = b"s" * 64  # the job secret of the agents made here (no rendezvous)
 
@@ -74,13 +74,14 @@ class Agents:
 
     def __init__(self) -> None:
         self.made: List[Agent] = []
+        collect.install()  # as init_rpc does
 
     def __call__(self, world_size: Optional[int] = 1, store: Any = None) -> Agent:
         """An agent of rank 0 (``worker0``); in a fixed group it knows its
         ``world_size`` workers already, in a dynamic one (None) only itself."""
         options = TensorPipeRpcBackendOptions(num_worker_threads=2, rpc_timeout=5)
         agent = Agent(store if store is not None else dist.HashStore(), "worker0", 0,
-                      world_size, options)
+                      world_size, agent_settings(options))
         # as start() leaves it: the job secret is known, the group's records are sealed
         agent.store = Records(agent.store, SECRET, PREFIX)
         for rank in range(world_size or 1):
@@ -92,7 +93,7 @@ class Agents:
     def close(self) -> None:
         mark_reader_thread(False)  # _on_frame marks the thread that delivers a frame
         for agent in self.made:
-            if agent._state is RUNNING:
+            if agent.lifecycle.state is RUNNING:
                 agent._transport = None
                 try:
                     agent.shutdown(graceful=False)

@@ -121,6 +121,10 @@ class Guard:
 # what ends it at exit, if anything but its owner's stop does.
 _ours: "weakref.WeakKeyDictionary[threading.Thread, Optional[Callable[[], None]]]" = \
     weakref.WeakKeyDictionary()
+StartThread = Callable[[str, Callable[[Guard], None]], threading.Thread]
+"""How an agent's part starts a background thread: ``start_thread(role, loop)`` runs
+``loop(guard)`` on a thread named for ``role``, whose failure fails the agent."""
+
 _lock = threading.Lock()
 _exiting = False  # join_all ran: no thread starts after it
 

@@ -230,8 +230,8 @@ def test_a_crowded_host_stops_the_polls_unless_spin_us_is_set(monkeypatch):
     monkeypatch.setattr(fastpath, "_usable_cpus", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     for spin_us, crowded in ((None, 0.0), (50.0, 50e-6)):
-        agent = SimpleNamespace(_lock=threading.Lock(), options=SimpleNamespace(spin_us=spin_us),
-                                pool=None)
+        settings = SimpleNamespace(spin_us=spin_us, max_private_connections=32)
+        agent = SimpleNamespace(_lock=threading.Lock(), settings=settings, pool=None)
         path = fastpath.FastPath(agent)
         path.check_cpus(2)  # two one-thread workers on two CPUs: spare
         assert path.poll.seconds == path.poll.spare

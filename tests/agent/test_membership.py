@@ -8,8 +8,8 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from torchrpc._agent import membership
-from torchrpc._agent.rendezvous import Records
+from torchrpc._rendezvous import membership
+from torchrpc._rendezvous.rendezvous import Records
 from torchrpc.errors import RendezvousError
 
 

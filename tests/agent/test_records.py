@@ -12,8 +12,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchrpc._agent import barriers, membership, records, shutdown
-from torchrpc._agent.group_store import Records
+from torchrpc._agent import shutdown
+from torchrpc._rendezvous import barriers, membership, records
+from torchrpc._rendezvous.group_store import Records
 from torchrpc.errors import BarrierTimeoutError, RendezvousError
 
 KEY = records.derive_key(b"s" * 64, "torchrpc")

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 import torchrpc.rpc as rpc
-from torchrpc._agent import current, secret
+from torchrpc._agent import current
+from torchrpc._rendezvous import secret
 from torchrpc.errors import RendezvousError
 from torchrpc.rpc import api
 

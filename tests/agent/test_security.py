@@ -12,7 +12,7 @@ import pytest
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
-from torchrpc._agent import rendezvous
+from torchrpc._rendezvous import rendezvous
 from torchrpc._agent.current import current_agent
 from torchrpc._transport import handshake
 from torchrpc._transport.logbudget import LogBudget

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torchrpc import _wire
 from torchrpc._agent.coroutines import CoroutineRunner
 from torchrpc._agent.pool import WorkerPool
-from torchrpc._agent.shutdown import (NEW, RUNNING, STOP_WAIT, STOPPED, STOPPING, TRANSITIONS,
-                                      State, advance)
+from torchrpc._agent.lifecycle import (NEW, RUNNING, STOPPED, STOPPING, TRANSITIONS, Lifecycle,
+                                       State, advance)
+from torchrpc._agent.shutdown import STOP_WAIT
 from torchrpc._transport.tcp import Transport
 from torchrpc._wire import Kind
 from torchrpc.errors import (ClosedError, LifecycleError, NotInitializedError, ShutdownError,
@@ -53,6 +54,19 @@ def test_stopped_is_final():
         advance(STOPPED, NEW)
 
 
+def test_a_lifecycle_enters_only_what_the_table_allows():
+    lifecycle = Lifecycle()
+    assert lifecycle.state is NEW and not lifecycle.running
+    lifecycle.enter(RUNNING)
+    assert lifecycle.state is RUNNING and lifecycle.running
+    with pytest.raises(LifecycleError, match="is running cannot become stopped"):
+        lifecycle.enter(STOPPED)
+    assert lifecycle.state is RUNNING  # a refused transition changes nothing
+    lifecycle.enter(STOPPING)
+    lifecycle.enter(STOPPED)
+    assert lifecycle.state is STOPPED and repr(lifecycle) == "Lifecycle(stopped)"
+
+
 # -- the protocol, with fake connections ---------------------------------------------------------
 
 
@@ -67,7 +81,7 @@ def test_a_new_agent_has_nothing_to_shut_down(make_agent):
     agent = make_agent()
     agent.shutdown()
     agent.shutdown(graceful=False)
-    assert agent._state is NEW
+    assert agent.lifecycle.state is NEW
     with pytest.raises(NotInitializedError, match="is new; call init_rpc"):
         agent.check_running()
 
@@ -100,11 +114,11 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
         agent.connections.on_connect(conn)
     p = pending_to(agent, 1)
     states = []
-    agent.add_stop_hook(lambda until: states.append(agent._state))
+    agent.add_stop_hook(lambda until: states.append(agent.lifecycle.state))
     agent.shutdown(graceful=False)
     assert [c.goodbyes() for c in conns] == [1, 1, 1, 0]  # the broken one: closing anyway
     assert states == [STOPPING]
-    assert agent._state is STOPPED and agent.store is None
+    assert agent.lifecycle.state is STOPPED and agent.store is None
     assert agent.debug_info()["agent.state"] == "stopped"
     assert agent.final_debug_info["agent.state"] == "stopping"
     with pytest.raises(NotInitializedError, match="shut down before the reply from worker1"):
@@ -127,13 +141,13 @@ def test_graceful_shutdown_meets_the_group_in_order(make_agent):
     conn = FakeConn(0)
     agent.connections.on_connect(conn)
     steps = []
-    agent.add_shutdown_hook(lambda deadline: steps.append(("finish", agent._state)))
-    agent.add_stop_hook(lambda until: steps.append(("stop", agent._state)))
+    agent.add_shutdown_hook(lambda deadline: steps.append(("finish", agent.lifecycle.state)))
+    agent.add_stop_hook(lambda until: steps.append(("stop", agent.lifecycle.state)))
     agent.shutdown(graceful=True, timeout=10,
-                   meet=lambda: steps.append(("meet", agent._state)))
+                   meet=lambda: steps.append(("meet", agent.lifecycle.state)))
     assert steps == [("finish", RUNNING), ("meet", RUNNING), ("finish", RUNNING),
                      ("stop", STOPPING)]
-    assert agent._state is STOPPED and conn.goodbyes() == 1
+    assert agent.lifecycle.state is STOPPED and conn.goodbyes() == 1
 
 
 def test_an_error_of_meet_stops_the_agent_and_is_raised_as_it_is(make_agent):
@@ -143,7 +157,7 @@ def test_an_error_of_meet_stops_the_agent_and_is_raised_as_it_is(make_agent):
         raise ValueError("a step failed")
     with pytest.raises(ValueError, match="a step failed"):
         agent.shutdown(graceful=True, meet=meet)
-    assert agent._state is STOPPED
+    assert agent.lifecycle.state is STOPPED
 
 
 def test_goodbye_fails_the_peers_calls_and_a_barrier_it_never_reaches(make_agent):
@@ -158,7 +172,7 @@ def test_goodbye_fails_the_peers_calls_and_a_barrier_it_never_reaches(make_agent
         p.future.wait()
     with pytest.raises(ShutdownError, match=r"worker1 \(rank 1\) stopped before reaching it"):
         agent.shutdown(graceful=True, timeout=10)
-    assert agent._state is STOPPED
+    assert agent.lifecycle.state is STOPPED
     assert store.check(["shutdown/1/0"])  # it arrived, and named the one that never will
 
 
@@ -189,7 +203,7 @@ def test_a_shutdown_deadline_bounds_the_wait_for_a_busy_worker_thread(make_agent
         start = time.monotonic()
         agent.shutdown(graceful=True, timeout=0.5)
         assert time.monotonic() - start < 3  # not the 10 s a join of a pool thread allows
-        assert agent._state is STOPPED
+        assert agent.lifecycle.state is STOPPED
     finally:
         release.set()
 
@@ -204,7 +218,7 @@ def test_rank_0_waits_at_the_last_barrier_until_the_deadline_only(make_agent):
     with pytest.raises(ShutdownError, match="timed out at the shutdown barrier"):
         agent.shutdown(graceful=True, timeout=1.0)
     assert time.monotonic() - start < 4  # not the 30 s rank 0 gives the others otherwise
-    assert agent._state is STOPPED
+    assert agent.lifecycle.state is STOPPED
 
 
 def test_closing_the_pool_waits_for_all_its_threads_together():

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import torchrpc.rpc as rpc
-from torchrpc._agent import membership
+from torchrpc._rendezvous import membership
 from torchrpc._agent.current import current_agent
 
 from .. import helpers

@@ -1,6 +1,7 @@
 """torch's errors for backend options, init_rpc's arguments and builtin operators (no
 processes: each check runs before any rendezvous)."""
 
+import dataclasses
 import datetime
 import os
 import tempfile
@@ -12,8 +13,9 @@ import torch.distributed as dist
 import torchrpc.rpc as rpc
 from torchrpc import _testing
 from torchrpc._agent.dispatch import run_callable
-from torchrpc._agent.rendezvous import claim_membership, missing_rank_error
+from torchrpc._rendezvous.rendezvous import claim_membership, missing_rank_error
 from torchrpc.rpc import backend_registry
+from torchrpc.rpc.options import agent_settings
 
 
 def test_options_of_the_wrong_type_are_torchs_type_errors():
@@ -25,6 +27,38 @@ def test_options_of_the_wrong_type_are_torchs_type_errors():
         opts.num_worker_threads = 2.5
     with pytest.raises(ValueError, match=">= 0"):
         opts.rpc_timeout = -3
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("enable_shm", 1, TypeError, "enable_shm must be a bool, got 1"),
+    ("enable_uds", "yes", TypeError, "enable_uds must be a bool, got 'yes'"),
+    ("shm_threshold", -1, ValueError, "shm_threshold must be an int >= 0, got -1"),
+    ("shm_threshold", 1.5, ValueError, "shm_threshold must be an int >= 0, got 1.5"),
+    ("listen_addr", "", ValueError, "listen_addr must be a non-empty str or None"),
+    ("listen_addr", 10, ValueError, "listen_addr must be a non-empty str or None, got 10"),
+])
+def test_transport_fields_are_validated_when_built_and_when_set(field, value, error, message):
+    with pytest.raises(error, match=message):
+        rpc.TensorPipeRpcBackendOptions(**{field: value})
+    opts = rpc.TensorPipeRpcBackendOptions()
+    before = getattr(opts, field)
+    with pytest.raises(error, match=message):
+        setattr(opts, field, value)
+    assert getattr(opts, field) == before
+
+
+def test_the_agent_settings_are_the_options_fields_read_once():
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=3, shm_threshold=1 << 20,
+                                           enable_uds=False, spin_us=5.0)
+    opts.set_device_map("w1", {"cpu": "cpu"})
+    settings = agent_settings(opts)
+    assert (settings.num_worker_threads, settings.shm_threshold, settings.enable_uds,
+            settings.spin_us) == (3, 1 << 20, False, 5.0)
+    assert settings.device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
+    opts.num_worker_threads = 5  # later changes to the options do not reach the settings
+    assert settings.num_worker_threads == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.num_worker_threads = 5  # type: ignore[misc]
 
 
 def test_tensor_mac_is_on_by_default_and_must_be_a_bool():

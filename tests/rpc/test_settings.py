@@ -10,8 +10,9 @@ import os
 import pytest
 
 import torchrpc.rpc as rpc
-from torchrpc._agent import current, secret
-from torchrpc._agent.rendezvous import Deadline, Plan, listen_host
+from torchrpc._agent import current
+from torchrpc._rendezvous import secret
+from torchrpc._rendezvous.rendezvous import Deadline, Plan, listen_host
 from torchrpc._transport import reader
 from torchrpc.rpc import api, options
 

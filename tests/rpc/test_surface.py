@@ -22,12 +22,14 @@ PKG = pathlib.Path(torchrpc.__file__).parent
 ALLOWED = {
     "_wire": set(),
     "_transport": {"_wire"},
-    "_agent": {"_wire", "_transport"},
+    "_rendezvous": {"_transport"},
+    "_agent": {"_wire", "_transport", "_rendezvous"},
     "_rref": {"_wire", "_agent"},
     "_dist_autograd": {"_wire", "_agent", "_rref"},
     "_profiler": {"_agent"},
     "_testing": {"_wire", "_transport", "_agent", "rpc"},
-    "rpc": {"_wire", "_transport", "_agent", "_rref", "_dist_autograd", "_profiler"},
+    "rpc": {"_wire", "_transport", "_rendezvous", "_agent", "_rref", "_dist_autograd",
+            "_profiler"},
     "autograd": {"_agent", "_dist_autograd", "rpc"},
     "optim": {"rpc", "autograd"},
     "nn": {"rpc", "autograd"},
@@ -280,9 +282,9 @@ PROCESS_STATE = {
     "_agent/reading.py:_inline": "per-thread context",
     "_transport/reader.py:_reading": "per-thread context",
     # Secret files this process wrote, removed at its exit at the latest.
-    "_agent/secret.py:_lock": "process resources",
-    "_agent/secret.py:_files": "process resources",
-    "_agent/secret.py:_fallback": "process resources",
+    "_rendezvous/secret.py:_lock": "process resources",
+    "_rendezvous/secret.py:_files": "process resources",
+    "_rendezvous/secret.py:_fallback": "process resources",
     # Each thread's reusable pickler, holding nothing between messages.
     "_wire/serialize.py:_pickler_of_thread": "per-thread cache",
     # The threads torchrpc started and the agents that run, which the interpreter's exit
@@ -293,7 +295,7 @@ PROCESS_STATE = {
     "_threads.py:_stoppers": "process resources",
     "_agent/process_exit.py:_agents": "weak registry",
     # Caches of pure functions, and the types they made.
-    "_agent/worker.py:_checked": "cache",
+    "_rendezvous/names.py:_checked": "cache",
     "errors.py:_runtime_twins": "cache",
     "errors.py:_twins_lock": "cache",
     "nn/api/_scriptable.py:_lock": "cache",

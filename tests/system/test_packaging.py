@@ -15,7 +15,7 @@ import pytest
 
 import torchrpc
 import torchrpc.rpc as rpc
-from torchrpc._agent import rendezvous
+from torchrpc._rendezvous import rendezvous
 from torchrpc.rpc import options
 
 from ..group import ROOT

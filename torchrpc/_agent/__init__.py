@@ -1,4 +1,5 @@
-"""The agent layer: rendezvous, connections, pending requests, worker pool, shutdown."""
+"""The agent layer: connections, pending requests, worker pool, shutdown (the rendezvous it
+starts with is torchrpc._rendezvous)."""
 
 from .agent import Agent
 from .debug import debug_info_here

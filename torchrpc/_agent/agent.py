@@ -17,7 +17,7 @@ requests and see the tensors that cross (hooks.py); the agent never imports them
 handler's exception goes back to the caller as a ``RemoteErrorInfo`` (remote_error.py).
 
 Lifecycle: ``new`` -> ``running`` -> ``stopping`` -> ``stopped``, a state machine
-driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
+(lifecycle.py) driven by the shutdown protocol (shutdown.py). Graceful shutdown runs the upper
 layers' shutdown hooks, waits for this worker's outstanding requests, meets every
 worker at store barriers (once when all have stopped calling, once when all
 replies are out), says GOODBYE to its peers and closes. A connection that breaks
@@ -38,7 +38,7 @@ from .._transport import Connection, Transport
 from .._wire import Kind
 from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
 from . import debug, process_exit, startup
-from .rendezvous import Plan
+from .._rendezvous.rendezvous import Plan
 from .calls import Calls
 from .connections import Connections
 from .coroutines import CoroutineRunner
@@ -48,13 +48,15 @@ from .dispatch import Dispatch
 from .fastpath import FastPath, Parked
 from .futures import RpcFuture
 from .hooks import CallHook, Extensions
+from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
 from .registry import Registry
 from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
-from .shutdown import NEW, RUNNING, Shutdown, State
+from .settings import Settings
+from .shutdown import Shutdown
 from .stats import PeerStats
 from .worker import WorkerInfo
 
@@ -64,21 +66,20 @@ log = logging.getLogger(__name__)
 class Agent:
     """A worker's RPC agent. Built by a backend's init handler; see module docs."""
 
-    connection_type: Callable[..., Connection] = Connection
-    """What the transport makes its connections with (the tests' faulty agent sends
-    through a subclass that fails, drops and delays frames)."""
-
-    def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
+    def __init__(self, store: Any, name: str, rank: int, world_size: Optional[int],
+                 settings: Settings, connection_type: Callable[..., Connection] = Connection
+                 ) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
-        self.options = options
+        self.settings = settings
+        # What the transport makes connections with (the faulty backend's fail frames).
+        self.connection_type = connection_type
         self.store = store
-        self.default_timeout = float(options.rpc_timeout)
-        self._limits = _wire.Limits(
-            max_message_size=int(getattr(options, "max_message_size", _wire.frame.DEFAULT_MAX_MESSAGE_SIZE)))
+        self.default_timeout = settings.rpc_timeout
+        self._limits = _wire.Limits(max_message_size=settings.max_message_size)
         self._lock = threading.Lock()
-        self._pool = WorkerPool(int(options.num_worker_threads), f"torchrpc-{name}")
+        self._pool = WorkerPool(settings.num_worker_threads, f"torchrpc-{name}")
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
@@ -94,16 +95,17 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        # The lifecycle state (shutdown.py): read as a plain attribute, with ``is``, on
-        # the request path; written only by the shutdown protocol's transitions.
-        self._state: State = NEW
-        self.shutdown_protocol = Shutdown(self)
+        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
+        self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
+                                          self._shutdown_hooks, self._stop_hooks)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
-        # Elastic membership (world_size=None): see torchrpc._agent.membership.
+        # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
+        self._peer_stats: Dict[int, PeerStats] = {}  # rank -> traffic counters (stats.py)
         # The workers of the group, membership and device maps (registry.py).
-        self.registry = Registry(self, dict(getattr(options, "device_maps", None) or {}))
+        self.registry = Registry(self, dict(settings.device_maps), self._lock, self.start_thread,
+                                 lambda rank: self._peer_stats.pop(rank, None))
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
@@ -118,14 +120,14 @@ class Agent:
         self.omp = SpinGuard(f"torchrpc-omp-{name}")
         # A request that blocks gives its reading role up (see reading.py).
         self._pool.on_block = self.fastpath.reading.lend_out
-        # heartbeats and lost peers (see liveness.py)
-        self.liveness = Liveness(self, float(getattr(options, "heartbeat_interval", 0.0)),
-                                 float(getattr(options, "heartbeat_timeout", 0.0)))
-        self._max_queued = int(getattr(options, "max_queued_requests", 0))
-        # rank -> traffic counters of that peer (the "peers" of debug_info; see stats.py).
-        self._peer_stats: Dict[int, PeerStats] = {}
-        self.timeout_reports = TimeoutReports(
-            self, bool(getattr(options, "log_debug_info_on_timeout", False)))
+        self.liveness = Liveness(  # heartbeats and lost peers (liveness.py)
+            name, self.elastic, settings.heartbeat_interval, settings.heartbeat_timeout,
+            self._lock, self.start_thread, self.lifecycle, self.registry, self.connections,
+            self.requests, self.fastpath.private, self._pool, lambda: self.store,
+            lambda: self.failure)
+        self._max_queued = settings.max_queued_requests
+        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
+                                              settings.log_debug_info_on_timeout)
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
@@ -136,10 +138,18 @@ class Agent:
     def start(self, plan: Plan) -> "Agent":
         """Rendezvous with the group under ``plan``, start listening and the timer;
         return self."""
-        startup.start(self, plan)
+        startup.start(self, plan, self._limits, self._adopt)
         return self
 
-    def _start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
+    def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
+        self._transport = transport
+
+    @property
+    def transport(self) -> Optional[Transport]:
+        """The transport, once :meth:`start` has made it."""
+        return self._transport
+
+    def start_thread(self, role: str, loop: Callable[[Guard], None]) -> threading.Thread:
         """Start background thread ``role`` running ``loop(guard)``; if it cannot go on,
         the agent fails."""
         guard = Guard(f"the {role} thread of {self.name}", self.fail)
@@ -153,9 +163,10 @@ class Agent:
     def check_running(self) -> None:
         """Raise unless the agent runs (and no background thread has failed)."""
         self.check_failure()
-        if self._state is not RUNNING:
+        state = self.lifecycle.state
+        if state is not RUNNING:
             raise NotInitializedError(
-                f"RPC agent of {self.name!r} is {self._state.value}; call init_rpc() first")
+                f"RPC agent of {self.name!r} is {state.value}; call init_rpc() first")
 
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""
@@ -229,7 +240,7 @@ class Agent:
 
     def get_num_worker_threads(self) -> int:
         """The size of the worker thread pool the options asked for."""
-        return int(self.options.num_worker_threads)
+        return self.settings.num_worker_threads
 
     def add_debug_source(self, layer: str, source: Callable[[], Dict[str, Any]]) -> None:
         """Make ``source()``'s counters part of :meth:`debug_info`, under ``layer``."""
@@ -238,11 +249,14 @@ class Agent:
     def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
         """Counters of the agent and every layer; of one layer when ``layer`` is given
         (``"agent"`` for the agent's and the transport's own; see debug.py)."""
-        return debug.debug_info(self, layer)
+        return debug.debug_info(functools.partial(_counters, self), self._debug_sources, self.peer_stats, layer)
 
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
-        return debug.peer_stats(self)
+        with self._lock:
+            stats = list(self._peer_stats.items())
+            names = {rank: w.name for rank, w in self.registry.workers.items()}
+        return debug.peer_stats(stats, names)
 
     def new_stats(self, rank: int) -> PeerStats:
         """The traffic counters of peer ``rank``, made on first use."""
@@ -376,3 +390,33 @@ def _housekeeping(agent: Agent) -> None:
             workers = agent.registry.workers_on_this_host()
             agent.fastpath.check_cpus(workers)
             agent.omp.check(workers)
+
+
+def _counters(agent: Agent) -> Dict[str, Any]:
+    """The agent's own counters and its transport's (the ``agent.*`` keys of
+    :meth:`debug_info`)."""
+    pool, probes, transport = agent.pool, agent.calls.probes, agent.transport
+    info: Dict[str, Any] = {
+        "agent.num_pending_requests": len(agent.requests.pending),
+        "agent.thread_pool_size": agent.settings.num_worker_threads,
+        "agent.num_threads_started": pool.num_threads,
+        "agent.num_idle_threads": pool.num_threads - pool.num_pending,
+        "agent.num_queued_tasks": pool.num_pending,
+        "agent.num_connections": agent.connections.count(),
+        "agent.num_private_connections": agent.fastpath.private.num_idle(),
+        "agent.num_parked": agent.fastpath.num_parked,
+        "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
+        "agent.num_duplicate_requests": agent.dispatch.duplicates,
+        "agent.num_remembered_requests": len(agent.dispatch.once),
+        "agent.num_kept_replies": agent.dispatch.kept_replies(),
+        "agent.num_once_probes": probes.sent,
+        "agent.num_resends_avoided": probes.resends_avoided,
+        "agent.num_resends_after_probe": probes.resends_after_probe,
+        "agent.max_outbox_bytes_queued": max(
+            (c.outbox_bytes for c in transport.connections()), default=0)
+        if transport is not None else 0,
+        "agent.state": agent.lifecycle.state.value if agent.failure is None else "failed",
+    }
+    if transport is not None:
+        info.update(transport.debug_info())
+    return info

@@ -46,7 +46,7 @@ from ..errors import ClosedError, RpcError
 from .futures import RpcFuture, mark_reader_thread, on_reader_thread
 from .pool import current_pool
 from .scheduler import LENT_TICK
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .stats import nbytes
 from .worker import WorkerInfo
 
@@ -171,7 +171,7 @@ class Bursts:
 
     def _open_idle(self, dst: WorkerInfo) -> None:
         private = self._private
-        if private.has_idle(dst.id) or self._agent._state is not RUNNING:
+        if private.has_idle(dst.id) or self._agent.lifecycle.state is not RUNNING:
             return
         try:
             conn = private.checkout(dst)

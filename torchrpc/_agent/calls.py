@@ -45,7 +45,7 @@ class Calls:
         self._agent = agent
         self._rid = itertools.count(1)
         self.probes = Probes(agent, self)
-        self._max_pending = int(getattr(agent.options, "max_pending_requests", 0))
+        self._max_pending = agent.settings.max_pending_requests
         # Callee rank -> ids of at-most-once requests to it whose replies arrived here: the
         # next such request tells the callee, which then lets go of the replies it kept.
         self._acks: Dict[int, List[int]] = {}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .._transport import Connection
 from ..errors import ConnectionLostError, NotInitializedError, RpcError
-from .shutdown import RUNNING, STOPPED, STOPPING
+from .lifecycle import RUNNING, STOPPED, STOPPING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Connections:
                 return conn
             if dst.id in agent.registry.left:
                 raise agent.left_error(dst)
-            state = agent._state
+            state = agent.lifecycle.state
             if state is not RUNNING and state is not STOPPING:
                 raise NotInitializedError(f"RPC agent of {agent.name!r} is {state.value}")
             host, port = agent.registry.addresses[dst.id]
@@ -122,7 +122,7 @@ class Connections:
                 self.shared[conn.peer_rank] = conn
             self.lost.pop(conn.peer_rank, None)
             agent.liveness.reconnected(conn.peer_rank)
-        if agent._state is STOPPING or agent._state is STOPPED:
+        if agent.lifecycle.state is STOPPING or agent.lifecycle.state is STOPPED:
             # Perhaps too late for the GOODBYEs of Shutdown.stop: without its own, a caller
             # on this connection would wait for a reply until its timeout. (Not while
             # starting: a peer that finished rendezvous first may connect before this agent
@@ -153,7 +153,7 @@ class Connections:
                     self.shared[rank] = open_conns[0]
                 else:
                     del self.shared[rank]
-        if agent._state is not RUNNING:
+        if agent.lifecycle.state is not RUNNING:
             return
         w = agent.registry.workers.get(rank)
         name = w.name if w else f"rank{rank}"
@@ -179,6 +179,15 @@ class Connections:
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))
         agent.liveness.suspect(rank, reason)
+
+    def note_lost(self, rank: int, why: str) -> None:
+        """Under the agent's lock: worker ``rank`` seems lost (silent, or gone in the
+        store's record of the shutdown), with why."""
+        self.lost[rank] = why
+
+    def forget_lost(self, rank: int) -> None:
+        """Under the agent's lock: a new worker took ``rank``; it is not lost."""
+        self.lost.pop(rank, None)
 
     def of(self, rank: int) -> List[Connection]:
         """The open connections, shared and private, with worker ``rank``."""

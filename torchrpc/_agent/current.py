@@ -5,19 +5,18 @@ layers keep for the process rather than for one agent, in typed slots)."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from ..errors import NotInitializedError
 from .hooks import Extensions
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 
 class _Handle:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.agent: Optional["Agent"] = None
+        # What the backend's init handler returned: an Agent (agent.py), or a registered
+        # third-party backend's agent, which this module knows nothing of.
+        self.agent: Optional[Any] = None
         self.was_shut_down = False
         self.last_debug_info: dict = {}
         # TORCHRPC_SECRET, read by the first init_rpc and removed from the environment (so
@@ -31,7 +30,7 @@ class _Handle:
 handle = _Handle()
 
 
-def current_agent(failed_ok: bool = False) -> "Agent":
+def current_agent(failed_ok: bool = False) -> Any:
     """The running agent, or a RuntimeError that says RPC is not initialized; unless
     ``failed_ok``, the error of an agent whose background thread could not go on."""
     agent = handle.agent

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -18,10 +18,11 @@ from .._wire import Kind
 from ..errors import ClosedError
 from .current import current_agent
 from .hooks import describe
+from .stats import PeerStats
+from .pool import WorkerPool
 from .worker import WorkerInfo
 
-if TYPE_CHECKING:
-    from .agent import Agent
+Counters = Callable[[], Dict[str, Any]]
 
 log = logging.getLogger(__name__)
 
@@ -33,59 +34,30 @@ def debug_info_here() -> Dict[str, Any]:
     return current_agent().debug_info()
 
 
-def debug_info(agent: "Agent", layer: Optional[str] = None) -> Dict[str, Any]:
-    """Counters of ``agent`` and every layer; of one layer when ``layer`` is given
-    (``"agent"`` for the agent's and the transport's own)."""
-    sources = agent._debug_sources
+def debug_info(own: Counters, sources: Dict[str, Counters], peers: Counters,
+               layer: Optional[str] = None) -> Dict[str, Any]:
+    """The agent's counters (``own()``, the agent's and the transport's), every layer's
+    (``sources``: layer name -> its counters) and the traffic by peer (``peers()``); of
+    one layer when ``layer`` is given (``"agent"`` for the agent's own)."""
     if layer is not None and layer != "agent":
         source = sources.get(layer)
         return source() if source is not None else {}
-    info = counters(agent)
+    info = own()
     if layer is None:
         for source in sources.values():
             info.update(source())
-        info["peers"] = peer_stats(agent)
+        info["peers"] = peers()
     elif "agent" in sources:  # counters upper layers keep for the agent
         info.update(sources["agent"]())
     return info
 
 
-def peer_stats(agent: "Agent") -> Dict[str, Dict[str, Any]]:
-    """Traffic counters by peer name: calls, bytes and errors both ways, and the p50
-    and p99 latency of the last calls (see :class:`~torchrpc._agent.stats.PeerStats`)."""
-    with agent._lock:
-        stats = list(agent._peer_stats.items())
-        names = {rank: w.name for rank, w in agent.registry.workers.items()}
+def peer_stats(stats: List[Tuple[int, PeerStats]], names: Dict[int, str]
+               ) -> Dict[str, Dict[str, Any]]:
+    """Traffic counters by peer name (``stats`` by rank, ``names`` of the ranks): calls,
+    bytes and errors both ways, and the p50 and p99 latency of the last calls (see
+    :class:`~torchrpc._agent.stats.PeerStats`)."""
     return {names.get(rank, f"rank{rank}"): s.as_dict() for rank, s in sorted(stats)}
-
-
-def counters(agent: "Agent") -> Dict[str, Any]:
-    """The counters of ``agent`` and of its transport."""
-    pool, probes, transport = agent.pool, agent.calls.probes, agent._transport
-    info: Dict[str, Any] = {
-        "agent.num_pending_requests": len(agent.requests.pending),
-        "agent.thread_pool_size": int(agent.options.num_worker_threads),
-        "agent.num_threads_started": pool.num_threads,
-        "agent.num_idle_threads": pool.num_threads - pool.num_pending,
-        "agent.num_queued_tasks": pool.num_pending,
-        "agent.num_connections": agent.connections.count(),
-        "agent.num_private_connections": agent.fastpath.private.num_idle(),
-        "agent.num_parked": agent.fastpath.num_parked,
-        "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
-        "agent.num_duplicate_requests": agent.dispatch.duplicates,
-        "agent.num_remembered_requests": len(agent.dispatch.once),
-        "agent.num_kept_replies": agent.dispatch.kept_replies(),
-        "agent.num_once_probes": probes.sent,
-        "agent.num_resends_avoided": probes.resends_avoided,
-        "agent.num_resends_after_probe": probes.resends_after_probe,
-        "agent.max_outbox_bytes_queued": max(
-            (c.outbox_bytes for c in transport.connections()), default=0)
-        if transport is not None else 0,
-        "agent.state": agent._state.value if agent.failure is None else "failed",
-    }
-    if transport is not None:
-        info.update(transport.debug_info())
-    return info
 
 
 def as_json(info: Dict[str, Any]) -> str:
@@ -96,8 +68,12 @@ class TimeoutReports:
     """log_debug_info_on_timeout: one report per callee at a time, so a burst of
     timeouts logs once."""
 
-    def __init__(self, agent: "Agent", enabled: bool) -> None:
-        self._agent = agent
+    def __init__(self, name: str, pool: WorkerPool, debug_info: Counters,
+                 request: Callable[..., torch.futures.Future], enabled: bool) -> None:
+        self._name = name
+        self._pool = pool
+        self._debug_info = debug_info  # this worker's
+        self._request = request  # Agent.request
         self.enabled = enabled
         self._running: Set[int] = set()  # ranks whose debug info is being fetched
 
@@ -108,15 +84,14 @@ class TimeoutReports:
             return
         self._running.add(dst.id)
         try:
-            self._agent.pool.submit(self._log, dst, what, timeout)
+            self._pool.submit(self._log, dst, what, timeout)
         except ClosedError:  # the pool has stopped: so has the agent
             self._running.discard(dst.id)
 
     def _log(self, dst: WorkerInfo, what: Any, timeout: float) -> None:
-        agent = self._agent
+        name = self._name
         log.warning("%s: the call to %s of %s timed out after %g s; debug info of %s: %s",
-                    agent.name, dst.name, describe(what), timeout, agent.name,
-                    as_json(agent.debug_info()))
+                    name, dst.name, describe(what), timeout, name, as_json(self._debug_info()))
 
         def answered(fut: torch.futures.Future) -> None:
             self._running.discard(dst.id)
@@ -124,16 +99,16 @@ class TimeoutReports:
                 info = fut.wait()
             except Exception as exc:  # noqa: BLE001 - best effort: say why there is none
                 log.warning("%s: no debug info from %s after its call timed out: %s",
-                            agent.name, dst.name, exc)
+                            name, dst.name, exc)
             else:
-                log.warning("%s: debug info of %s, whose call timed out: %s", agent.name,
+                log.warning("%s: debug info of %s, whose call timed out: %s", name,
                             dst.name, as_json(info))
 
         try:
-            fut = agent.request(dst, Kind.CALL, (debug_info_here, (), {}), _REPORT_TIMEOUT,
+            fut = self._request(dst, Kind.CALL, (debug_info_here, (), {}), _REPORT_TIMEOUT,
                                 what=debug_info_here)
         except Exception as exc:  # noqa: BLE001 - best effort, as above
             self._running.discard(dst.id)
-            log.warning("%s: cannot ask %s for its debug info: %s", agent.name, dst.name, exc)
+            log.warning("%s: cannot ask %s for its debug info: %s", name, dst.name, exc)
             return
         fut.add_done_callback(answered)

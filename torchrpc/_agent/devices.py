@@ -7,7 +7,7 @@ the group fails ``init_rpc`` on every worker alike, with torch's ValueError and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Protocol
 
 import torch
 
@@ -15,10 +15,19 @@ from .. import _wire
 from ..errors import DeviceMapError
 from .worker import WorkerInfo
 
-if TYPE_CHECKING:
-    from .registry import Registry
-
 Map = Dict[torch.device, torch.device]
+
+
+class Maps(Protocol):
+    """Where device placement reads the maps: this worker's to each peer by name, each
+    peer's to this worker by rank (the registry, registry.py)."""
+
+    device_maps: Dict[str, Map]
+    reply_maps: Dict[int, Map]
+
+    @property
+    def worker_info(self) -> WorkerInfo: ...
+
 _CPU = torch.device("cpu")
 
 
@@ -35,13 +44,13 @@ def watch(*maps: Map) -> None:
         _wire.device_maps_move_cpu()
 
 
-def _map_to(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[Map]:
+def _map_to(registry: Maps, peer: WorkerInfo, reply: bool) -> Optional[Map]:
     """The map tensors to ``peer`` go through: this worker's map for ``peer`` (a request)
     or the inverse of ``peer``'s map for this worker (a reply); None without one."""
     return registry.reply_maps.get(peer.id) if reply else registry.device_maps.get(peer.name)
 
 
-def cpu_target(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[torch.device]:
+def cpu_target(registry: Maps, peer: WorkerInfo, reply: bool) -> Optional[torch.device]:
     """Where a CPU tensor lands on ``peer`` (through the map's ``"cpu"`` entry, as in
     :func:`target_device`); None where it stays on the CPU."""
     if peer.id == registry.worker_info.id:
@@ -49,7 +58,7 @@ def cpu_target(registry: "Registry", peer: WorkerInfo, reply: bool) -> Optional[
     return _moved_cpu(_map_to(registry, peer, reply))
 
 
-def target_device(registry: "Registry", peer: WorkerInfo, device: torch.device,
+def target_device(registry: Maps, peer: WorkerInfo, device: torch.device,
                   reply: bool) -> torch.device:
     """Where a CUDA tensor on ``device`` lands on ``peer``: through this worker's device
     map for ``peer`` (a request), or through the inverse of ``peer``'s map for this worker

@@ -51,7 +51,7 @@ from .reading import Reading
 from .requests import Pending
 from .retry import RetryPolicy
 from .scheduler import LENT_TICK
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class FastPath:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
         # handed to every private connection (Connections.on_connect); the spin_us option
-        self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
+        self.poll = PollPolicy.from_option(agent.settings.spin_us)
         self.reading = Reading(agent)
         self.private = PrivateConnections(agent)
         self.bursts = Bursts(agent, self)
@@ -102,7 +102,7 @@ class FastPath:
         replies.
         """
         agent = self._agent
-        if agent.failure is not None or agent._state is not RUNNING:
+        if agent.failure is not None or agent.lifecycle.state is not RUNNING:
             agent.check_running()  # raises
         conn = None
         also: Tuple[int, ...] = ()

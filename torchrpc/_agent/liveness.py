@@ -40,19 +40,23 @@ import logging
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _threads, _wire
-from .._threads import Guard
+from .._threads import Guard, StartThread
 from .._transport import Connection, shm
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
-from . import membership
-from .shutdown import RUNNING
+from .._rendezvous import membership
+from .lifecycle import RUNNING, Lifecycle
+from .pool import WorkerPool
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .connections import Connections
+    from .private import PrivateConnections
+    from .registry import Registry
+    from .requests import Requests
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +70,24 @@ class Liveness:
     connection and membership tables they are read with.
     """
 
-    def __init__(self, agent: "Agent", interval: float, timeout: float) -> None:
-        self._agent = agent
-        self._lock = agent._lock
+    def __init__(self, name: str, elastic: bool, interval: float, timeout: float,
+                 lock: "threading.Lock", start_thread: StartThread, lifecycle: Lifecycle,
+                 registry: "Registry", connections: "Connections", requests: "Requests",
+                 private: "PrivateConnections", pool: WorkerPool,
+                 store: Callable[[], Any], failure: Callable[[], Optional[BaseException]]
+                 ) -> None:
+        self._name = name
+        self._elastic = elastic  # a dynamic group: a lost member is removed from it
+        self._lock = lock  # the agent's: it guards the connection tables read with these
+        self._start_thread = start_thread
+        self._lifecycle = lifecycle
+        self._registry = registry
+        self._connections = connections
+        self._requests = requests
+        self._private = private  # the idle private connections (private.py)
+        self._pool = pool
+        self._store = store  # the agent's sealed store, once it has started
+        self._failure = failure  # why the agent failed, if it did
         self.interval = interval  # heartbeat_interval (0: send none)
         self.timeout = timeout  # heartbeat_timeout (0: never time a peer out)
         # Told of every worker found lost (see suspect).
@@ -91,7 +110,7 @@ class Liveness:
     def start(self) -> None:
         """Start the heartbeat thread, if this worker sends heartbeats."""
         if self.interval > 0:
-            self.thread = self._agent._start_thread("heartbeat", self._heartbeat_loop)
+            self.thread = self._start_thread("heartbeat", self._heartbeat_loop)
 
     def stop(self) -> None:
         """Tell the heartbeat thread to stop (:meth:`join` waits for it)."""
@@ -107,6 +126,10 @@ class Liveness:
         self.declared.discard(rank)
         self.beats_every[rank] = interval
 
+    def declare(self, rank: int) -> None:
+        """Under the agent's lock: ``rank`` is lost for good; its calls fail, unretried."""
+        self.declared.add(rank)
+
     def reconnected(self, rank: int) -> None:
         """Under the agent's lock: a shared connection with ``rank`` opened."""
         self._silent.pop(rank, None)
@@ -117,12 +140,11 @@ class Liveness:
     def _connections_by_peer(self) -> Dict[int, Tuple[List[Connection], List[Connection]]]:
         """The open shared and private connections of each peer that has one (never two
         empty lists: a connection may close meanwhile, but each is tested once)."""
-        agent = self._agent
         out = {}
         with self._lock:
-            for rank in set(agent.connections.all) | set(agent.connections.private):
-                shared = [c for c in agent.connections.all.get(rank, ()) if not c.closed]
-                private = [c for c in agent.connections.private.get(rank, ()) if not c.closed]
+            for rank in set(self._connections.all) | set(self._connections.private):
+                shared = [c for c in self._connections.all.get(rank, ()) if not c.closed]
+                private = [c for c in self._connections.private.get(rank, ()) if not c.closed]
                 if shared or private:
                     out[rank] = (shared, private)
         return out
@@ -145,7 +167,7 @@ class Liveness:
         conns = shared + private
         if now - max(c.last_send for c in conns) < interval:
             return  # traffic to this peer is proof enough
-        conn = self._agent.connections.shared.get(rank)
+        conn = self._connections.shared.get(rank)
         if conn is None or conn.closed:
             # Only where the far end reads (see the theory of operation above).
             conn = next(iter(shared or [c for c in private if c.outbound]), None)
@@ -161,7 +183,7 @@ class Liveness:
     def runs_here(self, rank: int) -> bool:
         """Whether worker ``rank`` is a process of this host (same pid namespace) that the
         kernel shows alive and not stopped."""
-        registry = self._agent.registry
+        registry = self._registry
         proc = registry.procs.get(rank)
         if proc is None or proc[1] != registry.pidns or not proc[1] or not registry.same_host(rank):
             return False
@@ -179,13 +201,13 @@ class Liveness:
     def check(self, now: float) -> None:
         """Timer: lose every watched peer silent for longer than its limit."""
         timeout = self.timeout
-        if timeout <= 0 or self._agent._state is not RUNNING:
+        if timeout <= 0 or self._lifecycle.state is not RUNNING:
             return
         stalled = now - self._last_check > timeout / 2
         self._last_check = now
         if stalled:
             return  # this process did not run for a while: let its readers catch up first
-        left = self._agent.registry.left
+        left = self._registry.left
         for rank, (shared, private) in self._connections_by_peer().items():
             if rank in left:
                 continue
@@ -212,8 +234,7 @@ class Liveness:
                      limit: float) -> None:
         """Peer ``rank`` said nothing for ``silent`` seconds: close all its connections and
         fail every call pending on it."""
-        agent = self._agent
-        w = agent.registry.workers.get(rank)
+        w = self._registry.workers.get(rank)
         name = w.name if w else f"rank{rank}"
         error = ConnectionLostError(
             f"no heartbeat from worker {name} (rank {rank}) for {silent:.1f} s "
@@ -221,15 +242,15 @@ class Liveness:
             worker=name)
         self.heartbeat_timeouts += 1
         with self._lock:
-            agent.connections.lost[rank] = str(error)
+            self._connections.note_lost(rank, str(error))
             self._silent[rank] = error
         self.suspect(rank, error)  # the loss hooks hear of it (first: see declared)
         with self._lock:
             self.declared.add(rank)  # its calls fail now, with no retry
         for conn in conns:
             conn.close(error)
-        agent.fastpath.private.close_idle(rank, error)
-        agent.requests.fail_peer(rank, error)  # also those no connection carried (a failed send)
+        self._private.close_idle(rank, error)
+        self._requests.fail_peer(rank, error)  # also those no connection carried (a failed send)
 
     # -- losses ----------------------------------------------------------------------------------
 
@@ -239,34 +260,32 @@ class Liveness:
         worker heals, and its RRefs and contexts must survive that). A peer lost for
         silence (_lose_silent) is lost without trying: heartbeat_timeout of silence is
         the evidence, and a stopped process would hold the handshake up as long again."""
-        agent = self._agent
         with self._lock:
-            if rank in self._confirming or rank in self.declared or rank in agent.registry.left \
-                    or agent._state is not RUNNING:
+            if rank in self._confirming or rank in self.declared or rank in self._registry.left \
+                    or self._lifecycle.state is not RUNNING:
                 return
             self._confirming.add(rank)
         try:
-            agent.pool.submit(self._confirm_loss, rank, reason)
+            self._pool.submit(self._confirm_loss, rank, reason)
         except ClosedError:  # shutting down: nothing to clean up for
             with self._lock:
                 self._confirming.discard(rank)
 
     def _confirm_loss(self, rank: int, reason: BaseException) -> None:
-        agent = self._agent
         try:
-            w = agent.registry.workers.get(rank)
-            if w is None or rank in agent.registry.left or agent._state is not RUNNING:
+            w = self._registry.workers.get(rank)
+            if w is None or rank in self._registry.left or self._lifecycle.state is not RUNNING:
                 return
             with self._lock:
                 silent = self._silent.pop(rank, None)
                 # the process that was lost
-                incarnation = agent.registry.incarnations.get(rank, 0)
+                incarnation = self._registry.incarnations.get(rank, 0)
             if silent is not None:
                 error = ConnectionLostError(f"worker {w.name} (rank {rank}) was lost: {silent}",
                                             worker=w.name)
             else:
                 try:
-                    agent.connections.to(w)
+                    self._connections.to(w)
                 except RpcError as exc:
                     cause = exc
                 else:
@@ -276,9 +295,9 @@ class Liveness:
                     f"again failed: {cause}", worker=w.name)
             with self._lock:
                 self.declared.add(rank)
-            log.warning("%s: %s", agent.name, error)
+            log.warning("%s: %s", self._name, error)
             self.run_loss_hooks(w, error)
-            if agent.elastic:
+            if self._elastic:
                 self._remove_lost(w, incarnation, error)
         finally:
             with self._lock:
@@ -289,25 +308,24 @@ class Liveness:
             try:
                 hook(w, error)
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
-                log.exception("a loss hook of %s failed for %s", self._agent.name, w.name)
+                log.exception("a loss hook of %s failed for %s", self._name, w.name)
 
     def _remove_lost(self, w: WorkerInfo, incarnation: int, error: RpcError) -> None:
         """Dynamic group: free the name and rank of lost member ``w`` (process
         ``incarnation``) for a new process.
         Not if this worker was removed itself: a stopped process that is continued finds
         every peer silent, and must learn of its own removal before it removes them."""
-        agent = self._agent
         try:
-            agent.registry.refresh()
+            self._registry.refresh()
         except Exception as exc:  # noqa: BLE001 - the store host may be gone
-            log.warning("%s cannot read the membership log: %s", agent.name, exc)
+            log.warning("%s cannot read the membership log: %s", self._name, exc)
             return
-        if agent.failure is not None:
+        if self._failure() is not None:
             return
         try:
-            if membership.remove_lost(agent.store, w.name, w.id, incarnation, str(error)):
+            if membership.remove_lost(self._store(), w.name, w.id, incarnation, str(error)):
                 log.warning("%s removed lost worker %s (rank %d) from the group; "
-                            "its name and rank are free", agent.name, w.name, w.id)
+                            "its name and rank are free", self._name, w.name, w.id)
         except Exception as exc:  # noqa: BLE001 - the store host may be gone
             log.warning("%s could not remove lost worker %s from the group: %s",
-                        agent.name, w.name, exc)
+                        self._name, w.name, exc)

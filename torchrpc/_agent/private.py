@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .._transport import Connection
 from ..errors import RpcError
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class PrivateConnections:
         self._agent = agent
         self._lock = agent._lock  # the agent's: debug_info counts under it
         self.enabled = True  # whether calls use private connections at all
-        self.max = int(getattr(agent.options, "max_private_connections", 1 << 30))
+        self.max = agent.settings.max_private_connections
         self._idle: Dict[int, List[Connection]] = {}  # idle private connections by rank
         self._opening: Dict[int, int] = {}  # rank -> private connections being opened
 
@@ -81,7 +81,7 @@ class PrivateConnections:
     def checkin(self, dst: WorkerInfo, conn: Connection) -> None:
         """``conn``, to ``dst``, is free again: it waits for the next call, unless closed
         or the agent stops."""
-        if not conn.closed and self._agent._state is RUNNING:
+        if not conn.closed and self._agent.lifecycle.state is RUNNING:
             free = self._idle.get(dst.id)
             if free is None:
                 with self._lock:  # keys change under the lock only (debug_info iterates)

@@ -32,20 +32,27 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .. import _threads
-from .shutdown import RUNNING
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from .lifecycle import RUNNING, Lifecycle
 
 log = logging.getLogger(__name__)
 
-_agents: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+
+class Stoppable(Protocol):
+    """What the exit needs of an agent."""
+
+    name: str
+    lifecycle: Lifecycle
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None: ...
 
 
-def track(agent: "Agent") -> None:
+_agents: "weakref.WeakSet[Stoppable]" = weakref.WeakSet()
+
+
+def track(agent: Stoppable) -> None:
     """Count ``agent`` among those :func:`stop_agents` stops if they still run."""
     _agents.add(agent)
 
@@ -54,7 +61,7 @@ def stop_agents(until: float) -> None:
     """At exit: stop every agent that still runs, as ``shutdown(graceful=False)`` does,
     waiting no later than ``until`` (a ``time.monotonic()``)."""
     for agent in list(_agents):
-        if agent._state is not RUNNING:  # stopped, or another thread stops it: joined after
+        if agent.lifecycle.state is not RUNNING:  # stopped, or another thread stops it: joined after
             continue
         try:
             agent.shutdown(graceful=False, timeout=max(until - time.monotonic(), 0.001))

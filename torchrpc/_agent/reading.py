@@ -38,7 +38,7 @@ from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError
 from .futures import mark_reader_thread
 from .pool import current_pool
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .stats import nbytes
 from .worker import WorkerInfo
 
@@ -105,14 +105,14 @@ class Reading:
         if header.flags & _wire.FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
             return self._to_pool(conn)
         pool = self._pool
-        if current_pool() is pool and agent._state is RUNNING:
+        if current_pool() is pool and agent.lifecycle.state is RUNNING:
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
         # which costs a wake-up per request: where both CPUs are taken by this thread
         # polling and the caller, the woken thread waits for the poll to end.
-        if agent._state is RUNNING and pool.hand_off(
+        if agent.lifecycle.state is RUNNING and pool.hand_off(
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return _nothing
         if agent._max_queued and pool.num_pending >= agent._max_queued \

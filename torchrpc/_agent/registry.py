@@ -38,17 +38,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._threads import Guard
+from .._threads import Guard, StartThread
 from .._transport import shm
 from ..errors import (DestinationTypeError, InvalidArgumentError,
                       ThreadFailedError, WorkerLeftError)
-from . import devices, membership
-from .secret import discard_local as discard_local_secret
-from .shutdown import RUNNING, STOPPING
+from . import devices
+from .._rendezvous import membership
+from .._rendezvous.secret import discard_local as discard_local_secret
+from .lifecycle import RUNNING, STOPPING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -60,10 +61,13 @@ log = logging.getLogger(__name__)
 class Registry:
     """One agent's table of workers and its part in the group's membership."""
 
-    def __init__(self, agent: "Agent", device_maps: Dict[str, Dict[torch.device, torch.device]]
-                 ) -> None:
+    def __init__(self, agent: "Agent", device_maps: Dict[str, Dict[torch.device, torch.device]],
+                 lock: "threading.Lock", start_thread: StartThread,
+                 forget_stats: Callable[[int], None]) -> None:
         self._agent = agent
-        self._lock = agent._lock
+        self._lock = lock  # the agent's: the request path reads these tables under it
+        self._start_thread = start_thread
+        self._forget_stats = forget_stats  # the traffic counters of a rank, under the lock
         self.elastic = agent.elastic
         self.workers: Dict[int, WorkerInfo] = {}
         self.by_name: Dict[str, WorkerInfo] = {}
@@ -97,15 +101,15 @@ class Registry:
         with self._lock:
             old = self.workers.get(rank)
             if old is not None and old.name != w.name:
-                agent._peer_stats.pop(rank, None)  # another worker under a rank: new counters
+                self._forget_stats(rank)  # another worker under a rank: new counters
             self.workers[rank] = w
             self.by_name[w.name] = w
             self.departed.pop(w.name, None)
             self.removed.pop(rank, None)
             self.incarnations[rank] = int(info.get("incarnation") or 0)
             self.left.discard(rank)
-            agent.connections.lost.pop(rank, None)  # a new worker under a rank that was lost
-            agent.shutdown_protocol.gone.pop(rank, None)
+            agent.connections.forget_lost(rank)  # a new worker under a rank that was lost
+            agent.shutdown_protocol.forget(rank)
             self.addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
@@ -148,7 +152,7 @@ class Registry:
             return w
         if isinstance(to, str):
             w = self.by_name.get(to)
-            if w is None and self.log is not None and agent._state is RUNNING:
+            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
                 # A dynamic group: the worker may have joined since the log was last read.
                 self.refresh()
                 w = self.by_name.get(to)
@@ -160,7 +164,7 @@ class Registry:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self.workers.get(to)
-            if w is None and self.log is not None and agent._state is RUNNING:
+            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
                 self.refresh()  # as for names above
                 w = self.workers.get(to)
             if w is None:
@@ -201,7 +205,7 @@ class Registry:
 
     def follow(self) -> None:
         """Start the members thread (dynamic groups): it follows the log until the end."""
-        self._members_thread = self._agent._start_thread("members", self._follow)
+        self._members_thread = self._start_thread("members", self._follow)
 
     def leave(self, timeout: float = 10.0) -> None:
         """Dynamic group, stopping: stop following the log (waiting ``timeout`` seconds at
@@ -225,7 +229,7 @@ class Registry:
         """The members thread: follow the membership log until the agent stops."""
         agent = self._agent
         failures = 0
-        while guard.ok and (agent._state is RUNNING or agent._state is STOPPING) \
+        while guard.ok and (agent.lifecycle.state is RUNNING or agent.lifecycle.state is STOPPING) \
                 and not self._members_stop.wait(0.05):
             with self._members_lock:
                 try:
@@ -282,7 +286,7 @@ class Registry:
             agent.requests.fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:
-                    agent.liveness.declared.add(rank)
+                    agent.liveness.declare(rank)
                 agent.liveness.run_loss_hooks(w, error)
 
     def _was_removed(self, why: str) -> None:
@@ -293,7 +297,8 @@ class Registry:
                                   f"by the group and removed from it: {why}")
         log.error("%s", error)
         agent.fail(error)
-        for conn in agent._transport.connections():
+        transport = agent.transport
+        for conn in transport.connections() if transport is not None else ():
             conn.close(error)
 
     def admit(self, rank: int, incarnation: int) -> Optional[str]:

@@ -34,7 +34,7 @@ from ..errors import ConnectionLostError, RpcError, RpcTimeoutError
 from .futures import RpcFuture
 from .hooks import describe
 from .retry import RetryPolicy, retryable
-from .shutdown import RUNNING
+from .lifecycle import RUNNING
 from .stats import PeerStats
 from .worker import WorkerInfo
 
@@ -171,7 +171,7 @@ class Requests:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
         agent = self._agent
         r = p.resend
-        if r is not None and retryable(error) and agent._state is RUNNING \
+        if r is not None and retryable(error) and agent.lifecycle.state is RUNNING \
                 and p.dst.id not in agent.liveness.declared:
             if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
                 self.pending[rid] = p

@@ -18,13 +18,9 @@ Theory of operation. An agent goes through four states, each entered once, in or
 - ``STOPPED``: closed: every pending call has failed, every thread this agent started is
   joined, the pool is closed, the store is let go. No state follows.
 
-The state is ``Agent._state``, one plain attribute that the request path reads with
-``is`` against the module constants below (``agent._state is not RUNNING``: a global and an
-identity test, as cheap as the string comparison it replaces; ``State.RUNNING`` is a
-lookup through the enum's metaclass, ten times slower). Only :meth:`Shutdown.enter`
-writes it, through :func:`advance`, which refuses any transition :data:`TRANSITIONS` does
-not list; starting and shutting down are serialized by the API's lock, so transitions do
-not race each other.
+The states, the table of transitions and the object that holds the current state are
+in lifecycle.py; :meth:`Shutdown.enter` (which ``startup`` also calls, for ``RUNNING``) is
+the one caller of :meth:`Lifecycle.enter`.
 
 Graceful shutdown of a fixed group meets every worker at three store barriers:
 
@@ -69,48 +65,24 @@ together wait :data:`STOP_WAIT` seconds at most even without a timeout.
 
 from __future__ import annotations
 
-import enum
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
 
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import (BarrierTimeoutError, LifecycleError, NotInitializedError, RpcError,
+from ..errors import (BarrierTimeoutError, NotInitializedError, RpcError,
                       ShutdownError, ThreadFailedError)
-from . import barriers
+from .._rendezvous import barriers
 from .hooks import describe
+from .lifecycle import RUNNING, STOPPED, STOPPING, Lifecycle, State
 
 if TYPE_CHECKING:
     from .agent import Agent
 
 log = logging.getLogger(__name__)
-
-
-class State(enum.Enum):
-    """The states of an agent (see the module docs); the value is what ``debug_info`` and
-    error messages say."""
-
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-# For hot paths: ``agent._state is RUNNING`` (see the module docs).
-NEW = State.NEW
-RUNNING = State.RUNNING
-STOPPING = State.STOPPING
-STOPPED = State.STOPPED
-
-TRANSITIONS: Dict[State, FrozenSet[State]] = {
-    NEW: frozenset({RUNNING}),
-    RUNNING: frozenset({STOPPING}),
-    STOPPING: frozenset({STOPPED}),
-    STOPPED: frozenset(),
-}
-"""The transitions an agent may make: state -> the states it may enter next."""
 
 
 STOP_WAIT = 15.0
@@ -149,23 +121,13 @@ def _left(until: float) -> float:
     return max(until - time.monotonic(), 0.0)
 
 
-def advance(current: State, target: State) -> State:
-    """``target``, if an agent in state ``current`` may enter it; else raise
-    :class:`LifecycleError` naming both and the states ``current`` leads to."""
-    if target not in TRANSITIONS[current]:
-        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none"
-        raise LifecycleError(f"an RPC agent that is {current.value} cannot become "
-                             f"{target.value} (it may become: {allowed})")
-    return target
-
-
-def _check_left(agent: "Agent", barrier: str) -> None:
+def _check_left(agent: "Agent", lock: "threading.Lock", barrier: str) -> None:
     """Raise if a worker stopped (it said GOODBYE) while ``barrier`` is not complete:
     one that never reached it failed its shutdown or did not make it graceful; one
     that reached it left early, so its shutdown failed (a worker it waited for died).
     Either way the count will not complete. :func:`barriers.barrier` reads the count
     again before raising, so a worker that left a complete barrier is not counted."""
-    with agent._lock:
+    with lock:
         workers = agent.registry.workers
         left = [(r, workers[r]) for r in sorted(agent.registry.left) if r in workers]
     if not left:
@@ -196,14 +158,17 @@ def _gone_error(agent: "Agent", gone: Dict[int, str]) -> ShutdownError:
 
 
 class Shutdown:
-    """One agent's lifecycle transitions and shutdown protocol (see the module docs).
+    """One agent's lifecycle transitions and shutdown protocol (see the module docs). Its
+    tables of peers are guarded by ``lock``, the agent's."""
 
-    Its tables of peers are guarded by the agent's lock, like the agent's own.
-    """
-
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "Agent", lifecycle: Lifecycle, lock: "threading.Lock",
+                 shutdown_hooks: List[Callable[[Optional[float]], None]],
+                 stop_hooks: List[Callable[[float], None]]) -> None:
         self._agent = agent
-        self._lock = agent._lock
+        self._lifecycle = lifecycle
+        self._lock = lock
+        self._shutdown_hooks = shutdown_hooks  # the upper layers', in the order they came
+        self._stop_hooks = stop_hooks
         self.gone: Dict[int, str] = {}  # rank -> why: lost, and connecting again failed
         self._shared_lost: set[int] = set()  # ranks this worker told the store it lost
         self._lost_seen = 0  # the store's count of losses when last looked at
@@ -216,8 +181,7 @@ class Shutdown:
 
     def enter(self, target: State) -> None:
         """Move the agent to state ``target``; :class:`LifecycleError` if it may not."""
-        agent = self._agent
-        agent._state = advance(agent._state, target)
+        self._lifecycle.enter(target)
 
     # -- graceful shutdown -------------------------------------------------------------------------
 
@@ -225,7 +189,7 @@ class Shutdown:
                  meet: Optional[Callable[[], None]] = None) -> None:
         """:meth:`Agent.shutdown`."""
         agent = self._agent
-        if agent._state is not RUNNING:
+        if self._lifecycle.state is not RUNNING:
             return
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         self.deadline = deadline
@@ -273,7 +237,7 @@ class Shutdown:
         agent = self._agent
         if agent.failure is not None:
             return
-        for hook in agent._shutdown_hooks:
+        for hook in self._shutdown_hooks:
             hook(deadline)
         self._wait_pending(deadline)
 
@@ -311,8 +275,8 @@ class Shutdown:
     def fail(self, error: ThreadFailedError) -> None:
         """:meth:`Agent.fail`: a background thread cannot go on."""
         agent = self._agent
-        if agent.failure is not None or (agent._state is not RUNNING
-                                         and agent._state is not STOPPING):
+        if agent.failure is not None or (self._lifecycle.state is not RUNNING
+                                         and self._lifecycle.state is not STOPPING):
             return
         agent.failure = ThreadFailedError(
             f"the RPC agent of {agent.name} has failed: {error}; call rpc.shutdown() and "
@@ -327,6 +291,9 @@ class Shutdown:
         failure = self._agent.failure
         error = ThreadFailedError(str(failure))
         raise error from failure.__cause__
+
+    def forget(self, rank: int) -> None:  # under the lock: a new worker took ``rank``
+        self.gone.pop(rank, None)
 
     def check_peers(self, barrier: Optional[str] = None) -> None:
         """Raise :class:`ShutdownError` naming any worker that is gone.
@@ -350,7 +317,7 @@ class Shutdown:
                 self._probe_absent(barrier)
         self._raise_gone()
         if at_barrier:
-            _check_left(agent, barrier)
+            _check_left(agent, self._lock, barrier)
 
     def _raise_gone(self) -> None:
         """Raise :class:`ShutdownError` naming the lost workers that cannot be reached
@@ -405,7 +372,7 @@ class Shutdown:
                 why = barriers.lost(store, r)
             if why is not None:
                 with self._lock:
-                    agent.connections.lost[r] = why
+                    agent.connections.note_lost(r, why)
                 self._shared_lost.add(r)
 
     def _probe_absent(self, barrier: str) -> None:
@@ -436,8 +403,8 @@ class Shutdown:
                 agent.connections.to(w, limit=self._time_left())
             except RpcError as exc:
                 with self._lock:
-                    agent.connections.lost[r] = self.gone[r] = \
-                        f"unreachable while the group shuts down: {exc}"
+                    why = self.gone[r] = f"unreachable while the group shuts down: {exc}"
+                    agent.connections.note_lost(r, why)
                 log.warning("%s: worker %s (rank %d) did not reach shutdown and "
                             "cannot be reached: %s", agent.name, w.name, r, exc)
 
@@ -462,14 +429,14 @@ class Shutdown:
         at ``deadline`` (a ``time.monotonic()``) if that comes first."""
         agent = self._agent
         until = _earlier(time.monotonic() + STOP_WAIT, deadline)
-        if agent._state is not STOPPING:  # a graceful shutdown entered it already
+        if self._lifecycle.state is not STOPPING:  # a graceful shutdown entered it already
             self.enter(STOPPING)
         agent.final_debug_info = agent.debug_info()
         if agent.elastic:
             agent.registry.leave(_left(until))  # stop following the membership log, announce it
         for conn in agent.connections.every_shared():
             self.goodbye(conn)
-        for hook in agent._stop_hooks:
+        for hook in self._stop_hooks:
             try:
                 hook(until)
             except Exception:  # noqa: BLE001 - one layer must not stop the others' cleanup
@@ -481,10 +448,11 @@ class Shutdown:
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
         agent.fastpath.clear()
-        stuck = agent._transport.close(_left(until)) if agent._transport is not None else []
+        transport = agent.transport
+        stuck = transport.close(_left(until)) if transport is not None else []
         stuck += agent.coroutines.close(_left(until))
         stuck += agent.scheduler.join(_left(until)) + agent.liveness.join(_left(until))
-        stuck += agent._pool.close(_left(until))
+        stuck += agent.pool.close(_left(until))
         if stuck:  # the interpreter's exit joins them (_threads.at_exit)
             log.warning("%d threads of %s still run after shutdown's wait: %s",
                         len(stuck), agent.name, ", ".join(stuck))

@@ -13,14 +13,17 @@ joiner releases its claims).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
+from .. import _wire
 from .._transport import Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
 from ..errors import RendezvousError, RpcError
-from . import devices, membership, rendezvous
-from .secret import discard_local as discard_local_secret
-from .shutdown import RUNNING
+from . import devices
+from .._rendezvous import membership, rendezvous
+from .._rendezvous.secret import discard_local as discard_local_secret
+from .lifecycle import RUNNING
+from .settings import Settings
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -28,14 +31,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start(agent: "Agent", plan: rendezvous.Plan) -> None:
-    """Rendezvous with the group under ``plan``, start listening and the agent's threads."""
+def start(agent: "Agent", plan: rendezvous.Plan, limits: _wire.Limits,
+          adopt: Callable[[Transport], None]) -> None:
+    """Rendezvous with the group under ``plan``, start listening (``adopt`` hands the
+    agent its transport, whose frames ``limits`` bound) and the agent's threads."""
     store, rank, registry = agent.store, agent.rank, agent.registry
-    host = rendezvous.listen_host(agent.options.init_method,
-                                  getattr(agent.options, "listen_addr", None))
+    settings = agent.settings
+    host = rendezvous.listen_host(settings.init_method, settings.listen_addr)
     if agent.elastic:
         secret = rendezvous.job_secret(store, rank, plan,
-                                       keep=membership.outlives_rank0(agent.options.init_method))
+                                       keep=membership.outlives_rank0(settings.init_method))
         store = agent.store = rendezvous.Records(store, secret, membership.PREFIX)
         registry.log = membership.EventLog(store)
         membership.join(store, agent.name, rank, plan, registry.incarnation, registry.log)
@@ -44,44 +49,45 @@ def start(agent: "Agent", plan: rendezvous.Plan) -> None:
         store = agent.store = rendezvous.Records(store, secret, rendezvous.PREFIX)
         rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
     try:
-        agent._transport = _transport(agent, secret, host)
+        transport = _transport(agent, secret, host, limits)
     except ValueError as exc:
         _failed(agent, exc)
         raise
     except RpcError as exc:
         raise _failed(agent, exc) from exc
+    adopt(transport)
     announced = False
     try:
         # Peers watch this worker for silence only if they know it sends heartbeats.
         facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
                                  **devices.facts(registry.device_maps,
-                                                 list(getattr(agent.options, "devices", ())))}
+                                                 list(settings.devices))}
         if agent.elastic:
-            membership.announce(store, agent.name, rank, agent._transport.address, facts,
+            membership.announce(store, agent.name, rank, transport.address, facts,
                                 registry.incarnation)
             announced = True
             registry.log.poll()
             infos = dict(registry.log.current)
         else:
             infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
-                                       agent._transport.address, plan, facts)
+                                       transport.address, plan, facts)
             discard_local_secret()  # every rank has joined, so has read it
         devices.check(infos, static=not agent.elastic)
     except BaseException:
-        agent._transport.close()
+        transport.close()
         if agent.elastic:
             _undo_join(agent, announced)
         raise
     for r, info in infos.items():
         registry.add(r, info)
     agent.shutdown_protocol.enter(RUNNING)
-    agent.scheduler.start(agent._start_thread)
+    agent.scheduler.start(agent.start_thread)
     if agent.elastic:
         registry.follow()
     agent.liveness.start()
     log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
-             agent.world_size, *agent._transport.address,
-             " (TLS)" if getattr(agent.options, "tls_certfile", None) else "")
+             agent.world_size, *transport.address,
+             " (TLS)" if settings.tls_certfile else "")
 
 
 def _failed(agent: "Agent", error: Exception) -> RendezvousError:
@@ -107,31 +113,27 @@ def _undo_join(agent: "Agent", announced: bool) -> None:
         log.warning("%s could not release its claims after a failed join: %s", agent.name, exc)
 
 
-def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
+def _transport(agent: "Agent", secret: bytes, host: str, limits: _wire.Limits) -> Transport:
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
-    options, registry = agent.options, agent.registry
-    return Transport(agent.rank, secret, agent._limits, agent.connections.on_connect,
+    settings, registry = agent.settings, agent.registry
+    return Transport(agent.rank, secret, limits, agent.connections.on_connect,
                      agent.fastpath.reading.on_frame, agent.connections.on_close, host,
-                     on_fatal=agent.fail, tls_contexts=_tls_contexts(options),
-                     features=_features(options),
-                     shm_threshold=int(getattr(options, "shm_threshold", 0)),
+                     on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
+                     features=handshake.FEATURE_SHM if settings.enable_shm else 0,
+                     shm_threshold=settings.shm_threshold,
                      same_host=registry.same_host, same_pids=registry.same_pids,
-                     send_timeout=float(getattr(options, "send_timeout", 0.0)),
-                     max_outbox=int(getattr(options, "max_outbox_bytes", 0)),
+                     send_timeout=settings.send_timeout,
+                     max_outbox=settings.max_outbox_bytes,
                      max_private=agent.fastpath.private.max,
-                     local_socket=bool(getattr(options, "enable_uds", False)),
+                     local_socket=settings.enable_uds,
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,
                      connection_type=agent.connection_type,
-                     tensor_mac=bool(getattr(options, "tensor_mac", True)))
+                     tensor_mac=settings.tensor_mac)
 
 
-def _features(options: Any) -> int:
-    return handshake.FEATURE_SHM if getattr(options, "enable_shm", False) else 0
-
-
-def _tls_contexts(options: Any) -> Optional[TlsContexts]:
-    if not getattr(options, "tls_certfile", None):
+def _tls_contexts(settings: Settings) -> Optional[TlsContexts]:
+    if not settings.tls_certfile:
         return None
-    return make_contexts(options.tls_certfile, options.tls_keyfile, options.tls_cafile,
-                         options.tls_require_client_cert, getattr(options, "tls_identity", None))
+    return make_contexts(settings.tls_certfile, settings.tls_keyfile, settings.tls_cafile,
+                         settings.tls_require_client_cert, settings.tls_identity)

@@ -89,7 +89,7 @@ class ProfilingHook(CallHook):
 
     def __init__(self, agent: Agent) -> None:
         self._agent = weakref.ref(agent)
-        self.kineto = bool(getattr(agent.options, "profile_kineto", False))
+        self.kineto = agent.settings.profile_kineto
         self._thread = state().thread  # .pending: the Call being sent on each thread
         self.gil_profiling = False
         self._gil_waits = [0, 0.0]  # samples, total microseconds

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import TYPE_CHECKING, Deque, Dict, List, Tuple
+from typing import Any, Deque, Dict, List, Tuple
 
 from .._agent import Slot
 from .._agent.current import handle
-
-if TYPE_CHECKING:
-    from .callee import ServerProfile
-    from .events import Call
 
 MAX_COMPLETED = 4096  # finished RPCs (and Kineto replays) kept for a parse; the oldest go first
 
@@ -33,11 +29,12 @@ class ProfilerState:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        # Finished RPCs of legacy profiles, by event name, and in the order they finished.
-        self.completed: Dict[str, List["Call"]] = {}
-        self.order: Deque["Call"] = collections.deque()
+        # Finished RPCs of legacy profiles (events.Call), by event name, and in the order
+        # they finished. The modules that make them import this one, not the reverse.
+        self.completed: Dict[str, List[Any]] = {}
+        self.order: Deque[Any] = collections.deque()
         self.replayed: Deque[Replay] = collections.deque(maxlen=MAX_COMPLETED)
-        self.server_profiles: List["ServerProfile"] = []  # entered, innermost last
+        self.server_profiles: List[Any] = []  # callee.ServerProfile: entered, innermost last
         # Per thread: .pending, the Call whose request is being sent; .options, the
         # Options of the legacy profile running on the thread.
         self.thread = threading.local()

@@ -9,22 +9,23 @@ worker finds them under this module's name.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 from .._agent import fresh_error
 from ..errors import WrongTypeError
 
-if TYPE_CHECKING:
-    from .layer import RRefLayer
-    from .rref import RRef
+# What the functions here take: an RRef (rref.py) and its RRefLayer (layer.py), named
+# without importing those modules, which import this one.
+_RRef = Any
+_Layer = Any
 
 # The default of an RRef method's timeout: the agent's rpc_timeout.
 _UNSET = -1.0
 
 
-def _timeout(layer: "RRefLayer", timeout: float) -> float:
+def _timeout(layer: _Layer, timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
     if timeout == _UNSET:
@@ -34,7 +35,7 @@ def _timeout(layer: "RRefLayer", timeout: float) -> float:
     return float(timeout)
 
 
-def _typeof_on_owner(rref: RRef) -> torch.futures.Future:
+def _typeof_on_owner(rref: _RRef) -> torch.futures.Future:
     """On the owner: a future of the type of the value (once it exists)."""
     assert rref._entry is not None
     out: torch.futures.Future = torch.futures.Future()
@@ -49,7 +50,7 @@ def _typeof_on_owner(rref: RRef) -> torch.futures.Future:
     return out
 
 
-def _rref_typeof_on_owner(rref: RRef) -> torch.futures.Future:
+def _rref_typeof_on_owner(rref: _RRef) -> torch.futures.Future:
     """Run on the owner for :meth:`RRef._get_type`; replies when the value exists."""
     return _typeof_on_owner(rref)
 
@@ -62,7 +63,7 @@ class _Proxy:
 
     __slots__ = ("_rref", "_mode", "_timeout")
 
-    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+    def __init__(self, rref: _RRef, mode: str, timeout: float) -> None:
         self._rref = rref
         self._mode = mode
         self._timeout = timeout
@@ -87,7 +88,7 @@ class _Proxy:
         return method
 
 
-def _invoke_method(rref: RRef, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+def _invoke_method(rref: _RRef, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]
                    ) -> torch.futures.Future:
     """Run on the owner: call a method of the value; async_execution methods stay async,
     and ``async def`` methods run on the owner's event loop."""
@@ -105,7 +106,7 @@ def _invoke_method(rref: RRef, name: str, args: Tuple[Any, ...], kwargs: Dict[st
 _invoke_method._wrapped_async_rpc_function = _invoke_method  # type: ignore[attr-defined]
 
 
-def _backward_local(rref: RRef, ctx_id: int, retain_graph: bool) -> None:
+def _backward_local(rref: _RRef, ctx_id: int, retain_graph: bool) -> None:
     value = rref.local_value()
     if not isinstance(value, torch.Tensor):
         raise WrongTypeError(f"RRef should contain a tensor for .backward(), but it holds a "

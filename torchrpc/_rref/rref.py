@@ -12,7 +12,7 @@ only append their ForkId to a queue of the layer's control part (safe from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, Optional, Tuple, TypeVar
+from typing import Any, Generic, Optional, Tuple, TypeVar
 
 import torch
 
@@ -25,16 +25,17 @@ from .book import GloballyUniqueId, OwnerEntry
 from .proxy import (_UNSET, _backward_local, _Proxy, _rref_typeof_on_owner, _timeout,
                     _typeof_on_owner)
 
-if TYPE_CHECKING:
-    from .layer import RRefLayer
+Layer = Any
+"""The :class:`~torchrpc._rref.layer.RRefLayer` an RRef belongs to; named here without
+importing layer.py, which imports this module."""
 
 T = TypeVar("T")
 
-RREF_LAYER: "Slot[RRefLayer]" = Slot("rref")
+RREF_LAYER: "Slot[Layer]" = Slot("rref")
 """Where an agent keeps its RRef layer."""
 
 
-def _layer_of(agent: Agent) -> "RRefLayer":
+def _layer_of(agent: Agent) -> Layer:
     layer = agent.extensions.get(RREF_LAYER)
     if layer is None:
         raise RuntimeError("the RRef layer is not installed on this agent")
@@ -66,7 +67,7 @@ class RRef(Generic[T]):
         entry.set_value(value)
         self._init(layer, entry.rref_id, None, layer.agent.worker_info, entry)
 
-    def _init(self, layer: "RRefLayer", rref_id: GloballyUniqueId,
+    def _init(self, layer: Layer, rref_id: GloballyUniqueId,
               fork_id: Optional[GloballyUniqueId], owner: WorkerInfo,
               entry: Optional[OwnerEntry], confirmed: bool = True) -> None:
         self._layer = layer
@@ -85,7 +86,7 @@ class RRef(Generic[T]):
         self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
 
     @classmethod
-    def _make(cls, layer: "RRefLayer", rref_id: GloballyUniqueId,
+    def _make(cls, layer: Layer, rref_id: GloballyUniqueId,
               fork_id: Optional[GloballyUniqueId], owner: WorkerInfo,
               entry: Optional[OwnerEntry], confirmed: bool = True) -> "RRef":
         self = cls.__new__(cls)

@@ -36,11 +36,12 @@ import threading
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 from .._agent import Agent, WorkerInfo
+from .._agent.settings import Settings
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from ..rpc import backend_registry, constants
-from ..rpc.options import TensorPipeRpcBackendOptions, rendezvous_plan_of
+from ..rpc.options import TensorPipeRpcBackendOptions, agent_settings, rendezvous_plan_of
 
 BACKEND_NAME = "FAULTY_TENSORPIPE"
 
@@ -190,12 +191,11 @@ class FaultyAgent(Agent):
     """An agent whose connections are :class:`FaultyConnection` objects; a request to itself
     meets the same plan."""
 
-    def __init__(self, store: Any, name: str, rank: int, world_size: int, options: Any) -> None:
-        super().__init__(store, name, rank, world_size, options)
-        self.faults = FaultPlan(getattr(options, "messages_to_fail", ()),
-                                getattr(options, "num_fail_sends", 0),
-                                getattr(options, "messages_to_delay", None))
-        self.connection_type = functools.partial(FaultyConnection, self)
+    def __init__(self, store: Any, name: str, rank: int, world_size: Optional[int],
+                 settings: Settings, faults: FaultPlan) -> None:
+        super().__init__(store, name, rank, world_size, settings,
+                         connection_type=functools.partial(FaultyConnection, self))
+        self.faults = faults
 
     def inject(self, fail: Iterable[Any] = (), num_fail_sends: int = 0,
                delay: Optional[Dict[Any, float]] = None, drop: Iterable[Any] = (),
@@ -223,7 +223,9 @@ def _init_backend(store: Any, name: str, rank: int, world_size: int, options: An
                         f"{options!r} is a {type(options).__name__}; build the options of "
                         f"BackendType.{BACKEND_NAME} with "
                         f"torchrpc._testing.FaultyTensorPipeRpcBackendOptions(...)")
-    agent = FaultyAgent(store, name, rank, world_size, options)
+    faults = FaultPlan(options.messages_to_fail, options.num_fail_sends,
+                       options.messages_to_delay)
+    agent = FaultyAgent(store, name, rank, world_size, agent_settings(options), faults)
     return agent.start(rendezvous_plan_of(options))
 
 

@@ -14,7 +14,7 @@ it is unpickled. Both sides hold the per-job secret; neither ever sends it.
             | address | binding
 
 The client's incarnation tells a process apart from an earlier one under the same rank
-(a dynamic group's member that was removed as lost, see ``_agent.membership``); the
+(a dynamic group's member that was removed as lost, see ``_rendezvous.membership``); the
 server refuses one that is not a member after checking the PROOF.
 
 The responder proves it is the worker the dialer meant: the dialer computes the MACs

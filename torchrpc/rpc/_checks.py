@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from .._agent import secret as _secret
+from .._rendezvous import secret as _secret
 from ..errors import OptionTypeError
 
 DeviceLike = Union[int, str, torch.device]

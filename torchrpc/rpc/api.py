@@ -14,11 +14,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
+from .._agent import collect
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RREF_LAYER, RRef
-from .._agent.membership import open_elastic_store
-from .._agent.rendezvous import missing_rank_error, open_store, validate_name
+from .._rendezvous.membership import open_elastic_store
+from .._rendezvous.rendezvous import missing_rank_error, open_store, validate_name
 from ..errors import RpcError
 from . import _gather, backend_registry, constants
 from ._calls import (WorkerLike, _invoke, _invoke_sync, _prepare,  # noqa: F401
@@ -137,6 +138,7 @@ def _init_rpc_backend(backend: BackendType, store: Any, name: str, rank: int,
             raise RuntimeError(f"RPC is already initialized on this process as "
                                f"{_state.agent.name!r}; call shutdown() first")
         rpc_backend_options, _ = _read_environment(rpc_backend_options)
+        collect.install()  # torch.futures.wait_all and collect_all read our futures' replies
         agent = backend_registry.init_backend(backend, store, name, rank, world_size,
                                               rpc_backend_options)
         if isinstance(agent, Agent):
@@ -226,8 +228,7 @@ def device_map_to(to: WorkerLike) -> Dict[Any, Any]:
     """The device map this worker's options set for its calls to ``to`` (empty when
     none): for layers built on the public API, such as ``RemoteModule``."""
     agent = current_agent()
-    device_maps = getattr(agent.options, "device_maps", None) or {}
-    return dict(device_maps.get(agent.resolve(to).name) or {})
+    return dict(agent.settings.device_maps.get(agent.resolve(to).name) or {})
 
 
 def get_rpc_timeout() -> float:

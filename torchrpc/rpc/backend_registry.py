@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
 
 from .._agent import Agent
 from . import constants
-from .options import TensorPipeRpcBackendOptions, rendezvous_plan_of
+from .options import TensorPipeRpcBackendOptions, agent_settings, rendezvous_plan_of
 
 BackendValue = collections.namedtuple(
     "BackendValue", ["construct_rpc_backend_options_handler", "init_backend_handler"])
@@ -37,7 +37,7 @@ def _init_default_backend(store: Any, name: str, rank: int, world_size: int,
             f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. "
             f"{rpc_backend_options!r} is a {type(rpc_backend_options).__name__}; build the "
             f"options of BackendType.TENSORPIPE with torchrpc.rpc.TensorPipeRpcBackendOptions(...)")
-    agent = Agent(store, name, rank, world_size, rpc_backend_options)
+    agent = Agent(store, name, rank, world_size, agent_settings(rpc_backend_options))
     return agent.start(rendezvous_plan_of(rpc_backend_options))
 
 

@@ -14,8 +14,9 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 
-from .._agent import secret as _secret
-from .._agent.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
+from .._agent.settings import Settings
+from .._rendezvous import secret as _secret
+from .._rendezvous.rendezvous import Deadline, Plan, interface_address, rendezvous_timeout
 from . import _checks, constants
 from ._checks import DeviceLike, Field
 
@@ -173,6 +174,14 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                           'A file of mode 0600 holding the job secret (None: from the environment).')
     insecure_secret_in_store = Field(_checks.flag_or_none,
                                        'Whether the job secret travels through the store (None: from the environment, else no).')
+    listen_addr = Field(_checks.name_or_none,
+                        'Address to listen on (None: the interface that reaches the rendezvous host).', "give an IP address or a host name")
+    enable_shm = Field(_checks.flag,
+                       'Whether workers of one host pass large buffers through shared memory.')
+    enable_uds = Field(_checks.flag,
+                       'Whether workers of one host connect through a Unix socket.')
+    shm_threshold = Field(_checks.count,
+                          'Bytes from which a buffer goes through shared memory, between workers of one host.', 0)
     max_message_size = Field(_checks.count,
                                'The largest frame this worker accepts, in bytes.', 1024)
     send_timeout = Field(_checks.seconds,
@@ -418,3 +427,27 @@ def read_environment(options: RpcBackendOptions, environ: MutableMapping[str, st
                             read.secret_file, read.insecure_secret_in_store)
     read._rendezvous_plan = Plan(Deadline(read.rendezvous_timeout), source)
     return read, read._rendezvous_plan
+
+
+def agent_settings(options: TensorPipeRpcBackendOptions) -> Settings:
+    """The settings an agent runs with: the fields of ``options`` (validated as they were
+    set), read once."""
+    return Settings(
+        rpc_timeout=float(options.rpc_timeout), init_method=options.init_method,
+        num_worker_threads=int(options.num_worker_threads), device_maps=options.device_maps,
+        devices=tuple(options.devices), listen_addr=options.listen_addr,
+        max_message_size=int(options.max_message_size), enable_shm=bool(options.enable_shm),
+        enable_uds=bool(options.enable_uds), tensor_mac=bool(options.tensor_mac),
+        shm_threshold=int(options.shm_threshold),
+        heartbeat_interval=float(options.heartbeat_interval),
+        heartbeat_timeout=float(options.heartbeat_timeout),
+        send_timeout=float(options.send_timeout), max_outbox_bytes=int(options.max_outbox_bytes),
+        max_pending_requests=int(options.max_pending_requests),
+        max_private_connections=int(options.max_private_connections),
+        max_queued_requests=int(options.max_queued_requests),
+        tls_certfile=options.tls_certfile, tls_keyfile=options.tls_keyfile,
+        tls_cafile=options.tls_cafile,
+        tls_require_client_cert=bool(options.tls_require_client_cert),
+        tls_identity=options.tls_identity, profile_kineto=bool(options.profile_kineto),
+        log_debug_info_on_timeout=bool(options.log_debug_info_on_timeout),
+        spin_us=options.spin_us)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .._transport.shm import pid_namespace
 from . import secret
 from .group_store import Records
-from .worker import check_worker_name
+from .names import check_worker_name
 from ..errors import RendezvousError
 
 log = logging.getLogger(__name__)

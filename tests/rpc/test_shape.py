@@ -272,15 +272,6 @@ API_SURFACE = {"_testing/faulty.py", "_testing/__init__.py"}
 """torch ships the faulty backend as ``torch.distributed.rpc._testing``, and its faulty
 suites need it: API surface, not a test tool (its faults sit at the connection)."""
 
-# Tools that issue 50's tools work moves beside the package (benchmarks/); the
-# coordinator removes an entry once that has landed.
-PENDING_TOOLS = {
-    "bench": "torchrpc/bench moves to a repo-level benchmarks/ (issue 50, the tools work)",
-    "_testing/segments.py": "the step-by-step timing tool moves to benchmarks/ (issue 50, "
-                            "the tools work)",
-}
-
-
 def tools_in(root: pathlib.Path) -> List[str]:
     """The files under ``root`` that are benchmarks or test tools: by name (a benchmark,
     a test module, a conftest), by place (``_testing/`` holds the API surface only), or
@@ -318,20 +309,9 @@ def test_the_tool_finder_sees_benchmarks_and_test_tools(tmp_path):
                               "tools/helpers.py: imports unittest"]
 
 
-def _pending_tool(line: str) -> bool:
-    return any(line.startswith(prefix) for prefix in PENDING_TOOLS)
-
-
 def test_nothing_under_torchrpc_is_a_benchmark_or_a_test_tool():
-    found = [line for line in tools_in(PKG) if not _pending_tool(line)]
+    found = tools_in(PKG)
     assert not found, "\n".join(found)
-
-
-@pytest.mark.parametrize("tool", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=why, strict=False))
-    for name, why in sorted(PENDING_TOOLS.items())])
-def test_the_tools_have_moved_out_of_the_package(tool):
-    assert not (PKG / tool).exists(), f"torchrpc/{tool} is a tool inside the library"
 
 
 # -- no patching of torch at import -------------------------------------------------------------------

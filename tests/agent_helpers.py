@@ -118,4 +118,4 @@ def deliver(agent: Agent, conn: FakeConn, kind: int) -> None:
     """A one-way frame of ``kind`` with no payload arrives on ``conn``."""
     envelope = _wire.encode(None)[0]
     header = _wire.Header(kind, _wire.FLAG_ONEWAY, 0, len(envelope), 0)
-    agent.fastpath.reading.on_frame(conn, header, envelope, [])
+    agent.inbound.on_frame(conn, header, envelope, [])

@@ -3,7 +3,7 @@
 A few things differ from a plain torch future. Waiting on it from a pool thread
 tells the pool the thread is blocked, so nested blocking calls never starve the
 pool. A future whose reply waits unread on a private connection (a parked reply, see
-fastpath.py) has it read by the thread that waits on it, with no reader thread woken;
+lanes.py) has it read by the thread that waits on it, with no reader thread woken;
 asking whether it is done, or adding a callback, has a pool thread read it at once. Callbacks (``then`` / ``add_done_callback``) never run on a transport
 reader thread: if the future completes there, they are handed to the pool, so a
 callback that itself makes a blocking RPC cannot stall the connection whose
@@ -50,6 +50,35 @@ def on_reader_thread() -> bool:
     return getattr(_reader, "active", False)
 
 
+class ManyClaim:
+    """A future's ``_claim`` that reads the replies of several futures at once (a burst,
+    see bursts.py): :func:`wait_all` and :func:`collect_all` read once for all the
+    futures of one :attr:`group`. ``claim(future, later)`` reads until ``future`` is
+    done, on the calling thread or with ``later`` on the pool."""
+
+    __slots__ = ()
+
+    @property
+    def group(self) -> Any:
+        """What the futures claimed alike share (one reading serves them all)."""
+        raise NotImplementedError
+
+    def events(self) -> int:
+        """A count that grows with every error reply read, and every quiet wait."""
+        raise NotImplementedError
+
+    def read_until(self, finished: Callable[[], bool]) -> None:
+        """Read on this thread until ``finished()``."""
+        raise NotImplementedError
+
+    def read_later(self, finished: Callable[[], bool]) -> None:
+        """Read on the pool until ``finished()``."""
+        raise NotImplementedError
+
+    def __call__(self, future: Any, later: bool) -> None:
+        raise NotImplementedError
+
+
 class RpcFuture(torch.futures.Future):
     """A :class:`torch.futures.Future` completed by the RPC agent."""
 
@@ -60,9 +89,9 @@ class RpcFuture(torch.futures.Future):
     def __init__(self, pool: Optional[WorkerPool] = None) -> None:
         _future_init(self, _NO_DEVICES)
         self._pool = pool
-        # Reads a parked reply: ``claim(self, False)`` on the calling thread,
-        # ``claim(self, True)`` on the pool (see fastpath.py and bursts.py); None once
-        # claimed, or for a reply read elsewhere.
+        # Reads a reply that waits unread for whoever waits on the future (see lanes.py):
+        # ``claim(self, False)`` on the calling thread, ``claim(self, True)`` on the
+        # pool; None once claimed, or for a reply read elsewhere.
         self._claim: Optional[Callable[[RpcFuture, bool], None]] = None
         # The callbacks waiting for it to complete; _RAN once they were handed to be run.
         self._callbacks: Any = None
@@ -165,7 +194,7 @@ class SyncFuture:
     released once it has one. It costs a small part of a torch future's making, setting
     and waiting, which a blocking call would pay for nothing."""
 
-    __slots__ = ("_ready", "_value", "_error", "_callbacks")
+    __slots__ = ("_ready", "_value", "_error", "_callbacks", "_claim")
 
     def __init__(self) -> None:
         self._ready = _new_lock()
@@ -173,6 +202,8 @@ class SyncFuture:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: Optional[List[Callable[[Any], None]]] = None
+        # Reads its reply on the waiting thread, as RpcFuture's (see lanes.py).
+        self._claim: Optional[Callable[[Any, bool], None]] = None
 
     def set_result(self, value: Any) -> None:
         self._value = value
@@ -207,6 +238,10 @@ class SyncFuture:
     def wait(self) -> Any:
         """The value, or a copy of the error raised; blocks (as a blocked pool thread)
         until there is one."""
+        claim = self._claim
+        if claim is not None:
+            self._claim = None
+            claim(self, False)
         ready = self._ready
         if not ready.acquire(False):
             pool = current_pool()
@@ -350,7 +385,7 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
         elif finished() == total and ended.setdefault("by", combined) is combined:
             combined.set_result(futures)
 
-    _read_later(_burst_groups(futures)[0])
+    _read_later(_claim_groups(futures)[0])
     for fut in futures:
         if isinstance(fut, RpcFuture):
             _claim_later(fut)
@@ -358,38 +393,39 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
     return combined
 
 
-def _burst_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
-    """The futures of bursts (bursts.py) among ``futures``, their claims taken, by burst:
-    ``[claim, future, ...]`` for each; and whether there are no others."""
+def _claim_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
+    """The futures whose claims read for many (:class:`ManyClaim`) among ``futures``,
+    their claims taken, by group: ``[claim, future, ...]`` for each; and whether there
+    are no others."""
     groups: Dict[int, List[Any]] = {}
     alone = True
     for fut in futures:
         claim = fut._claim if isinstance(fut, RpcFuture) else None
-        if claim is not None and hasattr(claim, "read_until"):
+        if isinstance(claim, ManyClaim):
             fut._claim = None
-            groups.setdefault(id(claim.burst), [claim]).append(fut)
+            groups.setdefault(id(claim.group), [claim]).append(fut)
         else:
             alone = False
     return list(groups.values()), alone
 
 
 def _read_later(groups: List[List[Any]]) -> None:
-    """One pool thread reads each burst of ``groups`` (see :func:`_burst_groups`) until
+    """One pool thread reads each group of ``groups`` (see :func:`_claim_groups`) until
     its futures are done, or one has failed."""
     for claim, *group in groups:
-        claim.read_later(_all_done(group, claim.burst))
+        claim.read_later(_all_done(group, claim))
 
 
 @functools.wraps(_torch_wait_all)
 def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     if not any(isinstance(f, RpcFuture) for f in futures):
         return _torch_wait_all(futures)
-    # Futures of one burst (bursts.py) alone are read on this thread; those of several,
-    # each burst on a pool thread (collect_all), so that an error on one ends the wait.
-    groups, alone = _burst_groups(futures)
+    # Futures of one group (a burst, bursts.py) alone are read on this thread; those of
+    # several, each group on a pool thread (collect_all), so that an error ends the wait.
+    groups, alone = _claim_groups(futures)
     if alone and len(groups) == 1:
         (claim, *group), = groups
-        claim.read_until(_all_done(group, claim.burst))
+        claim.read_until(_all_done(group, claim))
         done = torch._C.Future.done
         for fut in futures:  # an error ends the wait, as torch's does
             error = _failure(fut) if done(fut) else None
@@ -405,12 +441,13 @@ def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     return [_future_value(fut) for fut in collect_all(futures).wait()]
 
 
-def _all_done(group: List[Any], burst: Any) -> Callable[[], bool]:
-    """Whether every future of ``group`` (on ``burst``) is done, or one has failed. Each
-    call goes on from where the last one stopped; failures are looked for only when an
-    error reply came on the burst, or it went quiet, since the last look."""
+def _all_done(group: List[Any], claim: ManyClaim) -> Callable[[], bool]:
+    """Whether every future of ``group`` (read by ``claim``) is done, or one has failed.
+    Each call goes on from where the last one stopped; failures are looked for only when
+    an error reply came, or the reading went quiet, since the last look."""
     done = torch._C.Future.done
-    state = [0, burst.errors + burst.quiet]  # futures of group done in a row; events seen
+    events = claim.events
+    state = [0, events()]  # futures of group done in a row; events seen
 
     def finished() -> bool:
         i = state[0]
@@ -419,9 +456,9 @@ def _all_done(group: List[Any], burst: Any) -> Callable[[], bool]:
         state[0] = i
         if i == len(group):
             return True
-        events = burst.errors + burst.quiet
-        if events != state[1]:
-            state[1] = events
+        now = events()
+        if now != state[1]:
+            state[1] = now
             return any(done(f) and _failure(f) is not None for f in group)
         return False
     return finished

@@ -228,7 +228,7 @@ class Liveness:
             self.declared.add(rank)  # its calls fail now, with no retry
         for conn in conns:
             conn.close(error)
-        agent.fastpath.private.close_idle(rank, error)
+        agent.lanes.private.close_idle(rank, error)
         agent.requests.fail_peer(rank, error)  # also those no connection carried (a failed send)
 
     # -- losses ----------------------------------------------------------------------------------

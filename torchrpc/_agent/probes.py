@@ -124,4 +124,4 @@ class Probes:
             self.later(p.dst, rid, _RECHECK)
         for rid, p in missing:
             r = p.resend
-            self._calls.attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+            self._calls.transmit(None, rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)

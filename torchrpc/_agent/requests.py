@@ -203,7 +203,7 @@ class Requests:
             return  # timed out or answered meanwhile
         r = p.resend
         r.scheduled = False
-        self._agent.calls.attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+        self._agent.calls.transmit(None, rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
     def fail_matching(self, match: Callable[[Pending], bool], error: RpcError) -> None:
         """Fail (or retry) the pending requests for which ``match`` is true."""

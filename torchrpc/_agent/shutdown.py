@@ -480,7 +480,7 @@ class Shutdown:
         agent.requests.fail_all(lambda p: NotInitializedError(
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
-        agent.fastpath.clear()
+        agent.lanes.clear()
         stuck = agent._transport.close(_left(until)) if agent._transport is not None else []
         stuck += agent.coroutines.close(_left(until))
         stuck += agent.scheduler.join(_left(until)) + agent.liveness.join(_left(until))

@@ -111,14 +111,14 @@ def _transport(agent: "Agent", secret: bytes, host: str) -> Transport:
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
     options, registry = agent.options, agent.registry
     return Transport(agent.rank, secret, agent._limits, agent.connections.on_connect,
-                     agent.fastpath.reading.on_frame, agent.connections.on_close, host,
+                     agent.inbound.on_frame, agent.connections.on_close, host,
                      on_fatal=agent.fail, tls_contexts=_tls_contexts(options),
                      features=_features(options),
                      shm_threshold=int(getattr(options, "shm_threshold", 0)),
                      same_host=registry.same_host, same_pids=registry.same_pids,
                      send_timeout=float(getattr(options, "send_timeout", 0.0)),
                      max_outbox=int(getattr(options, "max_outbox_bytes", 0)),
-                     max_private=agent.fastpath.private.max,
+                     max_private=agent.lanes.private.max,
                      local_socket=bool(getattr(options, "enable_uds", False)),
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,

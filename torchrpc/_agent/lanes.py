@@ -1,0 +1,206 @@
+"""The ways a reply travels back to its caller (*lanes*), and the one function that picks
+one for a call (``Lanes``, held as ``agent.lanes``).
+
+Theory of operation. Every request takes one path (:meth:`Calls.start
+<torchrpc._agent.calls.Calls.start>`): a lane is picked, the request is encoded and
+entered in the pending table, the lane sends it, and the caller gets its future. Which
+lane depends on what the caller will do with the reply (:class:`Expect`) and on the
+peer; :meth:`Lanes.pick` alone decides:
+
+- the **shared lane** (:class:`SharedLane`): the shared connection to the peer, whose
+  reading thread completes the future. Every call can take it, and takes it where no
+  other lane fits (a retry, TLS, the worker itself, too many parked replies, ...).
+- the **private lane** (:class:`~torchrpc._agent.private_lane.PrivateLane`): a
+  connection of its own, whose reply the thread that waits on the future reads itself
+  (no reader thread is woken, no GIL is handed over twice). ``rpc_sync`` takes it
+  (:attr:`Expect.WAIT`); an ``rpc_async`` (:attr:`Expect.FUTURE`) and RRef creation
+  (:attr:`Expect.FOLLOWED`) *park* their reply in it, for whoever waits first.
+- the **burst lane** (:class:`~torchrpc._agent.bursts.BurstLane`): a thread's second
+  ``rpc_async`` to a worker whose first is parked makes that connection the thread's
+  burst connection, which carries its calls to the worker from then on; the thread reads
+  their replies in batches.
+
+A lane has two methods: ``send`` (the request is entered; send it and arrange how its
+reply is read) and ``release`` (encoding failed: give back what ``pick`` reserved). The
+send-and-resend bookkeeping of every lane is :meth:`Calls.transmit
+<torchrpc._agent.calls.Calls.transmit>`; the lanes whose replies a waiting thread reads
+share one reading loop, :func:`read_replies`. The future decides who reads: its
+``_claim`` (futures.py) reads the reply on the thread that waits, or on the pool when
+someone asks whether it is done or adds a callback. Nothing above the agent, nor the
+transport, knows lanes exist.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from .._transport import Connection, PollPolicy
+from .._wire import Header, Kind
+from ..errors import RpcError
+from .bursts import Bursts
+from .cpus import usable_cpus as _usable_cpus
+from .futures import mark_reader_thread, on_reader_thread
+from .private import PrivateConnections
+from .private_lane import PrivateLane
+from .retry import RetryPolicy
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .agent import Agent
+    from .calls import Calls
+    from .requests import Pending
+
+
+class Expect:
+    """What the caller does with the reply: with the peer, this picks the call's lane."""
+
+    ANY = 0  # nothing in particular (a callback, or a future handed out)
+    WAIT = 1  # the caller waits for it at once (rpc_sync, RRef.to_here)
+    FUTURE = 2  # the caller holds the future and usually waits on it soon (rpc_async)
+    FOLLOWED = 3  # nobody waits, but a blocking call to the same worker follows (remote())
+
+
+class Route:
+    """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
+
+    __slots__ = ("lane", "conn", "held", "sync", "inline")
+
+    def __init__(self, lane: Any, conn: Optional[Connection] = None, held: Any = None,
+                 sync: bool = False, inline: bool = False) -> None:
+        self.lane = lane
+        # The private connection whose reader the caller is: a deadline or a lost peer
+        # closes it, which wakes that reader (see Pending.set_exception).
+        self.conn = conn
+        self.held = held
+        self.sync = sync  # the future is a SyncFuture (nobody but its caller sees it)
+        self.inline = inline  # the call's on_done runs where the future completes
+
+
+class SharedLane:
+    """The shared connection to the peer, read by the connection's reading thread."""
+
+    def __init__(self, calls: "Calls") -> None:
+        self._calls = calls
+        self.route = Route(self)
+
+    def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
+             bufs: Any, keep: Any) -> None:
+        self._calls.transmit(None, rid, p, kind, flags, env, bufs, keep)
+
+    def release(self, route: Route, dst: WorkerInfo) -> None:
+        pass
+
+
+def read_replies(conn: Connection, calls: "Calls", stop: Callable[[], bool],
+                 took: Callable[[Header], None], lost: Callable[[BaseException], None],
+                 settled: Optional[Callable[[Header], None]] = None,
+                 as_reader: bool = False) -> None:
+    """The reading loop of the lanes whose replies a waiting thread reads: read frames
+    from ``conn`` until ``stop()``; for each reply, ``took(header)`` (the lane's
+    bookkeeping, before the caller wakes), complete its request, then ``settled(header)``;
+    if the connection breaks, ``lost(error)``. ``as_reader``: the thread counts as a
+    reader meanwhile (callbacks of the futures it completes go to the pool)."""
+    if as_reader:
+        was_reader = on_reader_thread()
+        mark_reader_thread()
+    try:
+        while not stop():
+            try:
+                header, envelope, buffers = conn.read_frame()
+            except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
+                lost(exc)
+                return
+            kind = header.kind
+            if kind == Kind.RESPONSE or kind == Kind.ERROR:
+                took(header)
+                calls.on_reply(conn, header, envelope, buffers)
+                if settled is not None:
+                    settled(header)
+            # Nothing else is sent to a caller on these connections; ignore anything else.
+            envelope = buffers = None
+    finally:
+        if as_reader:
+            mark_reader_thread(was_reader)
+
+
+class Lanes:
+    """One agent's lanes, and the choice among them."""
+
+    def __init__(self, agent: "Agent", calls: "Calls") -> None:
+        self._agent = agent
+        # handed to every private connection (Connections.on_connect); the spin_us option
+        self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
+        self.private = PrivateConnections(agent)
+        self.shared = SharedLane(calls)
+        self.private_lane = PrivateLane(agent, calls, self.private)
+        self.bursts = Bursts(agent, calls, self.private, self.private_lane)
+
+    @property
+    def num_parked(self) -> int:
+        """Parked requests whose reply is not read yet (a debug_info counter)."""
+        return self.private_lane.num_parked
+
+    def pick(self, dst: WorkerInfo, expect: int, retry: Optional[RetryPolicy],
+             timeout: float, after: Any = None) -> Route:
+        """The lane of a call to ``dst`` whose caller does ``expect`` with the reply.
+        ``after``: the future of an earlier call to ``dst`` whose reply is parked; a
+        :attr:`Expect.WAIT` call then goes out on its connection, if it may, and its
+        thread reads both replies."""
+        if expect == Expect.ANY:
+            return self.shared.route
+        private, lane = self.private, self.private_lane
+        if expect == Expect.WAIT:
+            # With retry, an attempt that fails on the connection is sent again on the
+            # shared one, and its reply read there (see Requests.fail).
+            if after is not None:
+                route = lane.after(after, timeout)
+                if route is not None:
+                    return route
+            if private.usable(dst):
+                conn = private.checkout(dst)
+                if conn is not None:
+                    return Route(lane, conn, (), sync=True)
+            return self.shared.route
+        if expect == Expect.FUTURE:
+            if retry is not None:
+                return self.shared.route
+            burst = self.bursts.of(dst)
+            if burst is not None:
+                return self.bursts.route(burst)
+            # It parks only on an idle private connection (it never waits for one to open)
+            # and while no other reply from its worker is parked: a burst of calls to one
+            # worker would otherwise take a connection, and a reading thread on both
+            # sides, each.
+            if private.has_idle(dst.id):
+                if lane.room() and not lane.parked_to(dst.id) and private.usable(dst):
+                    conn = private.checkout(dst, opens=False)
+                    if conn is not None:
+                        return Route(lane, conn, None)
+                if private.has_idle(dst.id):
+                    return self.shared.route
+            self.bursts.went_shared(dst)
+            return self.shared.route
+        # Expect.FOLLOWED
+        if lane.room() and private.usable(dst):
+            conn = private.checkout(dst)
+            if conn is not None:
+                return Route(lane, conn, None, sync=True, inline=True)
+        return self.shared.route
+
+    def tick(self, now: float) -> None:
+        """Timer: read the replies nobody claimed for a tick (parked ones, bursts'); give
+        back the burst connections of threads that ended."""
+        self.private_lane.drain_parked(now)
+        self.bursts.tick(now)
+
+    def check_cpus(self, workers: int) -> None:
+        """Timer: have readers poll as the ``workers`` on this host and its CPUs allow."""
+        self.poll.for_host(torch.get_num_threads(), workers, _usable_cpus())
+
+    def clear(self) -> None:
+        """The agent stops: forget the idle connections, parked requests and bursts."""
+        self.private.clear()
+        self.private_lane.clear()
+        self.bursts.clear()

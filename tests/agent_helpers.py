@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torchrpc import _wire
 from torchrpc._agent import Agent
 from torchrpc._agent.futures import mark_reader_thread, new_future
-from torchrpc._agent.requests import Pending
+from torchrpc._agent.pending import Pending
 from torchrpc._agent.rendezvous import PREFIX, Records
 from torchrpc._agent.shutdown import RUNNING
 from torchrpc._wire import Kind

@@ -44,19 +44,15 @@ from .._transport import Connection
 from .._wire import Header, Kind
 from ..errors import ClosedError, RpcError
 from .futures import ManyClaim, RpcFuture
-from .pool import current_pool
+from .pool import WorkerPool, current_pool
+from .route import IdleConnections, Route, Sender, read_replies
 from .scheduler import LENT_TICK
-from .shutdown import RUNNING
 from .stats import nbytes
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from .agent import Agent
-    from .calls import Calls
-    from .lanes import Route
-    from .private import PrivateConnections
     from .private_lane import PrivateLane
-    from .requests import Pending
+    from .pending import Pending
 
 _DRAIN_EVERY = 64  # the burst's thread reads the replies that came at every this many calls
 _MAX_OUT = 512  # requests outstanding on one burst connection at most
@@ -136,13 +132,15 @@ class _Claim(ManyClaim):
 class Bursts:
     """The burst lane: the burst connections of one agent's threads."""
 
-    def __init__(self, agent: "Agent", calls: "Calls", private: "PrivateConnections",
-                 private_lane: "PrivateLane") -> None:
-        self._agent = agent
+    def __init__(self, calls: Sender, private: IdleConnections,
+                 private_lane: "PrivateLane", pending: Dict[int, "Pending"], pool: WorkerPool,
+                 running: Callable[[], bool]) -> None:
         self._calls = calls
         self._private_lane = private_lane
         self._private = private
-        self.pool = agent.pool
+        self._pending = pending  # the request table's (requests.py)
+        self._running = running  # whether the agent runs
+        self.pool = pool
         self._mine = threading.local()  # .by_rank: this thread's bursts by worker rank
         self._all: List[Burst] = []  # every burst, for the timer (changed under _lock)
         self._shared: Dict[int, int] = {}  # rank -> rpc_async calls to it that went shared
@@ -164,7 +162,7 @@ class Bursts:
         mine = self._private_lane.take_parked(dst.id)
         if mine is None:
             return None
-        pending = self._agent.requests.pending.get(mine.rid)
+        pending = self._pending.get(mine.rid)
         if pending is not None:
             pending.private = None  # its timeout must not close the burst's connection
         return self._start(mine.conn, dst, mine.rid, mine.future)
@@ -184,7 +182,7 @@ class Bursts:
 
     def _open_idle(self, dst: WorkerInfo) -> None:
         private = self._private
-        if private.has_idle(dst.id) or self._agent._state is not RUNNING:
+        if private.has_idle(dst.id) or not self._running():
             return
         try:
             conn = private.checkout(dst)
@@ -207,15 +205,13 @@ class Bursts:
             self._all.append(burst)
         return burst
 
-    def route(self, burst: Burst) -> "Route":
+    def route(self, burst: Burst) -> Route:
         """The route of a call on ``burst`` (room made for it first)."""
-        from .lanes import Route
-
         if len(burst.out) >= _MAX_OUT:
             self._make_room(burst)
         return Route(self, None, burst)
 
-    def send(self, route: "Route", rid: int, p: "Pending", kind: int, flags: int, env: bytes,
+    def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
              bufs: Any, keep: Any) -> None:
         """Send request ``rid`` on the route's burst; its reply is read as the module docs
         say."""
@@ -237,7 +233,7 @@ class Bursts:
         if burst.calls % _DRAIN_EVERY == 0:
             self.drain(burst)
 
-    def release(self, route: "Route", dst: WorkerInfo) -> None:
+    def release(self, route: Route, dst: WorkerInfo) -> None:
         pass  # the burst keeps its connection
 
     def drain(self, burst: Burst) -> None:
@@ -285,8 +281,6 @@ class Bursts:
     def _read(self, burst: Burst, stop: Callable[[], bool]) -> None:
         """Holding ``burst``'s lock: read and settle frames until ``stop()``, as a reader
         thread (callbacks of the futures it completes go to the pool)."""
-        from .lanes import read_replies
-
         out = burst.out
 
         def took(header: Header) -> None:

@@ -29,7 +29,7 @@ from .hooks import MessageContext, combine, describe
 from .lanes import Expect, Lanes
 from .probes import Probes
 from .remote_error import rebuild_error
-from .requests import Pending, Resend
+from .pending import Pending, Resend
 from .retry import RetryPolicy
 from .stats import nbytes
 from .worker import WorkerInfo

@@ -32,56 +32,31 @@ transport, knows lanes exist.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .._transport import Connection, PollPolicy
-from .._wire import Header, Kind
-from ..errors import RpcError
+from .._transport import PollPolicy
 from .bursts import Bursts
 from .cpus import usable_cpus as _usable_cpus
-from .futures import mark_reader_thread, on_reader_thread
 from .private import PrivateConnections
 from .private_lane import PrivateLane
 from .retry import RetryPolicy
+from .route import Expect, Route, Sender
+from .shutdown import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
     from .agent import Agent
-    from .calls import Calls
-    from .requests import Pending
+    from .pending import Pending
 
-
-class Expect:
-    """What the caller does with the reply: with the peer, this picks the call's lane."""
-
-    ANY = 0  # nothing in particular (a callback, or a future handed out)
-    WAIT = 1  # the caller waits for it at once (rpc_sync, RRef.to_here)
-    FUTURE = 2  # the caller holds the future and usually waits on it soon (rpc_async)
-    FOLLOWED = 3  # nobody waits, but a blocking call to the same worker follows (remote())
-
-
-class Route:
-    """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
-
-    __slots__ = ("lane", "conn", "held", "sync", "inline")
-
-    def __init__(self, lane: Any, conn: Optional[Connection] = None, held: Any = None,
-                 sync: bool = False, inline: bool = False) -> None:
-        self.lane = lane
-        # The private connection whose reader the caller is: a deadline or a lost peer
-        # closes it, which wakes that reader (see Pending.set_exception).
-        self.conn = conn
-        self.held = held
-        self.sync = sync  # the future is a SyncFuture (nobody but its caller sees it)
-        self.inline = inline  # the call's on_done runs where the future completes
+__all__ = ["Expect", "Lanes", "Route", "SharedLane"]
 
 
 class SharedLane:
     """The shared connection to the peer, read by the connection's reading thread."""
 
-    def __init__(self, calls: "Calls") -> None:
+    def __init__(self, calls: Sender) -> None:
         self._calls = calls
         self.route = Route(self)
 
@@ -93,49 +68,18 @@ class SharedLane:
         pass
 
 
-def read_replies(conn: Connection, calls: "Calls", stop: Callable[[], bool],
-                 took: Callable[[Header], None], lost: Callable[[BaseException], None],
-                 settled: Optional[Callable[[Header], None]] = None,
-                 as_reader: bool = False) -> None:
-    """The reading loop of the lanes whose replies a waiting thread reads: read frames
-    from ``conn`` until ``stop()``; for each reply, ``took(header)`` (the lane's
-    bookkeeping, before the caller wakes), complete its request, then ``settled(header)``;
-    if the connection breaks, ``lost(error)``. ``as_reader``: the thread counts as a
-    reader meanwhile (callbacks of the futures it completes go to the pool)."""
-    if as_reader:
-        was_reader = on_reader_thread()
-        mark_reader_thread()
-    try:
-        while not stop():
-            try:
-                header, envelope, buffers = conn.read_frame()
-            except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
-                lost(exc)
-                return
-            kind = header.kind
-            if kind == Kind.RESPONSE or kind == Kind.ERROR:
-                took(header)
-                calls.on_reply(conn, header, envelope, buffers)
-                if settled is not None:
-                    settled(header)
-            # Nothing else is sent to a caller on these connections; ignore anything else.
-            envelope = buffers = None
-    finally:
-        if as_reader:
-            mark_reader_thread(was_reader)
-
-
 class Lanes:
     """One agent's lanes, and the choice among them."""
 
-    def __init__(self, agent: "Agent", calls: "Calls") -> None:
-        self._agent = agent
+    def __init__(self, agent: "Agent", calls: Sender) -> None:
         # handed to every private connection (Connections.on_connect); the spin_us option
         self.poll = PollPolicy.from_option(getattr(agent.options, "spin_us", None))
         self.private = PrivateConnections(agent)
         self.shared = SharedLane(calls)
-        self.private_lane = PrivateLane(agent, calls, self.private)
-        self.bursts = Bursts(agent, calls, self.private, self.private_lane)
+        pending, pool = agent.requests.pending, agent.pool
+        self.private_lane = PrivateLane(calls, self.private, pending, pool)
+        self.bursts = Bursts(calls, self.private, self.private_lane, pending, pool,
+                             lambda: agent._state is RUNNING)
 
     @property
     def num_parked(self) -> int:

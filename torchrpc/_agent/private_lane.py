@@ -6,7 +6,7 @@ cost two thread switches on the way back: the connection's reader takes the repl
 wakes the caller, and the GIL goes back and forth between them. On this lane the request
 goes out on a private connection (private.py), which has no reader thread on this side:
 the caller's future reads the reply itself when it is waited on (its ``_claim``, a
-:class:`Claim`), with no other thread involved. A deadline or a lost peer fails the
+:class:`Waiting`), with no other thread involved. A deadline or a lost peer fails the
 request and closes the connection (``Pending.set_exception``), which wakes that reader.
 The readers of private connections poll a moment before they block, for as long as the
 lanes' :class:`~torchrpc._transport.PollPolicy` says.
@@ -33,63 +33,71 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Header
 from ..errors import ClosedError
-from .pool import current_pool
+from .pool import WorkerPool, current_pool
+from .route import IdleConnections, Route, Sender, read_replies
 from .scheduler import LENT_TICK
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from .agent import Agent
-    from .calls import Calls
-    from .lanes import Route
-    from .private import PrivateConnections
-    from .requests import Pending
+    from .pending import Pending
 
 _MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 
 
-class Claim:
-    """How a request's reply on a private connection gets read: the future's ``_claim``
-    (``claim(future, later)`` reads it on the calling thread, or with ``later`` on the
-    pool). A parked one is in the lane's table until someone takes it over."""
+class Waiting:
+    """The claim of a request whose caller waits for its reply at once: read the
+    connection on the waiting thread until that reply (and those of the parked requests
+    ``also``, sent on it before) is there."""
 
-    __slots__ = ("lane", "conn", "rid", "also", "deadline", "since", "thread", "future",
-                 "parked")
+    __slots__ = ("lane", "conn", "rid", "also")
 
-    def __init__(self, lane: "PrivateLane", conn: Connection, rid: int, also: Tuple[int, ...],
-                 deadline: Optional[float], future: Any, parked: bool) -> None:
+    def __init__(self, lane: "PrivateLane", conn: Connection, rid: int,
+                 also: Tuple[int, ...]) -> None:
         self.lane = lane
         self.conn = conn
         self.rid = rid
-        self.also = also  # parked requests sent on ``conn`` before, read with this one
+        self.also = also
+
+    def __call__(self, _future: Any, _later: bool) -> None:
+        self.lane.read_waiting(self)
+
+
+class Claim:
+    """The claim of a parked request: read its reply on the calling thread, or with
+    ``later`` on the pool, unless someone took it over already (see the module docs)."""
+
+    __slots__ = ("lane", "conn", "rid", "deadline", "since", "thread", "future")
+
+    def __init__(self, lane: "PrivateLane", conn: Connection, rid: int,
+                 deadline: Optional[float], future: Any) -> None:
+        self.lane = lane
+        self.conn = conn
+        self.rid = rid
         self.deadline = deadline
         self.since = time.monotonic()
         self.thread = threading.get_ident()  # the thread that sent it
         self.future = future  # an rpc_async's, which its thread's next one may make a burst
-        self.parked = parked
 
     def __call__(self, _future: Any, later: bool) -> None:
-        self.lane.read_claimed(self, later)
-
-
-# The name the RRef layer and older code know parked requests by.
-Parked = Claim
+        self.lane.read_parked(self, later)
 
 
 class PrivateLane:
     """Requests on private connections, and the parked ones among them."""
 
-    def __init__(self, agent: "Agent", calls: "Calls", private: "PrivateConnections") -> None:
+    def __init__(self, calls: Sender, private: IdleConnections,
+                 pending: Dict[int, "Pending"], pool: WorkerPool) -> None:
         self._calls = calls
-        self._pending = agent.requests.pending
+        self._pending = pending  # the request table's (requests.py), read only
         self._private = private
-        self._pool = agent.pool
+        self._pool = pool
         self._lock = threading.Lock()
         self._parked: Dict[int, Claim] = {}  # unclaimed parked requests by request id
         self.num_parked = 0  # parked requests whose reply is not read yet
 
     # -- the lane ------------------------------------------------------------------------------
 
-    def send(self, route: "Route", rid: int, p: "Pending", kind: int, flags: int, env: bytes,
+    def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
              bufs: Any, keep: Any) -> None:
         """Send request ``rid`` on the route's connection; its future's claim reads the
         reply (and those of the parked requests the route took over)."""
@@ -98,17 +106,17 @@ class PrivateLane:
             self.release(route, p.dst)  # failed, or gone to retry the shared way
             return
         future = p.future
-        deadline = time.monotonic() + p.timeout if p.timeout > 0 else None
         if also is not None:  # a waiting call: its caller reads at once
-            future._claim = Claim(self, conn, rid, also, deadline, None, False)
+            future._claim = Waiting(self, conn, rid, also)
             return
-        claim = Claim(self, conn, rid, (), deadline, None if route.sync else future, True)
+        claim = Claim(self, conn, rid, time.monotonic() + p.timeout if p.timeout > 0 else None,
+                      None if route.sync else future)
         with self._lock:
             self.num_parked += 1
         self._parked[rid] = claim
         future._claim = claim
 
-    def release(self, route: "Route", dst: WorkerInfo) -> None:
+    def release(self, route: Route, dst: WorkerInfo) -> None:
         """The request was not sent on the route's connection after all: read the parked
         reply it took over on the pool, or give the connection back."""
         also = route.held
@@ -117,15 +125,13 @@ class PrivateLane:
         else:
             self._private.checkin(dst, route.conn)
 
-    def after(self, future: Any, timeout: float) -> Optional["Route"]:
+    def after(self, future: Any, timeout: float) -> Optional[Route]:
         """The route of a waiting call with ``timeout`` that takes over the parked
         request of ``future`` (see :meth:`Lanes.pick`), or None. A request that may time
         out first does not: its timeout would close the connection under the parked
         request."""
-        from .lanes import Route
-
         claim = getattr(future, "_claim", None)
-        if type(claim) is not Claim or not claim.parked:
+        if type(claim) is not Claim:
             return None
         if timeout > 0 and (claim.deadline is None
                             or time.monotonic() + timeout < claim.deadline):
@@ -137,18 +143,19 @@ class PrivateLane:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read_claimed(self, claim: Claim, later: bool) -> None:
-        """Read the reply of ``claim``: on this thread, or with ``later`` on the pool (the
-        future's waiter does not block for it). A parked one only if still unclaimed."""
-        if claim.parked and self._parked.pop(claim.rid, None) is None:
-            return
-        if not claim.parked:
-            _wire.prepare_encode()  # while the callee works
-            p = self._pending.get(claim.rid)
-            if p is not None:
-                self._read_blocking(claim.conn, claim.rid, p, claim.also)
-            elif claim.also:  # failed already, which closed the connection
-                self._drain(claim.conn, claim.also[0])
+    def read_waiting(self, claim: Waiting) -> None:
+        """Read the reply of a waiting call (``claim``) on this thread."""
+        _wire.prepare_encode()  # while the callee works
+        p = self._pending.get(claim.rid)
+        if p is not None:
+            self._read_blocking(claim.conn, claim.rid, p, claim.also)
+        elif claim.also:  # failed already, which closed the connection
+            self._drain(claim.conn, claim.also[0])
+
+    def read_parked(self, claim: Claim, later: bool) -> None:
+        """Read the reply of parked request ``claim`` if still unclaimed: on this thread,
+        or with ``later`` on the pool (the future's waiter does not block for it)."""
+        if self._parked.pop(claim.rid, None) is None:
             return
         if not later:
             self._drain(claim.conn, claim.rid)
@@ -172,8 +179,6 @@ class PrivateLane:
                     also: Tuple[int, ...] = ()) -> None:
         """Read replies from private connection ``conn`` until request ``rid`` and the
         requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
-        from .lanes import read_replies
-
         calls = self._calls
         waiting = {rid, *also}
 

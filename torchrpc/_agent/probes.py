@@ -22,7 +22,7 @@ from .._transport import Connection
 from .._wire import Kind
 from .._wire.probe import MISSING
 from ..errors import RpcError
-from .requests import Resend
+from .pending import Resend
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:

@@ -261,8 +261,10 @@ class Agent:
              expect: int = Expect.ANY) -> Any:
         """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result (``expect``:
         see :meth:`request`)."""
-        return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                            retry=retry, expect=expect)
+        if self.failure is not None or self._state is not RUNNING:
+            self.check_running()  # raises
+        return self.calls.start(dst, Kind.CALL, (func, args, kwargs), timeout, func,
+                                retry=retry, expect=expect)
 
     def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
                 what: Any = None, oneway: bool = False,

@@ -241,7 +241,7 @@ class Bursts:
         if not burst.lock.acquire(False):
             return
         try:
-            self._read(burst, lambda: not burst.ready(0.0))
+            self._read(burst, lambda: burst.ready(0.0))
         finally:
             burst.lock.release()
 
@@ -256,13 +256,13 @@ class Bursts:
                 self._read_until(burst, finished)
 
     def _read_until(self, burst: Burst, finished: Callable[[], bool]) -> None:
-        def stop() -> bool:
+        def more() -> bool:
             if finished() or not burst.out:
-                return True
-            if burst.ready(_WAKE):
                 return False
+            if burst.ready(_WAKE):
+                return True
             burst.quiet += 1
-            return True
+            return False
 
         while not finished():
             _prune(burst)
@@ -270,7 +270,7 @@ class Bursts:
                 return
             if burst.lock.acquire(timeout=_WAKE):
                 try:
-                    self._read(burst, stop)
+                    self._read(burst, more)
                 finally:
                     burst.lock.release()
 
@@ -278,8 +278,8 @@ class Bursts:
         half = _MAX_OUT // 2
         self.read_until(burst, lambda: len(burst.out) < half)
 
-    def _read(self, burst: Burst, stop: Callable[[], bool]) -> None:
-        """Holding ``burst``'s lock: read and settle frames until ``stop()``, as a reader
+    def _read(self, burst: Burst, more: Callable[[], bool]) -> None:
+        """Holding ``burst``'s lock: read and settle frames while ``more()``, as a reader
         thread (callbacks of the futures it completes go to the pool)."""
         out = burst.out
 
@@ -291,7 +291,7 @@ class Bursts:
             if header.kind == Kind.ERROR:
                 burst.errors += 1
 
-        read_replies(burst.conn, self._calls, stop, took, lambda exc: self._lost(burst, exc),
+        read_replies(burst.conn, self._calls, more, took, lambda exc: self._lost(burst, exc),
                      settled, as_reader=True)
 
     def _lost(self, burst: Burst, exc: BaseException) -> None:

@@ -40,7 +40,7 @@ from .._transport import PollPolicy
 from .bursts import Bursts
 from .cpus import usable_cpus as _usable_cpus
 from .private import PrivateConnections
-from .private_lane import PrivateLane
+from .private_lane import MAX_PARKED, PrivateLane
 from .retry import RetryPolicy
 from .route import Expect, Route, Sender
 from .shutdown import RUNNING
@@ -118,7 +118,8 @@ class Lanes:
             # worker would otherwise take a connection, and a reading thread on both
             # sides, each.
             if private.has_idle(dst.id):
-                if lane.room() and not lane.parked_to(dst.id) and private.usable(dst):
+                if lane.num_parked < MAX_PARKED and not lane.parked_to(dst.id) \
+                        and private.usable(dst):
                     conn = private.checkout(dst, opens=False)
                     if conn is not None:
                         return Route(lane, conn, None)
@@ -127,7 +128,7 @@ class Lanes:
             self.bursts.went_shared(dst)
             return self.shared.route
         # Expect.FOLLOWED
-        if lane.room() and private.usable(dst):
+        if lane.num_parked < MAX_PARKED and private.usable(dst):
             conn = private.checkout(dst)
             if conn is not None:
                 return Route(lane, conn, None, sync=True, inline=True)

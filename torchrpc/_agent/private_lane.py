@@ -6,7 +6,7 @@ cost two thread switches on the way back: the connection's reader takes the repl
 wakes the caller, and the GIL goes back and forth between them. On this lane the request
 goes out on a private connection (private.py), which has no reader thread on this side:
 the caller's future reads the reply itself when it is waited on (its ``_claim``, a
-:class:`Waiting`), with no other thread involved. A deadline or a lost peer fails the
+a :meth:`PrivateLane.read_waiting`), with no other thread involved. A deadline or a lost peer fails the
 request and closes the connection (``Pending.set_exception``), which wakes that reader.
 The readers of private connections poll a moment before they block, for as long as the
 lanes' :class:`~torchrpc._transport.PollPolicy` says.
@@ -19,12 +19,13 @@ reads it: the future's ``wait()`` on the caller's own thread (a callback added t
 future has the pool read it at once, see futures.py), a blocking call that names it as
 ``after`` (the next call to the same worker goes out on that connection and reads both
 replies), or, for a parked request nobody claims within a tick or two of the timer, a
-pool thread (:meth:`PrivateLane.drain_parked`). At most ``_MAX_PARKED`` requests are
+pool thread (:meth:`PrivateLane.drain_parked`). At most ``MAX_PARKED`` requests are
 parked at once (:meth:`~torchrpc._agent.lanes.Lanes.pick` says which calls park).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
@@ -41,25 +42,7 @@ from .worker import WorkerInfo
 if TYPE_CHECKING:
     from .pending import Pending
 
-_MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
-
-
-class Waiting:
-    """The claim of a request whose caller waits for its reply at once: read the
-    connection on the waiting thread until that reply (and those of the parked requests
-    ``also``, sent on it before) is there."""
-
-    __slots__ = ("lane", "conn", "rid", "also")
-
-    def __init__(self, lane: "PrivateLane", conn: Connection, rid: int,
-                 also: Tuple[int, ...]) -> None:
-        self.lane = lane
-        self.conn = conn
-        self.rid = rid
-        self.also = also
-
-    def __call__(self, _future: Any, _later: bool) -> None:
-        self.lane.read_waiting(self)
+MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 
 
 class Claim:
@@ -79,7 +62,11 @@ class Claim:
         self.future = future  # an rpc_async's, which its thread's next one may make a burst
 
     def __call__(self, _future: Any, later: bool) -> None:
-        self.lane.read_parked(self, later)
+        """Read the reply if still unclaimed: on this thread, or with ``later`` on the
+        pool (the future's waiter does not block for it)."""
+        lane = self.lane
+        if lane.take(self.rid):
+            lane.read_parked(self.conn, self.rid, later)
 
 
 class PrivateLane:
@@ -107,7 +94,8 @@ class PrivateLane:
             return
         future = p.future
         if also is not None:  # a waiting call: its caller reads at once
-            future._claim = Waiting(self, conn, rid, also)
+            route.rid = rid
+            future._claim = functools.partial(self.read_waiting, route)
             return
         claim = Claim(self, conn, rid, time.monotonic() + p.timeout if p.timeout > 0 else None,
                       None if route.sync else future)
@@ -143,25 +131,28 @@ class PrivateLane:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read_waiting(self, claim: Waiting) -> None:
-        """Read the reply of a waiting call (``claim``) on this thread."""
+    def read_waiting(self, route: Route, _future: Any, _later: bool) -> None:
+        """A waiting call's claim: read its reply (and those of the parked requests the
+        route took over, ``route.held``) on this thread."""
         _wire.prepare_encode()  # while the callee works
-        p = self._pending.get(claim.rid)
+        p = self._pending.get(route.rid)
         if p is not None:
-            self._read_blocking(claim.conn, claim.rid, p, claim.also)
-        elif claim.also:  # failed already, which closed the connection
-            self._drain(claim.conn, claim.also[0])
+            self._read_blocking(route.conn, route.rid, p, route.held)
+        elif route.held:  # failed already, which closed the connection
+            self._drain(route.conn, route.held[0])
 
-    def read_parked(self, claim: Claim, later: bool) -> None:
-        """Read the reply of parked request ``claim`` if still unclaimed: on this thread,
-        or with ``later`` on the pool (the future's waiter does not block for it)."""
-        if self._parked.pop(claim.rid, None) is None:
-            return
+    def take(self, rid: int) -> bool:
+        """Take parked request ``rid`` over (its taker reads the reply), if still there."""
+        return self._parked.pop(rid, None) is not None
+
+    def read_parked(self, conn: Connection, rid: int, later: bool) -> None:
+        """Read the reply of parked request ``rid`` (taken over) from ``conn``: on this
+        thread, or with ``later`` on the pool."""
         if not later:
-            self._drain(claim.conn, claim.rid)
+            self._drain(conn, rid)
             return
         try:
-            self._pool.submit(self._drain, claim.conn, claim.rid)
+            self._pool.submit(self._drain, conn, rid)
         except ClosedError:
             self._unpark()  # shutting down: the pending call is failed there
 
@@ -198,13 +189,9 @@ class PrivateLane:
             if also:
                 self._unpark()
 
-        read_replies(conn, calls, lambda: not waiting, took, lost)
+        read_replies(conn, calls, waiting.__len__, took, lost)
 
     # -- parked replies ------------------------------------------------------------------------
-
-    def room(self) -> bool:
-        """Whether another request may park."""
-        return self.num_parked < _MAX_PARKED
 
     def take_parked(self, rank: int) -> Optional[Claim]:
         """This thread's unclaimed parked ``rpc_async`` to ``rank``, taken over (it is

@@ -32,7 +32,7 @@ class Expect:
 class Route:
     """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
 
-    __slots__ = ("lane", "conn", "held", "sync", "inline")
+    __slots__ = ("lane", "conn", "held", "sync", "inline", "rid")
 
     def __init__(self, lane: Any, conn: Optional[Connection] = None, held: Any = None,
                  sync: bool = False, inline: bool = False) -> None:
@@ -43,6 +43,7 @@ class Route:
         self.held = held
         self.sync = sync  # the future is a SyncFuture (nobody but its caller sees it)
         self.inline = inline  # the call's on_done runs where the future completes
+        self.rid = 0  # the request's id, once sent (where the lane needs it)
 
 
 class Lane(Protocol):
@@ -89,12 +90,12 @@ class IdleConnections(Protocol):
         """``conn``, to ``dst``, is free again."""
 
 
-def read_replies(conn: Connection, calls: Sender, stop: Callable[[], bool],
+def read_replies(conn: Connection, calls: Sender, more: Callable[[], Any],
                  took: Callable[[Header], None], lost: Callable[[BaseException], None],
                  settled: Optional[Callable[[Header], None]] = None,
                  as_reader: bool = False) -> None:
     """The reading loop of the lanes whose replies a waiting thread reads: read frames
-    from ``conn`` until ``stop()``; for each reply, ``took(header)`` (the lane's
+    from ``conn`` while ``more()``; for each reply, ``took(header)`` (the lane's
     bookkeeping, before the caller wakes), complete its request, then ``settled(header)``;
     if the connection breaks, ``lost(error)``. ``as_reader``: the thread counts as a
     reader meanwhile (callbacks of the futures it completes go to the pool)."""
@@ -102,7 +103,7 @@ def read_replies(conn: Connection, calls: Sender, stop: Callable[[], bool],
         was_reader = on_reader_thread()
         mark_reader_thread()
     try:
-        while not stop():
+        while more():
             try:
                 header, envelope, buffers = conn.read_frame()
             except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown

@@ -158,18 +158,9 @@ class PrivateLane:
 
     def _read_blocking(self, conn: Connection, rid: int, p: "Pending",
                        also: Tuple[int, ...] = ()) -> None:
-        """:meth:`_read_reply`, as a blocked thread in the eyes of the pool."""
-        pool = current_pool()
-        if pool is None:
-            self._read_reply(conn, rid, p, also)
-        else:
-            with pool.blocking():
-                self._read_reply(conn, rid, p, also)
-
-    def _read_reply(self, conn: Connection, rid: int, p: "Pending",
-                    also: Tuple[int, ...] = ()) -> None:
         """Read replies from private connection ``conn`` until request ``rid`` and the
-        requests ``also`` (sent on it before) are answered; then give ``conn`` back."""
+        requests ``also`` (sent on it before) are answered, as a blocked thread in the
+        eyes of the pool; then give ``conn`` back."""
         calls = self._calls
         waiting = {rid, *also}
 
@@ -189,7 +180,12 @@ class PrivateLane:
             if also:
                 self._unpark()
 
-        read_replies(conn, calls, waiting.__len__, took, lost)
+        pool = current_pool()
+        if pool is None:
+            read_replies(conn, calls, waiting.__len__, took, lost)
+        else:
+            with pool.blocking():
+                read_replies(conn, calls, waiting.__len__, took, lost)
 
     # -- parked replies ------------------------------------------------------------------------
 

@@ -84,9 +84,3 @@ def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwar
         if futures is not None:
             futures.append(fut)
     return fut
-
-
-def _invoke_sync(to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
-                 timeout: float) -> Any:
-    """The path of rpc_sync: :func:`_invoke` and a wait."""
-    return _invoke("sync", to, func, args, kwargs, timeout).wait()

@@ -15,16 +15,17 @@ peer; :meth:`Lanes.pick` alone decides:
   (no reader thread is woken, no GIL is handed over twice). ``rpc_sync`` takes it
   (:attr:`Expect.WAIT`); an ``rpc_async`` (:attr:`Expect.FUTURE`) and RRef creation
   (:attr:`Expect.FOLLOWED`) *park* their reply in it, for whoever waits first.
-- the **burst lane** (:class:`~torchrpc._agent.bursts.BurstLane`): a thread's second
+- the **burst lane** (:class:`~torchrpc._agent.bursts.Bursts`): a thread's second
   ``rpc_async`` to a worker whose first is parked makes that connection the thread's
   burst connection, which carries its calls to the worker from then on; the thread reads
   their replies in batches.
 
-A lane has two methods: ``send`` (the request is entered; send it and arrange how its
-reply is read) and ``release`` (encoding failed: give back what ``pick`` reserved). The
-send-and-resend bookkeeping of every lane is :meth:`Calls.transmit
-<torchrpc._agent.calls.Calls.transmit>`; the lanes whose replies a waiting thread reads
-share one reading loop, :func:`read_replies`. The future decides who reads: its
+A lane (:class:`~torchrpc._agent.route.Lane`) has two methods: ``send`` (the request
+is entered; send it and arrange how its reply is read) and ``release`` (encoding failed:
+give back what ``pick`` reserved). The send-and-resend bookkeeping of every lane is
+:meth:`Calls.transmit <torchrpc._agent.calls.Calls.transmit>`; the lanes whose replies a
+waiting thread reads share one reading loop,
+:func:`~torchrpc._agent.route.read_replies`. The future decides who reads: its
 ``_claim`` (futures.py) reads the reply on the thread that waits, or on the pool when
 someone asks whether it is done or adds a callback. Nothing above the agent, nor the
 transport, knows lanes exist.

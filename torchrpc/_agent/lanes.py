@@ -106,7 +106,7 @@ class Lanes:
             if private.usable(dst):
                 conn = private.checkout(dst)
                 if conn is not None:
-                    return Route(lane, conn, (), sync=True)
+                    return Route(lane, conn, (), True)
             return self.shared.route
         if expect == Expect.FUTURE:
             if retry is not None:

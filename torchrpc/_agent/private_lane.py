@@ -5,11 +5,11 @@ Theory of operation. A blocking call (``rpc_sync``, ``RRef.to_here``) would othe
 cost two thread switches on the way back: the connection's reader takes the reply and
 wakes the caller, and the GIL goes back and forth between them. On this lane the request
 goes out on a private connection (private.py), which has no reader thread on this side:
-the caller's future reads the reply itself when it is waited on (its ``_claim``, a
-a :meth:`PrivateLane.read_waiting`), with no other thread involved. A deadline or a lost peer fails the
-request and closes the connection (``Pending.set_exception``), which wakes that reader.
-The readers of private connections poll a moment before they block, for as long as the
-lanes' :class:`~torchrpc._transport.PollPolicy` says.
+the caller's future reads the reply itself when it is waited on (its ``_claim``,
+:meth:`PrivateLane.read_waiting`), with no other thread involved. A deadline or a lost
+peer fails the request and closes the connection (``Pending.set_exception``), which
+wakes that reader. The readers of private connections poll a moment before they block,
+for as long as the lanes' :class:`~torchrpc._transport.PollPolicy` says.
 
 Parked replies. RRef creation (``remote()``) gets a reply that nobody waits for, and
 usually a ``to_here()`` right after it; ``rpc_async`` gets a reply its caller usually
@@ -94,8 +94,10 @@ class PrivateLane:
             return
         future = p.future
         if also is not None:  # a waiting call: its caller reads at once
-            route.rid = rid
-            future._claim = functools.partial(self.read_waiting, route)
+            # Its claim: read the reply (and those of the parked requests taken over) on
+            # the waiting thread. The encoder's cache is made ready meanwhile.
+            future._claim = functools.partial(self.read_waiting, conn, rid, p, also)
+            _wire.prepare_encode()  # while the callee works
             return
         claim = Claim(self, conn, rid, time.monotonic() + p.timeout if p.timeout > 0 else None,
                       None if route.sync else future)
@@ -131,15 +133,6 @@ class PrivateLane:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read_waiting(self, route: Route, _future: Any, _later: bool) -> None:
-        """A waiting call's claim: read its reply (and those of the parked requests the
-        route took over, ``route.held``) on this thread."""
-        _wire.prepare_encode()  # while the callee works
-        p = self._pending.get(route.rid)
-        if p is not None:
-            self._read_blocking(route.conn, route.rid, p, route.held)
-        elif route.held:  # failed already, which closed the connection
-            self._drain(route.conn, route.held[0])
 
     def take(self, rid: int) -> bool:
         """Take parked request ``rid`` over (its taker reads the reply), if still there."""
@@ -156,11 +149,13 @@ class PrivateLane:
         except ClosedError:
             self._unpark()  # shutting down: the pending call is failed there
 
-    def _read_blocking(self, conn: Connection, rid: int, p: "Pending",
-                       also: Tuple[int, ...] = ()) -> None:
+    def read_waiting(self, conn: Connection, rid: int, p: "Pending",
+                     also: Tuple[int, ...] = (), _future: Any = None,
+                     _later: bool = False) -> None:
         """Read replies from private connection ``conn`` until request ``rid`` and the
         requests ``also`` (sent on it before) are answered, as a blocked thread in the
-        eyes of the pool; then give ``conn`` back."""
+        eyes of the pool; then give ``conn`` back. (A waiting call's claim, on the
+        waiting thread.)"""
         calls = self._calls
         waiting = {rid, *also}
 
@@ -234,4 +229,4 @@ class PrivateLane:
         if p is None:  # failed already (which closed the connection)
             self._unpark()
             return
-        self._read_blocking(conn, rid, p, (rid,))
+        self.read_waiting(conn, rid, p, (rid,))

@@ -32,7 +32,7 @@ class Expect:
 class Route:
     """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
 
-    __slots__ = ("lane", "conn", "held", "sync", "inline", "rid")
+    __slots__ = ("lane", "conn", "held", "sync", "inline")
 
     def __init__(self, lane: Any, conn: Optional[Connection] = None, held: Any = None,
                  sync: bool = False, inline: bool = False) -> None:
@@ -43,7 +43,6 @@ class Route:
         self.held = held
         self.sync = sync  # the future is a SyncFuture (nobody but its caller sees it)
         self.inline = inline  # the call's on_done runs where the future completes
-        self.rid = 0  # the request's id, once sent (where the lane needs it)
 
 
 class Lane(Protocol):

@@ -57,12 +57,12 @@ def _wrap(owner: Any, name: str, before: str, after: str = "") -> None:
 
 def _instrument() -> None:
     from torchrpc import _wire
-    from torchrpc._agent import calls, dispatch, reading
+    from torchrpc._agent import calls, dispatch, inbound
     from torchrpc._transport import connection
 
     _wrap(connection.Connection, "send", "send>", "send<")
     _wrap(connection.Connection, "read_frame", "", "frame<")
-    _wrap(reading.Reading, "on_frame", "frame")
+    _wrap(inbound.Inbound, "on_frame", "frame")
     _wrap(dispatch.Dispatch, "serve", "serve>")
     _wrap(dispatch, "run_callable", "run>", "run<")
     _wrap(calls.Calls, "on_reply", "reply>", "reply<")

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torchrpc import _wire
 from torchrpc._agent import Agent, collect
 from torchrpc._agent.futures import mark_reader_thread, new_future
-from torchrpc._agent.requests import Pending
-from torchrpc._rendezvous.rendezvous import PREFIX, Records
 from torchrpc._agent.lifecycle import RUNNING
+from torchrpc._agent.pending import Pending
+from torchrpc._rendezvous.rendezvous import PREFIX, Records
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError, ThreadFailedError
 from torchrpc.rpc.options import TensorPipeRpcBackendOptions, agent_settings
@@ -119,4 +119,4 @@ def deliver(agent: Agent, conn: FakeConn, kind: int) -> None:
     """A one-way frame of ``kind`` with no payload arrives on ``conn``."""
     envelope = _wire.encode(None)[0]
     header = _wire.Header(kind, _wire.FLAG_ONEWAY, 0, len(envelope), 0)
-    agent.fastpath.reading.on_frame(conn, header, envelope, [])
+    agent.inbound.on_frame(conn, header, envelope, [])

@@ -375,7 +375,7 @@ def open_private_connections(to: str, n: int) -> int:
     for t in threads:
         t.join(30)
     agent = current_agent()
-    return len(agent.fastpath.private.idle_to(agent.resolve(to).id))
+    return len(agent.lanes.private.idle_to(agent.resolve(to).id))
 
 
 _kept: List[Any] = []

@@ -8,7 +8,8 @@ counters, RRefs, security checks or failure handling: a dead peer hangs it. Only
 ``rpc_sync`` and ``rpc_async`` exist (the latency and throughput workloads); every other
 workload shows as an error row.
 
-Two designs of the reply path, as torchrpc has them (see ``_agent/fastpath.py``):
+Two designs of the reply path, as torchrpc has them (see ``_agent/lanes.py`` and
+``_agent/private_lane.py``):
 
 * ``rpc_sync`` goes out on its own connection and the calling thread reads the reply
   itself, polling the socket without blocking (both ends poll);

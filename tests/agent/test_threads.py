@@ -116,7 +116,7 @@ def test_whatever_escapes_a_thread_is_reported_not_lost(caplog, monkeypatch):
 
 
 def test_timer_survives_and_still_fails_expired_calls(agent, caplog, monkeypatch):
-    reading = agent.fastpath.reading
+    reading = agent.inbound.role
     monkeypatch.setattr(reading, "check_lent", raise_once(reading.check_lent))
     wait_for("an error about the timer thread of solo",
              lambda: errors_about(caplog, "timer thread of solo"), 10)

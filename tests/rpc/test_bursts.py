@@ -49,7 +49,7 @@ def group():
 
 def _burst(dst: str) -> Any:
     """This thread's burst to ``dst`` (None if it has none)."""
-    bursts = current_agent().fastpath.bursts
+    bursts = current_agent().lanes.bursts
     rank = rpc.get_worker_info(dst).id
     return getattr(bursts._mine, "by_rank", {}).get(rank)
 

@@ -342,7 +342,7 @@ def test_a_slow_request_does_not_hold_up_the_next_on_a_shared_connection():
 def test_blocking_calls_read_their_reply_on_private_connections():
     agent = api.current_agent()
     assert rpc.rpc_sync("worker1", helpers.add, args=(2, 3)) == 5
-    idle = agent.fastpath.private.idle_to(1)
+    idle = agent.lanes.private.idle_to(1)
     assert idle and all(c.private and not c.closed for c in idle)
     # Same host: a Unix socket, polled a moment before blocking; not in the registry
     # that heartbeats and liveness go by, on either side.
@@ -357,7 +357,7 @@ def test_blocking_calls_read_their_reply_on_private_connections():
     with pytest.raises(RpcTimeoutError, match="timed out"):
         rpc.rpc_sync("worker1", helpers.sleep_then, args=(1.0, "late"), timeout=0.2)
     assert time.monotonic() - start < 0.9
-    assert used.closed and used not in agent.fastpath.private.idle_to(1)
+    assert used.closed and used not in agent.lanes.private.idle_to(1)
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 1)) == 2
     time.sleep(1.0)
     assert rpc.rpc_sync("worker1", helpers.echo, args=("after",)) == "after"

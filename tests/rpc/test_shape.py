@@ -135,9 +135,9 @@ def test_the_cycle_finder_counts_type_only_and_function_local_imports(tmp_path):
 # registry, shutdown and startup), and the transport's connection and reader
 # know each other. The coordinator removes an entry once that work has landed.
 PENDING_CYCLES = {
-    "_agent": "the call path's parts, registry, shutdown and startup still take the Agent "
-              "(issue 50: the call-path work, then the composition work's rest)",
-    "_transport": "connection.py and reader.py import each other (issue 50, the call-path work)",
+    "_agent": "calls, lanes, private, probes, connections, dispatch, inbound, requests, "
+              "registry, shutdown and startup still take the Agent (issue 50: the rest of "
+              "the composition work hands them their collaborators)",
 }
 PACKAGES = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
 
@@ -153,9 +153,9 @@ def test_no_import_cycle(package):
 
 # The agent's parts that are handed what they use, and so never import agent.py (the
 # others are on their way: see PENDING_CYCLES).
-HANDED = ["collect", "coroutines", "cpus", "current", "debug", "devices", "futures",
-          "lifecycle", "liveness", "pool", "process_exit", "remote_error", "retry",
-          "scheduler", "settings", "stats", "worker"]
+HANDED = ["bursts", "collect", "coroutines", "cpus", "current", "debug", "devices", "futures",
+          "lifecycle", "liveness", "pending", "pool", "private_lane", "process_exit",
+          "remote_error", "retry", "role", "route", "scheduler", "settings", "stats", "worker"]
 
 
 @pytest.mark.parametrize("part", HANDED)
@@ -202,11 +202,12 @@ def test_the_private_reach_finder_sees_the_agents_private_attributes(tmp_path):
         "probe.py:3: agent._lock", "probe.py:3: self._agent._state", "probe.py:3: self.agent._pool"]
 
 
-# The call path's parts, which other work of issue 50 rebuilds so that each is handed
-# what it uses; the coordinator removes an entry once that work has landed.
-_CALL_PATH = "the call path's parts are rebuilt by issue 50's call-path work"
-PENDING_PRIVATE = {f"_agent/{name}.py": _CALL_PATH for name in (
-    "calls", "connections", "dispatch", "fastpath", "private", "probes", "reading")}
+# The parts that still take the Agent and reach into its private state (its hooks, peer
+# stats, transport, lock, send, pool, queue limit); the rest of issue 50's composition work
+# hands each what it uses, and the coordinator removes an entry once that has landed.
+_TAKES_THE_AGENT = "still takes the Agent: reaches its private state (issue 50, composition)"
+PENDING_PRIVATE = {f"_agent/{name}.py": _TAKES_THE_AGENT for name in (
+    "calls", "connections", "dispatch", "inbound", "private", "probes")}
 COMPOSITION_ROOT = "_agent/agent.py"
 
 

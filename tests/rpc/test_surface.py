@@ -279,7 +279,7 @@ PROCESS_STATE = {
     # Which pool, reading role or private read the running thread is in: state of threads.
     "_agent/futures.py:_reader": "per-thread context",
     "_agent/pool.py:_current": "per-thread context",
-    "_agent/reading.py:_inline": "per-thread context",
+    "_agent/role.py:_inline": "per-thread context",
     "_transport/reader.py:_reading": "per-thread context",
     # Secret files this process wrote, removed at its exit at the latest.
     "_rendezvous/secret.py:_lock": "process resources",

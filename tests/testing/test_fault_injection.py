@@ -76,7 +76,7 @@ def test_faults_meet_the_private_connections_of_blocking_calls(agent):
     # The faulty backend runs the production fast path: blocking calls go out on private
     # connections, and the plan meets their frames there.
     assert rpc.rpc_sync("worker1", helpers.add, args=(1, 2)) == 3
-    private = agent.fastpath.private.idle_to(1)
+    private = agent.lanes.private.idle_to(1)
     assert private and all(isinstance(c, faulty.FaultyConnection) for c in private)
     plan = agent.inject(fail=["CALL"], num_fail_sends=1)
     with pytest.raises(ConnectionLostError, match="injected fault.*worker1") as info:
@@ -122,12 +122,12 @@ def test_requests_on_a_connection_this_worker_closes_fail_at_once(agent):
     # Closing a shared connection drops the frames in its outbox, and no reply comes on
     # it: the requests that went out on it fail now, not at their timeout. (Without
     # private connections: a thread's calls would otherwise go out on its burst's.)
-    agent.fastpath.private.enabled = False
+    agent.lanes.private.enabled = False
     try:
         futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
                 for k in range(4)]
     finally:
-        agent.fastpath.private.enabled = True
+        agent.lanes.private.enabled = True
     on_shared = {p.conn for p in list(agent.requests.pending.values()) if p.conn is not None}
     assert on_shared, "no request went out on a shared connection"
     start = time.monotonic()
@@ -150,7 +150,7 @@ def test_requests_of_a_burst_whose_connection_this_worker_closes_fail_at_once(ag
     futs = [rpc.rpc_async("worker1", helpers.sleep_then, args=(1.0, k), timeout=20)
             for k in range(4)]
     rank = rpc.get_worker_info("worker1").id
-    burst = agent.fastpath.bursts._mine.by_rank[rank]
+    burst = agent.lanes.bursts._mine.by_rank[rank]
     start = time.monotonic()
     burst.conn.close()
     for fut in futs[1:]:  # the first went out before the burst began: its reply is read

@@ -4,7 +4,7 @@ starts with is torchrpc._rendezvous)."""
 from .agent import Agent
 from .debug import debug_info_here
 from .dispatch import run_callable
-from .fastpath import Parked
+from .lanes import Expect
 from .hooks import (AsyncResult, CallHook, CallScope, Described, Extensions, MessageContext, Slot,
                     describe)
 from .futures import RpcFuture, error_of, fresh_error
@@ -12,5 +12,5 @@ from .pool import current_pool
 from .worker import WorkerInfo
 
 __all__ = ["Agent", "AsyncResult", "CallHook", "CallScope", "Described", "Extensions",
-           "MessageContext", "Parked", "RpcFuture", "Slot", "WorkerInfo", "current_pool",
+           "Expect", "MessageContext", "RpcFuture", "Slot", "WorkerInfo", "current_pool",
            "debug_info_here", "describe", "error_of", "fresh_error", "run_callable"]

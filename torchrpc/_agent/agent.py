@@ -5,11 +5,11 @@ agent's parts"): the transport (listener plus one or more connections per peer, 
 lazily on first use and shared by both directions) and the table of those connections
 (connections.py), the table of the group's workers (registry.py), the caller's side of
 requests (calls.py) and the table of outstanding requests with their deadlines
-(requests.py), the fast paths of blocking calls and of reading (fastpath.py,
-reading.py), a timer thread that runs every part's periodic duties, failing expired
+(requests.py), the lanes a reply travels back by (lanes.py) and the routing of
+incoming frames (inbound.py), a timer thread that runs every part's periodic duties, failing expired
 requests first (scheduler.py), heartbeats and lost-peer decisions (liveness.py), and a
 worker pool that runs incoming requests. Frames arrive on the thread that holds a
-connection's reading role (reading.py). A reply (``RESPONSE`` or ``ERROR``) is decoded
+connection's reading role (inbound.py, role.py). A reply (``RESPONSE`` or ``ERROR``) is decoded
 there and completes the pending future; a request is decoded and dispatched by message
 kind to a registered handler (dispatch.py). Upper layers (RRefs, distributed autograd)
 plug in by registering handlers for their kinds and *call hooks* that add metadata to
@@ -45,9 +45,10 @@ from .coroutines import CoroutineRunner
 from .cpus import SpinGuard
 from .debug import TimeoutReports
 from .dispatch import Dispatch
-from .fastpath import FastPath, Parked
 from .futures import RpcFuture
 from .hooks import CallHook, Extensions
+from .inbound import Inbound
+from .lanes import Expect
 from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
@@ -80,6 +81,7 @@ class Agent:
         self._limits = _wire.Limits(max_message_size=settings.max_message_size)
         self._lock = threading.Lock()
         self._pool = WorkerPool(settings.num_worker_threads, f"torchrpc-{name}")
+        self.pool = self._pool  # runs incoming requests and callbacks (pool.py)
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
@@ -112,18 +114,18 @@ class Agent:
         self._transport: Optional[Transport] = None
         # The connections by peer, and the peers whose connections broke (connections.py).
         self.connections = Connections(self)
-        # Sending requests and completing them with their replies (calls.py).
+        # Sending requests and completing them with their replies (calls.py), by the
+        # lanes their replies travel (lanes.py).
         self.calls = Calls(self)
-        # Private connections, parked replies, polling, lent reading roles (fastpath.py).
-        self.fastpath = FastPath(self)
+        self.lanes = self.calls.lanes
+        # Incoming frames to the request table, the peers or serving; reading roles.
+        self.inbound = Inbound(self)
         # An OpenMP team parked while this host's CPUs are crowded (cpus.py).
         self.omp = SpinGuard(f"torchrpc-omp-{name}")
-        # A request that blocks gives its reading role up (see reading.py).
-        self._pool.on_block = self.fastpath.reading.lend_out
         self.liveness = Liveness(  # heartbeats and lost peers (liveness.py)
             name, self.elastic, settings.heartbeat_interval, settings.heartbeat_timeout,
             self._lock, self.start_thread, self.lifecycle, self.registry, self.connections,
-            self.requests, self.fastpath.private, self._pool, lambda: self.store,
+            self.requests, self.lanes.private, self._pool, lambda: self.store,
             lambda: self.failure)
         self._max_queued = settings.max_queued_requests
         self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
@@ -249,7 +251,8 @@ class Agent:
     def debug_info(self, layer: Optional[str] = None) -> Dict[str, Any]:
         """Counters of the agent and every layer; of one layer when ``layer`` is given
         (``"agent"`` for the agent's and the transport's own; see debug.py)."""
-        return debug.debug_info(functools.partial(_counters, self), self._debug_sources, self.peer_stats, layer)
+        return debug.debug_info(functools.partial(_counters, self), self._debug_sources,
+                                self.peer_stats, layer)
 
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
@@ -263,34 +266,31 @@ class Agent:
         with self._lock:  # two first calls to a peer may race here
             return self._peer_stats.setdefault(rank, PeerStats())
 
-    @property
-    def pool(self) -> WorkerPool:
-        return self._pool
-
-    # -- requests (calls.py, fastpath.py) ------------------------------------------------------
+    # -- requests (calls.py, lanes.py) ---------------------------------------------------------
 
     def call(self, dst: WorkerInfo, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
              timeout: float, retry: Optional[RetryPolicy] = None,
-             park: bool = False) -> RpcFuture:
-        """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result.
-
-        With ``park`` (``rpc_async``), the reply waits where it can on a private
-        connection, and the thread that waits on the future reads it itself (see
-        fastpath.py). A call with ``retry`` does not park.
-        """
-        if park and retry is None:
-            return self.fastpath.park(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                                      retry=retry, by_future=True)[0]
-        return self.request(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                            retry=retry)
+             expect: int = Expect.ANY) -> Any:
+        """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result (see request)."""
+        if self.failure is not None or self.lifecycle.state is not RUNNING:
+            self.check_running()  # raises
+        return self.calls.start(dst, Kind.CALL, (func, args, kwargs), timeout, func,
+                                retry=retry, expect=expect)
 
     def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
                 what: Any = None, oneway: bool = False,
-                retry: Optional[RetryPolicy] = None) -> RpcFuture:
+                retry: Optional[RetryPolicy] = None, expect: int = Expect.ANY,
+                after: Any = None, on_done: Optional[Callable[[Any], None]] = None) -> Any:
         """Send a request of ``kind``; a future of the handler's reply.
 
-        Pickling errors raise here, before anything is sent. Connection errors and
-        timeouts complete the future with the error.
+        ``expect`` (an :class:`~torchrpc._agent.lanes.Expect`) says what the caller does
+        with the reply: wait for it at once (``WAIT``: the future is waited on at once,
+        and handed to nobody), hold the future (``FUTURE``), or nothing while a blocking
+        call to the same worker follows (``FOLLOWED``, with ``on_done``); the agent picks
+        how the reply travels from it. ``after``: the future of an earlier ``FOLLOWED``
+        or ``FUTURE`` request to ``dst``, whose reply a ``WAIT`` request may read with its
+        own. ``on_done(future)`` runs once the future completes. Pickling errors raise
+        here, before anything is sent; connection errors and timeouts complete the future.
 
         With ``retry``, a send that fails on the connection (so the message may not
         have arrived) is sent again after a backoff, as the same frame with the same
@@ -300,8 +300,10 @@ class Agent:
         once a send succeeds, and shutdown waits for it like for a reply. The handler
         must tolerate receiving the message twice.
         """
-        self.check_running()
-        return self.calls.request(dst, kind, payload, timeout, what, oneway, retry)
+        if self.failure is not None or self.lifecycle.state is not RUNNING:
+            self.check_running()  # raises
+        return self.calls.start(dst, kind, payload, timeout, what, oneway, retry, expect,
+                                after, on_done)
 
     def request_many(self, dsts: Sequence[WorkerInfo], kind: int, payload: Any, timeout: float,
                      what: Any = None, retry: Optional[RetryPolicy] = None) -> List[RpcFuture]:
@@ -318,10 +320,10 @@ class Agent:
 
     def request_sync(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
                      what: Any = None, retry: Optional[RetryPolicy] = None,
-                     after: Optional[Parked] = None) -> Any:
-        """:meth:`request` and wait for the reply; the calling thread reads it itself
-        (see :meth:`FastPath.call`, also for ``after``)."""
-        return self.fastpath.call(dst, kind, payload, timeout, what, retry, after)
+                     after: Any = None) -> Any:
+        """:meth:`request` with ``Expect.WAIT``, and wait for the reply."""
+        return self.request(dst, kind, payload, timeout, what, retry=retry,
+                            expect=Expect.WAIT, after=after).wait()
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
@@ -366,14 +368,12 @@ class Agent:
 
 def _schedule_duties(agent: Agent) -> None:
     """Register the agent's own tick hooks (scheduler.py), before any upper layer's."""
-    scheduler, fastpath = agent.scheduler, agent.fastpath
-    reading = fastpath.reading
+    scheduler, lanes = agent.scheduler, agent.lanes
+    role = agent.inbound.role
     agent.add_stop_hook(agent.omp.stop)
     scheduler.add_tick_hook(lambda: agent.requests.expire_due(scheduler.now, scheduler.failed))
-    scheduler.add_tick_hook(lambda: reading.check_lent(scheduler.now),
-                            pending=reading.lends_shared)
-    scheduler.add_tick_hook(lambda: fastpath.drain_parked(scheduler.now))
-    scheduler.add_tick_hook(lambda: fastpath.bursts.tick(scheduler.now))
+    scheduler.add_tick_hook(lambda: role.check_lent(scheduler.now), pending=role.lends_shared)
+    scheduler.add_tick_hook(lambda: lanes.tick(scheduler.now))
     scheduler.add_tick_hook(functools.partial(_housekeeping, agent))
     scheduler.add_tick_hook(lambda: agent.liveness.check(scheduler.now))
 
@@ -388,7 +388,7 @@ def _housekeeping(agent: Agent) -> None:
         if agent._transport is not None:
             agent._transport.housekeeping()
             workers = agent.registry.workers_on_this_host()
-            agent.fastpath.check_cpus(workers)
+            agent.lanes.check_cpus(workers)
             agent.omp.check(workers)
 
 
@@ -403,8 +403,8 @@ def _counters(agent: Agent) -> Dict[str, Any]:
         "agent.num_idle_threads": pool.num_threads - pool.num_pending,
         "agent.num_queued_tasks": pool.num_pending,
         "agent.num_connections": agent.connections.count(),
-        "agent.num_private_connections": agent.fastpath.private.num_idle(),
-        "agent.num_parked": agent.fastpath.num_parked,
+        "agent.num_private_connections": agent.lanes.private.num_idle(),
+        "agent.num_parked": agent.lanes.num_parked,
         "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
         "agent.num_duplicate_requests": agent.dispatch.duplicates,
         "agent.num_remembered_requests": len(agent.dispatch.once),

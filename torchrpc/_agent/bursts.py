@@ -1,8 +1,8 @@
-"""Bursts of ``rpc_async`` calls whose replies the calling thread reads (``Bursts``, held
-as ``agent.fastpath.bursts``).
+"""The burst lane: ``rpc_async`` calls whose replies the calling thread reads (``Bursts``,
+held as ``agent.lanes.bursts``).
 
 Theory of operation. A thread that makes a second ``rpc_async`` to a worker while the
-reply of its first is still parked on a private connection (fastpath.py) turns that
+reply of its first is still parked on a private connection (private_lane.py) turns that
 connection into its *burst connection* to the worker: from then on its ``rpc_async``
 calls to that worker go out there, and no reader thread on this side waits on it.
 Otherwise every reply of a burst wakes a reading thread that then takes the GIL from
@@ -24,7 +24,7 @@ between two reads the thread sends at most ``_DRAIN_EVERY`` small requests, whic
 sockets hold however large the replies are, so it never blocks in a send while the
 callee blocks sending it a reply. Requests carry ``FLAG_MANY``, which tells the callee
 that several calls share the connection, so that it hands the reading role on from a
-long request as soon as it would on a shared connection (reading.py).
+long request as soon as it would on a shared connection (inbound.py).
 
 A burst connection stays its thread's while the thread lives; the timer gives it back
 to the idle private connections once its thread has ended and no reply is outstanding.
@@ -41,18 +41,18 @@ import torch
 
 from .. import _wire
 from .._transport import Connection
-from .._wire import Kind
+from .._wire import Header, Kind
 from ..errors import ClosedError, RpcError
-from .futures import RpcFuture, mark_reader_thread, on_reader_thread
-from .pool import current_pool
+from .futures import ManyClaim, RpcFuture
+from .pool import WorkerPool, current_pool
+from .route import IdleConnections, Route, Sender, read_replies
 from .scheduler import LENT_TICK
-from .lifecycle import RUNNING
 from .stats import nbytes
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from .agent import Agent
-    from .fastpath import FastPath
+    from .private_lane import PrivateLane
+    from .pending import Pending
 
 _DRAIN_EVERY = 64  # the burst's thread reads the replies that came at every this many calls
 _MAX_OUT = 512  # requests outstanding on one burst connection at most
@@ -92,7 +92,7 @@ class Burst:
             return True
 
 
-class _Claim:
+class _Claim(ManyClaim):
     """A burst's claim, each of its futures' ``_claim``: read the burst until the future
     is done, on the calling thread or (``later``) on the pool.
     :func:`~torchrpc._agent.futures.wait_all` reads a burst for all its futures at once
@@ -103,6 +103,13 @@ class _Claim:
     def __init__(self, bursts: "Bursts", burst: Burst) -> None:
         self.bursts = bursts
         self.burst = burst
+
+    @property
+    def group(self) -> Burst:
+        return self.burst
+
+    def events(self) -> int:
+        return self.burst.errors + self.burst.quiet
 
     def __call__(self, future: RpcFuture, later: bool) -> None:
         if later:
@@ -123,13 +130,17 @@ class _Claim:
 
 
 class Bursts:
-    """The burst connections of one agent's threads."""
+    """The burst lane: the burst connections of one agent's threads."""
 
-    def __init__(self, agent: "Agent", fastpath: "FastPath") -> None:
-        self._agent = agent
-        self._fastpath = fastpath
-        self._private = fastpath.private
-        self.pool = agent.pool
+    def __init__(self, calls: Sender, private: IdleConnections,
+                 private_lane: "PrivateLane", pending: Dict[int, "Pending"], pool: WorkerPool,
+                 running: Callable[[], bool]) -> None:
+        self._calls = calls
+        self._private_lane = private_lane
+        self._private = private
+        self._pending = pending  # the request table's (requests.py)
+        self._running = running  # whether the agent runs
+        self.pool = pool
         self._mine = threading.local()  # .by_rank: this thread's bursts by worker rank
         self._all: List[Burst] = []  # every burst, for the timer (changed under _lock)
         self._shared: Dict[int, int] = {}  # rank -> rpc_async calls to it that went shared
@@ -148,10 +159,10 @@ class Bursts:
     def from_parked(self, dst: WorkerInfo) -> Optional[Burst]:
         """This thread's rpc_async to ``dst`` parked and unclaimed: make its connection
         this thread's burst connection to ``dst``; else None."""
-        mine = self._fastpath.take_parked(dst.id)
+        mine = self._private_lane.take_parked(dst.id)
         if mine is None:
             return None
-        pending = self._agent.requests.pending.get(mine.rid)
+        pending = self._pending.get(mine.rid)
         if pending is not None:
             pending.private = None  # its timeout must not close the burst's connection
         return self._start(mine.conn, dst, mine.rid, mine.future)
@@ -171,7 +182,7 @@ class Bursts:
 
     def _open_idle(self, dst: WorkerInfo) -> None:
         private = self._private
-        if private.has_idle(dst.id) or self._agent.lifecycle.state is not RUNNING:
+        if private.has_idle(dst.id) or not self._running():
             return
         try:
             conn = private.checkout(dst)
@@ -194,42 +205,43 @@ class Bursts:
             self._all.append(burst)
         return burst
 
-    def send(self, burst: Burst, kind: int, payload: Any, timeout: float,
-             what: Any) -> RpcFuture:
-        """Send a request on ``burst``; its future, whose reply is read as the module
-        docs say."""
-        agent = self._agent
-        agent.check_running()
+    def route(self, burst: Burst) -> Route:
+        """The route of a call on ``burst`` (room made for it first)."""
         if len(burst.out) >= _MAX_OUT:
             self._make_room(burst)
-        calls = agent.calls
-        dst = burst.dst
-        rid, p, flags, env, bufs, keep = calls.new_request(dst, kind, payload, timeout, what)
+        return Route(self, None, burst)
+
+    def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
+             bufs: Any, keep: Any) -> None:
+        """Send request ``rid`` on the route's burst; its reply is read as the module docs
+        say."""
+        burst = route.held
         future = p.future
+        calls = self._calls
         if len(env) > _MAX_BYTES or bufs and len(env) + nbytes(bufs) > _MAX_BYTES:
             # Large: over the shared connection, whose reader takes the reply, so that
             # this thread never blocks in a send while the callee blocks in one to it.
-            calls.attempt(rid, p, kind, flags, env, bufs, keep)
-            return future
+            calls.transmit(None, rid, p, kind, flags, env, bufs, keep)
+            return
         burst.out[rid] = future
-        try:
-            burst.conn.send(kind, flags | _wire.FLAG_MANY, rid, env, bufs, keep)
-        except RpcError as exc:  # raised before the frame was queued: it did not go
+        if not calls.transmit(burst.conn, rid, p, kind, flags | _wire.FLAG_MANY, env, bufs,
+                              keep):
             burst.out.pop(rid, None)
-            calls.send_failed(kind, rid, dst, exc)
-            return future
+            return
         future._claim = burst.claim
         burst.calls += 1
         if burst.calls % _DRAIN_EVERY == 0:
             self.drain(burst)
-        return future
+
+    def release(self, route: Route, dst: WorkerInfo) -> None:
+        pass  # the burst keeps its connection
 
     def drain(self, burst: Burst) -> None:
         """Read the replies that have come on ``burst``, unless another thread reads it."""
         if not burst.lock.acquire(False):
             return
         try:
-            self._read(burst, lambda: not burst.ready(0.0))
+            self._read(burst, lambda: burst.ready(0.0))
         finally:
             burst.lock.release()
 
@@ -244,13 +256,13 @@ class Bursts:
                 self._read_until(burst, finished)
 
     def _read_until(self, burst: Burst, finished: Callable[[], bool]) -> None:
-        def stop() -> bool:
+        def more() -> bool:
             if finished() or not burst.out:
-                return True
-            if burst.ready(_WAKE):
                 return False
+            if burst.ready(_WAKE):
+                return True
             burst.quiet += 1
-            return True
+            return False
 
         while not finished():
             _prune(burst)
@@ -258,7 +270,7 @@ class Bursts:
                 return
             if burst.lock.acquire(timeout=_WAKE):
                 try:
-                    self._read(burst, stop)
+                    self._read(burst, more)
                 finally:
                     burst.lock.release()
 
@@ -266,32 +278,25 @@ class Bursts:
         half = _MAX_OUT // 2
         self.read_until(burst, lambda: len(burst.out) < half)
 
-    def _read(self, burst: Burst, stop: Callable[[], bool]) -> None:
-        """Holding ``burst``'s lock: read and settle frames until ``stop()``."""
-        conn, calls = burst.conn, self._agent.calls
-        was_reader = on_reader_thread()
-        mark_reader_thread()
-        try:
-            while not stop():
-                try:
-                    header, envelope, buffers = conn.read_frame()
-                except RpcError as exc:  # broken, or closed by shutdown or a lost peer
-                    self._lost(burst, exc)
-                    return
-                burst.last = time.monotonic()
-                if header.kind == Kind.RESPONSE or header.kind == Kind.ERROR:
-                    burst.out.pop(header.request_id, None)
-                    calls.on_reply(conn, header, envelope, buffers)
-                    if header.kind == Kind.ERROR:
-                        burst.errors += 1
-                # Nothing else is sent on a private connection; ignore what a peer sends.
-                envelope = buffers = None
-        finally:
-            mark_reader_thread(was_reader)
+    def _read(self, burst: Burst, more: Callable[[], bool]) -> None:
+        """Holding ``burst``'s lock: read and settle frames while ``more()``, as a reader
+        thread (callbacks of the futures it completes go to the pool)."""
+        out = burst.out
+
+        def took(header: Header) -> None:
+            burst.last = time.monotonic()
+            out.pop(header.request_id, None)
+
+        def settled(header: Header) -> None:
+            if header.kind == Kind.ERROR:
+                burst.errors += 1
+
+        read_replies(burst.conn, self._calls, more, took, lambda exc: self._lost(burst, exc),
+                     settled, as_reader=True)
 
     def _lost(self, burst: Burst, exc: BaseException) -> None:
         burst.errors += 1
-        calls = self._agent.calls
+        calls = self._calls
         for rid in list(burst.out):
             burst.out.pop(rid, None)
             calls.request_lost(rid, burst.dst, exc)

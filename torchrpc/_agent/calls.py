@@ -1,11 +1,12 @@
 """The caller's side of requests (``Calls``, held as ``agent.calls``).
 
-A request is encoded once under the call hooks of the layers above (which add their
-metadata and see the tensors that cross), entered in the pending table (requests.py) and
-sent on the shared connection to its callee, or on a private one by the fast path
-(fastpath.py). Its reply, read by whichever thread reads that connection, completes the
-future here (:meth:`Calls.on_reply`). The caller's side of at-most-once, asking the callee
-before sending a request again, is :class:`~torchrpc._agent.probes.Probes`'.
+Every request takes one path, :meth:`Calls.start`: a lane is picked for it (lanes.py),
+it is encoded once under the call hooks of the layers above (which add their metadata
+and see the tensors that cross), entered in the pending table (requests.py), and the
+lane sends it (:meth:`Calls.transmit`, for every lane and every attempt of a retry).
+Its reply, read by whichever thread the lane has read it, completes the future here
+(:meth:`Calls.on_reply`). The caller's side of at-most-once, asking the callee before
+sending a request again, is :class:`~torchrpc._agent.probes.Probes`'.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from ..errors import ConnectionLostError, NotInitializedError, RpcError, Seriali
 from .dispatch import ONCE_ACKS, inline_max_to
 from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
+from .lanes import Expect, Lanes
 from .probes import Probes
 from .remote_error import rebuild_error
-from .requests import Pending, Resend
+from .pending import Pending, Resend
 from .retry import RetryPolicy
 from .stats import nbytes
 from .worker import WorkerInfo
@@ -45,18 +47,30 @@ class Calls:
         self._agent = agent
         self._rid = itertools.count(1)
         self.probes = Probes(agent, self)
+        self.lanes = Lanes(agent, self)
         self._max_pending = agent.settings.max_pending_requests
         # Callee rank -> ids of at-most-once requests to it whose replies arrived here: the
         # next such request tells the callee, which then lets go of the replies it kept.
         self._acks: Dict[int, List[int]] = {}
 
-    def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
-                what: Any = None, oneway: bool = False,
-                retry: Optional[RetryPolicy] = None) -> RpcFuture:
-        """See :meth:`Agent.request`."""
-        rid, p, flags, env, bufs, keep = self.new_request(dst, kind, payload, timeout, what,
-                                                          oneway, retry)
-        self.attempt(rid, p, kind, flags, env, bufs, keep)
+    def start(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
+              what: Any = None, oneway: bool = False, retry: Optional[RetryPolicy] = None,
+              expect: int = Expect.ANY, after: Any = None,
+              on_done: Optional[Callable[[Any], None]] = None) -> Any:
+        """The one path of a request (see :meth:`Agent.request`): pick its lane, encode
+        and enter it, send it; its future."""
+        route = self.lanes.pick(dst, expect, retry, timeout, after) if expect else \
+            self.lanes.shared.route
+        try:
+            rid, p, flags, env, bufs, keep = self.new_request(
+                dst, kind, payload, timeout, what, oneway, retry, route.conn, sync=route.sync,
+                on_done=on_done if route.inline else None)
+        except BaseException:
+            route.lane.release(route, dst)
+            raise
+        route.lane.send(route, rid, p, kind, flags, env, bufs, keep)
+        if on_done is not None and not route.inline:
+            p.future.add_done_callback(on_done)
         return p.future
 
     def request_many(self, dsts: Sequence[WorkerInfo], kind: int, payload: Any, timeout: float,
@@ -76,7 +90,7 @@ class Calls:
                 failed.set_exception(fresh_error(exc))
                 futures.append(failed)
                 continue
-            self.attempt(rid, p, kind, flags, env, bufs, keep)
+            self.transmit(None, rid, p, kind, flags, env, bufs, keep)
             futures.append(p.future)
         return futures
 
@@ -155,28 +169,33 @@ class Calls:
             agent.requests.add(rid, p, deadline)
         return rid, p, flags, env, bufs, keep
 
-    def attempt(self, rid: int, p: Pending, kind: int, flags: int, env: bytes, bufs: Any,
-                keep: Any) -> None:
-        """Send (again) request ``rid`` on the shared connection to its callee."""
+    def transmit(self, conn: Optional[Connection], rid: int, p: Pending, kind: int,
+                 flags: int, env: bytes, bufs: Any, keep: Any) -> bool:
+        """Send (again) request ``rid`` on ``conn``, a lane's, or on the shared connection
+        to its callee (None); whether it went. If not, it is failed, or its retry is
+        scheduled (on the shared connection)."""
         agent = self._agent
         r = p.resend
         was_sent = r is not None and r.sent
         if r is not None:
             r.sent = True  # from here the frame may arrive, even if the connection breaks
         try:
-            conn = p.conn = agent.connections.to(p.dst)
-            agent._send(p.dst, kind, flags, rid, env, bufs, keep, conn)
+            if conn is None:
+                conn = p.conn = agent.connections.to(p.dst)
+            conn.send(kind, flags, rid, env, bufs, keep)
         except RpcError as exc:  # raised before the frame was queued: it did not go
             if r is not None:
                 r.sent = was_sent
+            p.private = None  # nobody reads a lane's connection for it: a retry goes shared
             if flags & _wire.FLAG_ONEWAY and p.resend is None:
                 p.set_exception(self.lost_error(p.dst, exc))
             else:
                 self.send_failed(kind, rid, p.dst, exc)
-            return
+            return False
         if flags & _wire.FLAG_ONEWAY and (p.resend is None
                                           or agent.requests.pending.pop(rid, None)):
             p.future.set_result(None)
+        return True
 
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""

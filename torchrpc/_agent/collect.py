@@ -2,7 +2,7 @@
 
 torch's two run in its C++, which cannot do what waiting on an :class:`RpcFuture` takes:
 a reply parked on a private connection, or sent on a burst, is read by the thread that
-waits for it (fastpath.py, bursts.py), and torch's C++ never calls Python to read it, so
+waits for it (lanes.py, bursts.py), and torch's C++ never calls Python to read it, so
 it would wait for the timer to read it (a tick later); and it ends ``wait_all`` early only
 on a future its C++ failed, not on one torchrpc failed from Python, so one error would not
 end the wait. The versions here have each future read (a burst's on this thread, or on
@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .futures import RpcFuture, _claim_later, fresh_error, new_future
+from .futures import ManyClaim, RpcFuture, _claim_later, fresh_error, new_future
+
 
 def _failure(fut: torch.futures.Future) -> Optional[BaseException]:
     """The error of a completed future, as a copy that holds no frames; None if it holds
@@ -65,7 +66,7 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
         elif finished() == total and ended.setdefault("by", combined) is combined:
             combined.set_result(futures)
 
-    _read_later(_burst_groups(futures)[0])
+    _read_later(_claim_groups(futures)[0])
     for fut in futures:
         if isinstance(fut, RpcFuture):
             _claim_later(fut)
@@ -73,38 +74,39 @@ def collect_all(futures: List[torch.futures.Future]) -> torch.futures.Future:
     return combined
 
 
-def _burst_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
-    """The futures of bursts (bursts.py) among ``futures``, their claims taken, by burst:
-    ``[claim, future, ...]`` for each; and whether there are no others."""
+def _claim_groups(futures: List[Any]) -> Tuple[List[List[Any]], bool]:
+    """The futures whose claims read for many (:class:`ManyClaim`) among ``futures``,
+    their claims taken, by group: ``[claim, future, ...]`` for each; and whether there
+    are no others."""
     groups: Dict[int, List[Any]] = {}
     alone = True
     for fut in futures:
         claim = fut._claim if isinstance(fut, RpcFuture) else None
-        if claim is not None and hasattr(claim, "read_until"):
+        if isinstance(claim, ManyClaim):
             fut._claim = None
-            groups.setdefault(id(claim.burst), [claim]).append(fut)
+            groups.setdefault(id(claim.group), [claim]).append(fut)
         else:
             alone = False
     return list(groups.values()), alone
 
 
 def _read_later(groups: List[List[Any]]) -> None:
-    """One pool thread reads each burst of ``groups`` (see :func:`_burst_groups`) until
+    """One pool thread reads each group of ``groups`` (see :func:`_claim_groups`) until
     its futures are done, or one has failed."""
     for claim, *group in groups:
-        claim.read_later(_all_done(group, claim.burst))
+        claim.read_later(_all_done(group, claim))
 
 
 @functools.wraps(_torch_wait_all)
 def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     if not any(isinstance(f, RpcFuture) for f in futures):
         return _torch_wait_all(futures)
-    # Futures of one burst (bursts.py) alone are read on this thread; those of several,
-    # each burst on a pool thread (collect_all), so that an error on one ends the wait.
-    groups, alone = _burst_groups(futures)
+    # Futures of one group (a burst, bursts.py) alone are read on this thread; those of
+    # several, each group on a pool thread (collect_all), so that an error ends the wait.
+    groups, alone = _claim_groups(futures)
     if alone and len(groups) == 1:
         (claim, *group), = groups
-        claim.read_until(_all_done(group, claim.burst))
+        claim.read_until(_all_done(group, claim))
         done = torch._C.Future.done
         for fut in futures:  # an error ends the wait, as torch's does
             error = _failure(fut) if done(fut) else None
@@ -120,12 +122,13 @@ def wait_all(futures: List[torch.futures.Future]) -> List[Any]:
     return [_future_value(fut) for fut in collect_all(futures).wait()]
 
 
-def _all_done(group: List[Any], burst: Any) -> Callable[[], bool]:
-    """Whether every future of ``group`` (on ``burst``) is done, or one has failed. Each
-    call goes on from where the last one stopped; failures are looked for only when an
-    error reply came on the burst, or it went quiet, since the last look."""
+def _all_done(group: List[Any], claim: ManyClaim) -> Callable[[], bool]:
+    """Whether every future of ``group`` (read by ``claim``) is done, or one has failed.
+    Each call goes on from where the last one stopped; failures are looked for only when
+    an error reply came, or the reading went quiet, since the last look."""
     done = torch._C.Future.done
-    state = [0, burst.errors + burst.quiet]  # futures of group done in a row; events seen
+    events = claim.events
+    state = [0, events()]  # futures of group done in a row; events seen
 
     def finished() -> bool:
         i = state[0]
@@ -134,9 +137,9 @@ def _all_done(group: List[Any], burst: Any) -> Callable[[], bool]:
         state[0] = i
         if i == len(group):
             return True
-        events = burst.errors + burst.quiet
-        if events != state[1]:
-            state[1] = events
+        now = events()
+        if now != state[1]:
+            state[1] = now
             return any(done(f) and _failure(f) is not None for f in group)
         return False
     return finished

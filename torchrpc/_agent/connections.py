@@ -4,7 +4,7 @@ Theory of operation. Connections to a peer open lazily, on the first frame for i
 carry both directions. ``shared`` maps a rank to the connection new requests to it go out
 on; ``all`` keeps every open shared connection by rank (two workers that connect to each
 other at once end up with two, and either may carry replies). Private connections (see
-fastpath.py) are registered in ``private`` both ways, only so that liveness watches them
+lanes.py) are registered in ``private`` both ways, only so that liveness watches them
 and a lost peer's are closed: nothing else is ever sent on them. A shared connection
 that breaks with others to the same peer still open fails only the requests on it; the
 last one to break makes the peer *suspect* (``lost``, with why) and fails every request
@@ -111,7 +111,7 @@ class Connections:
         agent = self._agent
         if conn.private:
             # Used by one call at a time; registered for liveness (see liveness.py).
-            conn.poll = agent.fastpath.poll
+            conn.poll = agent.lanes.poll
             with self._lock:
                 self.private.setdefault(conn.peer_rank, []).append(conn)
             return
@@ -140,7 +140,7 @@ class Connections:
                     self.private.get(conn.peer_rank, []).remove(conn)
                 except ValueError:
                     pass  # never there
-            agent.fastpath.private.forget(conn)
+            agent.lanes.private.forget(conn)
             return
         rank = conn.peer_rank
         with self._lock:
@@ -174,7 +174,7 @@ class Connections:
             self.lost[rank] = str(reason)
         log.warning("%s lost its connection to worker %s (rank %d): %s", agent.name,
                     name, rank, reason)
-        agent.fastpath.private.close_idle(rank, reason)
+        agent.lanes.private.close_idle(rank, reason)
         agent.requests.fail_peer(rank, ConnectionLostError(
             f"connection to worker {name} (rank {rank}) was lost: {reason}. The worker may have "
             f"died.", worker=name))

@@ -3,7 +3,7 @@
 A few things differ from a plain torch future. Waiting on it from a pool thread
 tells the pool the thread is blocked, so nested blocking calls never starve the
 pool. A future whose reply waits unread on a private connection (a parked reply, see
-fastpath.py) has it read by the thread that waits on it, with no reader thread woken;
+lanes.py) has it read by the thread that waits on it, with no reader thread woken;
 asking whether it is done, or adding a callback, has a pool thread read it at once. Callbacks (``then`` / ``add_done_callback``) never run on a transport
 reader thread: if the future completes there, they are handed to the pool, so a
 callback that itself makes a blocking RPC cannot stall the connection whose
@@ -46,6 +46,35 @@ def on_reader_thread() -> bool:
     return getattr(_reader, "active", False)
 
 
+class ManyClaim:
+    """A future's ``_claim`` that reads the replies of several futures at once (a burst,
+    see bursts.py): :func:`wait_all` and :func:`collect_all` read once for all the
+    futures of one :attr:`group`. ``claim(future, later)`` reads until ``future`` is
+    done, on the calling thread or with ``later`` on the pool."""
+
+    __slots__ = ()
+
+    @property
+    def group(self) -> Any:
+        """What the futures claimed alike share (one reading serves them all)."""
+        raise NotImplementedError
+
+    def events(self) -> int:
+        """A count that grows with every error reply read, and every quiet wait."""
+        raise NotImplementedError
+
+    def read_until(self, finished: Callable[[], bool]) -> None:
+        """Read on this thread until ``finished()``."""
+        raise NotImplementedError
+
+    def read_later(self, finished: Callable[[], bool]) -> None:
+        """Read on the pool until ``finished()``."""
+        raise NotImplementedError
+
+    def __call__(self, future: Any, later: bool) -> None:
+        raise NotImplementedError
+
+
 class RpcFuture(torch.futures.Future):
     """A :class:`torch.futures.Future` completed by the RPC agent."""
 
@@ -56,9 +85,9 @@ class RpcFuture(torch.futures.Future):
     def __init__(self, pool: Optional[WorkerPool] = None) -> None:
         _future_init(self, _NO_DEVICES)
         self._pool = pool
-        # Reads a parked reply: ``claim(self, False)`` on the calling thread,
-        # ``claim(self, True)`` on the pool (see fastpath.py and bursts.py); None once
-        # claimed, or for a reply read elsewhere.
+        # Reads a reply that waits unread for whoever waits on the future (see lanes.py):
+        # ``claim(self, False)`` on the calling thread, ``claim(self, True)`` on the
+        # pool; None once claimed, or for a reply read elsewhere.
         self._claim: Optional[Callable[[RpcFuture, bool], None]] = None
         # The callbacks waiting for it to complete; _RAN once they were handed to be run.
         self._callbacks: Any = None
@@ -161,7 +190,7 @@ class SyncFuture:
     released once it has one. It costs a small part of a torch future's making, setting
     and waiting, which a blocking call would pay for nothing."""
 
-    __slots__ = ("_ready", "_value", "_error", "_callbacks")
+    __slots__ = ("_ready", "_value", "_error", "_callbacks", "_claim")
 
     def __init__(self) -> None:
         self._ready = _new_lock()
@@ -169,6 +198,8 @@ class SyncFuture:
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self._callbacks: Optional[List[Callable[[Any], None]]] = None
+        # Reads its reply on the waiting thread, as RpcFuture's (see lanes.py).
+        self._claim: Optional[Callable[[Any, bool], None]] = None
 
     def set_result(self, value: Any) -> None:
         self._value = value
@@ -203,6 +234,10 @@ class SyncFuture:
     def wait(self) -> Any:
         """The value, or a copy of the error raised; blocks (as a blocked pool thread)
         until there is one."""
+        claim = self._claim
+        if claim is not None:
+            self._claim = None
+            claim(self, False)
         ready = self._ready
         if not ready.acquire(False):
             pool = current_pool()

@@ -1,8 +1,8 @@
 """One agent's private connections at rest, and the opening of new ones
-(``PrivateConnections``, held as ``agent.fastpath.private``).
+(``PrivateConnections``, held as ``agent.lanes.private``).
 
 A private connection carries the calls of one thread at a time: a blocking call or a
-parked request (fastpath.py), or a thread's burst of ``rpc_async`` (bursts.py). One not
+parked request (private_lane.py), or a thread's burst of ``rpc_async`` (bursts.py). One not
 in use waits here, by the rank of its peer, for the next such call to that worker. None
 is used under TLS, and at most ``max_private_connections`` are opened to one worker;
 beyond that, calls go over the shared connection.

@@ -22,7 +22,7 @@ from .._transport import Connection
 from .._wire import Kind
 from .._wire.probe import MISSING
 from ..errors import RpcError
-from .requests import Resend
+from .pending import Resend
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -124,4 +124,4 @@ class Probes:
             self.later(p.dst, rid, _RECHECK)
         for rid, p in missing:
             r = p.resend
-            self._calls.attempt(rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+            self._calls.transmit(None, rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)

@@ -447,7 +447,7 @@ class Shutdown:
         agent.requests.fail_all(lambda p: NotInitializedError(
             f"RPC agent of {agent.name} shut down before the reply from {p.dst.name} "
             f"to {describe(p.what)} arrived"))
-        agent.fastpath.clear()
+        agent.lanes.clear()
         transport = agent.transport
         stuck = transport.close(_left(until)) if transport is not None else []
         stuck += agent.coroutines.close(_left(until))

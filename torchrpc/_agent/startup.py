@@ -117,14 +117,14 @@ def _transport(agent: "Agent", secret: bytes, host: str, limits: _wire.Limits) -
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
     settings, registry = agent.settings, agent.registry
     return Transport(agent.rank, secret, limits, agent.connections.on_connect,
-                     agent.fastpath.reading.on_frame, agent.connections.on_close, host,
+                     agent.inbound.on_frame, agent.connections.on_close, host,
                      on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
                      features=handshake.FEATURE_SHM if settings.enable_shm else 0,
                      shm_threshold=settings.shm_threshold,
                      same_host=registry.same_host, same_pids=registry.same_pids,
                      send_timeout=settings.send_timeout,
                      max_outbox=settings.max_outbox_bytes,
-                     max_private=agent.fastpath.private.max,
+                     max_private=agent.lanes.private.max,
                      local_socket=settings.enable_uds,
                      incarnation=registry.incarnation,
                      admit=registry.admit if agent.elastic else None,

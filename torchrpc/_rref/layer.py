@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._agent import Agent, AsyncResult, MessageContext, WorkerInfo, error_of, run_callable
+from .._agent import (Agent, AsyncResult, Expect, MessageContext, WorkerInfo, error_of,
+                      run_callable)
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError
 from .book import GloballyUniqueId, Msg, OwnerEntry, RRefBook
@@ -91,11 +92,11 @@ class RRefLayer:
         deletes = self.control.take_deletes(dst.id)
         ref = weakref.ref(rref)
         try:
-            # Parked: the reply is read by this RRef's to_here() if it comes soon. Its
-            # future is a SyncFuture then; _get_future() makes a torch future of it.
-            rref._creation, rref._parked = agent.fastpath.park(
+            # A to_here() usually follows: its request may read this reply with its own
+            # (after=). The future may be a SyncFuture; _get_future() makes a torch one.
+            rref._creation = agent.request(
                 dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
-                timeout, what=func,
+                timeout, what=func, expect=Expect.FOLLOWED,
                 on_done=lambda f: self._created(ref, fork_id, f, dst.id, deletes))
         except BaseException:
             self.control.return_deletes(dst.id, deletes)

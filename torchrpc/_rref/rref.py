@@ -16,7 +16,7 @@ from typing import Any, Generic, Optional, Tuple, TypeVar
 
 import torch
 
-from .._agent import Agent, Described, MessageContext, Parked, Slot, WorkerInfo, fresh_error
+from .._agent import Agent, Described, MessageContext, Slot, WorkerInfo, fresh_error
 from .._agent.current import current_agent, handle as agent_handle
 from .._agent.futures import RpcFuture, SyncFuture, new_future, torch_future_of
 from .._wire import Kind, PassThrough, register_message_reducer, register_rebuilder
@@ -55,7 +55,7 @@ class RRef(Generic[T]):
     """
 
     __slots__ = ("_layer", "_rref_id", "_fork_id", "_owner", "_entry", "_error", "_confirmed",
-                 "_deleted", "_creation", "_parked", "_type_future", "_profiling_future",
+                 "_deleted", "_creation", "_type_future", "_profiling_future",
                  "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
@@ -81,7 +81,6 @@ class RRef(Generic[T]):
         # The future of remote()'s creation request: a torch future, or a SyncFuture
         # while the reply is parked (_get_future makes a torch future of it)
         self._creation: Any = None
-        self._parked: Optional[Parked] = None  # the creation's reply, unread (see remote)
         self._type_future: Optional[torch.futures.Future] = None  # of the value's type
         self._profiling_future: Optional[torch.futures.Future] = None  # set by a profiled remote
 
@@ -164,14 +163,13 @@ class RRef(Generic[T]):
             return self._entry.future.wait()
         layer = self._layer
         t = _timeout(layer, timeout)
-        parked, self._parked = self._parked, None
         owner = self._owner.id
         deletes = layer.control.take_deletes(owner)
         try:
             value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH,
                                              (self._rref_id, deletes), t,
                                              what=Described("RRef.to_here() of {!r}", self),
-                                             after=parked)
+                                             after=self._creation)
         except BaseException:  # noqa: BLE001 - a recorded creation failure explains it better
             layer.control.return_deletes(owner, deletes)
             self._raise_creation_error()

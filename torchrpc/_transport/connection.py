@@ -93,15 +93,12 @@ class Connection(FrameReader):
         self._rmv: Optional[memoryview] = None
         self._rstart = self._rend = 0
         # A private connection (handshake.FEATURE_PRIVATE) has no reader of its own on the
-        # client side: the thread that made the call reads the reply (read_frame).
+        # side that opened it: whoever uses it there reads its frames (read_frame).
         self.private = False
         # Whether readers poll a moment before they block (see _spin_recv): on private
         # connections, where one blocked caller waits for its reply and the callee's
         # reader for the caller's next request.
         self.spin = False
-        # Callee side: a private connection whose caller has several requests on it at
-        # once (FLAG_MANY, the agent's bursts), which it serves as a shared one.
-        self.many = False
         # How long they poll: the agent's policy, handed over when the connection opens.
         self.poll = PollPolicy()
         # Polls that ended without data in a row, and waits so far: a connection whose

@@ -19,7 +19,7 @@ import mmap
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,8 +29,6 @@ from ..errors import ConnectionLostError, ProtocolError
 from . import handshake, shm
 from .sockets import lost
 
-if TYPE_CHECKING:
-    from .connection import Connection
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +104,10 @@ _SPIN_PROBE = 16  # ... but poll again at every 16th wait, to notice when it pay
 # that costs only the frame (logged, and the reader reads on).
 _CLOSING = (OSError, ProtocolError, ConnectionLostError)
 
-FrameCallback = Callable[["Connection", _wire.Header, bytes, List[torch.Tensor]],
+# Called with the connection (the FrameReader's Connection) and the frame's parts.
+FrameCallback = Callable[["FrameReader", _wire.Header, bytes, List[torch.Tensor]],
                          Optional[Callable[[], None]]]
-CloseCallback = Callable[["Connection", Optional[BaseException]], None]
+CloseCallback = Callable[["FrameReader", Optional[BaseException]], None]
 
 
 class FrameReader:

@@ -7,13 +7,32 @@ Every message on a connection is one frame::
     4      1     version      1
     5      1     kind         a :class:`~torchrpc._wire.kinds.Kind` id
     6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory),
-                              bit 2: ONCE (a request that may arrive twice: run it once)
+                              bit 2: ONCE (a request that may arrive twice: run it once),
+                              bit 3: MANY (see below); other bits are never set
     8      8     request id   unsigned, chosen by the requester, echoed by the reply
     16     4     envelope     length in bytes of the pickled envelope
     20     4     nbuffers     number of out-of-band buffers
     24     8*n   lengths      one unsigned 64-bit length per buffer
     ...          envelope     pickle protocol 5 bytes
+    ...   24     seal         only with MACs, where buffers are sealed and n > 0 (below)
+    ...   16     tag          only with MACs (below)
     ...          buffers      raw bytes of each buffer, back to back
+
+MANY. A request on a connection whose opener reads the replies itself (a private
+connection, see ``_transport/dial.py``) carries MANY when its sender has several
+requests outstanding on that connection at once. The receiver then serves the
+connection as it serves a shared one: a request that runs long hands the connection's
+reading role on, so the requests behind it are not held up (``_agent/role.py``).
+Without it, the receiver may let one request hold the connection while it runs, since
+its sender waits for that very reply.
+
+MACs. On a connection that negotiated them (plain TCP, ``_transport/handshake.py``),
+every frame carries a trailer between its envelope and its buffers: where buffers are
+sealed and the frame has some, a 24-byte seal of the buffers' bytes (an 8-byte number
+and a 16-byte digest), then a 16-byte tag over an implicit sequence number, the header
+with its lengths, the envelope and the seal. Frames without MACs have no trailer.
+What the MACs are is the transport's business (``handshake.FrameMac``); this layout
+only says where they lie in a frame.
 
 Shared memory. In a frame with the SHM flag, a length with bit 63 (:data:`SHM_BIT`)
 set is a buffer that lies in a shared-memory segment instead of on the stream: the
@@ -47,7 +66,7 @@ HEADER_SIZE = HEADER.size  # 24
 FLAG_ONEWAY = 1
 FLAG_SHM = 2
 FLAG_ONCE = 4
-FLAG_MANY = 8  # a request on a private connection that carries several at once (bursts.py)
+FLAG_MANY = 8  # its sender has several requests outstanding on the connection (see above)
 _KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE | FLAG_MANY
 
 SHM_BIT = 1 << 63

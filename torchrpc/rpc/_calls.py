@@ -2,7 +2,8 @@
 
 ``_prepare`` checks a call's arguments and finds its agent and destination; ``_invoke``
 makes the call, under the profiler when it runs, and is the whole of ``rpc_async`` and
-``rpc_sync`` (``rpc_sync`` waits on the future it returns). ``_wait_all`` collects the
+``rpc_sync``: ``rpc_sync`` waits on the future it returns, having told the agent that it
+will (its thread may then read the reply itself). ``_wait_all`` collects the
 ``rpc_async`` futures a thread makes inside a ``with`` block.
 """
 
@@ -15,9 +16,8 @@ from typing import Any, Callable, Dict, List, Tuple, Union
 import torch
 
 from .. import _profiler
-from .._agent import Agent, WorkerInfo
+from .._agent import Agent, Expect, WorkerInfo
 from .._agent.current import current_agent
-from .._wire import Kind
 from . import constants, functions
 
 WorkerLike = Union[str, int, WorkerInfo]
@@ -68,30 +68,19 @@ def _prepare(to: WorkerLike, func: Any, args: Any, kwargs: Any, timeout: float
 
 def _invoke(mode: str, to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
             timeout: float) -> torch.futures.Future:
-    """The one path of rpc_async and a profiled rpc_sync (``mode`` "async" or "sync", as
-    in their profiling keys): a future of ``func``'s result on ``to``."""
+    """The one path of rpc_async and rpc_sync (``mode`` "async" or "sync", as in their
+    profiling keys): a future of ``func``'s result on ``to``. With "sync", the caller
+    waits on it at once and hands it to nobody."""
     agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
     retry = functions.retry_policy(func)
     if _profiler.enabled():
         fut = _profiler.profiled(mode, agent, dst, func, lambda: agent.call(
             dst, func, args, kwargs, timeout, retry=retry))
     else:
-        # The reply waits for the thread that waits on the future (see _agent/fastpath.py).
-        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry, park=True)
+        fut = agent.call(dst, func, args, kwargs, timeout, retry=retry,
+                         expect=Expect.FUTURE if mode == "async" else Expect.WAIT)
     if mode == "async":
         futures = getattr(_thread_local_var, "future_list", None)
         if futures is not None:
             futures.append(fut)
     return fut
-
-
-def _invoke_sync(to: WorkerLike, func: Callable[..., Any], args: Any, kwargs: Any,
-                 timeout: float) -> Any:
-    """The path of rpc_sync: ``func``'s result on ``to``. Unless profiled, no future is
-    made: the calling thread sends the call and reads its reply (see
-    :meth:`Agent.request_sync`)."""
-    if _profiler.enabled():
-        return _invoke("sync", to, func, args, kwargs, timeout).wait()
-    agent, dst, args, kwargs, timeout = _prepare(to, func, args, kwargs, timeout)
-    return agent.request_sync(dst, Kind.CALL, (func, args, kwargs), timeout, what=func,
-                              retry=functions.retry_policy(func))

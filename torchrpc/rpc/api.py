@@ -22,7 +22,7 @@ from .._rendezvous.membership import open_elastic_store
 from .._rendezvous.rendezvous import missing_rank_error, open_store, validate_name
 from ..errors import RpcError
 from . import _gather, backend_registry, constants
-from ._calls import (WorkerLike, _invoke, _invoke_sync, _prepare,  # noqa: F401
+from ._calls import (WorkerLike, _invoke, _prepare,  # noqa: F401
                      _thread_local_var, _wait_all)
 from ._many import _collective_timeout, _gather_names, rpc_async_many, rpc_sync_many  # noqa: F401
 from .backend_registry import BackendType
@@ -432,7 +432,7 @@ def rpc_sync(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any,
     ``func(*args, **kwargs)``, or raises what it raised (same type where it pickles,
     with the remote traceback in the message).
     """
-    return _invoke_sync(to, func, args, kwargs, timeout)
+    return _invoke("sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(to: WorkerLike, func: Callable[..., Any], args: Optional[Tuple[Any, ...]] = None,

@@ -1,5 +1,5 @@
-"""The fast path (``torchrpc._agent.fastpath``) driven by messages alone: private
-connections that a fake transport opens, and replies that the test puts on them."""
+"""The lanes (``torchrpc._agent.lanes``) driven by messages alone: private connections
+that a fake transport opens, and replies that the test puts on them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torchrpc import _wire
-from torchrpc._agent import Agent
+from torchrpc._agent import Agent, Expect
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError
 from tests.agent_helpers import Agents, FakeConn, running
@@ -112,20 +112,20 @@ def test_a_blocking_call_reads_its_reply_on_a_private_connection_and_keeps_it(ag
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (2, 3), {}), 5) == 5
     (conn,) = transport.opened
     assert [kind for kind, _, _ in conn.sent] == [Kind.CALL] and not shared.sent
-    assert agent.fastpath.private.idle_to(1) == [conn]  # back in the free list for the next call
-    assert conn.poll is agent.fastpath.poll  # readers poll as the agent's policy says
+    assert agent.lanes.private.idle_to(1) == [conn]  # back in the free list for the next call
+    assert conn.poll is agent.lanes.poll  # readers poll as the agent's policy says
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 1), {}), 5) == 2
     assert transport.opened == [conn]  # reused, not opened again
 
 
 def test_rpc_async_parks_only_on_an_idle_connection(agents):
     agent, shared, transport = _agent(agents)
-    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, expect=Expect.FUTURE)
     assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
-    agent.fastpath.private.close_idle(1, RpcError("unused"))  # nothing idle: nothing closes
+    agent.lanes.private.close_idle(1, RpcError("unused"))  # nothing idle: nothing closes
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5) == 0
     (conn,) = transport.opened
-    parked = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)
+    parked = agent.call(_dst(agent), operator.add, (2, 2), {}, 5, expect=Expect.FUTURE)
     assert [k for k, _, _ in conn.sent] == [Kind.CALL, Kind.CALL] and conn.reads == 1
     assert parked.wait() == 4 and conn.reads == 2
     assert not fut.done()  # its reply is for the shared connection's reader
@@ -135,10 +135,10 @@ def test_another_threads_async_call_to_a_worker_with_a_parked_reply_goes_the_sha
         agents):
     agent, shared, transport = _agent(agents)
     agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
-    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, park=True)
+    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, expect=Expect.FUTURE)
     out: List[Any] = []
     other = threading.Thread(target=lambda: out.append(
-        agent.call(_dst(agent), operator.add, (2, 2), {}, 5, park=True)))
+        agent.call(_dst(agent), operator.add, (2, 2), {}, 5, expect=Expect.FUTURE)))
     other.start()
     other.join()
     assert len(transport.opened[0].sent) == 2 and len(shared.sent) == 1
@@ -148,71 +148,75 @@ def test_another_threads_async_call_to_a_worker_with_a_parked_reply_goes_the_sha
 def test_a_threads_second_async_call_to_a_worker_makes_its_parked_connection_a_burst(agents):
     agent, shared, transport = _agent(agents)
     agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
-    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, park=True)
-    rest = [agent.call(_dst(agent), operator.add, (i, i), {}, 5, park=True)
+    first = agent.call(_dst(agent), operator.add, (1, 1), {}, 5, expect=Expect.FUTURE)
+    rest = [agent.call(_dst(agent), operator.add, (i, i), {}, 5, expect=Expect.FUTURE)
             for i in range(2, 40)]
     (conn,) = transport.opened
     assert len(conn.sent) == 40 and not shared.sent  # one connection carries them all
     assert all(flags & _wire.FLAG_MANY for _, flags, _ in conn.sent[2:])
     assert torch.futures.wait_all([first] + rest) == [2 * i for i in range(1, 40)]
-    assert agent.fastpath.num_parked == 0
+    assert agent.lanes.num_parked == 0
 
 
 def test_a_callback_has_the_pool_read_a_parked_reply_at_once(agents):
     agent, shared, transport = _agent(agents)
     agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (0, 0), {}), 5)
-    fut = agent.call(_dst(agent), operator.add, (3, 4), {}, 5, park=True)
+    fut = agent.call(_dst(agent), operator.add, (3, 4), {}, 5, expect=Expect.FUTURE)
     seen: List[Any] = []
     fut.add_done_callback(lambda f: seen.append(f.wait()))
     wait_for("the callback sees the reply", lambda: seen == [7], 5, state=lambda: seen)
-    assert agent.fastpath.num_parked == 0
+    assert agent.lanes.num_parked == 0
 
 
 def test_an_unclaimed_parked_reply_is_read_on_the_pool_after_a_tick(agents):
     agent, shared, transport = _agent(agents, auto=False)
-    fut, parked = agent.fastpath.park(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
-    assert parked is not None and agent.fastpath.num_parked == 1
+    fut = agent.request(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5,
+                        expect=Expect.FOLLOWED)
+    parked = fut._claim
+    assert parked is not None and agent.lanes.num_parked == 1
     conn = transport.opened[0]
     conn.answer(parked.rid, 3)
-    agent.fastpath.drain_parked(time.monotonic())  # too young: left for its owner
+    agent.lanes.private_lane.drain_parked(time.monotonic())  # too young: left for its owner
     assert conn.reads == 0
-    agent.fastpath.drain_parked(time.monotonic() + 1.0)
+    agent.lanes.private_lane.drain_parked(time.monotonic() + 1.0)
     wait_for("the pool reads the parked reply", fut.done, 5)
     assert fut.wait() == 3
-    wait_for("no reply parked", lambda: agent.fastpath.num_parked == 0, 5)
-    assert agent.fastpath.private.idle_to(1) == [conn]
+    wait_for("no reply parked", lambda: agent.lanes.num_parked == 0, 5)
+    assert agent.lanes.private.idle_to(1) == [conn]
 
 
 def test_a_call_after_a_parked_request_reads_both_replies(agents):
     agent, shared, transport = _agent(agents, auto=False)
-    fut, parked = agent.fastpath.park(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 0)
+    fut = agent.request(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 0,
+                        expect=Expect.FOLLOWED)
+    parked = fut._claim
     conn = transport.opened[0]
     conn.answer(parked.rid, 3)
     conn.auto = True
     assert agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (5, 5), {}), 0,
-                              after=parked) == 10
+                              after=fut) == 10
     assert fut.done() and fut.wait() == 3 and conn.reads == 2
-    assert agent.fastpath.num_parked == 0 and agent.fastpath.private.idle_to(1) == [conn]
+    assert agent.lanes.num_parked == 0 and agent.lanes.private.idle_to(1) == [conn]
 
 
 def test_a_private_connection_that_breaks_fails_its_call(agents):
     agent, shared, transport = _agent(agents, auto=False)
     with pytest.raises(RpcError, match="closed"):
         agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
-    assert agent.fastpath.num_parked == 0 and not agent.fastpath.private.idle_to(1)
+    assert agent.lanes.num_parked == 0 and not agent.lanes.private.idle_to(1)
 
 
 def test_without_private_calls_every_call_goes_the_shared_way(agents):
     agent, shared, transport = _agent(agents)
-    agent.fastpath.private.enabled = False
-    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, park=True)
+    agent.lanes.private.enabled = False
+    fut = agent.call(_dst(agent), operator.add, (1, 2), {}, 5, expect=Expect.FUTURE)
     assert not transport.opened and [k for k, _, _ in shared.sent] == [Kind.CALL]
     assert not fut.done()
 
 
 def test_the_poll_policy_follows_the_cpus_the_host_leaves_spare(agents):
     agent, _, _ = _agent(agents)
-    poll = agent.fastpath.poll
+    poll = agent.lanes.poll
     poll.set_spare_cpus(True)
     assert poll.seconds == poll.spare
     poll.set_spare_cpus(False)
@@ -220,20 +224,19 @@ def test_the_poll_policy_follows_the_cpus_the_host_leaves_spare(agents):
     # More workers on the host than CPUs: a poll would take another worker's CPU.
     poll.set_spare_cpus(False, crowded=True)
     assert poll.seconds == poll.crowded == 0.0
-    agent.fastpath.check_cpus(1)  # one worker on this host: whatever the CPUs say, valid
+    agent.lanes.check_cpus(1)  # one worker on this host: whatever the CPUs say, valid
     assert poll.seconds in (poll.short, poll.spare)
 
 
 def test_a_crowded_host_stops_the_polls_unless_spin_us_is_set(monkeypatch):
-    from torchrpc._agent import fastpath
+    from torchrpc._agent import lanes
+    from torchrpc._transport import PollPolicy
 
-    monkeypatch.setattr(fastpath, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(lanes, "_usable_cpus", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     for spin_us, crowded in ((None, 0.0), (50.0, 50e-6)):
-        settings = SimpleNamespace(spin_us=spin_us, max_private_connections=32)
-        agent = SimpleNamespace(_lock=threading.Lock(), settings=settings, pool=None)
-        path = fastpath.FastPath(agent)
-        path.check_cpus(2)  # two one-thread workers on two CPUs: spare
+        path = SimpleNamespace(poll=PollPolicy.from_option(spin_us))
+        lanes.Lanes.check_cpus(path, 2)  # two one-thread workers on two CPUs: spare
         assert path.poll.seconds == path.poll.spare
-        path.check_cpus(3)
+        lanes.Lanes.check_cpus(path, 3)
         assert path.poll.seconds == crowded

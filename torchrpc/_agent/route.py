@@ -1,0 +1,121 @@
+"""What every lane shares: what the caller does with a reply (:class:`Expect`), a lane
+picked for one call (:class:`Route`), the interface of a lane (:class:`Lane`), what a lane
+needs of the caller's side (:class:`Sender`), and the one reading loop of the lanes whose
+replies a waiting thread reads (:func:`read_replies`). See lanes.py for the lanes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol
+
+import torch
+
+from .._transport import Connection
+from .._wire import Header, Kind
+from ..errors import RpcError
+from .futures import mark_reader_thread, on_reader_thread
+from .worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from .pending import Pending
+
+
+class Expect:
+    """What the caller does with the reply: with the peer, this picks the call's lane."""
+
+    ANY = 0  # nothing in particular (a callback, or a future handed out)
+    WAIT = 1  # the caller waits for it at once (rpc_sync, RRef.to_here)
+    FUTURE = 2  # the caller holds the future and usually waits on it soon (rpc_async)
+    FOLLOWED = 3  # nobody waits, but a blocking call to the same worker follows (remote())
+
+
+class Route:
+    """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
+
+    __slots__ = ("lane", "conn", "held", "sync", "inline")
+
+    def __init__(self, lane: Any, conn: Optional[Connection] = None, held: Any = None,
+                 sync: bool = False, inline: bool = False) -> None:
+        self.lane = lane
+        # The private connection whose reader the caller is: a deadline or a lost peer
+        # closes it, which wakes that reader (see Pending.set_exception).
+        self.conn = conn
+        self.held = held
+        self.sync = sync  # the future is a SyncFuture (nobody but its caller sees it)
+        self.inline = inline  # the call's on_done runs where the future completes
+
+
+class Lane(Protocol):
+    """How a request goes out and how its reply comes back."""
+
+    def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
+             bufs: Any, keep: Any) -> None:
+        """Request ``rid`` is entered: send it (:meth:`Sender.transmit`) and arrange how
+        its reply is read (the future's ``_claim``, or nothing: a reader thread's)."""
+
+    def release(self, route: Route, dst: WorkerInfo) -> None:
+        """The request was never made (encoding failed): give back what the route holds."""
+
+
+class Sender(Protocol):
+    """What the lanes need of the caller's side of requests (calls.py's ``Calls``)."""
+
+    def transmit(self, conn: Optional[Connection], rid: int, p: "Pending", kind: int,
+                 flags: int, env: bytes, bufs: Any, keep: Any) -> bool:
+        """Send (again) request ``rid``; whether it went (if not, it is failed or retried)."""
+
+    def on_reply(self, conn: Connection, header: Header, envelope: bytes,
+                 buffers: List[torch.Tensor]) -> None:
+        """Complete a request with its reply."""
+
+    def request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
+        """Request ``rid``'s connection failed: retry or fail it."""
+
+
+class IdleConnections(Protocol):
+    """What the lanes need of the private connections at rest (private.py's
+    ``PrivateConnections``)."""
+
+    def usable(self, dst: WorkerInfo) -> bool:
+        """Whether calls to ``dst`` may use private connections."""
+
+    def has_idle(self, rank: int) -> bool:
+        """Whether a private connection to ``rank`` waits to be used."""
+
+    def checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
+        """An idle private connection to ``dst``, or with ``opens`` a new one; or None."""
+
+    def checkin(self, dst: WorkerInfo, conn: Connection) -> None:
+        """``conn``, to ``dst``, is free again."""
+
+
+def read_replies(conn: Connection, calls: Sender, more: Callable[[], Any],
+                 took: Callable[[Header], None], lost: Callable[[BaseException], None],
+                 settled: Optional[Callable[[Header], None]] = None,
+                 as_reader: bool = False) -> None:
+    """The reading loop of the lanes whose replies a waiting thread reads: read frames
+    from ``conn`` while ``more()``; for each reply, ``took(header)`` (the lane's
+    bookkeeping, before the caller wakes), complete its request, then ``settled(header)``;
+    if the connection breaks, ``lost(error)``. ``as_reader``: the thread counts as a
+    reader meanwhile (callbacks of the futures it completes go to the pool)."""
+    if as_reader:
+        was_reader = on_reader_thread()
+        mark_reader_thread()
+    try:
+        while more():
+            try:
+                header, envelope, buffers = conn.read_frame()
+            except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
+                lost(exc)
+                return
+            kind = header.kind
+            if kind == Kind.RESPONSE or kind == Kind.ERROR:
+                took(header)
+                calls.on_reply(conn, header, envelope, buffers)
+                if settled is not None:
+                    settled(header)
+            # Nothing else is sent to a caller on these connections; ignore anything else.
+            envelope = buffers = None
+    finally:
+        if as_reader:
+            mark_reader_thread(was_reader)

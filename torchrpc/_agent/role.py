@@ -66,20 +66,22 @@ class ReadingRole:
         # Callee side: the private connections whose caller has several requests on them
         # at once (FLAG_MANY, the caller's bursts), served as shared ones.
         self._many: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        self._any_many = False  # whether _many ever had one (a set lookup is a call)
         pool.on_block = self.lend_out  # rule 3
 
     def carries_many(self, conn: Connection) -> None:
         """Private connection ``conn`` carries a burst (its caller said so)."""
         self._many.add(conn)
+        self._any_many = True
 
     def _watched(self, conn: Connection) -> bool:
-        return not conn.private or conn in self._many
+        return not conn.private or (self._any_many and conn in self._many)
 
     def lend(self, conn: Connection) -> None:
         """This thread, which holds ``conn``'s role, runs a request it read (rule 2)."""
         # _lent is changed with single dict operations, which the GIL makes atomic.
         self._lent[conn] = time.monotonic()
-        if self._watched(conn):
+        if not conn.private or (self._any_many and conn in self._many):  # _watched
             self._served = True
             scheduler = self._scheduler
             if scheduler.slow:

@@ -332,3 +332,25 @@ def test_docs_state_the_real_option_defaults():
                 seen += 1
                 assert _parse_default(value) == signature[option].default, (name, option, value)
     assert seen >= 2
+
+
+def test_design_doc_is_short_and_what_it_names_exists():
+    # docs/design.md is the map a newcomer follows file by file: it stays a page, the
+    # files it names exist, and every "docs/design.md, <section>" elsewhere finds its section.
+    design = _read("docs", "design.md")
+    assert len(design.splitlines()) < 400
+    headings = {line.lstrip("#").strip() for line in design.splitlines() if line.startswith("#")}
+    tree = [os.path.relpath(os.path.join(base, f), ROOT)
+            for top in ("torchrpc", "tests", "benchmarks", "scripts", "docs")
+            for base, _, files in os.walk(os.path.join(ROOT, top)) for f in files]
+    prose = re.sub(r"```.*?```", "", design, flags=re.S)
+    for path in set(re.findall(r"`([\w/]+\.py)(?:::\w+)?`", prose)):
+        assert any(f == path or f.endswith("/" + path) for f in tree), path
+    cited = []
+    for name in ["README.md", *tree]:
+        if name.endswith((".py", ".md")) and name != os.path.join("docs", "design.md"):
+            text = re.sub(r"\s*\n\s*#?\s*", " ", _read(name))  # comments wrapped over lines
+            cited += [(name, s) for s in re.findall(r'design\.md[,(\s]+"([^"]+)"', text)]
+    assert cited
+    for name, section in cited:
+        assert section in headings, (name, section)

@@ -84,7 +84,7 @@ class MessageContext:
     """What pickling code of upper layers may know about the message being (un)pickled.
 
     Read-only by convention. Not a frozen dataclass: one is built for every message
-    both ways, and a frozen dataclass takes several times as long to build.
+    both ways, and a frozen dataclass is slower to build.
     """
 
     __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates", "per_peer")

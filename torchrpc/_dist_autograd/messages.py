@@ -2,7 +2,7 @@
 
 They pickle as a call of a module-level builder with plain fields, the credit as two
 ints: the default pickling of a dataclass and of a ``Fraction`` (which travels as a
-string to parse) costs several times more, once per message of every backward pass.
+string to parse) costs more, once per message of every backward pass.
 """
 
 from __future__ import annotations

@@ -235,8 +235,8 @@ class Seal:
     direction's key and a nonce of its own (the seal's number and the piece's index),
     and the tags hashed in order.
 
-    GMAC, because it runs at several times BLAKE2b's or HMAC-SHA256's speed where the
-    CPU multiplies carry-less (docs/security.md has the figures). Each call releases the
+    GMAC, because it is faster than BLAKE2b or HMAC-SHA256 where the CPU multiplies
+    carry-less (docs/security.md has the figures). Each call releases the
     GIL, and getting it back can wait for another thread's switch interval, so a buffer
     is MAC'd in as few calls as it allows: a receiver MACs it once it is all in place.
     """

@@ -29,9 +29,9 @@ from .reader import CloseCallback, FrameCallback
 log = logging.getLogger(__name__)
 
 # The most tensor bytes a message to a peer whose frames carry MACs sends inside its
-# envelope: the envelope's MAC (keyed BLAKE2b) costs several times more per byte than the
-# seal of out-of-band buffers, or none where they are not sealed (docs/design.md, "The
-# bound").
+# envelope: the envelope's MAC (keyed BLAKE2b) costs more per byte than the seal of
+# out-of-band buffers, or none where they are not sealed (docs/design.md, "Small tensors
+# inside the envelope").
 MAC_INLINE_MAX = 512
 
 

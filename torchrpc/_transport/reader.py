@@ -190,8 +190,8 @@ class FrameReader:
 
     def _spin_recv(self, dst: memoryview, seconds: float, count: bool = True) -> int:
         # Poll without blocking for a moment before sleeping in recv. A thread that
-        # sleeps leaves its CPU idle, and on virtual machines in particular the first
-        # tens of microseconds after an idle CPU is woken run several times slower;
+        # sleeps leaves its CPU idle, and on virtual machines in particular code run
+        # right after an idle CPU is woken runs slowly;
         # a reply or next request usually comes within the moment.
         # Polling costs a CPU that other threads and processes may need, so a connection
         # whose polls keep missing stops polling (see _fill); ``count``: whether this

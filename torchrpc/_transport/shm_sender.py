@@ -63,7 +63,7 @@ class _OutSegment:
         if self.data is not None:  # mapped here already (a buffer came back in it)
             addr = _address(data)
             if addr is not None:
-                ctypes.memmove(self.data_address, addr, n)  # faster than pwrite
+                ctypes.memmove(self.data_address, addr, n)  # a plain copy, no system call
                 return
         pos = 0
         while pos < n:

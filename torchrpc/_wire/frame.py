@@ -95,7 +95,7 @@ class Header(NamedTuple):
     """The fixed part of a frame, already validated.
 
     A named tuple rather than a frozen dataclass: one is built for every frame, and a
-    tuple builds several times faster.
+    tuple is the cheaper of the two to build.
     """
 
     kind: int

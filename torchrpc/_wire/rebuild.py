@@ -163,8 +163,8 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
         dtype = _DTYPES[dtype]
     # Memory of its own, sized by the bytes that came (a shape cannot claim more), in
     # contiguous strides (see the encoder). A bytearray's storage cannot be resized;
-    # torch.empty and a copy would make one that can, at a cost a small call notices
-    # (docs/design.md, docs/porting.md).
+    # torch.empty and a copy would make one that can, at a cost on every small call
+    # (docs/porting.md).
     t = torch.frombuffer(bytearray(data), dtype=dtype)
     if len(shape) != 1:
         try:

@@ -77,8 +77,8 @@ class _Unpickler(pickle.Unpickler):
     decode's state (``context``, ``recv_hook``; set after construction: a Python
     ``__init__`` would cost a call per message) to the globals that take it.
 
-    The default looks each one up through the import machinery (about 2 us apiece);
-    what it returns is the same object.
+    The default looks each one up through the import machinery, a cost paid per global
+    and message; what it returns is the same object.
     """
 
     context: Any = None
@@ -179,8 +179,8 @@ def encode(obj: Any, context: Any = None, send_hook: Optional[TensorHook] = None
 def prepare_encode() -> None:
     """Make this thread's pickler for its next :func:`encode` now.
 
-    Each message gets a new pickler (see :class:`_ThreadPickler`), which takes about half
-    a microsecond to make. A thread that has just sent a message and is about to wait
+    Each message gets a new pickler (see :class:`_ThreadPickler`), which takes a moment
+    to make. A thread that has just sent a message and is about to wait
     (for a reply, or for the next frame) calls this, so that the next message does not
     wait for it.
     """

@@ -51,8 +51,8 @@ def _unprofiled_step(optim: Any) -> Callable[[], Any]:
     """``optim.step``, without torch's profiling wrapper when nothing would see it.
 
     ``torch.optim.Optimizer`` wraps every ``step`` to open a profiler range and run
-    the step hooks; opening the range costs about as much as a small model's SGD step
-    itself. The returned function calls the unwrapped step while no profiler is running
+    the step hooks; for a small model, opening the range is a large part of the step.
+    The returned function calls the unwrapped step while no profiler is running
     and no hook is registered (checked at every call), else the full ``step``.
     """
     step = optim.step

@@ -226,6 +226,31 @@ def _run_workload(record: Record, run: Any) -> None:
     record.save()
 
 
+def _profile_threads(directory: str, rank: int) -> Any:
+    """Profile every thread started from now on, and this one, with cProfile; return a
+    function that writes the profiles to ``directory`` (one file per thread)."""
+    import cProfile
+    import threading
+
+    profiles: list[tuple[str, cProfile.Profile]] = []
+
+    def start(*_: Any) -> None:
+        profile = cProfile.Profile()
+        profiles.append((threading.current_thread().name, profile))
+        profile.enable()  # replaces this hook in the new thread
+
+    threading.setprofile(start)
+    start()
+
+    def dump() -> None:
+        for i, (name, profile) in enumerate(profiles):
+            profile.disable()
+            safe = "".join(c if c.isalnum() else "_" for c in name)
+            profile.dump_stats(os.path.join(directory, f"rank{rank}-{i:02d}-{safe}.prof"))
+
+    return dump
+
+
 def main(argv: list[str]) -> int:
     """Run the worker described by the spec file ``argv[0]``; return the exit status."""
     with open(argv[0], encoding="utf-8") as spec_file:
@@ -238,6 +263,8 @@ def main(argv: list[str]) -> int:
     if opts.torch_threads:
         torch.set_num_threads(opts.torch_threads)
     record.data["torch_threads"] = torch.get_num_threads()
+    dump = _profile_threads(spec["profile_dir"], spec["rank"]) if spec.get("profile_dir") \
+        else None
     try:
         if spec["system"] != "tcp-raw":
             _rpc_worker(spec, opts, record)
@@ -252,6 +279,9 @@ def main(argv: list[str]) -> int:
         record.fail(exc)
         traceback.print_exc()
         return 1
+    finally:
+        if dump is not None:
+            dump()
     return 0
 
 

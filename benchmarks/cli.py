@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "chart REPORT.json -o PATH' does from a saved report)")
     parser.add_argument("--keep-logs", type=Path,
                         help="keep worker specs, records and logs in this directory")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="with --hosts 2: each worker writes a cProfile of each of its "
+                             "threads here (SYSTEM-threads-SETTING/rankR-N-THREAD.prof; "
+                             "slows the workers down)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with status 1 if any cell is an error")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

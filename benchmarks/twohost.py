@@ -119,11 +119,17 @@ _PORTS = itertools.count(20100, 2)
 
 
 def run_session(pair: HostPair, system: str, options: BenchOptions, workdir: Path,
-                tls: dict[str, dict[str, str]] | None) -> SessionOutcome:
+                tls: dict[str, dict[str, str]] | None,
+                profile: Path | None = None) -> SessionOutcome:
     """The caller in namespace ``a``, the callee in ``b``, to completion, failure or the
-    time limit; then the records, as :func:`.launcher.run_session` collects them."""
+    time limit; then the records, as :func:`.launcher.run_session` collects them. With
+    ``profile``, each worker writes a cProfile of each of its threads under it."""
     session_dir = workdir / f"{system}-{time.time_ns()}"
     session_dir.mkdir(parents=True)
+    profile_dir = None
+    if profile is not None:
+        profile_dir = str(profile / f"{system}-threads-{threads_label(options.torch_threads)}")
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
     port = next(_PORTS)  # fresh namespaces: any port is free; a new one per session
     # Between hosts the job secret cannot come from a file of rank 0's: it is given to
     # every worker, as a job between hosts gives it.
@@ -137,7 +143,7 @@ def run_session(pair: HostPair, system: str, options: BenchOptions, workdir: Pat
             spec = {"system": system, "rank": rank, "addr": addr, "peer_addr": peer,
                     "rendezvous": pair.addr_a, "rdzv_port": port, "raw_port": port + 1,
                     "options": options.to_json(), "time_limit": options.time_limit,
-                    "tls": (tls or {}).get(side),
+                    "tls": (tls or {}).get(side), "profile_dir": profile_dir,
                     "result_path": str(session_dir / f"rank{rank}.result.json")}
             spec_path = session_dir / f"rank{rank}.spec.json"
             spec_path.write_text(json.dumps(spec), encoding="utf-8")
@@ -168,7 +174,7 @@ def run_session(pair: HostPair, system: str, options: BenchOptions, workdir: Pat
 
 
 def _run_setting(pair: HostPair, systems: list[str], options: BenchOptions, workdir: Path,
-                 rounds: int, log: Log) -> RunResult:
+                 rounds: int, log: Log, profile: Path | None) -> RunResult:
     result = RunResult(metric_specs(options), [SYSTEMS[name] for name in systems])
     tls: dict[str, dict[str, str]] | None = None
     tls_error = None
@@ -184,7 +190,7 @@ def _run_setting(pair: HostPair, systems: list[str], options: BenchOptions, work
             if system == "torchrpc-tls" and tls_error:
                 result.fail_workload(system, WORKLOAD, tls_error)
                 continue
-            _take_pair(result, run_session(pair, system, options, workdir, tls), log)
+            _take_pair(result, run_session(pair, system, options, workdir, tls, profile), log)
     return result
 
 
@@ -244,7 +250,8 @@ def run(args: argparse.Namespace, argv: list[str], options: BenchOptions,
                 workdir = (args.keep_logs / f"twohost-threads-{label}"
                            if args.keep_logs is not None else Path(tmp) / label)
                 workdir.mkdir(parents=True, exist_ok=True)
-                result = _run_setting(pair, systems, setting, workdir, args.rounds, log)
+                result = _run_setting(pair, systems, setting, workdir, args.rounds, log,
+                                      args.profile_dir)
                 reports.append(build_report(
                     specs=result.specs, systems={s: SYSTEMS[s].modules() for s in systems},
                     baseline="torch" if "torch" in systems else None, cells=result.cells(),

@@ -17,6 +17,8 @@ The systems:
 * ``torchrpc-tcp``: torchrpc over plain TCP (no Unix socket, no shared memory), tensor
   bytes covered by the frame MACs (the default).
 * ``torchrpc-tls``: torchrpc over TLS, certificates made by the launcher for each address.
+* ``torchrpc-nomac`` and ``torchrpc-nospin`` (only when asked for): ``torchrpc-tcp`` with
+  ``tensor_mac=False``, and with ``spin_us=0``.
 """
 
 from __future__ import annotations
@@ -181,6 +183,10 @@ def _backend_options(rpc: Any, spec: dict[str, Any], opts: BenchOptions) -> Any:
                              "enable_uds": False}
     if name == "torchrpc-tls":
         extra.update(spec["tls"])
+    elif name == "torchrpc-nomac":
+        extra["tensor_mac"] = False
+    elif name == "torchrpc-nospin":
+        extra["spin_us"] = 0.0
     return rpc.TensorPipeRpcBackendOptions(**common, **extra)
 
 

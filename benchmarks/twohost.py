@@ -53,7 +53,17 @@ SYSTEMS = {
     "torchrpc-tcp": SystemSpec("torchrpc-tcp", rpc="torchrpc.rpc", autograd="-", optim="-"),
     "torchrpc-tls": SystemSpec("torchrpc-tls", rpc="torchrpc.rpc", autograd="-", optim="-"),
 }
-"""The systems of the two-host mode, in table order."""
+"""The systems of the two-host mode, in table order (all run by default)."""
+
+EXTRA_SYSTEMS = {
+    "torchrpc-nomac": SystemSpec("torchrpc-nomac", rpc="torchrpc.rpc", autograd="-",
+                                 optim="-"),
+    "torchrpc-nospin": SystemSpec("torchrpc-nospin", rpc="torchrpc.rpc", autograd="-",
+                                  optim="-"),
+}
+"""Systems run only when ``--systems`` names them: torchrpc over TCP with
+``tensor_mac=False`` (the tensor bytes' seal off), and with ``spin_us=0`` (readers never
+poll, they block), to measure what each costs across the link."""
 
 RAW = "tcp-raw"
 _SOURCE = "issue 51"
@@ -175,7 +185,8 @@ def run_session(pair: HostPair, system: str, options: BenchOptions, workdir: Pat
 
 def _run_setting(pair: HostPair, systems: list[str], options: BenchOptions, workdir: Path,
                  rounds: int, log: Log, profile: Path | None) -> RunResult:
-    result = RunResult(metric_specs(options), [SYSTEMS[name] for name in systems])
+    table = {**SYSTEMS, **EXTRA_SYSTEMS}
+    result = RunResult(metric_specs(options), [table[name] for name in systems])
     tls: dict[str, dict[str, str]] | None = None
     tls_error = None
     if "torchrpc-tls" in systems:
@@ -227,10 +238,11 @@ def run(args: argparse.Namespace, argv: list[str], options: BenchOptions,
         log(f"two-host mode skipped: {why}")
         return 1 if args.strict else 0
     systems = list(args.systems) if args.systems else list(SYSTEMS)
-    unknown = [name for name in systems if name not in SYSTEMS]
+    table = {**SYSTEMS, **EXTRA_SYSTEMS}
+    unknown = [name for name in systems if name not in table]
     if unknown:
         log(f"two-host mode: unknown system(s) {', '.join(unknown)}; choose from "
-            f"{', '.join(SYSTEMS)}")
+            f"{', '.join(table)}")
         return 2
     pair = HostPair()
     reports = []
@@ -253,7 +265,7 @@ def run(args: argparse.Namespace, argv: list[str], options: BenchOptions,
                 result = _run_setting(pair, systems, setting, workdir, args.rounds, log,
                                       args.profile_dir)
                 reports.append(build_report(
-                    specs=result.specs, systems={s: SYSTEMS[s].modules() for s in systems},
+                    specs=result.specs, systems={s: table[s].modules() for s in systems},
                     baseline="torch" if "torch" in systems else None, cells=result.cells(),
                     details=result.details, sessions=result.sessions, machine=machine,
                     options=setting.to_json(),

@@ -39,13 +39,16 @@ from typing import Any
 import torch
 
 from ._worker import Record, _describe
-from .callees import baseline_rss_mb, echo, noop, peak_rss_mb, remote_peak_rss_mb
+from .callees import (baseline_rss_mb, echo, noop, peak_rss_mb, process_cpu_s,
+                      remote_peak_rss_mb)
 from .context import WorkerContext, percentile
 from .echo import run_echo
 from .options import BenchOptions
 
 _HEADER = struct.Struct("!Q")
 _STOP = 2**64 - 1
+_CPU = 2**64 - 2
+_CPU_REPLY = struct.Struct("!d")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -77,6 +80,9 @@ def _raw_serve(spec: dict[str, Any]) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while True:
             n = _recv_header(conn)
+            if n == _CPU:
+                conn.sendall(_CPU_REPLY.pack(process_cpu_s()))
+                continue
             if n == _STOP:
                 reply = json.dumps({"peak": peak_rss_mb(), "baseline": baseline}).encode()
                 conn.sendall(_HEADER.pack(len(reply)) + reply)
@@ -124,6 +130,11 @@ def _raw_call(conn: socket.socket) -> Any:
                 if n != len(data):
                     raise AssertionError(f"echo of {len(data)} bytes came back as {n}")
                 return back
+            if fn is process_cpu_s:
+                conn.sendall(_HEADER.pack(_CPU))
+                reply = bytearray(_CPU_REPLY.size)
+                _recv_exact(conn, memoryview(reply))
+                return _CPU_REPLY.unpack(reply)[0]
             if fn in (baseline_rss_mb, remote_peak_rss_mb):
                 # The callee's memory comes with its last reply; see _raw_caller.
                 return 0.0
@@ -140,7 +151,7 @@ def _raw_caller(spec: dict[str, Any], opts: BenchOptions) -> tuple[dict, dict]:
         ctx = WorkerContext(rpc=rpc, autograd=None, optim=None,  # type: ignore[arg-type]
                             rpc_module_name="socket", peer="callee", options=opts)
         metrics, details = _latency(ctx)
-        echo_metrics, echo_details = run_echo(ctx)
+        echo_metrics, echo_details = _echo_with_cpu(ctx)
         conn.sendall(_HEADER.pack(_STOP))
         reply = bytearray(_recv_header(conn))
         _recv_exact(conn, memoryview(reply))
@@ -210,9 +221,19 @@ def _rpc_worker(spec: dict[str, Any], opts: BenchOptions, record: Record) -> Non
     record.phase("done")
 
 
+def _echo_with_cpu(ctx: WorkerContext) -> tuple[dict, dict]:
+    """The echo workload, and the CPU seconds each process spent in it: the same work on
+    every system, so comparable in one run however loaded the machine is."""
+    caller, callee = time.process_time(), ctx.rpc.rpc_sync(ctx.peer, process_cpu_s)
+    metrics, details = run_echo(ctx)
+    metrics["echo_cpu_caller_s"] = time.process_time() - caller
+    metrics["echo_cpu_callee_s"] = ctx.rpc.rpc_sync(ctx.peer, process_cpu_s) - callee
+    return metrics, details
+
+
 def _both(ctx: WorkerContext) -> tuple[dict, dict]:
     metrics, details = _latency(ctx)
-    echo_metrics, echo_details = run_echo(ctx)
+    echo_metrics, echo_details = _echo_with_cpu(ctx)
     return {**metrics, **echo_metrics}, {**details, **echo_details}
 
 

@@ -13,8 +13,9 @@ as it would between machines. Side by side, in one run and under each thread set
 * ``torchrpc-tcp``: torchrpc over plain TCP, frame MACs over the tensor bytes on;
 * ``torchrpc-tls``: torchrpc over TLS, with certificates made for the run (``openssl``).
 
-Metrics: no-op ``rpc_sync`` p50/p99, echo GB/s of each size, and peak RSS of both
-processes after the largest echo. Ratios are taken against torch, as everywhere in the
+Metrics: no-op ``rpc_sync`` p50/p99, echo GB/s of each size, the CPU seconds each
+process spent in the echoes (all sizes, warm-up included: the same work on every system,
+so comparable on a loaded machine) and peak RSS of both processes after the largest echo. Ratios are taken against torch, as everywhere in the
 bench, and, in a table of their own, against ``tcp-raw``.
 """
 
@@ -86,7 +87,11 @@ def metric_specs(options: BenchOptions) -> list[MetricSpec]:
     largest = max(options.echo_sizes_mb)
     rss = Target("absolute", "<=", 2 * largest, f"{_SOURCE}: 2x payload") \
         if largest >= 64 else None
-    specs += [MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
+    specs += [MetricSpec("echo_cpu_caller_s", "CPU of the echoes, caller", "s", "lower",
+                         WORKLOAD),
+              MetricSpec("echo_cpu_callee_s", "CPU of the echoes, callee", "s", "lower",
+                         WORKLOAD),
+              MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
                          WORKLOAD),
               MetricSpec("peak_rss_callee_MB", "peak RSS callee (echo)", "MiB", "lower",
                          WORKLOAD),

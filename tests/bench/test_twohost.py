@@ -128,7 +128,8 @@ def test_reduced_run_reports_all_four_systems_and_cleans_up() -> None:
     assert list(report["systems"]) == list(twohost.SYSTEMS)
     assert report["baseline"] == "torch" and report["hosts"]["count"] == 2
     expected = {"noop_p50_us", "noop_p99_us", "echo_0.0625MB_GBps", "echo_0.25MB_GBps",
-                "peak_rss_caller_MB", "peak_rss_callee_MB", "rss_growth_caller_MB",
+                "echo_cpu_caller_s", "echo_cpu_callee_s", "peak_rss_caller_MB",
+                "peak_rss_callee_MB", "rss_growth_caller_MB",
                 "rss_growth_callee_MB"}
     assert set(report["metrics"]) == expected
     for name, entry in report["metrics"].items():

@@ -15,8 +15,9 @@ as it would between machines. Side by side, in one run and under each thread set
 
 Metrics: no-op ``rpc_sync`` p50/p99, echo GB/s of each size, the CPU seconds each
 process spent in the echoes (all sizes, warm-up included: the same work on every system,
-so comparable on a loaded machine) and peak RSS of both processes after the largest echo. Ratios are taken against torch, as everywhere in the
-bench, and, in a table of their own, against ``tcp-raw``.
+so comparable on a loaded machine) and peak RSS of both processes after the largest echo.
+Ratios are taken against torch, as everywhere in the bench, and, in a table of their own,
+against ``tcp-raw``.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def _run_setting(pair: HostPair, systems: list[str], options: BenchOptions, work
 
 
 def _raw_table(report: dict[str, Any], systems: list[str]) -> str:
-    """Every system's value over tcp-raw's, per thread setting, for the echo and no-op
+    """Every system's value over tcp-raw's, per thread setting, but for the memory
     rows."""
     others = [name for name in systems if name != RAW]
     lines = ["", f"Against the raw TCP echo (value / {RAW}; the issue's targets: echo of "
@@ -220,7 +221,7 @@ def _raw_table(report: dict[str, Any], systems: list[str]) -> str:
              "| threads | metric | " + " | ".join(f"{n} / {RAW}" for n in others) + " |",
              "|---|---|" + "---:|" * len(others)]
     for entry in report["metrics"].values():
-        if entry["unit"] not in ("GB/s", "us"):
+        if entry["unit"] == "MiB":
             continue
         cells = []
         for name in others:

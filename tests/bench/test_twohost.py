@@ -24,7 +24,7 @@ import pytest
 import torch.distributed
 
 from benchmarks import twohost
-from benchmarks.netns import list_namespaces, unavailable
+from benchmarks.netns import HostPair, list_namespaces, unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,3 +170,12 @@ def test_an_interrupted_bench_leaves_no_namespace_or_worker(sig: int) -> None:
     assert bench.finish(timeout=60) != 0
     assert_gone(a, b, dev_a, dev_b)
     assert_dead(workers)
+
+
+def test_a_failed_setup_removes_what_it_made() -> None:
+    pair = HostPair()
+    pair.dev_a = "x" * 20  # longer than an interface name may be: the veth pair fails
+    with pytest.raises(RuntimeError, match="could not make two network namespaces"):
+        pair.create()
+    assert not list_namespaces() & {pair.a, pair.b}
+    pair.destroy()  # again: nothing left to do, no error

@@ -23,17 +23,15 @@ from typing import Any
 import pytest
 import torch.distributed
 
-from benchmarks import twohost
+from benchmarks import cli, twohost
 from benchmarks.netns import HostPair, list_namespaces, unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.skipif(unavailable() is not None,
-                       reason=f"two-host mode unavailable: {unavailable()}"),
-    pytest.mark.skipif(not torch.distributed.is_available(),
-                       reason="this torch build has no torch.distributed.rpc"),
-]
+needs_netns = pytest.mark.skipif(unavailable() is not None,
+                                 reason=f"two-host mode unavailable: {unavailable()}")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="this torch build has no torch.distributed.rpc")
 
 # Tiny sizes, one round, few calls: the shape of the report, not the speed.
 REDUCED = ["--hosts", "2", "--quick", "--echo-sizes-mb", "0.0625,0.25", "--echo-iters", "1",
@@ -118,6 +116,7 @@ def assert_dead(pids: list[int]) -> None:
             os.kill(pid, 0)
 
 
+@needs_netns
 def test_reduced_run_reports_all_four_systems_and_cleans_up() -> None:
     bench = Bench(*REDUCED)
     a, b, dev_a, dev_b = bench.namespaces()
@@ -143,6 +142,7 @@ def test_reduced_run_reports_all_four_systems_and_cleans_up() -> None:
             entry["values"]["torch"] / entry["values"]["tcp-raw"])
 
 
+@needs_netns
 def test_a_worker_killed_mid_run_is_an_error_cell_and_the_namespaces_go() -> None:
     bench = Bench(*REDUCED, "--systems", "torchrpc-tcp")
     a, b, dev_a, dev_b = bench.namespaces()
@@ -161,6 +161,7 @@ def test_a_worker_killed_mid_run_is_an_error_cell_and_the_namespaces_go() -> Non
     assert session["returncodes"][1] == -signal.SIGKILL, session
 
 
+@needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_bench_leaves_no_namespace_or_worker(sig: int) -> None:
     bench = Bench(*REDUCED, "--systems", "torch")
@@ -172,6 +173,7 @@ def test_an_interrupted_bench_leaves_no_namespace_or_worker(sig: int) -> None:
     assert_dead(workers)
 
 
+@needs_netns
 def test_a_failed_setup_removes_what_it_made() -> None:
     pair = HostPair()
     pair.dev_a = "x" * 20  # longer than an interface name may be: the veth pair fails
@@ -179,3 +181,15 @@ def test_a_failed_setup_removes_what_it_made() -> None:
         pair.create()
     assert not list_namespaces() & {pair.a, pair.b}
     pair.destroy()  # again: nothing left to do, no error
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_without_root_the_mode_skips_with_a_message(monkeypatch, capsys, strict: bool) -> None:
+    can_list = unavailable() is None
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    status = cli.main(["--hosts", "2", "--quick"] + (["--strict"] if strict else []))
+    assert status == (1 if strict else 0)
+    out = capsys.readouterr()
+    assert "two-host mode skipped: needs root" in out.err and out.out == ""
+    if can_list:  # and it made nothing
+        assert not [ns for ns in list_namespaces() if ns.startswith(f"trpc-{os.getpid()}-")]

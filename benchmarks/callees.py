@@ -94,6 +94,11 @@ def remote_peak_rss_mb() -> float:
     return peak_rss_mb()
 
 
+def process_cpu_s() -> float:
+    """CPU seconds this process has used (user and system, all threads)."""
+    return time.process_time()
+
+
 def noop(x: int) -> int:
     """Return the int argument: a call with no tensor anywhere."""
     return x

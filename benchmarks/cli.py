@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import chart
+from . import chart, twohost
 from .options import ALL_WORKLOADS, DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 from .report import build_report, combine_reports, render_markdown, threads_label
 from .runner import run_benchmark
@@ -138,10 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
                "all-to-all and shutdown of 4..32 workers; only when asked for). "
                "'python -m benchmarks chart REPORT.json -o chart.svg' draws a saved "
                "report's ratios.")
-    parser.add_argument("--systems", type=_names, default=["torch", "torchrpc"],
+    parser.add_argument("--systems", type=_names, default=None,
                         help=f"comma-separated systems to run, in order; ratios are "
                              f"taken against '{BASELINE}' if it runs, else the first "
-                             f"(built in: {', '.join(SYSTEMS)}; default: torch,torchrpc)")
+                             f"(built in: {', '.join(SYSTEMS)}; default: torch,torchrpc; "
+                             f"with --hosts 2: {', '.join(twohost.SYSTEMS)}, all by default)")
+    parser.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                        help="2: two-host mode: make two network namespaces joined by a "
+                             "veth pair (needs root) and run each system's caller in one, "
+                             "its callee in the other; no-op calls and the echo sizes, "
+                             "against a raw Python TCP echo and torch restricted to its "
+                             "uv transport (see benchmarks/twohost.py; default: 1)")
     parser.add_argument("--define-system", action="append", default=[],
                         metavar="NAME=RPC[,AUTOGRAD[,OPTIM]]",
                         help="add a system made of other modules (repeatable)")
@@ -180,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "chart REPORT.json -o PATH' does from a saved report)")
     parser.add_argument("--keep-logs", type=Path,
                         help="keep worker specs, records and logs in this directory")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="with --hosts 2: each worker writes a cProfile of each of its "
+                             "threads here (SYSTEM-threads-SETTING/rankR-N-THREAD.prof; "
+                             "slows the workers down)")
     parser.add_argument("--strict", action="store_true",
                         help="exit with status 1 if any cell is an error")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -286,9 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = threads_from_args(args, options)
         workloads = workloads_from_args(args)
         extra = [parse_system_definition(text) for text in args.define_system]
-        systems = resolve_systems(args.systems, extra)
+        systems = resolve_systems(args.systems or ["torch", "torchrpc"], extra) \
+            if args.hosts == 1 else []
     except ValueError as exc:
         parser.error(str(exc))
+    if args.hosts == 2:
+        return twohost.run(args, argv, options, settings, machine_info(), (
+            (lambda message: None) if args.quiet else
+            (lambda message: print(message, file=sys.stderr, flush=True))))
     if not systems:
         parser.error("--systems is empty")
     if args.rounds < 1:

@@ -180,7 +180,7 @@ class FrameReader:
                 k = recv_into(mv[end:])
             if k == 0:
                 self._rstart, self._rend = start, end
-                if end > start:
+                if end > start or not at_start:  # not at_start: a frame has begun
                     raise ProtocolError(f"truncated frame: the peer closed the connection "
                                         f"after {end - start} of {n} bytes")
                 raise ConnectionLostError("peer closed the connection")

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import struct
-from typing import List, NamedTuple, Sequence, Union
+from typing import List, NamedTuple, Sequence
 
 from ..errors import ProtocolError
 from .kinds import KNOWN_KINDS
@@ -195,74 +195,3 @@ def parse_shm_ref(data: bytes | bytearray | memoryview) -> str:
     if not _SHM_NAME.fullmatch(raw):
         raise ProtocolError(f"malformed shared-memory reference {bytes(data)[:SHM_REF_SIZE]!r}")
     return raw.decode("ascii")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmRef:
-    """A buffer of a decoded frame that lies in shared memory."""
-
-    name: str
-    size: int
-
-
-@dataclasses.dataclass
-class Frame:
-    """A whole decoded frame: header, envelope bytes and buffers (a :class:`ShmRef` for
-    each buffer in shared memory)."""
-
-    header: Header
-    envelope: bytes
-    buffers: List[Union[bytes, ShmRef]]
-
-
-class FrameDecoder:
-    """Incremental frame decoder over a byte stream (sans I/O).
-
-    Feed it bytes as they arrive; it returns every complete frame. The transport
-    uses the same :func:`parse_header` and :func:`parse_lengths` but reads large
-    buffers straight into tensor memory; this decoder is for tests, tools and
-    fuzzing.
-    """
-
-    def __init__(self, limits: Limits | None = None) -> None:
-        self._limits = limits or Limits()
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> List[Frame]:
-        self._buf += data
-        frames = []
-        while True:
-            frame = self._next()
-            if frame is None:
-                return frames
-            frames.append(frame)
-
-    def _next(self) -> Frame | None:
-        buf = self._buf
-        if len(buf) < HEADER_SIZE:
-            return None
-        header = parse_header(buf, self._limits)
-        table_end = HEADER_SIZE + 8 * header.nbuffers
-        if len(buf) < table_end:
-            return None
-        lengths = parse_lengths(memoryview(buf)[HEADER_SIZE:table_end], header, self._limits)
-        on_stream = [SHM_REF_SIZE if n & SHM_BIT else n for n in lengths]
-        end = table_end + header.envelope_len + sum(on_stream)
-        if len(buf) < end:
-            return None
-        pos = table_end + header.envelope_len
-        envelope = bytes(buf[table_end:pos])
-        buffers: List[Union[bytes, ShmRef]] = []
-        for n, k in zip(lengths, on_stream):
-            if n & SHM_BIT:
-                buffers.append(ShmRef(parse_shm_ref(buf[pos:pos + k]), n & ~SHM_BIT))
-            else:
-                buffers.append(bytes(buf[pos:pos + k]))
-            pos += k
-        del buf[:end]
-        return Frame(header, envelope, buffers)
-
-    @property
-    def pending(self) -> int:
-        """Bytes received that do not yet form a whole frame."""
-        return len(self._buf)

@@ -1,5 +1,10 @@
 """Frame layout: pure functions over bytes, no sockets.
 
+These functions check each part of a frame as it comes; the one reader of whole frames
+is the transport's (``_transport/reader.py``: the header, the length table, the
+envelope, the MAC trailer, then each buffer straight into tensor memory). Tests feed
+that reader bytes without a socket (``tests/support/frames.py``).
+
 Every message on a connection is one frame::
 
     offset size  field
@@ -8,7 +13,8 @@ Every message on a connection is one frame::
     5      1     kind         a :class:`~torchrpc._wire.kinds.Kind` id
     6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory),
                               bit 2: ONCE (a request that may arrive twice: run it once),
-                              bit 3: MANY (see below); other bits are never set
+                              bit 3: MANY (see below); other bits are never set,
+                              and a receiver refuses a frame with one
     8      8     request id   unsigned, chosen by the requester, echoed by the reply
     16     4     envelope     length in bytes of the pickled envelope
     20     4     nbuffers     number of out-of-band buffers
@@ -28,9 +34,12 @@ its sender waits for that very reply.
 
 MACs. On a connection that negotiated them (plain TCP, ``_transport/handshake.py``),
 every frame carries a trailer between its envelope and its buffers: where buffers are
-sealed and the frame has some, a 24-byte seal of the buffers' bytes (an 8-byte number
-and a 16-byte digest), then a 16-byte tag over an implicit sequence number, the header
-with its lengths, the envelope and the seal. Frames without MACs have no trailer.
+sealed (both sides offered it) and the frame has some, a 24-byte seal (an 8-byte number
+and a 16-byte digest) of the buffers' bytes as they follow on the stream, buffer by
+buffer, a buffer in shared memory by its reference; then a 16-byte tag over an implicit
+sequence number, the header with its lengths, the envelope and the seal. The tag is
+checked before any buffer is read, the seal once all of them are in. Frames without
+MACs have no trailer.
 What the MACs are is the transport's business (``handshake.FrameMac``); this layout
 only says where they lie in a frame.
 

@@ -315,6 +315,42 @@ def test_nothing_under_torchrpc_is_a_benchmark_or_a_test_tool():
     assert not found, "\n".join(found)
 
 
+ENTRY_POINTS = ("torchrpc.examples", "torchrpc._testing")
+"""Modules that are loaded without an import from the library: the examples (``python
+-m torchrpc.examples.NAME``) and the faulty backend (API surface, see above)."""
+
+
+def unimported_modules(root: pathlib.Path, entry_points: Tuple[str, ...] = ()) -> List[str]:
+    """The modules under package directory ``root`` that no module of it imports and that
+    are no entry point: only their tests would load them, so they are test tools."""
+    modules = _modules(root)
+    used: Set[str] = {root.name}
+    for name, path in modules.items():
+        for module in _imported(name, path, modules):
+            while module:  # a package is loaded with each of its modules
+                used.add(module)
+                module = module.rpartition(".")[0]
+    return [name for name in modules if name not in used
+            and not any(name == e or name.startswith(e + ".") for e in entry_points)]
+
+
+def test_the_unimported_module_finder_sees_modules_only_tests_would_load(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "from .a import A\n",
+        "pkg/a.py": "from . import b\nA = 1\n",
+        "pkg/b.py": "def f():\n    from .sub.c import C\n",
+        "pkg/sub/__init__.py": "", "pkg/sub/c.py": "C = 1\n",
+        "pkg/memory.py": "from .a import A\n",
+        "pkg/examples/__init__.py": "", "pkg/examples/demo.py": "import pkg\n",
+    })
+    assert unimported_modules(root, ("pkg.examples",)) == ["pkg.memory"]
+
+
+def test_every_module_under_torchrpc_is_used_by_the_library():
+    found = unimported_modules(PKG, ENTRY_POINTS)
+    assert not found, f"modules only tests would load (move them under tests/): {found}"
+
+
 # -- no patching of torch at import -------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ import torch
 
 from torchrpc import _wire
 from torchrpc._transport import Connection
-from torchrpc._transport.memory import MemoryLink
+from ..support.memory_transport import MemoryLink
 from torchrpc._wire import Kind
 from torchrpc.errors import ClosedError, ConnectionLostError, ProtocolError
 

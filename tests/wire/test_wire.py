@@ -1,8 +1,9 @@
 """The wire layer on bytes alone: tensor round trips through whole frames, hostile input.
 
 No sockets and no processes: every round trip goes ``encode`` -> frame bytes ->
-``FrameDecoder`` -> ``decode``, with the buffers rebuilt the way the transport
-rebuilds them (a fresh aligned uint8 tensor per buffer).
+``FrameDecoder`` -> ``decode``. The decoder (``tests/support/frames.py``) feeds the bytes
+to the transport's own frame reader, so the frames and their buffers (a fresh aligned
+uint8 tensor each) are what a worker reads off a socket.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import pytest
 import torch
 
 from torchrpc import _wire
+from torchrpc._transport import handshake
 from torchrpc._wire import Kind
 from torchrpc.errors import ProtocolError
+
+from ..support.frames import Frame, FrameDecoder, ShmRef
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -33,19 +37,16 @@ def frame_bytes(obj: Any, kind: int = Kind.CALL, rid: int = 7) -> Tuple[bytes, i
     return head + env + body, len(body)
 
 
-def receive(frame: _wire.Frame) -> List[torch.Tensor]:
-    out = []
+def receive(frame: Frame) -> List[torch.Tensor]:
+    """The buffers of ``frame``, as the reader received them."""
     for b in frame.buffers:
-        t, view = _wire.new_buffer(len(b))
-        if len(b):
-            view[:] = b
-        out.append(t)
-    return out
+        assert isinstance(b, torch.Tensor) and b.dtype == torch.uint8 and b.dim() == 1
+    return list(frame.buffers)
 
 
 def round_trip(obj: Any) -> Any:
     data, _ = frame_bytes(obj)
-    dec = _wire.FrameDecoder()
+    dec = FrameDecoder()
     frames = dec.feed(data)
     assert len(frames) == 1 and dec.pending == 0
     meta, value = _wire.decode(frames[0].envelope, receive(frames[0]))
@@ -267,7 +268,7 @@ def test_shared_storages_arrive_shared():
     x = torch.arange(100.0)
     a, b, c = x[10:20], x[15:40], x[5:8].view(1, 3)
     data, nbuf = frame_bytes((a, b, c))
-    frames = _wire.FrameDecoder().feed(data)
+    frames = FrameDecoder().feed(data)
     assert frames[0].header.nbuffers == 1  # one storage, one buffer
     assert nbuf <= (40 - 5) * 4 + 16  # the union of the views, not the storage
     oa, ob, oc = _wire.decode(frames[0].envelope, receive(frames[0]))[1]
@@ -308,12 +309,12 @@ def test_requires_grad_and_parameters():
 def test_frames_decode_byte_by_byte_and_back_to_back():
     frames = [frame_bytes({"i": i, "t": torch.full((i,), float(i))}, rid=i)[0] for i in range(5)]
     stream = b"".join(frames)
-    dec = _wire.FrameDecoder()
+    dec = FrameDecoder()
     got = []
     for i in range(len(stream)):
         got.extend(dec.feed(stream[i:i + 1]))
     assert [f.header.request_id for f in got] == list(range(5)) and dec.pending == 0
-    again = _wire.FrameDecoder().feed(stream)
+    again = FrameDecoder().feed(stream)
     assert [f.envelope for f in again] == [f.envelope for f in got]
     for i, f in enumerate(got):
         value = _wire.decode(f.envelope, receive(f))[1]
@@ -326,8 +327,11 @@ def test_shared_memory_references_in_frames():
     lengths = [5, (1 << 20) | _wire.SHM_BIT]
     data = (_wire.pack_header(Kind.CALL, _wire.FLAG_SHM, 1, len(env), lengths) + env
             + b"12345" + _wire.pack_shm_ref(name))
-    (frame,) = _wire.FrameDecoder().feed(data)
-    assert frame.buffers == [b"12345", _wire.ShmRef(name, 1 << 20)]
+    with pytest.raises(ProtocolError, match="did not negotiate shared memory"):
+        FrameDecoder().feed(data)
+    (frame,) = FrameDecoder(shm=True).feed(data)
+    assert bytes(frame.buffers[0].numpy()) == b"12345"
+    assert frame.buffers[1] == ShmRef(name, 1 << 20)
     assert len(_wire.pack_shm_ref(name)) == _wire.SHM_REF_SIZE
     for bad in ["", "../etc", "a/b", ".hidden", "x" * 65, "é"]:
         with pytest.raises(ValueError):
@@ -351,7 +355,7 @@ def header(kind=Kind.CALL, flags=0, rid=1, env=10, nbufs=0, magic=b"TRPC", versi
     (header(nbufs=(1 << 16) + 1), "buffers exceed"),
 ])
 def test_hostile_headers_fail_on_the_header_alone(data, match):
-    dec = _wire.FrameDecoder()
+    dec = FrameDecoder()
     with pytest.raises(ProtocolError, match=match):
         dec.feed(data)
     with pytest.raises(ProtocolError, match=match):
@@ -374,28 +378,60 @@ def test_truncated_headers_and_tables():
         _wire.parse_lengths(b"\0" * 16, h, _wire.Limits())
     # A decoder only waits for the rest of a frame that is well formed so far.
     data, _ = frame_bytes(torch.arange(4.0))
-    dec = _wire.FrameDecoder()
+    dec = FrameDecoder()
     for cut in range(len(data)):
-        assert _wire.FrameDecoder().feed(data[:cut]) == []
+        assert FrameDecoder().feed(data[:cut]) == []
     assert len(dec.feed(data)) == 1
+
+
+def test_a_stream_that_ends_inside_a_frame_is_a_truncated_frame():
+    data, _ = frame_bytes({"t": torch.arange(1000.0)}, rid=3)  # a buffer on the stream
+    assert len(data) > 4000 + _wire.HEADER_SIZE
+    for cut in [1, _wire.HEADER_SIZE - 1, _wire.HEADER_SIZE, _wire.HEADER_SIZE + 9,
+                len(data) - 4000, len(data) - 1]:  # in the header, table, envelope, buffer
+        dec = FrameDecoder()
+        assert dec.feed(data + data[:cut]) != [] and dec.pending == cut
+        with pytest.raises(ProtocolError, match="truncated frame"):
+            dec.end()
+    # Ending between frames is a clean end.
+    dec = FrameDecoder()
+    assert len(dec.feed(data + data)) == 2
+    assert dec.end() == [] and dec.pending == 0
+
+
+def test_large_envelopes_and_buffers_arrive_in_pieces():
+    # Past the reader's 256 KiB read buffer: the envelope grows as its bytes come, the
+    # buffer is read straight into its tensor.
+    big = torch.arange(300_000, dtype=torch.float32)
+    blob = bytes(range(256)) * 1400  # in the envelope
+    data, nbuf = frame_bytes((blob, big), rid=5)
+    assert nbuf == big.numel() * 4 and len(data) - nbuf > 256 * 1024
+    dec = FrameDecoder()
+    got = []
+    for i in range(0, len(data), 100_003):
+        got += dec.feed(data[i:i + 100_003])
+    (frame,) = got
+    assert frame.header.request_id == 5 and dec.pending == 0
+    out_blob, out_big = _wire.decode(frame.envelope, receive(frame))[1]
+    assert out_blob == blob and torch.equal(out_big, big)
 
 
 def test_limits_are_enforced_before_allocation():
     limits = _wire.Limits(max_message_size=1 << 20, max_buffers=4)
-    dec = _wire.FrameDecoder(limits)
+    dec = FrameDecoder(limits)
     with pytest.raises(ProtocolError, match="exceeds max_message_size"):
         dec.feed(header(env=(1 << 20) + 1))  # only the 24 header bytes have arrived
-    dec = _wire.FrameDecoder(limits)
+    dec = FrameDecoder(limits)
     with pytest.raises(ProtocolError, match="exceed the limit"):
         dec.feed(header(nbufs=5))
     # The buffer lengths are added up as soon as the table is in, before any buffer.
-    dec = _wire.FrameDecoder(limits)
+    dec = FrameDecoder(limits)
     table = struct.pack("<2Q", 1 << 19, (1 << 19) + 1)
     with pytest.raises(ProtocolError, match="exceeds max_message_size"):
         dec.feed(header(env=0, nbufs=2) + table)
     assert dec.pending == _wire.HEADER_SIZE + 16  # nothing was allocated for the claim
     # Lengths near 2**64 cannot overflow the check.
-    dec = _wire.FrameDecoder(limits)
+    dec = FrameDecoder(limits)
     with pytest.raises(ProtocolError):
         dec.feed(header(env=0, nbufs=2) + struct.pack("<2Q", (1 << 63) - 1, (1 << 63) - 1))
     with pytest.raises(ValueError):
@@ -405,7 +441,7 @@ def test_limits_are_enforced_before_allocation():
 
 
 def test_shared_memory_bits_are_validated():
-    dec = _wire.FrameDecoder()
+    dec = FrameDecoder()
     with pytest.raises(ProtocolError, match="shared-memory bit"):
         dec.feed(header(env=0, nbufs=1) + struct.pack("<Q", 8 | _wire.SHM_BIT))
     for ref in [b"\0" * 64, b"../../etc/passwd".ljust(64, b"\0"), b"a/b".ljust(64, b"\0"),
@@ -413,12 +449,64 @@ def test_shared_memory_bits_are_validated():
         data = (header(flags=_wire.FLAG_SHM, env=0, nbufs=1)
                 + struct.pack("<Q", 8 | _wire.SHM_BIT) + ref)
         if ref == b"x" * 64:
-            assert _wire.FrameDecoder().feed(data)[0].buffers == [_wire.ShmRef("x" * 64, 8)]
+            assert FrameDecoder(shm=True).feed(data)[0].buffers == [ShmRef("x" * 64, 8)]
             continue
         with pytest.raises(ProtocolError, match="shared-memory reference"):
-            _wire.FrameDecoder().feed(data)
+            FrameDecoder(shm=True).feed(data)
     with pytest.raises(ProtocolError, match="truncated shared-memory reference"):
         _wire.parse_shm_ref(b"abc")
+
+
+KEY = bytes(range(32))
+
+
+def mac_frame(mac: handshake.FrameMac, obj: Any, rid: int = 1) -> bytes:
+    """The frame of ``obj`` as a connection with MACs sends it: after the envelope, the
+    seal of the buffers (where it has any), then the tag."""
+    env, bufs, _ = _wire.encode(obj, inline_max=64)
+    head = _wire.pack_header(Kind.CALL, 0, rid, len(env), [len(b) for b in bufs])
+    data = [bytes(b) for b in bufs]
+    seal = mac.seal(data) if data else b""
+    return head + env + seal + mac.tag(head, env, seal) + b"".join(data)
+
+
+def test_frames_with_macs_are_checked():
+    tx = handshake.FrameMac(KEY, buffers=True)
+    values = [("call", i, torch.full((100,), float(i))) for i in range(3)] + [("plain",)]
+    stream = b"".join(mac_frame(tx, v, rid=i) for i, v in enumerate(values))
+    for piece in (len(stream), 7):  # whole, and in pieces that cut every part
+        dec = FrameDecoder(mac=handshake.FrameMac(KEY, buffers=True))
+        got = []
+        for i in range(0, len(stream), piece):
+            got += dec.feed(stream[i:i + piece])
+        assert [_wire.decode(f.envelope, receive(f))[1][0] for f in got] \
+            == ["call"] * 3 + ["plain"]
+        assert torch.equal(_wire.decode(got[2].envelope, receive(got[2]))[1][2],
+                           torch.full((100,), 2.0))
+
+    def fresh() -> FrameDecoder:
+        return FrameDecoder(mac=handshake.FrameMac(KEY, buffers=True))
+
+    first = mac_frame(handshake.FrameMac(KEY, buffers=True), ("call", torch.ones(100)))
+    env_at = _wire.HEADER_SIZE + 8 + 3
+    altered = first[:env_at] + bytes([first[env_at] ^ 1]) + first[env_at + 1:]
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        fresh().feed(altered)
+    # The tensor bytes come after the tag: the seal catches them.
+    altered = first[:-1] + bytes([first[-1] ^ 1])
+    with pytest.raises(ProtocolError, match="tensor bytes of a frame .* failed authentication"):
+        fresh().feed(altered)
+    # A replayed frame fails (the sequence number is implicit), and so does one without
+    # MACs or with another key.
+    dec = fresh()
+    assert len(dec.feed(first)) == 1
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        dec.feed(first)
+    data, _ = frame_bytes(("plain",))
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        fresh().feed(data + data)  # the next frame's bytes read as this one's tag
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        fresh().feed(mac_frame(handshake.FrameMac(bytes(32), buffers=True), ("x",)))
 
 
 def test_random_headers_never_crash_the_decoder():
@@ -429,9 +517,9 @@ def test_random_headers_never_crash_the_decoder():
         if rng.random() < 0.5:
             data = b"TRPC\x01" + data
         try:
-            for f in _wire.FrameDecoder(limits).feed(data):
+            for f in FrameDecoder(limits, shm=True).feed(data):
                 assert len(f.envelope) + sum(
-                    b.size if isinstance(b, _wire.ShmRef) else len(b) for b in f.buffers) <= 1 << 20
+                    b.size if isinstance(b, ShmRef) else b.numel() for b in f.buffers) <= 1 << 20
         except ProtocolError:
             pass
 

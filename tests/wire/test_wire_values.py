@@ -1,7 +1,7 @@
 """Every picklable value crosses the wire intact, on bytes alone (issue 22).
 
-Each value goes ``encode`` -> frame bytes -> ``FrameDecoder`` -> ``decode`` (see
-``test_wire.round_trip``) and must come out as ``pickle.loads(pickle.dumps(value))`` gives
+Each value goes ``encode`` -> frame bytes -> the transport's frame reader -> ``decode``
+(see ``test_wire.round_trip``) and must come out as ``pickle.loads(pickle.dumps(value))`` gives
 it in one process: same type, value, dtype, shape, strides and flags. Large buffers of
 non-tensor objects go out of band, small ones in the envelope.
 """
@@ -28,6 +28,7 @@ from torchrpc.errors import SerializationError
 
 from .. import values
 from ..group import ROOT
+from ..support.frames import FrameDecoder
 from .test_wire import receive, round_trip
 from ..values import LARGE, assert_same, numpy_sample, pickled
 
@@ -55,7 +56,8 @@ def test_the_whole_matrix_in_one_message():
 
 def _decode(value: Any):
     env, bufs, keep = _wire.encode(value)
-    frame = _wire.Frame(None, env, [bytes(b) for b in bufs])
+    head = _wire.pack_header(_wire.Kind.CALL, 0, 1, len(env), [len(b) for b in bufs])
+    (frame,) = FrameDecoder().feed(head + env + b"".join(bytes(b) for b in bufs))
     received = receive(frame)
     return _wire.decode(env, received)[1], env, bufs, received
 

@@ -1,5 +1,5 @@
 """The transport layer: authenticated connections carrying wire frames, over TCP, Unix
-sockets or TLS (and in memory, for tests)."""
+sockets or TLS."""
 
 from .connection import Connection, Link, Releasable
 from .reader import PollPolicy

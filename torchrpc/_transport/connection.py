@@ -35,8 +35,9 @@ _IOV_MAX = 512
 
 class Link(Protocol):
     """What a connection needs of its byte stream: a connected stream socket, a TLS
-    session over one (``tls.TlsSocket``) or an in-memory pair (``memory.py``). Every link
-    passes ``tests/test_transport_conformance.py``."""
+    session over one (``tls.TlsSocket``), or in tests an in-memory pair
+    (``tests/support/memory_transport.py``). Every link passes
+    ``tests/transport/test_transport_conformance.py``."""
 
     def sendmsg(self, buffers: Sequence[Any]) -> int:
         """Send from the buffers in order; the number of bytes sent."""

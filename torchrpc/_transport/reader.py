@@ -6,9 +6,13 @@ thread to go on reading (``read_frames()`` again), so this one stops, touches no
 state any more and runs the callable instead. The agent uses this to run a request on
 the thread that read it, instead of waking a pool thread for it (leader/follower).
 
-Frames are parsed with the wire layer; tensor buffers are read straight into freshly
-allocated tensor memory (``recv_into``), and buffers in shared memory are wrapped where
-they lie (``shm.py``).
+:meth:`FrameReader._next_frame` is the one parser of whole frames, for the reader loop
+and for :meth:`FrameReader.read_frame` alike: it checks each part with the wire layer
+(``_wire/frame.py`` has the layout) and the MAC trailer with the connection's
+``mac_rx``; tensor buffers are read straight into freshly allocated tensor memory
+(``recv_into``), and buffers in shared memory are wrapped where they lie (``shm.py``).
+Tests drive it without a socket, over a link that hands it bytes they feed
+(``tests/support/frames.py``).
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class FrameReader:
                 k = recv_into(mv[end:])
             if k == 0:
                 self._rstart, self._rend = start, end
-                if end > start:
+                if end > start or not at_start:  # not at_start: a frame has begun
                     raise ProtocolError(f"truncated frame: the peer closed the connection "
                                         f"after {end - start} of {n} bytes")
                 raise ConnectionLostError("peer closed the connection")

@@ -1,8 +1,8 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
 from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT,
-                    SHM_REF_SIZE, Frame, FrameDecoder, Header, Limits, ShmRef, pack_header,
-                    pack_shm_ref, parse_header, parse_lengths, parse_shm_ref)
+                    SHM_REF_SIZE, Header, Limits, pack_header, pack_shm_ref, parse_header,
+                    parse_lengths, parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .pickler import device_maps_move_cpu
 from .probe import MAX_PROBE_IDS, pack_probe, pack_status, parse_probe, parse_status
@@ -12,8 +12,7 @@ from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, decode, encode
 
 __all__ = [
     "FLAG_MANY", "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT",
-    "SHM_REF_SIZE", "Frame", "FrameDecoder",
-    "Header", "Limits", "ShmRef", "pack_shm_ref", "parse_shm_ref",
+    "SHM_REF_SIZE", "Header", "Limits", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "decode", "device_maps_move_cpu", "encode",
     "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "pack_header",
     "parse_header", "parse_lengths", "prepare_encode", "register_message_reducer",

@@ -1,5 +1,10 @@
 """Frame layout: pure functions over bytes, no sockets.
 
+These functions check each part of a frame as it comes; the one reader of whole frames
+is the transport's (``_transport/reader.py``: the header, the length table, the
+envelope, the MAC trailer, then each buffer straight into tensor memory). Tests feed
+that reader bytes without a socket (``tests/support/frames.py``).
+
 Every message on a connection is one frame::
 
     offset size  field
@@ -8,7 +13,8 @@ Every message on a connection is one frame::
     5      1     kind         a :class:`~torchrpc._wire.kinds.Kind` id
     6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory),
                               bit 2: ONCE (a request that may arrive twice: run it once),
-                              bit 3: MANY (see below); other bits are never set
+                              bit 3: MANY (see below); other bits are never set,
+                              and a receiver refuses a frame with one
     8      8     request id   unsigned, chosen by the requester, echoed by the reply
     16     4     envelope     length in bytes of the pickled envelope
     20     4     nbuffers     number of out-of-band buffers
@@ -28,9 +34,12 @@ its sender waits for that very reply.
 
 MACs. On a connection that negotiated them (plain TCP, ``_transport/handshake.py``),
 every frame carries a trailer between its envelope and its buffers: where buffers are
-sealed and the frame has some, a 24-byte seal of the buffers' bytes (an 8-byte number
-and a 16-byte digest), then a 16-byte tag over an implicit sequence number, the header
-with its lengths, the envelope and the seal. Frames without MACs have no trailer.
+sealed (both sides offered it) and the frame has some, a 24-byte seal (an 8-byte number
+and a 16-byte digest) of the buffers' bytes as they follow on the stream, buffer by
+buffer, a buffer in shared memory by its reference; then a 16-byte tag over an implicit
+sequence number, the header with its lengths, the envelope and the seal. The tag is
+checked before any buffer is read, the seal once all of them are in. Frames without
+MACs have no trailer.
 What the MACs are is the transport's business (``handshake.FrameMac``); this layout
 only says where they lie in a frame.
 
@@ -53,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import struct
-from typing import List, NamedTuple, Sequence, Union
+from typing import List, NamedTuple, Sequence
 
 from ..errors import ProtocolError
 from .kinds import KNOWN_KINDS
@@ -195,74 +204,3 @@ def parse_shm_ref(data: bytes | bytearray | memoryview) -> str:
     if not _SHM_NAME.fullmatch(raw):
         raise ProtocolError(f"malformed shared-memory reference {bytes(data)[:SHM_REF_SIZE]!r}")
     return raw.decode("ascii")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmRef:
-    """A buffer of a decoded frame that lies in shared memory."""
-
-    name: str
-    size: int
-
-
-@dataclasses.dataclass
-class Frame:
-    """A whole decoded frame: header, envelope bytes and buffers (a :class:`ShmRef` for
-    each buffer in shared memory)."""
-
-    header: Header
-    envelope: bytes
-    buffers: List[Union[bytes, ShmRef]]
-
-
-class FrameDecoder:
-    """Incremental frame decoder over a byte stream (sans I/O).
-
-    Feed it bytes as they arrive; it returns every complete frame. The transport
-    uses the same :func:`parse_header` and :func:`parse_lengths` but reads large
-    buffers straight into tensor memory; this decoder is for tests, tools and
-    fuzzing.
-    """
-
-    def __init__(self, limits: Limits | None = None) -> None:
-        self._limits = limits or Limits()
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> List[Frame]:
-        self._buf += data
-        frames = []
-        while True:
-            frame = self._next()
-            if frame is None:
-                return frames
-            frames.append(frame)
-
-    def _next(self) -> Frame | None:
-        buf = self._buf
-        if len(buf) < HEADER_SIZE:
-            return None
-        header = parse_header(buf, self._limits)
-        table_end = HEADER_SIZE + 8 * header.nbuffers
-        if len(buf) < table_end:
-            return None
-        lengths = parse_lengths(memoryview(buf)[HEADER_SIZE:table_end], header, self._limits)
-        on_stream = [SHM_REF_SIZE if n & SHM_BIT else n for n in lengths]
-        end = table_end + header.envelope_len + sum(on_stream)
-        if len(buf) < end:
-            return None
-        pos = table_end + header.envelope_len
-        envelope = bytes(buf[table_end:pos])
-        buffers: List[Union[bytes, ShmRef]] = []
-        for n, k in zip(lengths, on_stream):
-            if n & SHM_BIT:
-                buffers.append(ShmRef(parse_shm_ref(buf[pos:pos + k]), n & ~SHM_BIT))
-            else:
-                buffers.append(bytes(buf[pos:pos + k]))
-            pos += k
-        del buf[:end]
-        return Frame(header, envelope, buffers)
-
-    @property
-    def pending(self) -> int:
-        """Bytes received that do not yet form a whole frame."""
-        return len(self._buf)

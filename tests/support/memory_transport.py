@@ -8,6 +8,9 @@ the other end end-of-stream after the bytes already sent, and a send to an end w
 reader is gone raises ``BrokenPipeError``. A send copies its bytes, so the sender may
 reuse its memory as soon as it returns. :class:`MemoryLink` joins two connections over
 such a pair, each with a reader thread, for tests of everything above the sockets.
+
+A test tool: no worker uses it (``tests/transport/test_transport_conformance.py`` runs
+it beside the real links).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import socket
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .. import _threads, _wire
-from .connection import Connection
-from .reader import CloseCallback, FrameCallback
+from torchrpc import _threads, _wire
+from torchrpc._transport.connection import Connection
+from torchrpc._transport.reader import CloseCallback, FrameCallback
 
 
 class _Pipe:

@@ -58,7 +58,7 @@ from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
 from .settings import Settings
 from .shutdown import Parts as ShutdownParts, Shutdown
-from .stats import PeerStats
+from .stats import Traffic
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class Agent:
         self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
-        self._peer_stats: Dict[int, PeerStats] = {}  # rank -> traffic counters (stats.py)
+        self.traffic = Traffic(self._lock)  # the traffic counters by peer (stats.py)
+        self._peer_stats, self.new_stats = self.traffic.by_rank, self.traffic.new
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
@@ -106,8 +107,7 @@ class Agent:
         # The workers of the group, membership and device maps (registry.py).
         self.registry = Registry(name, rank, self.elastic, dict(settings.device_maps), self._lock,
                                  self.start_thread, self.lifecycle, lambda: self.store,
-                                 lambda rank: self._peer_stats.pop(rank, None), self.fail,
-                                 lambda: self._transport)
+                                 self.traffic.forget, self.fail, lambda: self._transport)
         timeout = lambda: self.default_timeout  # noqa: E731 - rpc._set_rpc_timeout changes it
         # The connections by peer, and the peers whose connections broke (connections.py).
         self.connections = Connections(name, self._lock, self.lifecycle, self.registry,
@@ -116,7 +116,7 @@ class Agent:
         # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
         self.dispatch = Dispatch(name, self._pool, self.coroutines,
                                  functools.partial(MessageContext, self), self._hooks,
-                                 self.serve_all, self._peer_stats, self._send, timeout,
+                                 self.serve_all, self.traffic.by_rank, self._send, timeout,
                                  settings.max_queued_requests)
         # Sending requests and completing them with their replies (calls.py), by the
         # lanes their replies travel (lanes.py).
@@ -133,14 +133,10 @@ class Agent:
         # Incoming frames to the request table, the peers or serving; reading roles.
         self.inbound = Inbound(name, self._pool, self.scheduler, self.lifecycle, self.registry,
                                self.dispatch, self.calls.on_reply, self.calls.probes.on_status,
-                               self.requests.fail_peer, self.liveness.beating.add,
-                               self._peer_stats, self.new_stats, settings.max_queued_requests)
-        self.shutdown_protocol = Shutdown(ShutdownParts(
-            name, rank, world_size, self.elastic, self._lock, self.registry, self.connections,
-            self.requests, self.scheduler, self.liveness, self.coroutines, self._pool,
-            self.lanes.clear, lambda: self.store, self._let_go_of_store,
-            lambda: self._transport, self.debug_info, self._shutdown_hooks, self._stop_hooks),
-            self.lifecycle)
+                               self.requests.fail_peer, self.liveness.heard_beat,
+                               self.traffic.by_rank, self.traffic.new,
+                               settings.max_queued_requests)
+        self.shutdown_protocol = Shutdown(_stopping(self), self.lifecycle)
         self.registry.attach(self.liveness, self.requests.fail_peer, self.connections.of,
                              (self.connections.forget_lost, self.shutdown_protocol.forget),
                              (self.dispatch.forget,))
@@ -154,18 +150,8 @@ class Agent:
     def start(self, plan: Plan) -> "Agent":
         """Rendezvous with the group under ``plan``, start listening and the timer;
         return self."""
-        startup.start(startup.Parts(
-            self.name, self.rank, self.world_size, self.elastic, self.settings, self.store,
-            self.registry, self.connections, self.inbound, self.liveness, self.scheduler,
-            self.lanes.private.max, self.connection_type, self.start_thread, self.fail,
-            self.shutdown_protocol.enter, self._seal, self._adopt), plan, self._limits)
+        startup.start(_starting(self), plan, self._limits)
         return self
-
-    def _seal(self, store: Any) -> None:  # startup hands the agent its sealed store
-        self.store = store
-
-    def _let_go_of_store(self) -> None:  # the agent has stopped
-        self.store = None
 
     def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
@@ -186,11 +172,6 @@ class Agent:
     def failure(self) -> Optional[ThreadFailedError]:
         """Set when a background thread cannot go on (see fail): every API call raises it."""
         return self.shutdown_protocol.failure
-
-    @property
-    def final_debug_info(self) -> Dict[str, Any]:
-        """:meth:`debug_info` as the agent stopped (empty before)."""
-        return self.shutdown_protocol.final_debug_info
 
     def fail(self, error: ThreadFailedError) -> None:
         """A background thread cannot go on: fail every pending call with ``error``, and
@@ -292,14 +273,8 @@ class Agent:
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
         with self._lock:
-            stats = list(self._peer_stats.items())
             names = {rank: w.name for rank, w in self.registry.workers.items()}
-        return debug.peer_stats(stats, names)
-
-    def new_stats(self, rank: int) -> PeerStats:
-        """The traffic counters of peer ``rank``, made on first use."""
-        with self._lock:  # two first calls to a peer may race here
-            return self._peer_stats.setdefault(rank, PeerStats())
+        return debug.peer_stats(self.traffic.items(), names)
 
     # -- requests (calls.py, lanes.py) ---------------------------------------------------------
 
@@ -388,6 +363,26 @@ class Agent:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
         self.shutdown_protocol.probe(ranks)
+
+
+def _starting(agent: Agent) -> startup.Parts:
+    """What starting uses of ``agent`` (startup.py)."""
+    return startup.Parts(
+        agent.name, agent.rank, agent.world_size, agent.elastic, agent.settings, agent.store,
+        agent.registry, agent.connections, agent.inbound, agent.liveness, agent.scheduler,
+        agent.lanes.private.max, agent.connection_type, agent.start_thread, agent.fail,
+        agent.shutdown_protocol.enter, functools.partial(setattr, agent, "store"),
+        agent._adopt)
+
+
+def _stopping(agent: Agent) -> ShutdownParts:
+    """What the shutdown protocol uses of ``agent`` (shutdown.py)."""
+    return ShutdownParts(
+        agent.name, agent.rank, agent.world_size, agent.elastic, agent._lock, agent.registry,
+        agent.connections, agent.requests, agent.scheduler, agent.liveness, agent.coroutines,
+        agent.pool, agent.lanes.clear, lambda: agent.store,
+        functools.partial(setattr, agent, "store", None), lambda: agent._transport,
+        agent.debug_info, agent._shutdown_hooks, agent._stop_hooks)
 
 
 def _schedule_duties(agent: Agent) -> None:

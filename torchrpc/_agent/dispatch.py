@@ -70,7 +70,8 @@ ONCE_ACKS = "_once_acks"
 
 class Send(Protocol):
     """Send one frame to a worker (on ``via``, if given); raise :class:`RpcError` when it
-    cannot (``Agent._send``, the one send function the agent hands its parts)."""
+    cannot (:meth:`Connections.send <torchrpc._agent.connections.Connections.send>`, the
+    one send function the agent hands its parts)."""
 
     def __call__(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
                  bufs: Any, keep: Any, via: Optional[Connection] = None) -> None: ...
@@ -89,35 +90,23 @@ class _Once:
 
 
 class Dispatch:
-    """One agent's handlers by message kind, the serving of requests and their replies.
-
-    Handed what serving uses: the worker's ``name``; the ``pool`` that runs requests (and
-    whose queue ``max_queued`` bounds, see :meth:`refuse`); the ``coroutines`` runner of
-    ``async def`` targets; ``context(peer, kind, replied=False)``, which makes the
-    :class:`MessageContext` of a message (the layers' pickling code sees the agent
-    through it); the layers' call ``hooks`` and those that see every request served
-    (``serve_all``), lists the agent appends to; the traffic counters by rank
-    (``stats``, read only); ``send``, the agent's one send function; and ``timeout()``,
-    the agent's current default RPC timeout (it bounds how long a request waits for its
-    gates). :meth:`adopt` hands it the transport once there is one.
-    """
+    """One agent's handlers by message kind, the serving of requests and their replies:
+    handed what serving uses (see the constructor), and the transport by :meth:`adopt`."""
 
     def __init__(self, name: str, pool: WorkerPool, coroutines: CoroutineRunner,
                  context: Callable[..., MessageContext], hooks: List[CallHook],
                  serve_all: List[CallHook], stats: Dict[int, PeerStats], send: Send,
                  timeout: Callable[[], float], max_queued: int) -> None:
-        self._name = name
-        self._pool = pool
-        self._context = context
-        self._hooks = hooks
-        self._serve_all = serve_all
-        self._stats = stats
-        self._send = send
-        self._timeout = timeout
+        self._name = name  # the worker's
+        self._pool = pool  # runs requests; at most max_queued wait for a thread (refuse)
+        self._context = context  # (peer, kind, replied=False) -> the message's MessageContext
+        # The layers' call hooks, and those that see every request (lists the agent fills).
+        self._hooks, self._serve_all = hooks, serve_all
+        self._stats = stats  # the traffic counters by rank (stats.Traffic.by_rank), read only
+        self._send = send  # the one send function of the agent's parts (Connections.send)
+        self._timeout = timeout  # the agent's RPC timeout now: how long gates are waited for
         self._max_queued = max_queued
-        # rank -> the most tensor bytes a message to it carries inside its envelope: the
-        # transport's table (Transport.inline_max), once adopted; empty until then.
-        self._inline_max: Dict[int, int] = {}
+        self._inline_max: Dict[int, int] = {}  # rank -> most tensor bytes in an envelope
         self.handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, coroutines)}
         self._overloads = LogBudget(what="refused requests")

@@ -101,7 +101,7 @@ class Inbound:
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
-            registry.left.add(src.id)
+            registry.said_goodbye(src.id)
             self._fail_peer(src.id, left_error(src))
             return None
         if kind == Kind.HEARTBEAT:

@@ -76,16 +76,9 @@ class Losses(Protocol):
 
 
 class Registry:
-    """One agent's table of workers and its part in the group's membership.
-
-    Handed this worker's ``name`` and ``rank``, whether the group is ``elastic``, its
-    ``device_maps``, the agent's ``lock`` (shared: see the module docs), how to start a
-    thread, the ``lifecycle``, ``store()`` (the agent's store, sealed once started),
-    ``forget_stats(rank)`` (drop a rank's traffic counters, under the lock),
-    ``fail(error)`` (the agent's: this worker was removed from the group) and
-    ``transport()`` (the agent's, once started). The parts it tells of changes are built
-    after it, and handed to :meth:`attach`.
-    """
+    """One agent's table of workers and its part in the group's membership. Handed what
+    it uses (see the constructor's comments); the parts it tells of changes are built
+    after it, and handed to :meth:`attach`."""
 
     _losses: Losses  # set by attach, as are the four below
     _fail_peer: Callable[[int, RpcError], None]
@@ -99,15 +92,14 @@ class Registry:
                  store: Callable[[], Any], forget_stats: Callable[[int], None],
                  fail: Callable[[ThreadFailedError], None],
                  transport: Callable[[], Optional[Transport]]) -> None:
-        self._name = name
-        self._rank = rank
+        self._name, self._rank = name, rank  # this worker's
         self._lock = lock  # the agent's: the request path reads these tables under it
         self._start_thread = start_thread
         self._lifecycle = lifecycle
-        self._store = store
+        self._store = store  # the agent's store (sealed once started)
         self._forget_stats = forget_stats  # the traffic counters of a rank, under the lock
-        self._fail = fail
-        self._transport = transport
+        self._fail = fail  # the agent's: this worker was removed from the group
+        self._transport = transport  # the agent's, once started
         self.elastic = elastic
         self.workers: Dict[int, WorkerInfo] = {}
         self.by_name: Dict[str, WorkerInfo] = {}
@@ -184,6 +176,10 @@ class Registry:
     def worker_info(self) -> WorkerInfo:
         """This worker's."""
         return self.workers[self._rank]
+
+    def said_goodbye(self, rank: int) -> None:
+        """Worker ``rank`` said GOODBYE: it has left, and its calls fail at once."""
+        self.left.add(rank)
 
     def has_left(self, rank: int) -> bool:
         """Whether worker ``rank`` has shut down and told this worker so."""

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol
 
 from .. import _wire
-from .._transport import Connection, Transport
+from .._transport import Connection, PollPolicy, Transport
 from .._wire import Kind
 from ..errors import ConnectionLostError, NotInitializedError, RpcError
 from .lifecycle import RUNNING, STOPPED, STOPPING, Lifecycle
@@ -77,7 +77,7 @@ class Connections:
 
     _watch: Watch  # set by attach, as are the two below
     _idle: Idle
-    _poll: Any
+    _poll: PollPolicy
 
     def __init__(self, name: str, lock: "threading.Lock", lifecycle: Lifecycle,
                  registry: Registry, requests: "Requests", timeout: Callable[[], float],
@@ -95,7 +95,7 @@ class Connections:
         self.lost: Dict[int, str] = {}  # rank -> why it seems lost (connections broke, silent)
         self._connect_locks: Dict[int, threading.Lock] = {}
 
-    def attach(self, watch: Watch, idle: Idle, poll: Any) -> None:
+    def attach(self, watch: Watch, idle: Idle, poll: PollPolicy) -> None:
         """Hand the table the parts built after it: liveness (``watch``), the idle private
         connections (``idle``), and the ``poll`` policy every private connection gets."""
         self._watch = watch

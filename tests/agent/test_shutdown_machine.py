@@ -120,7 +120,7 @@ def test_stopping_says_goodbye_once_on_every_connection_and_fails_what_is_pendin
     assert states == [STOPPING]
     assert agent.lifecycle.state is STOPPED and agent.store is None
     assert agent.debug_info()["agent.state"] == "stopped"
-    assert agent.final_debug_info["agent.state"] == "stopping"
+    assert agent.shutdown_protocol.final_debug_info["agent.state"] == "stopping"
     with pytest.raises(NotInitializedError, match="shut down before the reply from worker1"):
         p.future.wait()
     agent.shutdown()  # once stopped, shutting down again does nothing

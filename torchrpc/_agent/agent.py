@@ -36,7 +36,7 @@ from .. import _threads, _wire
 from .._threads import Guard
 from .._transport import Connection, Transport
 from .._wire import Kind
-from ..errors import NotInitializedError, RpcError, ThreadFailedError, WorkerLeftError
+from ..errors import NotInitializedError, RpcError, ThreadFailedError
 from . import debug, process_exit, startup
 from .._rendezvous.rendezvous import Plan
 from .calls import Calls
@@ -46,19 +46,19 @@ from .cpus import SpinGuard
 from .debug import TimeoutReports
 from .dispatch import Dispatch
 from .futures import RpcFuture
-from .hooks import CallHook, Extensions
+from .hooks import CallHook, Extensions, MessageContext
 from .inbound import Inbound
 from .lanes import Expect
 from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
-from .registry import Registry
+from .registry import Registry, left_error
 from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
 from .settings import Settings
-from .shutdown import Shutdown
-from .stats import PeerStats
+from .shutdown import Parts as ShutdownParts, Shutdown
+from .stats import Traffic
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,6 @@ class Agent:
         self.scheduler = Scheduler(self._pool)
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
         self.requests = Requests(self, self.scheduler.cv, self.scheduler.lock)
-        # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
-        self.dispatch = Dispatch(self)
         self._hooks: List[CallHook] = []
         # Hooks asked about every request served, not only those that carry their key.
         self.serve_all: List[CallHook] = []
@@ -98,28 +96,32 @@ class Agent:
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
         self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
-        self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
-                                          self._shutdown_hooks, self._stop_hooks)
-        self._ready = threading.Event()
-        self.ready = False  # _ready is set: read by every frame, without the Event's method
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
-        self._peer_stats: Dict[int, PeerStats] = {}  # rank -> traffic counters (stats.py)
-        # The workers of the group, membership and device maps (registry.py).
-        self.registry = Registry(self, dict(settings.device_maps), self._lock, self.start_thread,
-                                 lambda rank: self._peer_stats.pop(rank, None))
+        self.traffic = Traffic(self._lock)  # the traffic counters by peer (stats.py)
+        self._peer_stats, self.new_stats = self.traffic.by_rank, self.traffic.new
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
         self._transport: Optional[Transport] = None
+        # The workers of the group, membership and device maps (registry.py).
+        self.registry = Registry(name, rank, self.elastic, dict(settings.device_maps), self._lock,
+                                 self.start_thread, self.lifecycle, lambda: self.store,
+                                 self.traffic.forget, self.fail, lambda: self._transport)
+        timeout = lambda: self.default_timeout  # noqa: E731 - rpc._set_rpc_timeout changes it
         # The connections by peer, and the peers whose connections broke (connections.py).
-        self.connections = Connections(self)
+        self.connections = Connections(name, self._lock, self.lifecycle, self.registry,
+                                       self.requests, timeout, lambda: self._transport)
+        self._send = self.connections.send  # the one "send a frame to a peer" of the parts
+        # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
+        self.dispatch = Dispatch(name, self._pool, self.coroutines,
+                                 functools.partial(MessageContext, self), self._hooks,
+                                 self.serve_all, self.traffic.by_rank, self._send, timeout,
+                                 settings.max_queued_requests)
         # Sending requests and completing them with their replies (calls.py), by the
         # lanes their replies travel (lanes.py).
         self.calls = Calls(self)
         self.lanes = self.calls.lanes
-        # Incoming frames to the request table, the peers or serving; reading roles.
-        self.inbound = Inbound(self)
         # An OpenMP team parked while this host's CPUs are crowded (cpus.py).
         self.omp = SpinGuard(f"torchrpc-omp-{name}")
         self.liveness = Liveness(  # heartbeats and lost peers (liveness.py)
@@ -127,11 +129,19 @@ class Agent:
             self._lock, self.start_thread, self.lifecycle, self.registry, self.connections,
             self.requests, self.lanes.private, self._pool, lambda: self.store,
             lambda: self.failure)
-        self._max_queued = settings.max_queued_requests
+        self.connections.attach(self.liveness, self.lanes.private, self.lanes.poll)
+        # Incoming frames to the request table, the peers or serving; reading roles.
+        self.inbound = Inbound(name, self._pool, self.scheduler, self.lifecycle, self.registry,
+                               self.dispatch, self.calls.on_reply, self.calls.probes.on_status,
+                               self.requests.fail_peer, self.liveness.heard_beat,
+                               self.traffic.by_rank, self.traffic.new,
+                               settings.max_queued_requests)
+        self.shutdown_protocol = Shutdown(_stopping(self), self.lifecycle)
+        self.registry.attach(self.liveness, self.requests.fail_peer, self.connections.of,
+                             (self.connections.forget_lost, self.shutdown_protocol.forget),
+                             (self.dispatch.forget,))
         self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
                                               settings.log_debug_info_on_timeout)
-        # Set when a background thread cannot go on (see fail): every API call raises it.
-        self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
         process_exit.track(self)  # stopped at the interpreter's exit if it still runs then
 
@@ -140,11 +150,12 @@ class Agent:
     def start(self, plan: Plan) -> "Agent":
         """Rendezvous with the group under ``plan``, start listening and the timer;
         return self."""
-        startup.start(self, plan, self._limits, self._adopt)
+        startup.start(_starting(self), plan, self._limits)
         return self
 
     def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
+        self.dispatch.adopt(transport)
 
     @property
     def transport(self) -> Optional[Transport]:
@@ -156,6 +167,11 @@ class Agent:
         the agent fails."""
         guard = Guard(f"the {role} thread of {self.name}", self.fail)
         return _threads.start(f"torchrpc-{role}-{self.name}", guard, loop, guard)
+
+    @property
+    def failure(self) -> Optional[ThreadFailedError]:
+        """Set when a background thread cannot go on (see fail): every API call raises it."""
+        return self.shutdown_protocol.failure
 
     def fail(self, error: ThreadFailedError) -> None:
         """A background thread cannot go on: fail every pending call with ``error``, and
@@ -172,7 +188,7 @@ class Agent:
 
     def check_failure(self) -> None:
         """Raise :attr:`failure` if a background thread could not go on."""
-        if self.failure is not None:
+        if self.shutdown_protocol.failure is not None:
             self.shutdown_protocol.raise_failure()
 
     # -- the group (registry.py) -------------------------------------------------------------------
@@ -257,14 +273,8 @@ class Agent:
     def peer_stats(self) -> Dict[str, Dict[str, Any]]:
         """Traffic counters by peer name (see :func:`~torchrpc._agent.debug.peer_stats`)."""
         with self._lock:
-            stats = list(self._peer_stats.items())
             names = {rank: w.name for rank, w in self.registry.workers.items()}
-        return debug.peer_stats(stats, names)
-
-    def new_stats(self, rank: int) -> PeerStats:
-        """The traffic counters of peer ``rank``, made on first use."""
-        with self._lock:  # two first calls to a peer may race here
-            return self._peer_stats.setdefault(rank, PeerStats())
+        return debug.peer_stats(self.traffic.items(), names)
 
     # -- requests (calls.py, lanes.py) ---------------------------------------------------------
 
@@ -272,7 +282,7 @@ class Agent:
              timeout: float, retry: Optional[RetryPolicy] = None,
              expect: int = Expect.ANY) -> Any:
         """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result (see request)."""
-        if self.failure is not None or self.lifecycle.state is not RUNNING:
+        if self.shutdown_protocol.failure is not None or self.lifecycle.state is not RUNNING:
             self.check_running()  # raises
         return self.calls.start(dst, Kind.CALL, (func, args, kwargs), timeout, func,
                                 retry=retry, expect=expect)
@@ -300,7 +310,7 @@ class Agent:
         once a send succeeds, and shutdown waits for it like for a reply. The handler
         must tolerate receiving the message twice.
         """
-        if self.failure is not None or self.lifecycle.state is not RUNNING:
+        if self.shutdown_protocol.failure is not None or self.lifecycle.state is not RUNNING:
             self.check_running()  # raises
         return self.calls.start(dst, kind, payload, timeout, what, oneway, retry, expect,
                                 after, on_done)
@@ -325,26 +335,15 @@ class Agent:
         return self.request(dst, kind, payload, timeout, what, retry=retry,
                             expect=Expect.WAIT, after=after).wait()
 
-    def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
-              keep: Any, via: Optional[Connection] = None) -> None:
-        """Send one frame to ``dst`` (on ``via``, if given); raise
-        :class:`RpcError` when it cannot."""
-        (via or self.connections.to(dst)).send(kind, flags, rid, env, bufs, keep)
-
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
         self.scheduler.call_later(delay, fn, *args)
 
-    @staticmethod
-    def left_error(dst: WorkerInfo) -> WorkerLeftError:
-        """The error of a request to ``dst``, which said GOODBYE."""
-        return WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and left the "
-                               f"group", worker=dst.name)
+    left_error = staticmethod(left_error)  # registry.left_error
 
     def mark_ready(self) -> None:
         """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
-        self._ready.set()
-        self.ready = True
+        self.inbound.mark_ready()
 
     # -- shutdown (shutdown.py) --------------------------------------------------------------------
 
@@ -364,6 +363,26 @@ class Agent:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
         self.shutdown_protocol.probe(ranks)
+
+
+def _starting(agent: Agent) -> startup.Parts:
+    """What starting uses of ``agent`` (startup.py)."""
+    return startup.Parts(
+        agent.name, agent.rank, agent.world_size, agent.elastic, agent.settings, agent.store,
+        agent.registry, agent.connections, agent.inbound, agent.liveness, agent.scheduler,
+        agent.lanes.private.max, agent.connection_type, agent.start_thread, agent.fail,
+        agent.shutdown_protocol.enter, functools.partial(setattr, agent, "store"),
+        agent._adopt)
+
+
+def _stopping(agent: Agent) -> ShutdownParts:
+    """What the shutdown protocol uses of ``agent`` (shutdown.py)."""
+    return ShutdownParts(
+        agent.name, agent.rank, agent.world_size, agent.elastic, agent._lock, agent.registry,
+        agent.connections, agent.requests, agent.scheduler, agent.liveness, agent.coroutines,
+        agent.pool, agent.lanes.clear, lambda: agent.store,
+        functools.partial(setattr, agent, "store", None), lambda: agent._transport,
+        agent.debug_info, agent._shutdown_hooks, agent._stop_hooks)
 
 
 def _schedule_duties(agent: Agent) -> None:

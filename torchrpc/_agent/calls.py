@@ -23,7 +23,7 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
-from .dispatch import ONCE_ACKS, inline_max_to
+from .dispatch import ONCE_ACKS
 from .futures import RpcFuture, SyncFuture, fresh_error, new_future
 from .hooks import MessageContext, combine, describe
 from .lanes import Expect, Lanes
@@ -38,6 +38,15 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 log = logging.getLogger(__name__)
+
+
+def inline_max_to(agent: "Agent", rank: int) -> int:
+    """The most tensor bytes a message to ``rank`` carries inside its envelope (see
+    ``Transport.inline_max``)."""
+    transport = agent._transport
+    if transport is None:
+        return _wire.INLINE_MAX
+    return transport.inline_max.get(rank, _wire.INLINE_MAX)
 
 
 class Calls:

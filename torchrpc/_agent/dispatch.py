@@ -4,7 +4,7 @@ back to the caller; the callee's side of at-most-once.
 Theory of operation. The agent reads a request on some thread (the reading thread
 itself, or a pool thread it was handed to) and calls :meth:`Dispatch.serve` there. The
 request is decoded with the call hooks of the layers above (a layer whose key is in the
-request's metadata, or one that asked to see every request: ``Agent.serve_all``), which
+request's metadata, or one that asked to see every request: ``serve_all``), which
 may open a *scope* around the handler (a distributed autograd context, a profiler
 range) and add metadata to the reply; it waits for its *gates* (futures that must
 complete before it runs, such as the RRefs it was sent) as a blocked pool thread. Then
@@ -37,12 +37,12 @@ import logging
 import threading
 import time
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .. import _wire
-from .._transport import Connection, Releasable
+from .._transport import Connection, Releasable, Transport
 from .._transport.logbudget import LogBudget
 from .._wire import Kind
 from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
@@ -50,14 +50,11 @@ from ..errors import (OperatorSchemaError, OverloadedError, RpcError, Serializat
                       WrongTypeError)
 from .coroutines import CoroutineRunner
 from .current import current_agent
-from .hooks import AsyncResult, CallScope, MessageContext, combine, describe
-from .pool import current_pool
+from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
+from .pool import WorkerPool, current_pool
 from .remote_error import capture
-from .stats import nbytes
+from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +68,13 @@ _ONCE_MAX = 8192
 ONCE_ACKS = "_once_acks"
 
 
-def inline_max_to(agent: Agent, rank: int) -> int:
-    """The most tensor bytes a message to ``rank`` carries inside its envelope (see
-    ``Transport.inline_max``)."""
-    transport = agent._transport
-    if transport is None:
-        return _wire.INLINE_MAX
-    return transport.inline_max.get(rank, _wire.INLINE_MAX)
+class Send(Protocol):
+    """Send one frame to a worker (on ``via``, if given); raise :class:`RpcError` when it
+    cannot (:meth:`Connections.send <torchrpc._agent.connections.Connections.send>`, the
+    one send function the agent hands its parts)."""
+
+    def __call__(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
+                 bufs: Any, keep: Any, via: Optional[Connection] = None) -> None: ...
 
 
 class _Once:
@@ -93,12 +90,25 @@ class _Once:
 
 
 class Dispatch:
-    """One agent's handlers by message kind, the serving of requests and their replies."""
+    """One agent's handlers by message kind, the serving of requests and their replies:
+    handed what serving uses (see the constructor), and the transport by :meth:`adopt`."""
 
-    def __init__(self, agent: "Agent") -> None:
-        self._agent = agent
+    def __init__(self, name: str, pool: WorkerPool, coroutines: CoroutineRunner,
+                 context: Callable[..., MessageContext], hooks: List[CallHook],
+                 serve_all: List[CallHook], stats: Dict[int, PeerStats], send: Send,
+                 timeout: Callable[[], float], max_queued: int) -> None:
+        self._name = name  # the worker's
+        self._pool = pool  # runs requests; at most max_queued wait for a thread (refuse)
+        self._context = context  # (peer, kind, replied=False) -> the message's MessageContext
+        # The layers' call hooks, and those that see every request (lists the agent fills).
+        self._hooks, self._serve_all = hooks, serve_all
+        self._stats = stats  # the traffic counters by rank (stats.Traffic.by_rank), read only
+        self._send = send  # the one send function of the agent's parts (Connections.send)
+        self._timeout = timeout  # the agent's RPC timeout now: how long gates are waited for
+        self._max_queued = max_queued
+        self._inline_max: Dict[int, int] = {}  # rank -> most tensor bytes in an envelope
         self.handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
-            Kind.CALL: functools.partial(_handle_call, agent)}
+            Kind.CALL: functools.partial(_handle_call, coroutines)}
         self._overloads = LogBudget(what="refused requests")
         # At-most-once: (caller rank, request id) -> _Once, oldest first (see first_time).
         self.once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
@@ -109,26 +119,29 @@ class Dispatch:
         """:meth:`Agent.register_handler`."""
         self.handlers[int(kind)] = handler
 
+    def adopt(self, transport: Transport) -> None:
+        """The agent's transport has started: size replies by its ``inline_max``."""
+        self._inline_max = transport.inline_max
+
     # -- serving ---------------------------------------------------------------------------------
 
     def serve(self, src: WorkerInfo, header: _wire.Header, envelope: bytes,
               buffers: List[torch.Tensor], handler: Optional[Callable],
               via: Optional[Connection] = None) -> None:
         """Run a request and send the reply (on ``via``, the connection it came on)."""
-        agent = self._agent
         rid, kind = header.request_id, header.kind
         oneway = header.flags & _wire.FLAG_ONEWAY
         scopes: List[CallScope] = []
 
         def recv_hook(meta: Any) -> Optional[Callable]:
-            if not meta and not agent.serve_all:
+            if not meta and not self._serve_all:
                 return None
             if type(meta) is dict and ONCE_ACKS in meta:
                 self.forget_replies(src, meta[ONCE_ACKS])
-            for hook in agent._hooks:
+            for hook in self._hooks:
                 if meta and hook.key in meta:
                     scope = hook.incoming_request(src, kind, meta[hook.key])
-                elif hook in agent.serve_all:
+                elif hook in self._serve_all:
                     scope = hook.incoming_request(src, kind, None)
                 else:
                     continue
@@ -139,7 +152,7 @@ class Dispatch:
 
         what: Any = kind  # the function, once known; only error paths describe it
         try:
-            ctx = MessageContext(agent, src, kind, replied=not oneway)
+            ctx = self._context(src, kind, replied=not oneway)
             _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
             buffers.clear()  # the tensors in payload hold what they need
             if ctx.gates is not None:
@@ -147,7 +160,7 @@ class Dispatch:
             if kind == Kind.CALL:
                 what = payload[0]
             if handler is None:
-                raise RpcError(f"worker {agent.name} has no handler for message kind "
+                raise RpcError(f"worker {self._name} has no handler for message kind "
                                f"{Kind(kind).name}")
             for s in scopes:
                 s.__enter__()
@@ -187,12 +200,11 @@ class Dispatch:
 
     def _pass_gates(self, gates: List[torch.futures.Future]) -> None:
         """Wait (as a blocked pool thread) until every gate of a request has completed."""
-        agent = self._agent
         passed = threading.Semaphore(0)
         for gate in gates:
             gate.add_done_callback(lambda _: passed.release())
         pool = current_pool()
-        deadline = time.monotonic() + (agent.default_timeout or 60.0)
+        deadline = time.monotonic() + (self._timeout() or 60.0)
         with pool.blocking() if pool is not None else contextlib.nullcontext():
             for _ in gates:
                 if not passed.acquire(timeout=max(deadline - time.monotonic(), 0)):
@@ -208,9 +220,9 @@ class Dispatch:
             meta = {s.hook_key: s.response_meta() for s in scopes} or None
             send_hook = combine([s.send_hook for s in scopes])
         try:
-            env, bufs, keep = _wire.encode(value, MessageContext(self._agent, dst, Kind.RESPONSE),
+            env, bufs, keep = _wire.encode(value, self._context(dst, Kind.RESPONSE),
                                            send_hook, meta, "result",
-                                           inline_max_to(self._agent, dst.id))
+                                           self._inline_max.get(dst.id, _wire.INLINE_MAX))
         except Exception as exc:  # noqa: BLE001 - a result that won't encode: the caller is told
             self._reply_error(dst, rid, exc, what, via)
             return
@@ -222,25 +234,23 @@ class Dispatch:
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,
                      via: Optional[Connection] = None) -> None:
-        agent = self._agent
-        stats = agent._peer_stats.get(dst.id)
+        stats = self._stats.get(dst.id)
         if stats is not None:
             stats.errors_in += 1
         # The callee's side of the story, as torch's agent reports it; the caller gets the error.
-        _warn_even_unconfigured("%s raised %s: %s in %s called by %s", agent.name,
+        _warn_even_unconfigured("%s raised %s: %s in %s called by %s", self._name,
                                 type(exc).__name__, exc, describe(what), dst.name)
         self.send_error(dst, rid, exc, via)
 
     def send_error(self, dst: WorkerInfo, rid: int, exc: BaseException,
                    via: Optional[Connection] = None) -> None:
         """Answer request ``rid`` of ``dst`` with ``exc``."""
-        agent = self._agent
-        info = capture(exc, agent.name)
+        info = capture(exc, self._name)
         try:
-            env, bufs, keep = _wire.encode(info, MessageContext(agent, dst, Kind.ERROR))
+            env, bufs, keep = _wire.encode(info, self._context(dst, Kind.ERROR))
         except SerializationError:
             info.exc_type = RpcError
-            env, bufs, keep = _wire.encode(info, MessageContext(agent, dst, Kind.ERROR))
+            env, bufs, keep = _wire.encode(info, self._context(dst, Kind.ERROR))
         self.send_reply(dst, Kind.ERROR, rid, env, bufs, keep, via)
 
     def send_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any, keep: Any,
@@ -248,42 +258,40 @@ class Dispatch:
         """Send a reply (``kind`` RESPONSE or ERROR) to request ``rid`` of ``dst``, on
         ``via`` if it can take it, else on the current connection; keep it if the request
         may arrive again."""
-        agent = self._agent
-        stats = agent._peer_stats.get(dst.id)
+        stats = self._stats.get(dst.id)
         if stats is not None:
             stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
         if self.once:  # some request may arrive again: is it this one?
             keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
         try:
-            agent._send(dst, kind, 0, rid, env, bufs, keep, via)
+            self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
             if via is not None and (not via.private or (dst.id, rid) in self.once):
                 # Broken: answer on the current connection (the caller ignores a reply it
                 # no longer waits for; an at-most-once one is resent on another).
                 self.send_reply(dst, kind, rid, env, bufs, keep)
                 return
-            agent.calls.send_failed(kind, rid, dst, exc)
+            log.warning("%s could not reply to %s: %s", self._name, dst.name, exc)
 
     def refuse(self, src: WorkerInfo, header: _wire.Header, via: Optional[Connection]) -> None:
         """Fail a request that would wait behind ``max_queued_requests`` others (one-way
         and at-most-once messages of the protocols are never refused: losing them would
         lose state)."""
-        agent = self._agent
-        queued = agent._pool.num_pending
+        name = self._name
+        queued = self._pool.num_pending
         self._overloads.warn("%s refused a %s from %s: %d requests wait for its "
-                             "%d threads (max_queued_requests)", agent.name,
-                             Kind(header.kind).name, src.name, queued, agent._pool.num_threads)
+                             "%d threads (max_queued_requests)", name,
+                             Kind(header.kind).name, src.name, queued, self._pool.num_threads)
         self.send_error(src, header.request_id, OverloadedError(
-            f"worker {agent.name} is overloaded: {queued} requests already wait for a thread "
-            f"(max_queued_requests is {agent._max_queued}); slow down, wait for replies, or "
-            f"raise num_worker_threads or max_queued_requests on {agent.name}"), via)
+            f"worker {name} is overloaded: {queued} requests already wait for a thread "
+            f"(max_queued_requests is {self._max_queued}); slow down, wait for replies, or "
+            f"raise num_worker_threads or max_queued_requests on {name}"), via)
 
     # -- at most once (see the module docs) --------------------------------------------------------
 
     def first_time(self, src: WorkerInfo, rid: int, via: Optional[Connection]) -> bool:
         """Whether request ``rid`` of ``src`` arrives for the first time; if not, send its
         reply again if there is one."""
-        agent = self._agent
         key = (src.id, rid)
         now = time.monotonic()
         with self._once_lock:
@@ -294,7 +302,7 @@ class Dispatch:
                 return True
             self.duplicates += 1
             reply = once.reply
-        log.info("%s got request %d of %s again; it runs once%s", agent.name, rid,
+        log.info("%s got request %d of %s again; it runs once%s", self._name, rid,
                  src.name, " (its reply goes again)" if reply is not None else "")
         if reply is not None:
             kind, env, bufs, keep = reply
@@ -352,7 +360,6 @@ class Dispatch:
     def answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
         """Callee: tell ``src`` which of the probed requests arrived here; send the kept
         reply again, ahead of the answer, for those answered already."""
-        agent = self._agent
         answers = []
         replies = []
         with self._once_lock:
@@ -371,10 +378,10 @@ class Dispatch:
         for rid, (kind, env, bufs, keep) in replies:
             self.send_reply(src, kind, rid, env, bufs, keep, conn)
         try:
-            agent._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
+            self._send(src, Kind.ONCE_STATUS, _wire.FLAG_ONEWAY, 0,
                         _wire.pack_status(answers), [], None, conn)
         except RpcError as exc:  # the caller's next attempt asks again
-            log.info("%s could not answer a probe of %s: %s", agent.name, src.name, exc)
+            log.info("%s could not answer a probe of %s: %s", self._name, src.name, exc)
 
     def forget(self, rank: int) -> None:
         """A new worker holds ``rank``: the request ids of an earlier one mean nothing now."""
@@ -387,20 +394,20 @@ class Dispatch:
 # -- the handler of CALL ---------------------------------------------------------------------------
 
 
-def _handle_call(agent: "Agent", src: WorkerInfo, payload: Any) -> Any:
+def _handle_call(coroutines: CoroutineRunner, src: WorkerInfo, payload: Any) -> Any:
     func, args, kwargs = payload
-    return run_callable(func, args, kwargs, agent)
+    return run_callable(func, args, kwargs, coroutines)
 
 
 def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
-                 agent: Optional["Agent"] = None) -> Any:
+                 coroutines: Optional[CoroutineRunner] = None) -> Any:
     """Run a user function; an ``@async_execution`` one, or one that returns a coroutine
-    (an ``async def``), gives an :class:`AsyncResult`. Coroutines run on the event loop of
-    ``agent`` (default: the current agent)."""
+    (an ``async def``), gives an :class:`AsyncResult`. Coroutines run on ``coroutines``
+    (default: the current agent's event loop)."""
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         fut = func(*args, **(kwargs or {}))
         if isinstance(fut, CoroutineType):
-            return AsyncResult(_coroutines_of(agent).submit(fut))
+            return AsyncResult(_coroutines_of(coroutines).submit(fut))
         if not isinstance(fut, torch._C.Future):
             raise WrongTypeError(
                 f"Functions decorated with @rpc.async_function must return a "
@@ -421,7 +428,7 @@ def run_callable(func: Any, args: Sequence[Any], kwargs: Optional[Dict[str, Any]
                 f"{exc}; check the arguments given to {describe(func)}") from exc
         raise
     if isinstance(result, CoroutineType):
-        return AsyncResult(_coroutines_of(agent).submit(result))
+        return AsyncResult(_coroutines_of(coroutines).submit(result))
     return result
 
 
@@ -450,8 +457,8 @@ def _runnable_script(func: Any) -> Any:
     return func
 
 
-def _coroutines_of(agent: Optional["Agent"]) -> CoroutineRunner:
-    return (agent if agent is not None else current_agent(failed_ok=True)).coroutines
+def _coroutines_of(coroutines: Optional[CoroutineRunner]) -> CoroutineRunner:
+    return coroutines if coroutines is not None else current_agent(failed_ok=True).coroutines
 
 
 def _is_builtin_operator(func: Any) -> bool:

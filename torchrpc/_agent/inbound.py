@@ -15,7 +15,8 @@ connections and complete their replies through ``Calls.on_reply`` too.)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+import threading
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -23,24 +24,60 @@ from .. import _wire
 from .._threads import Guard
 from .._transport import Connection
 from .._wire import Kind
-from ..errors import ClosedError, ConnectionLostError
+from ..errors import ClosedError, ConnectionLostError, RpcError
+from .dispatch import Dispatch
 from .futures import mark_reader_thread
-from .pool import current_pool
+from .lifecycle import RUNNING, Lifecycle
+from .pool import WorkerPool, current_pool
+from .registry import Registry, left_error
 from .role import HANDED, ReadingRole
-from .lifecycle import RUNNING
-from .stats import nbytes
+from .scheduler import Scheduler
+from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
-if TYPE_CHECKING:
-    from .agent import Agent
 
 class Inbound:
-    """The frame callback of one agent's connections."""
+    """The frame callback of one agent's connections.
 
-    def __init__(self, agent: "Agent") -> None:
-        self._agent = agent
-        self._pool = agent.pool
-        self.role = ReadingRole(agent.pool, agent.scheduler)
+    Handed where each frame goes: ``on_reply(conn, header, envelope, buffers)`` completes
+    a reply (the request table's side, ``Calls.on_reply``); ``on_status(conn,
+    envelope)`` takes the answer to an at-most-once probe (``Probes.on_status``);
+    ``fail_peer(rank, error)`` fails what is pending on a worker that said GOODBYE
+    (``Requests.fail_peer``); ``heard_beat(rank)`` notes a heartbeat (liveness); the
+    ``registry`` names the sender, and ``dispatch`` serves requests. Serving runs on
+    ``pool`` (``scheduler`` times the reading role's loans); ``lifecycle`` says whether
+    the agent still runs; ``stats`` and ``new_stats(rank)`` count the traffic by peer;
+    ``max_queued`` bounds the requests waiting for a pool thread. Frames wait until
+    :meth:`mark_ready`.
+    """
+
+    def __init__(self, name: str, pool: WorkerPool, scheduler: Scheduler, lifecycle: Lifecycle,
+                 registry: Registry, dispatch: Dispatch,
+                 on_reply: Callable[[Connection, _wire.Header, bytes, List[torch.Tensor]], None],
+                 on_status: Callable[[Connection, bytes], None],
+                 fail_peer: Callable[[int, RpcError], None], heard_beat: Callable[[int], None],
+                 stats: Dict[int, PeerStats], new_stats: Callable[[int], PeerStats],
+                 max_queued: int) -> None:
+        self._name = name
+        self._pool = pool
+        self._lifecycle = lifecycle
+        self._registry = registry
+        self._dispatch = dispatch
+        self._on_reply = on_reply
+        self._on_status = on_status
+        self._fail_peer = fail_peer
+        self._heard_beat = heard_beat
+        self._stats = stats
+        self._new_stats = new_stats
+        self._max_queued = max_queued
+        self.role = ReadingRole(pool, scheduler)
+        self._ready = threading.Event()
+        self.ready = False  # _ready is set: read by every frame, without the Event's method
+
+    def mark_ready(self) -> None:
+        """Let frames through (``init_rpc`` has installed every layer)."""
+        self._ready.set()
+        self.ready = True
 
     def on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                  buffers: List[torch.Tensor]) -> Optional[Callable[[], None]]:
@@ -48,39 +85,38 @@ class Inbound:
         a request; return work for this thread if its reading role went elsewhere (see
         :class:`~torchrpc._agent.role.ReadingRole`)."""
         mark_reader_thread()
-        agent = self._agent
-        if not agent.ready:
+        if not self.ready:
             # A peer may finish rendezvous and call us before init_rpc here has returned.
-            agent._ready.wait(120.0)
+            self._ready.wait(120.0)
         kind = header.kind
         to_pool = self.role.to_pool
         if kind == Kind.RESPONSE or kind == Kind.ERROR:
-            agent.calls.on_reply(conn, header, envelope, buffers)
+            self._on_reply(conn, header, envelope, buffers)
             return to_pool(conn)
-        registry = agent.registry
+        registry = self._registry
         src = registry.workers.get(conn.peer_rank)
-        if src is None and agent.elastic:
+        if src is None and registry.elastic:
             registry.refresh()  # a new member may call before we saw it join
             src = registry.workers.get(conn.peer_rank)
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
         if kind == Kind.GOODBYE:
-            registry.left.add(src.id)
-            agent.requests.fail_peer(src.id, agent.left_error(src))
+            registry.said_goodbye(src.id)
+            self._fail_peer(src.id, left_error(src))
             return None
         if kind == Kind.HEARTBEAT:
-            agent.liveness.beating.add(src.id)
+            self._heard_beat(src.id)
             return to_pool(conn)
         if kind == Kind.ONCE_PROBE:
-            agent.dispatch.answer_probe(conn, src, envelope)
+            self._dispatch.answer_probe(conn, src, envelope)
             return to_pool(conn)
         if kind == Kind.ONCE_STATUS:
-            agent.calls.probes.on_status(conn, envelope)
+            self._on_status(conn, envelope)
             return to_pool(conn)
-        stats = agent._peer_stats.get(src.id) or agent.new_stats(src.id)
+        stats = self._stats.get(src.id) or self._new_stats(src.id)
         stats.calls_in += 1
         stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
-        dispatch = agent.dispatch
+        dispatch = self._dispatch
         handler = dispatch.handlers.get(kind)
         via = conn  # the reply goes back on it: the caller watches that connection for it
         if header.flags & _wire.FLAG_MANY:
@@ -88,17 +124,18 @@ class Inbound:
         if header.flags & _wire.FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
             return to_pool(conn)
         pool = self._pool
-        if current_pool() is pool and agent.lifecycle.state is RUNNING:
+        running = self._lifecycle.state is RUNNING
+        if current_pool() is pool and running:
             return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
         # which costs a wake-up per request: where both CPUs are taken by this thread
         # polling and the caller, the woken thread waits for the poll to end.
-        if agent.lifecycle.state is RUNNING and pool.hand_off(
+        if running and pool.hand_off(
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return HANDED
-        if agent._max_queued and pool.num_pending >= agent._max_queued \
+        if self._max_queued and pool.num_pending >= self._max_queued \
                 and not header.oneway and not header.flags & _wire.FLAG_ONCE:
             dispatch.refuse(src, header, via)
             return to_pool(conn)
@@ -112,13 +149,12 @@ class Inbound:
                       envelope: bytes, buffers: List[torch.Tensor], handler: Any,
                       via: Optional[Connection]) -> Optional[Callable[[], None]]:
         """Run a request on the reading thread, lending the reading role meanwhile."""
-        agent = self._agent
         role = self.role
         role.lend(conn)
         try:
-            agent.dispatch.serve(src, header, envelope, buffers, handler, via)
+            self._dispatch.serve(src, header, envelope, buffers, handler, via)
         except Exception as exc:  # noqa: BLE001 - must not reach a reader that lent its role
-            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {agent.name}",
+            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self._name}",
                   limit=None).failed(exc)
         finally:
             work = role.returned(conn)

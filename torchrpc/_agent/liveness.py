@@ -130,6 +130,10 @@ class Liveness:
         """Under the agent's lock: ``rank`` is lost for good; its calls fail, unretried."""
         self.declared.add(rank)
 
+    def heard_beat(self, rank: int) -> None:
+        """A heartbeat came from ``rank``: it sends them, so it may be timed out."""
+        self.beating.add(rank)
+
     def reconnected(self, rank: int) -> None:
         """Under the agent's lock: a shared connection with ``rank`` opened."""
         self._silent.pop(rank, None)

@@ -31,44 +31,76 @@ so a call to it fails with :class:`WorkerLeftError` saying why, not with an unkn
 
 The tables are guarded by the agent's lock, which also guards the tables of the other
 parts they are changed with; they are read without it where a single lookup suffices
-(the request path).
+(the request path). The registry knows the other parts only by what it tells them (see
+:meth:`Registry.attach`): that a new worker holds a rank, and that a member was lost.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .._threads import Guard, StartThread
-from .._transport import shm
-from ..errors import (DestinationTypeError, InvalidArgumentError,
+from .._transport import Connection, Transport, shm
+from ..errors import (DestinationTypeError, InvalidArgumentError, RpcError,
                       ThreadFailedError, WorkerLeftError)
 from . import devices
 from .._rendezvous import membership
 from .._rendezvous.secret import discard_local as discard_local_secret
-from .lifecycle import RUNNING, STOPPING
+from .lifecycle import RUNNING, STOPPING, Lifecycle
 from .worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
 
-class Registry:
-    """One agent's table of workers and its part in the group's membership."""
+def left_error(dst: WorkerInfo) -> WorkerLeftError:
+    """The error of a request to ``dst``, which said GOODBYE."""
+    return WorkerLeftError(f"worker {dst.name} (rank {dst.id}) has shut down and left the "
+                           f"group", worker=dst.name)
 
-    def __init__(self, agent: "Agent", device_maps: Dict[str, Dict[torch.device, torch.device]],
-                 lock: "threading.Lock", start_thread: StartThread,
-                 forget_stats: Callable[[int], None]) -> None:
-        self._agent = agent
+
+class Losses(Protocol):
+    """What the registry tells liveness (liveness.py): a worker joined, with the heartbeat
+    interval it announced; a member another survivor declared lost is lost here too."""
+
+    declared: "set[int]"
+
+    def joined(self, rank: int, interval: float) -> None: ...
+
+    def declare(self, rank: int) -> None: ...
+
+    def run_loss_hooks(self, w: WorkerInfo, error: RpcError) -> None: ...
+
+
+class Registry:
+    """One agent's table of workers and its part in the group's membership. Handed what
+    it uses (see the constructor's comments); the parts it tells of changes are built
+    after it, and handed to :meth:`attach`."""
+
+    _losses: Losses  # set by attach, as are the four below
+    _fail_peer: Callable[[int, RpcError], None]
+    _connections_of: Callable[[int], List[Connection]]
+    _forget_locked: Sequence[Callable[[int], None]]
+    _forget: Sequence[Callable[[int], None]]
+
+    def __init__(self, name: str, rank: int, elastic: bool,
+                 device_maps: Dict[str, Dict[torch.device, torch.device]],
+                 lock: "threading.Lock", start_thread: StartThread, lifecycle: Lifecycle,
+                 store: Callable[[], Any], forget_stats: Callable[[int], None],
+                 fail: Callable[[ThreadFailedError], None],
+                 transport: Callable[[], Optional[Transport]]) -> None:
+        self._name, self._rank = name, rank  # this worker's
         self._lock = lock  # the agent's: the request path reads these tables under it
         self._start_thread = start_thread
+        self._lifecycle = lifecycle
+        self._store = store  # the agent's store (sealed once started)
         self._forget_stats = forget_stats  # the traffic counters of a rank, under the lock
-        self.elastic = agent.elastic
+        self._fail = fail  # the agent's: this worker was removed from the group
+        self._transport = transport  # the agent's, once started
+        self.elastic = elastic
         self.workers: Dict[int, WorkerInfo] = {}
         self.by_name: Dict[str, WorkerInfo] = {}
         self.addresses: Dict[int, Tuple[str, int]] = {}
@@ -91,12 +123,26 @@ class Registry:
         devices.watch(*device_maps.values())
         self.reply_maps: Dict[int, Dict[torch.device, torch.device]] = {}
 
+    def attach(self, losses: Losses, fail_peer: Callable[[int, RpcError], None],
+               connections_of: Callable[[int], List[Connection]],
+               forget_locked: Sequence[Callable[[int], None]],
+               forget: Sequence[Callable[[int], None]]) -> None:
+        """Hand the registry the parts built after it: liveness (``losses``);
+        ``fail_peer(rank, error)``, which fails the requests pending on a worker;
+        ``connections_of(rank)``, its open connections; and what a new worker under a rank
+        makes the other parts forget of the earlier one: ``forget_locked`` under the
+        agent's lock, ``forget`` after it."""
+        self._losses = losses
+        self._fail_peer = fail_peer
+        self._connections_of = connections_of
+        self._forget_locked = forget_locked
+        self._forget = forget
+
     # -- the table ---------------------------------------------------------------------------------
 
     def add(self, rank: int, info: Dict[str, Any]) -> None:
         """Worker ``info`` (as published when it joined) holds ``rank``; what the agent
         kept of an earlier worker under the rank is forgotten."""
-        agent = self._agent
         w = WorkerInfo(info["name"], rank)
         with self._lock:
             old = self.workers.get(rank)
@@ -108,27 +154,32 @@ class Registry:
             self.removed.pop(rank, None)
             self.incarnations[rank] = int(info.get("incarnation") or 0)
             self.left.discard(rank)
-            agent.connections.forget_lost(rank)  # a new worker under a rank that was lost
-            agent.shutdown_protocol.forget(rank)
+            for forget in self._forget_locked:  # a new worker under a rank that was lost
+                forget(rank)
             self.addresses[rank] = (info["host"], info["port"])
             self.hostids[rank] = info["hostid"]
             if "pid" in info and "pidns" in info:
                 self.procs[rank] = (int(info["pid"]), int(info["pidns"]))
-            agent.liveness.joined(rank, float(info.get("heartbeat_interval") or 0.0))
+            self._losses.joined(rank, float(info.get("heartbeat_interval") or 0.0))
             maps = info.get("device_maps")
-            mine = maps.get(agent.name) if isinstance(maps, dict) else None
+            mine = maps.get(self._name) if isinstance(maps, dict) else None
             if isinstance(mine, dict) and mine:
                 self.reply_maps[rank] = {torch.device(dst): torch.device(src)
                                          for src, dst in mine.items()}
                 devices.watch(self.reply_maps[rank])
             else:
                 self.reply_maps.pop(rank, None)
-        agent.dispatch.forget(rank)
+        for forget in self._forget:
+            forget(rank)
 
     @property
     def worker_info(self) -> WorkerInfo:
         """This worker's."""
-        return self.workers[self._agent.rank]
+        return self.workers[self._rank]
+
+    def said_goodbye(self, rank: int) -> None:
+        """Worker ``rank`` said GOODBYE: it has left, and its calls fail at once."""
+        self.left.add(rank)
 
     def has_left(self, rank: int) -> bool:
         """Whether worker ``rank`` has shut down and told this worker so."""
@@ -141,7 +192,6 @@ class Registry:
 
     def resolve(self, to: Any) -> WorkerInfo:
         """A WorkerInfo from a name, a rank or a WorkerInfo; ValueError naming an unknown one."""
-        agent = self._agent
         if isinstance(to, WorkerInfo):
             w = self.workers.get(to.id)
             if w is None and to.name in self.departed:
@@ -152,7 +202,7 @@ class Registry:
             return w
         if isinstance(to, str):
             w = self.by_name.get(to)
-            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
+            if w is None and self.log is not None and self._lifecycle.state is RUNNING:
                 # A dynamic group: the worker may have joined since the log was last read.
                 self.refresh()
                 w = self.by_name.get(to)
@@ -164,7 +214,7 @@ class Registry:
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self.workers.get(to)
-            if w is None and self.log is not None and agent.lifecycle.state is RUNNING:
+            if w is None and self.log is not None and self._lifecycle.state is RUNNING:
                 self.refresh()  # as for names above
                 w = self.workers.get(to)
             if w is None:
@@ -187,7 +237,7 @@ class Registry:
 
     def same_host(self, rank: int) -> bool:
         """Whether worker ``rank`` shares this machine and its shared-memory namespace."""
-        mine = self.hostids.get(self._agent.rank)
+        mine = self.hostids.get(self._rank)
         return mine is not None and self.hostids.get(rank) == mine
 
     def same_pids(self, rank: int) -> bool:
@@ -197,7 +247,7 @@ class Registry:
 
     def workers_on_this_host(self) -> int:
         """How many workers (this one included) run on this host; 1 if unknown."""
-        mine = self.hostids.get(self._agent.rank)
+        mine = self.hostids.get(self._rank)
         with self._lock:
             return sum(1 for h in self.hostids.values() if h == mine) if mine is not None else 1
 
@@ -210,14 +260,13 @@ class Registry:
     def leave(self, timeout: float = 10.0) -> None:
         """Dynamic group, stopping: stop following the log (waiting ``timeout`` seconds at
         most for the members thread) and announce the departure."""
-        agent = self._agent
         self._members_stop.set()
         if self._members_thread is not None:
             self._members_thread.join(timeout)
         try:
-            membership.leave(agent.store, agent.name, agent.rank, self.incarnation)
+            membership.leave(self._store(), self._name, self._rank, self.incarnation)
         except Exception as exc:  # noqa: BLE001 - the store host may be gone already
-            log.warning("%s could not announce its departure: %s", agent.name, exc)
+            log.warning("%s could not announce its departure: %s", self._name, exc)
         discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
 
     def refresh(self) -> None:
@@ -227,9 +276,9 @@ class Registry:
 
     def _follow(self, guard: Guard) -> None:
         """The members thread: follow the membership log until the agent stops."""
-        agent = self._agent
+        lifecycle = self._lifecycle
         failures = 0
-        while guard.ok and (agent.lifecycle.state is RUNNING or agent.lifecycle.state is STOPPING) \
+        while guard.ok and (lifecycle.state is RUNNING or lifecycle.state is STOPPING) \
                 and not self._members_stop.wait(0.05):
             with self._members_lock:
                 try:
@@ -239,7 +288,7 @@ class Registry:
                     failures += 1
                     if failures == 1:
                         log.warning("%s cannot read the membership log: %s",
-                                    agent.name, exc)
+                                    self._name, exc)
                 if events is not None:
                     failures = 0
                     with guard:
@@ -248,16 +297,15 @@ class Registry:
                 return
 
     def _apply_events(self, events: List[Dict[str, Any]]) -> None:
-        agent = self._agent
         for event in events:
             rank = event["rank"]
             if event["op"] == "join":
-                if rank != agent.rank:
+                if rank != self._rank:
                     self.add(rank, event)
                 continue
             incarnation = int(event.get("incarnation") or 0)
             lost = event.get("lost")
-            if rank == agent.rank:
+            if rank == self._rank:
                 if lost and incarnation == self.incarnation:
                     self._was_removed(str(lost))
                 continue
@@ -271,33 +319,32 @@ class Registry:
                 self.left.add(rank)
                 if lost:
                     self.removed[rank] = str(lost)
-                declared = rank in agent.liveness.declared
+                declared = rank in self._losses.declared
             name = w.name if w is not None else event["name"]
             if not lost:
-                agent.requests.fail_peer(rank, WorkerLeftError(
+                self._fail_peer(rank, WorkerLeftError(
                     f"worker {name} (rank {rank}) has shut down and left the group",
                     worker=name))
                 continue
             # Declared lost by another survivor: drop what this worker has of it too.
             error = WorkerLeftError(f"worker {name} (rank {rank}) was lost and removed from "
                                     f"the group: {lost}", worker=name)
-            for conn in agent.connections.of(rank):  # its private ones, idle or not, too
+            for conn in self._connections_of(rank):  # its private ones, idle or not, too
                 conn.close(error)
-            agent.requests.fail_peer(rank, error)
+            self._fail_peer(rank, error)
             if not declared and w is not None:
                 with self._lock:
-                    agent.liveness.declare(rank)
-                agent.liveness.run_loss_hooks(w, error)
+                    self._losses.declare(rank)
+                self._losses.run_loss_hooks(w, error)
 
     def _was_removed(self, why: str) -> None:
         """The group declared this worker lost and removed it (it was stopped or cut off
         for heartbeat_timeout, say): it is no member any more, and says so."""
-        agent = self._agent
-        error = ThreadFailedError(f"worker {agent.name} (rank {agent.rank}) was declared lost "
+        error = ThreadFailedError(f"worker {self._name} (rank {self._rank}) was declared lost "
                                   f"by the group and removed from it: {why}")
         log.error("%s", error)
-        agent.fail(error)
-        transport = agent.transport
+        self._fail(error)
+        transport = self._transport()
         for conn in transport.connections() if transport is not None else ():
             conn.close(error)
 

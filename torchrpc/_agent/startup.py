@@ -12,123 +12,153 @@ joiner releases its claims).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .. import _wire
-from .._transport import Transport, handshake
+from .._threads import StartThread
+from .._transport import Connection, Transport, handshake
 from .._transport.tls import TlsContexts, make_contexts
-from ..errors import RendezvousError, RpcError
+from ..errors import RendezvousError, RpcError, ThreadFailedError
 from . import devices
 from .._rendezvous import membership, rendezvous
 from .._rendezvous.secret import discard_local as discard_local_secret
-from .lifecycle import RUNNING
+from .connections import Connections
+from .inbound import Inbound
+from .lifecycle import RUNNING, State
+from .liveness import Liveness
+from .registry import Registry
+from .scheduler import Scheduler
 from .settings import Settings
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
 
-def start(agent: "Agent", plan: rendezvous.Plan, limits: _wire.Limits,
-          adopt: Callable[[Transport], None]) -> None:
-    """Rendezvous with the group under ``plan``, start listening (``adopt`` hands the
-    agent its transport, whose frames ``limits`` bound) and the agent's threads."""
-    store, rank, registry = agent.store, agent.rank, agent.registry
-    settings = agent.settings
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What starting uses: this worker's place in the group and settings, the parts that
+    become the transport's callbacks and start threads, and where the results go."""
+
+    name: str
+    rank: int
+    world_size: Optional[int]
+    elastic: bool
+    settings: Settings
+    store: Any  # the store given to init_rpc, not sealed yet
+    registry: Registry
+    connections: Connections
+    inbound: Inbound
+    liveness: Liveness
+    scheduler: Scheduler
+    max_private: int  # private connections per peer (the lanes' limit)
+    connection_type: Callable[..., Connection]
+    start_thread: StartThread
+    fail: Callable[[ThreadFailedError], None]  # the agent's: a background thread failed
+    enter: Callable[[State], None]  # the lifecycle transition (Shutdown.enter)
+    seal: Callable[[Any], None]  # hands the agent its sealed store
+    adopt: Callable[[Transport], None]  # hands the agent (and its parts) the transport
+
+
+def start(parts: Parts, plan: rendezvous.Plan, limits: _wire.Limits) -> None:
+    """Rendezvous with the group under ``plan``, start listening (on a transport whose
+    frames ``limits`` bound) and the agent's threads."""
+    store, rank, registry = parts.store, parts.rank, parts.registry
+    settings = parts.settings
     host = rendezvous.listen_host(settings.init_method, settings.listen_addr)
-    if agent.elastic:
+    if parts.elastic:
         secret = rendezvous.job_secret(store, rank, plan,
                                        keep=membership.outlives_rank0(settings.init_method))
-        store = agent.store = rendezvous.Records(store, secret, membership.PREFIX)
+        store = rendezvous.Records(store, secret, membership.PREFIX)
+        parts.seal(store)
         registry.log = membership.EventLog(store)
-        membership.join(store, agent.name, rank, plan, registry.incarnation, registry.log)
+        membership.join(store, parts.name, rank, plan, registry.incarnation, registry.log)
     else:
-        secret = rendezvous.job_secret(store, rank, plan, agent.world_size)
-        store = agent.store = rendezvous.Records(store, secret, rendezvous.PREFIX)
-        rendezvous.claim(store, agent.name, rank, agent.world_size, plan)
+        secret = rendezvous.job_secret(store, rank, plan, parts.world_size)
+        store = rendezvous.Records(store, secret, rendezvous.PREFIX)
+        parts.seal(store)
+        rendezvous.claim(store, parts.name, rank, parts.world_size, plan)
     try:
-        transport = _transport(agent, secret, host, limits)
+        transport = _transport(parts, secret, host, limits)
     except ValueError as exc:
-        _failed(agent, exc)
+        _failed(parts, store, exc)
         raise
     except RpcError as exc:
-        raise _failed(agent, exc) from exc
-    adopt(transport)
+        raise _failed(parts, store, exc) from exc
+    parts.adopt(transport)
     announced = False
     try:
         # Peers watch this worker for silence only if they know it sends heartbeats.
-        facts: Dict[str, Any] = {"heartbeat_interval": agent.liveness.interval,
+        facts: Dict[str, Any] = {"heartbeat_interval": parts.liveness.interval,
                                  **devices.facts(registry.device_maps,
                                                  list(settings.devices))}
-        if agent.elastic:
-            membership.announce(store, agent.name, rank, transport.address, facts,
+        if parts.elastic:
+            membership.announce(store, parts.name, rank, transport.address, facts,
                                 registry.incarnation)
             announced = True
             registry.log.poll()
             infos = dict(registry.log.current)
         else:
-            infos = rendezvous.publish(store, agent.name, rank, agent.world_size,
+            infos = rendezvous.publish(store, parts.name, rank, parts.world_size,
                                        transport.address, plan, facts)
             discard_local_secret()  # every rank has joined, so has read it
-        devices.check(infos, static=not agent.elastic)
+        devices.check(infos, static=not parts.elastic)
     except BaseException:
         transport.close()
-        if agent.elastic:
-            _undo_join(agent, announced)
+        if parts.elastic:
+            _undo_join(parts, store, announced)
         raise
     for r, info in infos.items():
         registry.add(r, info)
-    agent.shutdown_protocol.enter(RUNNING)
-    agent.scheduler.start(agent.start_thread)
-    if agent.elastic:
+    parts.enter(RUNNING)
+    parts.scheduler.start(parts.start_thread)
+    if parts.elastic:
         registry.follow()
-    agent.liveness.start()
-    log.info("worker %s (rank %d of %s) listening on %s:%d%s", agent.name, rank,
-             agent.world_size, *transport.address,
+    parts.liveness.start()
+    log.info("worker %s (rank %d of %s) listening on %s:%d%s", parts.name, rank,
+             parts.world_size, *transport.address,
              " (TLS)" if settings.tls_certfile else "")
 
 
-def _failed(agent: "Agent", error: Exception) -> RendezvousError:
-    """The transport of ``agent`` could not start: a static group's worker aborts the
+def _failed(parts: Parts, store: Any, error: Exception) -> RendezvousError:
+    """The transport could not start: a static group's worker aborts the
     group still forming (a sealed record); a dynamic group's joiner fails alone, and
     releases its claims. The error to raise."""
-    message = f"worker {agent.name!r} (rank {agent.rank}): {error}"
-    if agent.elastic:
-        _undo_join(agent, False)
+    message = f"worker {parts.name!r} (rank {parts.rank}): {error}"
+    if parts.elastic:
+        _undo_join(parts, store, False)
         return RendezvousError(message)
-    return rendezvous.abort(agent.store, message, agent.rank, agent.world_size)
+    return rendezvous.abort(store, message, parts.rank, parts.world_size)
 
 
-def _undo_join(agent: "Agent", announced: bool) -> None:
+def _undo_join(parts: Parts, store: Any, announced: bool) -> None:
     """A dynamic group's joiner failed: free its claims (and announce its departure, if
     it announced its arrival), so that the rank and the name are not held by it."""
     try:
         if announced:
-            membership.leave(agent.store, agent.name, agent.rank, agent.registry.incarnation)
+            membership.leave(store, parts.name, parts.rank, parts.registry.incarnation)
         else:
-            membership.release(agent.store, agent.name, agent.rank, agent.registry.incarnation)
+            membership.release(store, parts.name, parts.rank, parts.registry.incarnation)
     except Exception as exc:  # noqa: BLE001 - the store host may be gone: its claims with it
-        log.warning("%s could not release its claims after a failed join: %s", agent.name, exc)
+        log.warning("%s could not release its claims after a failed join: %s", parts.name, exc)
 
 
-def _transport(agent: "Agent", secret: bytes, host: str, limits: _wire.Limits) -> Transport:
-    """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
-    settings, registry = agent.settings, agent.registry
-    return Transport(agent.rank, secret, limits, agent.connections.on_connect,
-                     agent.inbound.on_frame, agent.connections.on_close, host,
-                     on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
+def _transport(parts: Parts, secret: bytes, host: str, limits: _wire.Limits) -> Transport:
+    """The agent's transport, listening on ``host``, its parts as the callbacks."""
+    settings, registry = parts.settings, parts.registry
+    return Transport(parts.rank, secret, limits, parts.connections.on_connect,
+                     parts.inbound.on_frame, parts.connections.on_close, host,
+                     on_fatal=parts.fail, tls_contexts=_tls_contexts(settings),
                      features=handshake.FEATURE_SHM if settings.enable_shm else 0,
                      shm_threshold=settings.shm_threshold,
                      same_host=registry.same_host, same_pids=registry.same_pids,
                      send_timeout=settings.send_timeout,
                      max_outbox=settings.max_outbox_bytes,
-                     max_private=agent.lanes.private.max,
+                     max_private=parts.max_private,
                      local_socket=settings.enable_uds,
                      incarnation=registry.incarnation,
-                     admit=registry.admit if agent.elastic else None,
-                     connection_type=agent.connection_type,
+                     admit=registry.admit if parts.elastic else None,
+                     connection_type=parts.connection_type,
                      tensor_mac=settings.tensor_mac)
 
 

@@ -11,8 +11,9 @@ are for looking at, not for accounting.
 
 from __future__ import annotations
 
+import threading
 from array import array
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 RING = 1024  # latencies kept per peer; a power of two, so the slot is a mask away
 _MASK = RING - 1
@@ -61,6 +62,30 @@ class PeerStats:
             "latency_p50_ms": _percentile(recent, 0.50),
             "latency_p99_ms": _percentile(recent, 0.99),
         }
+
+
+class Traffic:
+    """The counters of one agent's peers, by rank: made on first use (:meth:`new`),
+    dropped when another worker takes the rank (:meth:`forget`, under ``lock``). The
+    request path reads :attr:`by_rank` without the lock."""
+
+    def __init__(self, lock: "threading.Lock") -> None:
+        self._lock = lock  # the agent's: the registry forgets a rank's counters under it
+        self.by_rank: Dict[int, PeerStats] = {}
+
+    def new(self, rank: int) -> PeerStats:
+        """The counters of peer ``rank``, made on first use."""
+        with self._lock:  # two first calls to a peer may race here
+            return self.by_rank.setdefault(rank, PeerStats())
+
+    def forget(self, rank: int) -> None:
+        """Under the lock: another worker holds ``rank`` now."""
+        self.by_rank.pop(rank, None)
+
+    def items(self) -> List[Tuple[int, PeerStats]]:
+        """The counters by rank, as they are now."""
+        with self._lock:
+            return list(self.by_rank.items())
 
 
 def _percentile(ordered: Any, q: float) -> Any:

@@ -168,7 +168,7 @@ class RRefLayer:
             self.book.value_settled(entry.rref_id)
 
         try:
-            result = run_callable(func, args, kwargs, self.agent)
+            result = run_callable(func, args, kwargs, self.agent.coroutines)
         except BaseException as exc:  # noqa: BLE001 - stored on the entry
             settle(error=exc)
             raise

@@ -184,7 +184,8 @@ def shutdown(graceful: bool = True, timeout: float = constants.DEFAULT_SHUTDOWN_
         finally:
             _state.agent = None
             _state.was_shut_down = True
-            _state.last_debug_info = getattr(agent, "final_debug_info", {})
+            _state.last_debug_info = agent.shutdown_protocol.final_debug_info \
+                if isinstance(agent, Agent) else {}
 
 
 def _graceful_shutdown(agent: Agent, timeout: float) -> None:

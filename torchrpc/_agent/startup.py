@@ -24,6 +24,7 @@ from .._rendezvous import membership, rendezvous
 from .._rendezvous.secret import discard_local as discard_local_secret
 from .lifecycle import RUNNING
 from .settings import Settings
+from .snapshot import OBSERVERS, Observers
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -116,8 +117,11 @@ def _undo_join(agent: "Agent", announced: bool) -> None:
 def _transport(agent: "Agent", secret: bytes, host: str, limits: _wire.Limits) -> Transport:
     """The transport of ``agent``, listening on ``host``, its parts as the callbacks."""
     settings, registry = agent.settings, agent.registry
-    return Transport(agent.rank, secret, limits, agent.connections.on_connect,
-                     agent.inbound.on_frame, agent.connections.on_close, host,
+    # Observers' connections stay out of the agent's tables (snapshot.py).
+    observers = agent.extensions.install(OBSERVERS, Observers(
+        agent, agent.connections.on_connect, agent.connections.on_close, secret))
+    return Transport(agent.rank, secret, limits, observers.on_connect,
+                     agent.inbound.on_frame, observers.on_close, host,
                      on_fatal=agent.fail, tls_contexts=_tls_contexts(settings),
                      features=handshake.FEATURE_SHM if settings.enable_shm else 0,
                      shm_threshold=settings.shm_threshold,

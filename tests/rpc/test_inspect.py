@@ -279,3 +279,33 @@ def test_a_group_that_does_not_exist_yet(group, tmp_path):
     assert f"no torchrpc group at tcp://127.0.0.1:{port}" in out and "start the job" in out
     code, out = run_cli(group, "--init-method", f"file://{tmp_path}/none")
     assert code == 2 and "no rendezvous file" in out
+
+
+def _worker(rank: int, pending=(), serving=(), answered: bool = True) -> dict:
+    return {"name": f"w{rank}", "rank": rank, "answered": answered,
+            "pending": [{"id": i, "to": f"w{to}", "to_rank": to, "function": f"m.f{to}",
+                         "kind": "call", "age_s": age} for i, to, age in pending],
+            "serving": [{"id": i, "from": f"w{frm}", "from_rank": frm, "function": f"m.f{rank}",
+                         "kind": "call", "age_s": age, "thread": "t"}
+                        for i, frm, age in serving]}
+
+
+def test_wait_chains_name_a_cycle_and_a_worker_that_did_not_answer():
+    from torchrpc._agent.observer import wait_chains
+    # w0 -> w1 -> w2 -> w0: w0 called w1 first, then each serves the call of the one before.
+    cycle = [_worker(0, pending=[(1, 1, 9.0)], serving=[(3, 2, 7.5)]),
+             _worker(1, pending=[(2, 2, 8.0)], serving=[(1, 0, 8.9)]),
+             _worker(2, pending=[(3, 0, 7.4)], serving=[(2, 1, 7.95)])]
+    chains = wait_chains(cycle)
+    assert [c["cycle"] for c in chains] == [True], chains
+    assert chains[0]["text"] == "w0 -> w1 (f1, 9.0 s) -> w2 (f2, 8.0 s) -> w0 (f0, 7.4 s)  CYCLE"
+    # The same, every call made while serving the one before it (no call starts the chain).
+    cycle[0]["pending"][0]["age_s"] = 7.0
+    chains = wait_chains(cycle)
+    assert [c["cycle"] for c in chains] == [True], chains
+    assert chains[0]["links"][-1]["state"] == "cycle"
+    # A call to a worker that did not answer, and one it has not begun to serve.
+    chains = wait_chains([_worker(0, pending=[(1, 1, 65.0), (2, 2, 3.0)]),
+                          _worker(1, answered=False), _worker(2)])
+    assert [c["text"] for c in chains] == ["w0 -> w1 (f1, 1.1 min, no answer)",
+                                           "w0 -> w2 (f2, 3.0 s, not running)"]

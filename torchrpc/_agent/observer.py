@@ -348,9 +348,11 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             for p in onward(w, s):
                 explained.add((w["rank"], p["id"]))
     chains: List[Dict[str, Any]] = []
+    seen = set()  # calls some chain went through
 
     def follow(path: List[Dict[str, Any]], ranks: List[int], caller: Dict[str, Any],
                p: Dict[str, Any]) -> None:
+        seen.add((caller["rank"], p["id"]))
         link = {"worker": p["to"], "rank": p["to_rank"], "function": p["function"],
                 "kind": p["kind"], "age_s": p["age_s"]}
         path = path + [link]
@@ -382,6 +384,11 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             if (w["rank"], p["id"]) in explained:
                 continue
             follow([{"worker": w["name"], "rank": w["rank"]}], [w["rank"]], w, p)
+    # Calls that every chain above missed wait in a cycle of workers serving each other.
+    for w in workers:
+        for p in w.get("pending", ()):
+            if (w["rank"], p["id"]) not in seen:
+                follow([{"worker": w["name"], "rank": w["rank"]}], [w["rank"]], w, p)
     chains.sort(key=lambda c: -(c["links"][1]["age_s"] or 0))
     return chains
 

@@ -328,7 +328,8 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     Each chain is ``{"links": [{"worker", "function", "kind", "age_s", "state"}],
     "cycle": bool, "text": str}``; ``state`` of the last link says where it rests:
     ``running`` (its function runs there now), ``not running`` (queued, async, or
-    the reply is on its way) or ``no answer`` (that worker did not answer)."""
+    the reply is on its way), ``no answer`` (that worker did not answer) or ``not
+    asked`` (that worker was left out of the snapshot)."""
     by_rank = {w["rank"]: w for w in workers}
     serving_of: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
     for w in workers:
@@ -362,7 +363,7 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             return
         callee = by_rank.get(p["to_rank"])
         if callee is None or not callee.get("answered", False):
-            link["state"] = "no answer"
+            link["state"] = "not asked" if callee is None else "no answer"
             chains.append(_chain(path, False))
             return
         served = serving_of.get((p["to_rank"], caller["rank"], p["id"]))

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
-from .._agent.observer import Observer, age_text as _age, snapshot
+from .._agent.observer import Observer, age_text as _age, default_init_method, snapshot
 from ..errors import RpcError
 
 __all__ = ["main", "render", "snapshot"]
@@ -139,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     except (RpcError, ValueError) as exc:
         print(f"torchrpc.inspect: error: {exc}", file=sys.stderr)
         return 2
-    where = args.init_method or ""
+    where = args.init_method or default_init_method()
     try:
         while True:
             try:

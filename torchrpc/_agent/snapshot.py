@@ -115,12 +115,14 @@ class Observers:
         self.started = time.monotonic()
         self.host = socket.gethostname()
         self.count = 0  # observers connected now
+        self._lock = threading.Lock()  # accept threads connect observers at once
 
     def on_connect(self, conn: Connection) -> None:
         if conn.peer_rank != OBSERVER_RANK:
             self._on_connect(conn)
             return
-        self.count += 1
+        with self._lock:
+            self.count += 1
         conn.route_frames(self.on_frame)
         log.info("%s: an observer connected", self._agent.name)
 
@@ -128,7 +130,8 @@ class Observers:
         if conn.peer_rank != OBSERVER_RANK:
             self._on_close(conn, reason)
             return
-        self.count -= 1
+        with self._lock:
+            self.count -= 1
         log.info("%s: an observer left", self._agent.name)
 
     def on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,

@@ -315,8 +315,8 @@ class Observer:
 
 
 def _unanswered(m: Member, why: str) -> Dict[str, Any]:
-    return {"name": m.name, "rank": m.rank, "host": m.host, "answered": False, "error": why,
-            "pending": [], "serving": []}
+    return {"name": m.name, "rank": m.rank, "host": m.host, "state": "no answer",
+            "answered": False, "error": why, "pending": [], "serving": []}
 
 
 def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -17,9 +17,9 @@ the GIL makes atomic) and copies them first (docs/design.md, "Snapshots of share
 tables").
 
 What each pool thread serves is kept by :class:`~torchrpc._agent.dispatch.Dispatch` in
-``serving``: (caller rank, request id) -> :class:`Serving`, entered when a request is
-decoded and removed once its handler returns, so the hot path pays one dict store and
-one removal.
+``serving``: (caller rank, request id) -> :class:`Serving`, entered as its serving
+begins (the function is filled in once the request is decoded) and removed once its
+handler returns, so the hot path pays one dict store and one removal.
 """
 
 from __future__ import annotations

@@ -59,18 +59,17 @@ def members() -> list:
 
 @pytest.fixture(scope="module")
 def group():
-    os.environ["TORCHRPC_SECRET"] = SECRET  # init_rpc takes it out of the environment again
     watcher = None
     try:
         # running_group shuts down gracefully at its end and checks every worker exits 0:
-        # here with an observer attached (the earlier ones have left).
-        with running_group(3, threads=4, timeout=60.0) as g:
+        # here with an observer attached (the earlier ones have left). The secret is an
+        # option: TORCHRPC_SECRET would stay with this process's later groups.
+        with running_group(3, threads=4, timeout=60.0, options={"secret": SECRET}) as g:
             yield g
             watcher = inspect_cli(g, "--watch", "0.3", "--timeout", "2")
             wait_for("the watching observer to attach", lambda: observers_of("worker1") >= 1,
                      60)
     finally:
-        os.environ.pop("TORCHRPC_SECRET", None)
         if watcher is not None:
             watcher.send_signal(signal.SIGINT)
             out, _ = watcher.communicate(timeout=60)

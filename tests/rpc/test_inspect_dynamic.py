@@ -23,10 +23,11 @@ STOP = tempfile.mkdtemp(prefix="torchrpc-inspect-")
 def group():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT))
     os.environ.pop("WORLD_SIZE", None)
-    # The secret of every member (init_rpc keeps the first one it read for later groups).
-    os.environ["TORCHRPC_SECRET"] = ti.SECRET
+    # The secret of every member; an option here (TORCHRPC_SECRET would stay with this
+    # process's later groups).
     rpc.init_rpc("w0", rank=0, world_size=None,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=4))
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=4,
+                                                                     secret=ti.SECRET))
     env = worker_env(PORT, 0, {"TORCHRPC_SECRET": ti.SECRET, "SCENARIO_NAME": "w1",
                                "SCENARIO_STOPFILE": os.path.join(STOP, "stop")})
     env.pop("WORLD_SIZE")

@@ -34,6 +34,7 @@ ALLOWED = {
     "optim": {"rpc", "autograd"},
     "nn": {"rpc", "autograd"},
     "examples": {"rpc", "autograd", "optim", "nn", "examples"},
+    "inspect": {"_agent"},
 }
 FORBIDDEN = ("torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
              "torch.distributed.nn", "torch._C._distributed_rpc", "torch._C._distributed_autograd")

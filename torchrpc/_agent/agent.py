@@ -58,6 +58,7 @@ from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
 from .settings import Settings
 from .shutdown import Parts as ShutdownParts, Shutdown
+from .snapshot import OBSERVERS, Observers
 from .stats import Traffic
 from .worker import WorkerInfo
 
@@ -372,7 +373,15 @@ def _starting(agent: Agent) -> startup.Parts:
         agent.registry, agent.connections, agent.inbound, agent.liveness, agent.scheduler,
         agent.lanes.private.max, agent.connection_type, agent.start_thread, agent.fail,
         agent.shutdown_protocol.enter, functools.partial(setattr, agent, "store"),
-        agent._adopt)
+        agent._adopt, functools.partial(_observers, agent))
+
+
+def _observers(agent: Agent, secret: bytes) -> Observers:
+    """The gate that keeps observers' connections out of ``agent``'s tables and answers
+    their snapshots (snapshot.py), installed where ``snapshot()`` in this process finds it."""
+    connections = agent.connections
+    return agent.extensions.install(OBSERVERS, Observers(
+        agent, connections.on_connect, connections.on_close, secret))
 
 
 def _stopping(agent: Agent) -> ShutdownParts:

@@ -169,6 +169,7 @@ class Calls:
         if on_done is not None:
             _inline_callback(p.future, on_done)
         p.private = private
+        p.kind = kind
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             if once:  # internal: the callee runs it once; @idempotent may rerun

@@ -36,6 +36,8 @@ import functools
 import logging
 import threading
 import time
+from threading import get_ident
+from time import monotonic
 from types import CoroutineType
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -53,6 +55,7 @@ from .current import current_agent
 from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
 from .pool import WorkerPool, current_pool
 from .remote_error import capture
+from .snapshot import FUNCTION_FIRST, Serving
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -114,6 +117,8 @@ class Dispatch:
         self.once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
         self._once_lock = threading.Lock()
         self.duplicates = 0  # requests that arrived again and were not run again
+        # (caller rank, request id) -> the request a thread serves now (snapshot.py).
+        self.serving: Dict[Tuple[int, int], Serving] = {}
 
     def register_handler(self, kind: int, handler: Callable[[WorkerInfo, Any], Any]) -> None:
         """:meth:`Agent.register_handler`."""
@@ -151,6 +156,9 @@ class Dispatch:
             return combine([s.recv_hook for s in scopes])
 
         what: Any = kind  # the function, once known; only error paths describe it
+        # What this thread serves, until the handler returns (snapshot.py).
+        key = (src.id, rid)
+        entry = self.serving[key] = Serving((src, kind, None, monotonic(), get_ident()))
         try:
             ctx = self._context(src, kind, replied=not oneway)
             _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
@@ -158,7 +166,9 @@ class Dispatch:
             if ctx.gates is not None:
                 self._pass_gates(ctx.gates)
             if kind == Kind.CALL:
-                what = payload[0]
+                what = entry[2] = payload[0]
+            elif kind in FUNCTION_FIRST:
+                entry[2] = payload[0]
             if handler is None:
                 raise RpcError(f"worker {self._name} has no handler for message kind "
                                f"{Kind(kind).name}")
@@ -177,6 +187,8 @@ class Dispatch:
                 if header.flags & _wire.FLAG_ONCE:
                     self._once_done(src, rid)
             return
+        finally:
+            self.serving.pop(key, None)
         if oneway:
             if header.flags & _wire.FLAG_ONCE:
                 self._once_done(src, rid)

@@ -17,7 +17,7 @@ class Pending:
     """An outstanding request: the future of its reply and what failing or retrying it needs."""
 
     __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
-                 "stats", "sent", "conn")
+                 "stats", "sent", "conn", "kind")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
@@ -37,6 +37,7 @@ class Pending:
         self.conn: Optional[Connection] = None
         # Tells the call hooks with a state that the request failed here (see set_exception).
         self.on_failure: Optional[Callable[[], None]] = None
+        self.kind = 0  # the message kind (for snapshots; see snapshot.py)
 
     def set_exception(self, error: BaseException) -> None:
         """Fail the call with an error of this side (not a reply); wake a caller blocked

@@ -72,6 +72,11 @@ class WorkerPool:
     def num_pending(self) -> int:
         return self._pending
 
+    @property
+    def num_idle(self) -> int:
+        """Threads waiting for a task."""
+        return self._idle
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread. Exceptions are logged, never lost silently;
         ClosedError once the pool is closed."""

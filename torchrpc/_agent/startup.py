@@ -31,6 +31,7 @@ from .liveness import Liveness
 from .registry import Registry
 from .scheduler import Scheduler
 from .settings import Settings
+from .snapshot import Observers
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Parts:
     enter: Callable[[State], None]  # the lifecycle transition (Shutdown.enter)
     seal: Callable[[Any], None]  # hands the agent its sealed store
     adopt: Callable[[Transport], None]  # hands the agent (and its parts) the transport
+    observe: Callable[[bytes], Observers]  # the observers' gate, made with the job secret
 
 
 def start(parts: Parts, plan: rendezvous.Plan, limits: _wire.Limits) -> None:
@@ -144,10 +146,12 @@ def _undo_join(parts: Parts, store: Any, announced: bool) -> None:
 
 
 def _transport(parts: Parts, secret: bytes, host: str, limits: _wire.Limits) -> Transport:
-    """The agent's transport, listening on ``host``, its parts as the callbacks."""
+    """The agent's transport, listening on ``host``, its parts as the callbacks (observers'
+    connections kept out of the agent's tables: snapshot.py)."""
     settings, registry = parts.settings, parts.registry
-    return Transport(parts.rank, secret, limits, parts.connections.on_connect,
-                     parts.inbound.on_frame, parts.connections.on_close, host,
+    observers = parts.observe(secret)
+    return Transport(parts.rank, secret, limits, observers.on_connect,
+                     parts.inbound.on_frame, observers.on_close, host,
                      on_fatal=parts.fail, tls_contexts=_tls_contexts(settings),
                      features=handshake.FEATURE_SHM if settings.enable_shm else 0,
                      shm_threshold=settings.shm_threshold,

@@ -254,6 +254,11 @@ class FrameReader:
                 tail.release()
         return out
 
+    def route_frames(self, on_frame: FrameCallback) -> None:
+        """Deliver this connection's frames to ``on_frame`` instead (call it before
+        the first frame is read)."""
+        self._on_frame = on_frame
+
     def _read_frames(self) -> Optional[Callable[[], None]]:
         next_frame = self._next_frame
         on_frame = self._on_frame

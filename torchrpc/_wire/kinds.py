@@ -23,6 +23,7 @@ class Kind(enum.IntEnum):
     SHUTDOWN_SYNC = 6
     ONCE_PROBE = 7  # which of these requests (ONCE flag) do you have? (see probe.py)
     ONCE_STATUS = 8  # the answer: a status per request id
+    SNAPSHOT = 9  # an observer asks for a worker's snapshot (see _agent/snapshot.py)
     # RRef protocol (see torchrpc._rref)
     RREF_REMOTE_CALL = 16
     RREF_FETCH = 17

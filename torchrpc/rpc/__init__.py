@@ -12,6 +12,7 @@ from .api import (_set_rpc_timeout, enable_gil_profiling, get_debug_info, get_rp
                   get_worker_info, get_worker_infos, init_rpc, is_available, remote, rpc_async,
                   rpc_sync, shutdown)
 from .api import all_gather, barrier, rpc_async_many, rpc_sync_many  # beyond torch
+from .._agent.observer import snapshot  # beyond torch: see python -m torchrpc.inspect
 from .._rref import RRef
 from .backend_registry import BackendType, register_backend
 from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -24,5 +25,5 @@ __all__ = [
     "get_rpc_timeout", "get_worker_info", "get_worker_infos", "init_rpc", "is_available",
     "register_backend", "remote", "rpc_async", "rpc_sync", "shutdown",
     # beyond torch.distributed.rpc
-    "all_gather", "barrier", "rpc_async_many", "rpc_sync_many",
+    "all_gather", "barrier", "rpc_async_many", "rpc_sync_many", "snapshot",
 ]

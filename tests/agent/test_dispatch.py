@@ -99,7 +99,7 @@ def test_a_request_that_may_arrive_twice_runs_once_and_its_reply_goes_again(agen
     assert not dispatch.first_time(src, 11, again)  # answered: the same reply again
     assert _reply(agent, again) == (Kind.RESPONSE, 11, 12)
     assert agent.debug_info()["agent.num_duplicate_requests"] == 2
-    dispatch.forget(1)  # another worker under rank 1: its request ids are new
+    dispatch.once.forget(1)  # another worker under rank 1: its request ids are new
     assert dispatch.first_time(src, 11, conn)
 
 
@@ -125,14 +125,14 @@ def test_a_reply_the_caller_acknowledged_is_no_longer_kept_but_runs_once(agent):
         assert dispatch.first_time(src, rid, conn)
         _serve(agent, conn, Kind.CALL, (operator.add, (rid, 1), {}), rid=rid,
                flags=_wire.FLAG_ONCE)
-    assert dispatch.kept_replies() == 2
+    assert dispatch.once.kept() == 2
     # The caller's next at-most-once request says it has the reply to 41 (and names ids
     # it never sent, which change nothing).
     assert dispatch.first_time(src, 43, conn)
     _serve(agent, conn, Kind.CALL, (operator.add, (43, 1), {}), rid=43, flags=_wire.FLAG_ONCE,
            meta={ONCE_ACKS: (41, 999)})
     assert _reply(agent, conn) == (Kind.RESPONSE, 43, 44)
-    assert dispatch.kept_replies() == 2  # 42's and 43's
+    assert dispatch.once.kept() == 2  # 42's and 43's
     again = FakeConn(1)
     assert not dispatch.first_time(src, 41, again)  # a late copy: still not run again
     assert again.sent == []  # and its reply, which the caller has, not sent again

@@ -153,10 +153,10 @@ def test_no_import_cycle(package):
 
 # The agent's parts that are handed what they use, and so never import agent.py (the
 # others are on their way: see PENDING_CYCLES).
-HANDED = ["bursts", "collect", "connections", "coroutines", "cpus", "current", "debug",
-          "devices", "dispatch", "futures", "inbound", "lifecycle", "liveness", "pending",
+HANDED = ["bursts", "collect", "connections", "coroutines", "cpus", "current", "debug", "devices",
+          "dispatch", "futures", "inbound", "lifecycle", "liveness", "observer", "once", "pending",
           "pool", "private_lane", "process_exit", "registry", "remote_error", "retry", "role",
-          "route", "scheduler", "settings", "shutdown", "startup", "stats", "worker"]
+          "route", "scheduler", "settings", "shutdown", "snapshot", "startup", "stats", "worker"]
 
 
 @pytest.mark.parametrize("part", HANDED)
@@ -316,9 +316,10 @@ def test_nothing_under_torchrpc_is_a_benchmark_or_a_test_tool():
     assert not found, "\n".join(found)
 
 
-ENTRY_POINTS = ("torchrpc.examples", "torchrpc._testing")
+ENTRY_POINTS = ("torchrpc.examples", "torchrpc._testing", "torchrpc.inspect.__main__")
 """Modules that are loaded without an import from the library: the examples (``python
--m torchrpc.examples.NAME``) and the faulty backend (API surface, see above)."""
+-m torchrpc.examples.NAME``), the faulty backend (API surface, see above) and the
+inspector's command (``python -m torchrpc.inspect``)."""
 
 
 def unimported_modules(root: pathlib.Path, entry_points: Tuple[str, ...] = ()) -> List[str]:

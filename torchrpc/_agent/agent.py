@@ -140,7 +140,7 @@ class Agent:
         self.shutdown_protocol = Shutdown(_stopping(self), self.lifecycle)
         self.registry.attach(self.liveness, self.requests.fail_peer, self.connections.of,
                              (self.connections.forget_lost, self.shutdown_protocol.forget),
-                             (self.dispatch.forget,))
+                             (self.dispatch.once.forget,))
         self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
                                               settings.log_debug_info_on_timeout)
         _schedule_duties(self)
@@ -434,9 +434,9 @@ def _counters(agent: Agent) -> Dict[str, Any]:
         "agent.num_private_connections": agent.lanes.private.num_idle(),
         "agent.num_parked": agent.lanes.num_parked,
         "agent.num_heartbeat_timeouts": agent.liveness.heartbeat_timeouts,
-        "agent.num_duplicate_requests": agent.dispatch.duplicates,
-        "agent.num_remembered_requests": len(agent.dispatch.once),
-        "agent.num_kept_replies": agent.dispatch.kept_replies(),
+        "agent.num_duplicate_requests": agent.dispatch.once.duplicates,
+        "agent.num_remembered_requests": len(agent.dispatch.once.entries),
+        "agent.num_kept_replies": agent.dispatch.once.kept(),
         "agent.num_once_probes": probes.sent,
         "agent.num_resends_avoided": probes.resends_avoided,
         "agent.num_resends_after_probe": probes.resends_after_probe,

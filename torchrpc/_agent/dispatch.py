@@ -20,17 +20,16 @@ At most once. A request with a retry policy is sent again when its connection fa
 before the reply, and it may have arrived all the same: the caller cannot tell. So such
 requests of the internal kinds (a backward pass part that must not add its gradients
 twice, an autograd report that must not return its credit twice) carry FLAG_ONCE, and
-the callee remembers them by (caller, request id) (:meth:`Dispatch.first_time`): a copy
+the callee remembers them by (caller, request id) (:meth:`Dispatch.first_time`, once.py): a copy
 that arrives while the first runs is dropped (the first one's reply goes to the caller's
 current connection), one that arrives later gets the first one's reply again. A caller
 that lost the connection may ask which of its requests arrived (a probe,
 :meth:`Dispatch.answer_probe`) before it sends any again. Replies are remembered for
-_ONCE_KEEP seconds, and at most _ONCE_MAX requests at once.
+``once.KEEP`` seconds, and at most ``once.MAX`` requests at once (once.py).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -47,12 +46,12 @@ from .. import _wire
 from .._transport import Connection, Releasable, Transport
 from .._transport.logbudget import LogBudget
 from .._wire import Kind
-from .._wire.probe import MISSING, REPLIED, RUNNING as STILL_RUNNING
 from ..errors import (OperatorSchemaError, OverloadedError, RpcError, SerializationError,
                       WrongTypeError)
 from .coroutines import CoroutineRunner
 from .current import current_agent
 from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, describe
+from .once import OnceTable
 from .pool import WorkerPool, current_pool
 from .remote_error import capture
 from .snapshot import FUNCTION_FIRST, Serving
@@ -61,13 +60,8 @@ from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-# Requests that may arrive twice (FLAG_ONCE) are remembered by (caller, request id) this
-# long after their reply went out, and at most this many at once (see _Once).
-_ONCE_KEEP = 60.0
-_ONCE_MAX = 8192
-
 # The key, in a request's metadata, of the ids of its caller's earlier at-most-once requests
-# whose replies reached the caller: their kept replies can go (see Dispatch.forget_replies).
+# whose replies reached the caller: their kept replies can go (OnceTable.acknowledged).
 ONCE_ACKS = "_once_acks"
 
 
@@ -78,18 +72,6 @@ class Send(Protocol):
 
     def __call__(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes,
                  bufs: Any, keep: Any, via: Optional[Connection] = None) -> None: ...
-
-
-class _Once:
-    """Callee side: a request that may arrive again (FLAG_ONCE), while it runs and, with its
-    reply, for _ONCE_KEEP seconds after."""
-
-    __slots__ = ("done_at", "reply", "acked")
-
-    def __init__(self) -> None:
-        self.done_at: Optional[float] = None
-        self.reply: Optional[Tuple[int, bytes, Any, Any]] = None  # kind, envelope, buffers, keep
-        self.acked = False  # the caller has the reply, which is no longer kept
 
 
 class Dispatch:
@@ -113,10 +95,7 @@ class Dispatch:
         self.handlers: Dict[int, Callable[[WorkerInfo, Any], Any]] = {
             Kind.CALL: functools.partial(_handle_call, coroutines)}
         self._overloads = LogBudget(what="refused requests")
-        # At-most-once: (caller rank, request id) -> _Once, oldest first (see first_time).
-        self.once: "collections.OrderedDict[Tuple[int, int], _Once]" = collections.OrderedDict()
-        self._once_lock = threading.Lock()
-        self.duplicates = 0  # requests that arrived again and were not run again
+        self.once = OnceTable()  # the requests that may arrive again (once.py)
         # (caller rank, request id) -> the request a thread serves now (snapshot.py).
         self.serving: Dict[Tuple[int, int], Serving] = {}
 
@@ -142,7 +121,7 @@ class Dispatch:
             if not meta and not self._serve_all:
                 return None
             if type(meta) is dict and ONCE_ACKS in meta:
-                self.forget_replies(src, meta[ONCE_ACKS])
+                self.once.acknowledged(src.id, meta[ONCE_ACKS])
             for hook in self._hooks:
                 if meta and hook.key in meta:
                     scope = hook.incoming_request(src, kind, meta[hook.key])
@@ -185,13 +164,13 @@ class Dispatch:
             else:
                 log.warning("one-way %s from %s failed: %s", Kind(kind).name, src.name, exc)
                 if header.flags & _wire.FLAG_ONCE:
-                    self._once_done(src, rid)
+                    self.once.ran((src.id, rid))
             return
         finally:
             self.serving.pop(key, None)
         if oneway:
             if header.flags & _wire.FLAG_ONCE:
-                self._once_done(src, rid)
+                self.once.ran((src.id, rid))
             return
         if isinstance(result, AsyncResult):
             def done(fut: torch.futures.Future) -> None:
@@ -273,12 +252,12 @@ class Dispatch:
         stats = self._stats.get(dst.id)
         if stats is not None:
             stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        if self.once:  # some request may arrive again: is it this one?
-            keep = self._remember_reply(dst, kind, rid, env, bufs, keep)
+        if self.once.entries:  # some request may arrive again: is it this one?
+            keep = self.once.remember((dst.id, rid), kind, env, bufs, keep)
         try:
             self._send(dst, kind, 0, rid, env, bufs, keep, via)
         except RpcError as exc:
-            if via is not None and (not via.private or (dst.id, rid) in self.once):
+            if via is not None and (not via.private or (dst.id, rid) in self.once.entries):
                 # Broken: answer on the current connection (the caller ignores a reply it
                 # no longer waits for; an at-most-once one is resent on another).
                 self.send_reply(dst, kind, rid, env, bufs, keep)
@@ -304,16 +283,9 @@ class Dispatch:
     def first_time(self, src: WorkerInfo, rid: int, via: Optional[Connection]) -> bool:
         """Whether request ``rid`` of ``src`` arrives for the first time; if not, send its
         reply again if there is one."""
-        key = (src.id, rid)
-        now = time.monotonic()
-        with self._once_lock:
-            once = self.once.get(key)
-            if once is None:
-                self.once[key] = _Once()
-                self._trim_once(now)
-                return True
-            self.duplicates += 1
-            reply = once.reply
+        first, reply = self.once.arrived((src.id, rid))
+        if first:
+            return True
         log.info("%s got request %d of %s again; it runs once%s", self._name, rid,
                  src.name, " (its reply goes again)" if reply is not None else "")
         if reply is not None:
@@ -321,71 +293,10 @@ class Dispatch:
             self.send_reply(src, kind, rid, env, bufs, keep, via)
         return False
 
-    def _trim_once(self, now: float) -> None:
-        """Under _once_lock: forget the oldest remembered requests, those replied long ago
-        and any beyond _ONCE_MAX."""
-        table = self.once
-        while table:
-            key, once = next(iter(table.items()))
-            stale = once.done_at is not None and now - once.done_at > _ONCE_KEEP
-            if not stale and len(table) <= _ONCE_MAX:
-                return
-            del table[key]
-
-    def _remember_reply(self, dst: WorkerInfo, kind: int, rid: int, env: bytes, bufs: Any,
-                        keep: Any) -> Any:
-        """If request ``rid`` of ``dst`` may arrive again, keep its reply for it; return
-        the keepalive to send with (a plain list: the kept reply must keep its memory)."""
-        once = self.once.get((dst.id, rid))
-        if once is None:
-            return keep
-        keep = list(keep) if keep is not None else None
-        with self._once_lock:
-            once.reply = (kind, env, bufs, keep)
-            once.done_at = time.monotonic()
-        return keep
-
-    def forget_replies(self, src: WorkerInfo, rids: Any) -> None:
-        """``src`` has the replies to its requests ``rids``: drop the copies kept for them.
-        The requests stay remembered, so that a copy still on its way is not run again."""
-        if type(rids) is not tuple:
-            return
-        table = self.once
-        with self._once_lock:
-            for rid in rids:
-                entry = table.get((src.id, rid)) if type(rid) is int else None
-                if entry is not None and entry.reply is not None:
-                    entry.reply = None
-                    entry.acked = True
-
-    def kept_replies(self) -> int:
-        """How many replies are kept for requests that may arrive again."""
-        with self._once_lock:
-            return sum(1 for entry in self.once.values() if entry.reply is not None)
-
-    def _once_done(self, src: WorkerInfo, rid: int) -> None:
-        """A one-way request that may arrive again has run: forget it in _ONCE_KEEP."""
-        once = self.once.get((src.id, rid))
-        if once is not None:
-            once.done_at = time.monotonic()
-
     def answer_probe(self, conn: Connection, src: WorkerInfo, envelope: bytes) -> None:
         """Callee: tell ``src`` which of the probed requests arrived here; send the kept
         reply again, ahead of the answer, for those answered already."""
-        answers = []
-        replies = []
-        with self._once_lock:
-            for rid in _wire.parse_probe(envelope):
-                once = self.once.get((src.id, rid))
-                if once is None:
-                    answers.append((rid, MISSING))
-                elif once.acked:  # the caller had the reply already
-                    answers.append((rid, REPLIED))
-                elif once.reply is None:
-                    answers.append((rid, STILL_RUNNING))
-                else:
-                    answers.append((rid, REPLIED))
-                    replies.append((rid, once.reply))
+        answers, replies = self.once.status(src.id, _wire.parse_probe(envelope))
         # On the probe's connection, the one known to reach the caller now.
         for rid, (kind, env, bufs, keep) in replies:
             self.send_reply(src, kind, rid, env, bufs, keep, conn)
@@ -394,13 +305,6 @@ class Dispatch:
                         _wire.pack_status(answers), [], None, conn)
         except RpcError as exc:  # the caller's next attempt asks again
             log.info("%s could not answer a probe of %s: %s", self._name, src.name, exc)
-
-    def forget(self, rank: int) -> None:
-        """A new worker holds ``rank``: the request ids of an earlier one mean nothing now."""
-        if self.once:
-            with self._once_lock:
-                for key in [k for k in self.once if k[0] == rank]:
-                    del self.once[key]
 
 
 # -- the handler of CALL ---------------------------------------------------------------------------

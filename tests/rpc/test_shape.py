@@ -131,13 +131,13 @@ def test_the_cycle_finder_counts_type_only_and_function_local_imports(tmp_path):
 
 
 # Cycles that later work of issue 50 removes: parts that still take the Agent import its
-# module for the type (the call path's parts, which the call-path work rebuilds, and
-# registry, shutdown and startup), and the transport's connection and reader
-# know each other. The coordinator removes an entry once that work has landed.
+# module for the type (the receiving side's, and registry, shutdown and startup), and the
+# transport's connection and reader know each other. The coordinator removes an entry
+# once that work has landed.
 PENDING_CYCLES = {
-    "_agent": "calls, lanes, private, probes, connections, dispatch, inbound, requests, "
-              "registry, shutdown and startup still take the Agent (issue 50: the rest of "
-              "the composition work hands them their collaborators)",
+    "_agent": "connections, dispatch, inbound, registry, shutdown and startup still take "
+              "the Agent (issue 50: the rest of the composition work hands them their "
+              "collaborators)",
 }
 PACKAGES = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
 
@@ -153,9 +153,10 @@ def test_no_import_cycle(package):
 
 # The agent's parts that are handed what they use, and so never import agent.py (the
 # others are on their way: see PENDING_CYCLES).
-HANDED = ["bursts", "collect", "coroutines", "cpus", "current", "debug", "devices", "futures",
-          "lifecycle", "liveness", "pending", "pool", "private_lane", "process_exit",
-          "remote_error", "retry", "role", "route", "scheduler", "settings", "stats", "worker"]
+HANDED = ["bursts", "calls", "collect", "coroutines", "cpus", "current", "debug", "devices",
+          "futures", "hooks", "lanes", "lifecycle", "liveness", "pending", "pool", "private",
+          "private_lane", "probes", "process_exit", "remote_error", "requests", "retry", "role",
+          "route", "scheduler", "settings", "stats", "worker"]
 
 
 @pytest.mark.parametrize("part", HANDED)
@@ -163,6 +164,39 @@ def test_a_part_that_is_handed_what_it_uses_does_not_import_the_agent(part):
     modules = _modules(PKG)
     assert "torchrpc._agent.agent" not in _imported(
         f"torchrpc._agent.{part}", modules[f"torchrpc._agent.{part}"], modules)
+
+
+# Objects that name the agent to the upper layers, as their API: not a part holding it.
+HANDS_THE_AGENT_UP = {"hooks.MessageContext"}
+
+
+def agent_parameters(path: pathlib.Path) -> List[str]:
+    """The classes of ``path`` whose constructor takes a parameter named ``agent``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    names = [a.arg for a in item.args.args + item.args.kwonlyargs]
+                    if any(n.endswith("agent") for n in names):
+                        found.append(node.name)
+    return found
+
+
+def test_the_agent_parameter_finder_sees_a_constructor_taking_the_agent(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A:\n    def __init__(self, agent, x):\n        pass\n"
+                     "class B:\n    def __init__(self, *, _agent=None):\n        pass\n"
+                     "class C:\n    def __init__(self, agents_pool):\n        pass\n"
+                     "def f(agent):\n    pass\n")
+    assert agent_parameters(probe) == ["A", "B"]
+
+
+@pytest.mark.parametrize("part", HANDED)
+def test_a_part_that_is_handed_what_it_uses_is_not_constructed_with_the_agent(part):
+    found = [name for name in agent_parameters(PKG / "_agent" / f"{part}.py")
+             if f"{part}.{name}" not in HANDS_THE_AGENT_UP]
+    assert not found, found
 
 
 def test_no_import_cycle_outside_the_packages():
@@ -207,7 +241,7 @@ def test_the_private_reach_finder_sees_the_agents_private_attributes(tmp_path):
 # hands each what it uses, and the coordinator removes an entry once that has landed.
 _TAKES_THE_AGENT = "still takes the Agent: reaches its private state (issue 50, composition)"
 PENDING_PRIVATE = {f"_agent/{name}.py": _TAKES_THE_AGENT for name in (
-    "calls", "connections", "dispatch", "inbound", "private", "probes")}
+    "connections", "dispatch", "inbound")}
 COMPOSITION_ROOT = "_agent/agent.py"
 
 

@@ -46,12 +46,14 @@ from .cpus import SpinGuard
 from .debug import TimeoutReports
 from .dispatch import Dispatch
 from .futures import RpcFuture
-from .hooks import CallHook, Extensions
+from .hooks import CallHook, Extensions, MessageContext
 from .inbound import Inbound
-from .lanes import Expect
+from .lanes import Expect, Lanes
 from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
+from .private import PrivateConnections
+from .probes import Probes
 from .registry import Registry
 from .requests import Requests
 from .retry import RetryPolicy
@@ -84,8 +86,15 @@ class Agent:
         self.pool = self._pool  # runs incoming requests and callbacks (pool.py)
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
+        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
+                                              settings.log_debug_info_on_timeout)
+        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
         # outstanding requests and their deadlines (a new earliest one wakes the timer)
-        self.requests = Requests(self, self.scheduler.cv, self.scheduler.lock)
+        self.requests = Requests(
+            name, rank, self.scheduler.cv, self.scheduler.lock, self.lifecycle,
+            self.timeout_reports, lambda peer: peer in self.liveness.declared,
+            self.scheduler.call_later, lambda *a: self.calls.transmit(*a),
+            lambda *a: self.calls.probes.later(*a))
         # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
         self.dispatch = Dispatch(self)
         self._hooks: List[CallHook] = []
@@ -97,7 +106,6 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
         self.shutdown_protocol = Shutdown(self, self.lifecycle, self._lock,
                                           self._shutdown_hooks, self._stop_hooks)
         self._ready = threading.Event()
@@ -116,7 +124,19 @@ class Agent:
         self.connections = Connections(self)
         # Sending requests and completing them with their replies (calls.py), by the
         # lanes their replies travel (lanes.py).
-        self.calls = Calls(self)
+        registry, connections = self.registry, self.connections
+        private = PrivateConnections(rank, settings.max_private_connections, self.lifecycle,
+                                     registry, connections, self.left_error,
+                                     lambda: self.default_timeout)
+        self.calls = Calls(
+            name, settings.max_pending_requests, self._pool, self.requests, connections.to,
+            registry.left, self.left_error, self._hooks, self._peer_stats, self.new_stats,
+            functools.partial(MessageContext, self),
+            functools.partial(Lanes, private=private, spin_us=settings.spin_us,
+                              pending=self.requests.pending, pool=self._pool,
+                              lifecycle=self.lifecycle),
+            functools.partial(Probes, name=name, pending=self.requests.pending,
+                              shared_to=connections.to, call_later=self.scheduler.call_later))
         self.lanes = self.calls.lanes
         # Incoming frames to the request table, the peers or serving; reading roles.
         self.inbound = Inbound(self)
@@ -128,8 +148,6 @@ class Agent:
             self.requests, self.lanes.private, self._pool, lambda: self.store,
             lambda: self.failure)
         self._max_queued = settings.max_queued_requests
-        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
-                                              settings.log_debug_info_on_timeout)
         # Set when a background thread cannot go on (see fail): every API call raises it.
         self.failure: Optional[ThreadFailedError] = None
         _schedule_duties(self)
@@ -145,6 +163,8 @@ class Agent:
 
     def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
+        self.calls.adopt(transport)
+        self.lanes.private.adopt(transport)
 
     @property
     def transport(self) -> Optional[Transport]:
@@ -322,8 +342,10 @@ class Agent:
                      what: Any = None, retry: Optional[RetryPolicy] = None,
                      after: Any = None) -> Any:
         """:meth:`request` with ``Expect.WAIT``, and wait for the reply."""
-        return self.request(dst, kind, payload, timeout, what, retry=retry,
-                            expect=Expect.WAIT, after=after).wait()
+        if self.failure is not None or self.lifecycle.state is not RUNNING:
+            self.check_running()  # raises
+        return self.calls.start(dst, kind, payload, timeout, what, False, retry, Expect.WAIT,
+                                after).wait()
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:

@@ -11,16 +11,13 @@ what must happen before the request runs or after it is answered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import torch
 
 from .._wire import Kind
 from . import devices
 from .worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 
 T = TypeVar("T")
@@ -89,8 +86,10 @@ class MessageContext:
 
     __slots__ = ("agent", "peer", "kind", "replied", "on_settled", "gates", "per_peer")
 
-    def __init__(self, agent: "Agent", peer: WorkerInfo, kind: int,
+    def __init__(self, agent: Any, peer: WorkerInfo, kind: int,
                  replied: bool = False) -> None:
+        # The Agent (agent.py), for the upper layers' pickling; typed Any so that the
+        # agent's parts, which make contexts, need not import agent.py.
         self.agent = agent
         self.peer = peer
         self.kind = kind

@@ -89,12 +89,7 @@ class Agent:
         self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
                                               settings.log_debug_info_on_timeout)
         self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
-        # outstanding requests and their deadlines (a new earliest one wakes the timer)
-        self.requests = Requests(
-            name, rank, self.scheduler.cv, self.scheduler.lock, self.lifecycle,
-            self.timeout_reports, lambda peer: peer in self.liveness.declared,
-            self.scheduler.call_later, lambda *a: self.calls.transmit(*a),
-            lambda *a: self.calls.probes.later(*a))
+        self.requests = _new_requests(self)  # outstanding requests, deadlines (requests.py)
         # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
         self.dispatch = Dispatch(self)
         self._hooks: List[CallHook] = []
@@ -122,21 +117,8 @@ class Agent:
         self._transport: Optional[Transport] = None
         # The connections by peer, and the peers whose connections broke (connections.py).
         self.connections = Connections(self)
-        # Sending requests and completing them with their replies (calls.py), by the
-        # lanes their replies travel (lanes.py).
-        registry, connections = self.registry, self.connections
-        private = PrivateConnections(rank, settings.max_private_connections, self.lifecycle,
-                                     registry, connections, self.left_error,
-                                     lambda: self.default_timeout)
-        self.calls = Calls(
-            name, settings.max_pending_requests, self._pool, self.requests, connections.to,
-            registry.left, self.left_error, self._hooks, self._peer_stats, self.new_stats,
-            functools.partial(MessageContext, self),
-            functools.partial(Lanes, private=private, spin_us=settings.spin_us,
-                              pending=self.requests.pending, pool=self._pool,
-                              lifecycle=self.lifecycle),
-            functools.partial(Probes, name=name, pending=self.requests.pending,
-                              shared_to=connections.to, call_later=self.scheduler.call_later))
+        # Sending and completing requests (calls.py), by the lanes replies take (lanes.py).
+        self.calls = _new_calls(self)
         self.lanes = self.calls.lanes
         # Incoming frames to the request table, the peers or serving; reading roles.
         self.inbound = Inbound(self)
@@ -163,8 +145,8 @@ class Agent:
 
     def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
-        self.calls.adopt(transport)
-        self.lanes.private.adopt(transport)
+        for part in (self.calls, self.lanes.private):  # they send and connect with it
+            part.adopt(transport)
 
     @property
     def transport(self) -> Optional[Transport]:
@@ -342,10 +324,8 @@ class Agent:
                      what: Any = None, retry: Optional[RetryPolicy] = None,
                      after: Any = None) -> Any:
         """:meth:`request` with ``Expect.WAIT``, and wait for the reply."""
-        if self.failure is not None or self.lifecycle.state is not RUNNING:
-            self.check_running()  # raises
-        return self.calls.start(dst, kind, payload, timeout, what, False, retry, Expect.WAIT,
-                                after).wait()
+        return self.request(dst, kind, payload, timeout, what, retry=retry,
+                            expect=Expect.WAIT, after=after).wait()
 
     def _send(self, dst: WorkerInfo, kind: int, flags: int, rid: int, env: bytes, bufs: Any,
               keep: Any, via: Optional[Connection] = None) -> None:
@@ -386,6 +366,33 @@ class Agent:
         """Connect to each of ``ranks`` not known lost or gone; one that cannot be reached
         is gone (:meth:`check_peers` then names it)."""
         self.shutdown_protocol.probe(ranks)
+
+
+def _new_requests(agent: Agent) -> Requests:
+    """The request table, handed what it uses (the caller's side sends again, late bound:
+    it is made after the table)."""
+    scheduler = agent.scheduler
+    return Requests(agent.name, agent.rank, scheduler.cv, scheduler.lock, agent.lifecycle,
+                    agent.timeout_reports, lambda peer: peer in agent.liveness.declared,
+                    scheduler.call_later, lambda *a: agent.calls.transmit(*a),
+                    lambda *a: agent.calls.probes.later(*a))
+
+
+def _new_calls(agent: Agent) -> Calls:
+    """The caller's side of requests, with its lanes and probes, handed what they use."""
+    settings, registry, connections = agent.settings, agent.registry, agent.connections
+    pending, pool = agent.requests.pending, agent._pool
+    private = PrivateConnections(agent.rank, settings.max_private_connections,
+                                 agent.lifecycle, registry, connections, agent.left_error,
+                                 lambda: agent.default_timeout)
+    return Calls(
+        agent.name, settings.max_pending_requests, pool, agent.requests, connections.to,
+        registry.left, agent.left_error, agent._hooks, agent._peer_stats, agent.new_stats,
+        functools.partial(MessageContext, agent),
+        functools.partial(Lanes, private=private, spin_us=settings.spin_us, pending=pending,
+                          pool=pool, lifecycle=agent.lifecycle),
+        functools.partial(Probes, name=agent.name, pending=pending, shared_to=connections.to,
+                          call_later=agent.scheduler.call_later))
 
 
 def _schedule_duties(agent: Agent) -> None:

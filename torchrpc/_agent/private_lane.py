@@ -93,9 +93,9 @@ class PrivateLane:
     def routes_of(self, conn: Connection) -> Tuple[Optional[Route], ...]:
         """The routes of the calls on private connection ``conn``, indexed by
         :class:`~torchrpc._agent.route.Expect` (``ANY`` has none): a waiting call's, a
-        parked ``rpc_async``'s, a parked RRef creation's. Made on its
-        first call and kept in :attr:`routes` until it closes (:meth:`forget_closed`);
-        ``Lanes.pick`` reads them there."""
+        parked ``rpc_async``'s, a parked RRef creation's. Made on its first call and kept
+        in :attr:`routes` until it closes (:meth:`forget_closed`); ``Lanes.pick`` reads
+        them there."""
         routes = self.routes.get(conn)
         if routes is None:
             routes = self.routes[conn] = (
@@ -153,7 +153,6 @@ class PrivateLane:
         return claim
 
     # -- reading ------------------------------------------------------------------------------
-
 
     def take(self, rid: int) -> bool:
         """Take parked request ``rid`` over (its taker reads the reply), if still there."""

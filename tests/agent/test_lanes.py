@@ -97,7 +97,8 @@ def agents():
 
 def _agent(agents: Agents, auto: bool = True) -> Tuple[Agent, FakeConn, PrivateTransport]:
     agent = running(agents(world_size=2))
-    transport = agent._transport = PrivateTransport(agent, auto)
+    transport = PrivateTransport(agent, auto)
+    agent._adopt(transport)  # as start() hands it over: the lanes open connections with it
     shared = FakeConn(1)
     agent.connections.on_connect(shared)
     return agent, shared, transport

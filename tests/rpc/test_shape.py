@@ -130,33 +130,20 @@ def test_the_cycle_finder_counts_type_only_and_function_local_imports(tmp_path):
     assert import_cycles(pkg) == []
 
 
-# Cycles that later work of issue 50 removes: parts that still take the Agent import its
-# module for the type (the call path's parts, which the call-path work rebuilds, and
-# registry, shutdown and startup), and the transport's connection and reader
-# know each other. The coordinator removes an entry once that work has landed.
-PENDING_CYCLES = {
-    "_agent": "the sending side (calls, lanes, private, probes, requests) still takes the "
-              "Agent, and so imports agent.py, which imports every part (issue 50: the "
-              "rest of the composition work hands them their collaborators)",
-}
 PACKAGES = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
 
 
-@pytest.mark.parametrize("package", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=PENDING_CYCLES[name], strict=False))
-    if name in PENDING_CYCLES else name for name in PACKAGES])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle(package):
     involved = [cycle for cycle in import_cycles(PKG)
                 if any(m.split(".")[1] == package for m in cycle)]
     assert not involved, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in involved)
 
 
-# The agent's parts that are handed what they use, and so never import agent.py (the
-# others are on their way: see PENDING_CYCLES).
-HANDED = ["bursts", "collect", "connections", "coroutines", "cpus", "current", "debug", "devices",
-          "dispatch", "futures", "inbound", "lifecycle", "liveness", "observer", "once", "pending",
-          "pool", "private_lane", "process_exit", "registry", "remote_error", "retry", "role",
-          "route", "scheduler", "settings", "shutdown", "snapshot", "startup", "stats", "worker"]
+# The agent's parts: every module of _agent but the composition root. Each is handed what it
+# uses, and so never imports agent.py.
+HANDED = sorted(p.stem for p in (PKG / "_agent").glob("*.py")
+                if p.stem not in ("agent", "__init__"))
 
 
 @pytest.mark.parametrize("part", HANDED)
@@ -164,6 +151,39 @@ def test_a_part_that_is_handed_what_it_uses_does_not_import_the_agent(part):
     modules = _modules(PKG)
     assert "torchrpc._agent.agent" not in _imported(
         f"torchrpc._agent.{part}", modules[f"torchrpc._agent.{part}"], modules)
+
+
+# Objects that name the agent to the upper layers, as their API: not a part holding it.
+HANDS_THE_AGENT_UP = {"hooks.MessageContext"}
+
+
+def agent_parameters(path: pathlib.Path) -> List[str]:
+    """The classes of ``path`` whose constructor takes a parameter named ``agent``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    names = [a.arg for a in item.args.args + item.args.kwonlyargs]
+                    if any(n.endswith("agent") for n in names):
+                        found.append(node.name)
+    return found
+
+
+def test_the_agent_parameter_finder_sees_a_constructor_taking_the_agent(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A:\n    def __init__(self, agent, x):\n        pass\n"
+                     "class B:\n    def __init__(self, *, _agent=None):\n        pass\n"
+                     "class C:\n    def __init__(self, agents_pool):\n        pass\n"
+                     "def f(agent):\n    pass\n")
+    assert agent_parameters(probe) == ["A", "B"]
+
+
+@pytest.mark.parametrize("part", HANDED)
+def test_a_part_that_is_handed_what_it_uses_is_not_constructed_with_the_agent(part):
+    found = [name for name in agent_parameters(PKG / "_agent" / f"{part}.py")
+             if f"{part}.{name}" not in HANDS_THE_AGENT_UP]
+    assert not found, found
 
 
 def test_no_import_cycle_outside_the_packages():
@@ -203,12 +223,6 @@ def test_the_private_reach_finder_sees_the_agents_private_attributes(tmp_path):
         "probe.py:3: agent._lock", "probe.py:3: self._agent._state", "probe.py:3: self.agent._pool"]
 
 
-# The parts that still take the Agent and reach into its private state (its hooks, peer
-# stats, transport, lock, send); the rest of issue 50's composition work hands each what it
-# uses, and the coordinator removes an entry once that has landed.
-_TAKES_THE_AGENT = "still takes the Agent: reaches its private state (issue 50, composition)"
-PENDING_PRIVATE = {f"_agent/{name}.py": _TAKES_THE_AGENT for name in (
-    "calls", "private", "probes")}
 COMPOSITION_ROOT = "_agent/agent.py"
 
 
@@ -218,16 +232,8 @@ def _module_files() -> List[str]:
 
 
 def test_no_module_but_agent_py_touches_a_private_attribute_of_the_agent():
-    found = [reach for rel in _module_files() if rel not in PENDING_PRIVATE
-             for reach in private_reaches(PKG / rel)]
+    found = [reach for rel in _module_files() for reach in private_reaches(PKG / rel)]
     assert not found, "\n".join(found)
-
-
-@pytest.mark.parametrize("rel", [
-    pytest.param(rel, marks=pytest.mark.xfail(reason=why, strict=False))
-    for rel, why in sorted(PENDING_PRIVATE.items())])
-def test_a_part_of_the_call_path_touches_no_private_attribute_of_the_agent(rel):
-    assert not private_reaches(PKG / rel), "\n".join(private_reaches(PKG / rel))
 
 
 # -- options: one typed object, read as it is ---------------------------------------------------------

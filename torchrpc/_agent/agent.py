@@ -48,17 +48,19 @@ from .dispatch import Dispatch
 from .futures import RpcFuture
 from .hooks import CallHook, Extensions, MessageContext
 from .inbound import Inbound
-from .lanes import Expect
+from .lanes import Expect, Lanes
 from .lifecycle import RUNNING, Lifecycle
 from .liveness import Liveness
 from .pool import WorkerPool
+from .private import PrivateConnections
+from .probes import Probes
 from .registry import Registry, left_error
 from .requests import Requests
 from .retry import RetryPolicy
 from .scheduler import TICK, Scheduler
 from .settings import Settings
 from .shutdown import Parts as ShutdownParts, Shutdown
-from .snapshot import OBSERVERS, Observers
+from .snapshot import OBSERVERS, Observers, take as take_snapshot
 from .stats import Traffic
 from .worker import WorkerInfo
 
@@ -85,8 +87,10 @@ class Agent:
         self.pool = self._pool  # runs incoming requests and callbacks (pool.py)
         # The timer: every part's periodic duties, and callbacks due later (scheduler.py).
         self.scheduler = Scheduler(self._pool)
-        # outstanding requests and their deadlines (a new earliest one wakes the timer)
-        self.requests = Requests(self, self.scheduler.cv, self.scheduler.lock)
+        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
+                                              settings.log_debug_info_on_timeout)
+        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
+        self.requests = _new_requests(self)  # outstanding requests, deadlines (requests.py)
         self._hooks: List[CallHook] = []
         # Hooks asked about every request served, not only those that carry their key.
         self.serve_all: List[CallHook] = []
@@ -96,7 +100,6 @@ class Agent:
         self._debug_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
         # Upper layers keep their per-agent objects here, each under its owner's Slot.
         self.extensions = Extensions()
-        self.lifecycle = Lifecycle()  # lifecycle.py: only the shutdown protocol enters states
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
         self.traffic = Traffic(self._lock)  # the traffic counters by peer (stats.py)
@@ -119,9 +122,8 @@ class Agent:
                                  functools.partial(MessageContext, self), self._hooks,
                                  self.serve_all, self.traffic.by_rank, self._send, timeout,
                                  settings.max_queued_requests)
-        # Sending requests and completing them with their replies (calls.py), by the
-        # lanes their replies travel (lanes.py).
-        self.calls = Calls(self)
+        # Sending and completing requests (calls.py), by the lanes replies take (lanes.py).
+        self.calls = _new_calls(self)
         self.lanes = self.calls.lanes
         # An OpenMP team parked while this host's CPUs are crowded (cpus.py).
         self.omp = SpinGuard(f"torchrpc-omp-{name}")
@@ -141,8 +143,6 @@ class Agent:
         self.registry.attach(self.liveness, self.requests.fail_peer, self.connections.of,
                              (self.connections.forget_lost, self.shutdown_protocol.forget),
                              (self.dispatch.once.forget,))
-        self.timeout_reports = TimeoutReports(name, self._pool, self.debug_info, self.request,
-                                              settings.log_debug_info_on_timeout)
         _schedule_duties(self)
         process_exit.track(self)  # stopped at the interpreter's exit if it still runs then
 
@@ -156,7 +156,8 @@ class Agent:
 
     def _adopt(self, transport: Transport) -> None:  # startup hands the agent its transport
         self._transport = transport
-        self.dispatch.adopt(transport)
+        for part in (self.dispatch, self.calls, self.lanes.private):  # they send with it
+            part.adopt(transport)
 
     @property
     def transport(self) -> Optional[Transport]:
@@ -366,6 +367,33 @@ class Agent:
         self.shutdown_protocol.probe(ranks)
 
 
+def _new_requests(agent: Agent) -> Requests:
+    """The request table, handed what it uses (the caller's side sends again, late bound:
+    it is made after the table)."""
+    scheduler = agent.scheduler
+    return Requests(agent.name, agent.rank, scheduler.cv, scheduler.lock, agent.lifecycle,
+                    agent.timeout_reports, lambda peer: peer in agent.liveness.declared,
+                    scheduler.call_later, lambda *a: agent.calls.transmit(*a),
+                    lambda *a: agent.calls.probes.later(*a))
+
+
+def _new_calls(agent: Agent) -> Calls:
+    """The caller's side of requests, with its lanes and probes, handed what they use."""
+    settings, registry, connections = agent.settings, agent.registry, agent.connections
+    pending, pool = agent.requests.pending, agent._pool
+    private = PrivateConnections(agent.rank, settings.max_private_connections,
+                                 agent.lifecycle, registry, connections, agent.left_error,
+                                 lambda: agent.default_timeout)
+    return Calls(
+        agent.name, settings.max_pending_requests, pool, agent.requests, connections.to,
+        registry.left, agent.left_error, agent._hooks, agent._peer_stats, agent.new_stats,
+        functools.partial(MessageContext, agent),
+        functools.partial(Lanes, private=private, spin_us=settings.spin_us, pending=pending,
+                          pool=pool, lifecycle=agent.lifecycle),
+        functools.partial(Probes, name=agent.name, pending=pending, shared_to=connections.to,
+                          call_later=agent.scheduler.call_later))
+
+
 def _starting(agent: Agent) -> startup.Parts:
     """What starting uses of ``agent`` (startup.py)."""
     return startup.Parts(
@@ -381,7 +409,8 @@ def _observers(agent: Agent, secret: bytes) -> Observers:
     their snapshots (snapshot.py), installed where ``snapshot()`` in this process finds it."""
     connections = agent.connections
     return agent.extensions.install(OBSERVERS, Observers(
-        agent, connections.on_connect, connections.on_close, secret))
+        agent.name, functools.partial(take_snapshot, agent), connections.on_connect,
+        connections.on_close, secret))
 
 
 def _stopping(agent: Agent) -> ShutdownParts:

@@ -66,7 +66,7 @@ class Burst:
     """One thread's burst connection to one worker and the requests outstanding on it."""
 
     __slots__ = ("conn", "dst", "thread", "out", "lock", "calls", "last", "errors", "quiet",
-                 "claim", "__weakref__")
+                 "claim", "route", "__weakref__")
 
     def __init__(self, bursts: "Bursts", conn: Connection, dst: WorkerInfo) -> None:
         self.conn = conn
@@ -79,6 +79,7 @@ class Burst:
         self.errors = 0  # error replies read, and the connection's end (see wait_all)
         self.quiet = 0  # waits for a reply that found none for _WAKE (see wait_all)
         self.claim = _Claim(bursts, self)  # each of its futures' _claim
+        self.route = Route(bursts, None, self)  # each of its calls' route
 
     def ready(self, timeout: float) -> bool:
         """Whether a frame (or the end of the connection) is there to read, waiting at
@@ -209,7 +210,7 @@ class Bursts:
         """The route of a call on ``burst`` (room made for it first)."""
         if len(burst.out) >= _MAX_OUT:
             self._make_room(burst)
-        return Route(self, None, burst)
+        return burst.route
 
     def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
              bufs: Any, keep: Any) -> None:
@@ -291,8 +292,8 @@ class Bursts:
             if header.kind == Kind.ERROR:
                 burst.errors += 1
 
-        read_replies(burst.conn, self._calls, more, took, lambda exc: self._lost(burst, exc),
-                     settled, as_reader=True)
+        read_replies(burst.conn, self._calls, lambda exc: self._lost(burst, exc), more=more,
+                     took=took, settled=settled, as_reader=True)
 
     def _lost(self, burst: Burst, exc: BaseException) -> None:
         burst.errors += 1

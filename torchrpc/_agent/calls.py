@@ -15,52 +15,80 @@ import functools
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 import torch
 
 from .. import _wire
-from .._transport import Connection
+from .._transport import Connection, Transport
 from .._wire import Kind
-from ..errors import ConnectionLostError, NotInitializedError, RpcError, SerializationError
+from ..errors import (ConnectionLostError, NotInitializedError, RpcError, SerializationError,
+                      WorkerLeftError)
 from .dispatch import ONCE_ACKS
 from .futures import RpcFuture, SyncFuture, fresh_error, new_future
-from .hooks import MessageContext, combine, describe
+from .hooks import CallHook, MessageContext, combine, describe
 from .lanes import Expect, Lanes
+from .pool import WorkerPool
 from .probes import Probes
 from .remote_error import rebuild_error
 from .pending import Pending, Resend
+from .requests import Requests
 from .retry import RetryPolicy
-from .stats import nbytes
+from .route import Sender
+from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
 
-def inline_max_to(agent: "Agent", rank: int) -> int:
-    """The most tensor bytes a message to ``rank`` carries inside its envelope (see
-    ``Transport.inline_max``)."""
-    transport = agent._transport
-    if transport is None:
-        return _wire.INLINE_MAX
-    return transport.inline_max.get(rank, _wire.INLINE_MAX)
-
-
 class Calls:
-    """Encoding, sending and completing the requests of one agent."""
+    """Encoding, sending and completing the requests of one agent.
 
-    def __init__(self, agent: "Agent") -> None:
-        self._agent = agent
+    ``name``: the agent's (for errors and logs); ``max_pending``: the
+    ``max_pending_requests`` option; ``pool``: where futures run their callbacks;
+    ``requests``: the request table; ``shared_to(dst)``: the shared connection to ``dst``
+    (Connections.to); ``left``: the ranks that said GOODBYE, and ``left_error(dst)`` the
+    error of a call to one; ``hooks``: the upper layers' call hooks (the agent adds to
+    the list); ``peer_stats``: the traffic counters by rank, read here, and
+    ``new_stats(rank)``, which makes a peer's; ``new_context(peer, kind, replied=...)``:
+    a message's :class:`~torchrpc._agent.hooks.MessageContext`; ``lanes(calls)`` and
+    ``probes(calls)`` make the lanes and the probes, which are handed this object. The
+    transport is adopted once started (:meth:`adopt`).
+    """
+
+    def __init__(self, name: str, max_pending: int, pool: WorkerPool, requests: Requests,
+                 shared_to: Callable[[WorkerInfo], Connection], left: Collection[int],
+                 left_error: Callable[[WorkerInfo], WorkerLeftError],
+                 hooks: Sequence[CallHook], peer_stats: Mapping[int, PeerStats],
+                 new_stats: Callable[[int], PeerStats],
+                 new_context: Callable[..., MessageContext],
+                 lanes: Callable[[Sender], Lanes], probes: Callable[[Sender], Probes]) -> None:
+        self._name = name
+        self._max_pending = max_pending
+        self._pool = pool
+        self._requests = requests
+        self._pending = requests.pending
+        self._shared_to = shared_to
+        self._left = left
+        self._left_error = left_error
+        self._hooks = hooks
+        self._peer_stats = peer_stats
+        self._new_stats = new_stats
+        self._new_context = new_context
+        # rank -> the most tensor bytes a message to it carries inside its envelope (the
+        # transport's, once adopted; ``Transport.inline_max``)
+        self._inline_max: Mapping[int, int] = {}
         self._rid = itertools.count(1)
-        self.probes = Probes(agent, self)
-        self.lanes = Lanes(agent, self)
-        self._max_pending = agent.settings.max_pending_requests
+        self.probes = probes(self)
+        self.lanes = lanes(self)
         # Callee rank -> ids of at-most-once requests to it whose replies arrived here: the
         # next such request tells the callee, which then lets go of the replies it kept.
         self._acks: Dict[int, List[int]] = {}
+
+    def adopt(self, transport: Transport) -> None:
+        """The agent has started ``transport``: encode for its peers' inline bounds."""
+        self._inline_max = transport.inline_max
 
     def start(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
               what: Any = None, oneway: bool = False, retry: Optional[RetryPolicy] = None,
@@ -95,7 +123,7 @@ class Calls:
             except BaseException as exc:  # noqa: BLE001 - the first raises, others fail alone
                 if i == 0:
                     raise
-                failed = new_future(self._agent.pool)
+                failed = new_future(self._pool)
                 failed.set_exception(fresh_error(exc))
                 futures.append(failed)
                 continue
@@ -120,25 +148,33 @@ class Calls:
         this one or this one's inline bound differs. ``share``: a list that gets this
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
         """
-        agent = self._agent
         # The protocols' at-most-once messages are not refused: losing them would lose state.
         once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
-        waiting = len(agent.requests.pending)
+        waiting = len(self._pending)
         if self._max_pending and waiting >= self._max_pending and not oneway and not once:
             raise RpcError(
-                f"too many outstanding RPCs: {waiting} requests of {agent.name} wait "
+                f"too many outstanding RPCs: {waiting} requests of {self._name} wait "
                 f"for replies (max_pending_requests is {self._max_pending}); wait for some "
                 f"of them before sending {describe(what)} to {dst.name}, or raise the option")
         meta = send_hook = states = None
-        if agent._hooks:
-            meta, send_hook, states = self._outgoing(dst, kind)
+        if self._hooks:  # metadata only where a hook has some for this request (rarely)
+            send_hooks = []
+            for hook in self._hooks:
+                out = hook.outgoing_request(dst, kind)
+                if out is not None:
+                    if meta is None:
+                        meta, states = {}, {}
+                    meta[hook.key], h, states[hook.key] = out
+                    send_hooks.append(h)
+            if meta is not None:
+                send_hook = combine(send_hooks)
         if once and self._acks:
             acks = self._acks.pop(dst.id, None)
             if acks:
                 meta = dict(meta) if meta else {}
                 meta[ONCE_ACKS] = tuple(acks)
-        ctx = MessageContext(agent, dst, kind, replied=not oneway)
-        inline = inline_max_to(agent, dst.id)
+        ctx = self._new_context(dst, kind, replied=not oneway)
+        inline = self._inline_max.get(dst.id, _wire.INLINE_MAX)
         if encoded is not None and meta is None and send_hook is None and states is None \
                 and encoded[3] == inline:
             env, bufs, keep = encoded[:3]
@@ -156,10 +192,10 @@ class Calls:
         rid = next(self._rid)
         flags = _wire.FLAG_ONEWAY if oneway else 0
         now = time.monotonic()
-        stats = agent._peer_stats.get(dst.id) or agent.new_stats(dst.id)
+        stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
         stats.calls_out += 1
         stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        p = Pending(SyncFuture() if sync else new_future(agent.pool), dst, what, timeout, states,
+        p = Pending(SyncFuture() if sync else new_future(self._pool), dst, what, timeout, states,
                     stats, now)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
@@ -176,7 +212,7 @@ class Calls:
                 flags |= _wire.FLAG_ONCE
             p.resend = Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
-            agent.requests.add(rid, p, deadline)
+            self._requests.add(rid, p, deadline)
         return rid, p, flags, env, bufs, keep
 
     def transmit(self, conn: Optional[Connection], rid: int, p: Pending, kind: int,
@@ -184,14 +220,13 @@ class Calls:
         """Send (again) request ``rid`` on ``conn``, a lane's, or on the shared connection
         to its callee (None); whether it went. If not, it is failed, or its retry is
         scheduled (on the shared connection)."""
-        agent = self._agent
         r = p.resend
         was_sent = r is not None and r.sent
         if r is not None:
             r.sent = True  # from here the frame may arrive, even if the connection breaks
         try:
             if conn is None:
-                conn = p.conn = agent.connections.to(p.dst)
+                conn = p.conn = self._shared_to(p.dst)
             conn.send(kind, flags, rid, env, bufs, keep)
         except RpcError as exc:  # raised before the frame was queued: it did not go
             if r is not None:
@@ -203,47 +238,45 @@ class Calls:
                 self.send_failed(kind, rid, p.dst, exc)
             return False
         if flags & _wire.FLAG_ONEWAY and (p.resend is None
-                                          or agent.requests.pending.pop(rid, None)):
+                                          or self._pending.pop(rid, None)):
             p.future.set_result(None)
         return True
 
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
         if kind in (Kind.RESPONSE, Kind.ERROR):
-            log.warning("%s could not reply to %s: %s", self._agent.name, dst.name, exc)
+            log.warning("%s could not reply to %s: %s", self._name, dst.name, exc)
             return
         self.request_lost(rid, dst, exc)
 
     def request_lost(self, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """Request ``rid`` to ``dst`` may never be answered (its connection failed):
         retry or fail it, unless it is settled already."""
-        requests = self._agent.requests
-        p = requests.pending.pop(rid, None)
+        p = self._pending.pop(rid, None)
         if p is not None:
-            requests.fail(rid, p, self.lost_error(dst, exc))
+            self._requests.fail(rid, p, self.lost_error(dst, exc))
 
     def lost_error(self, dst: WorkerInfo, exc: BaseException) -> RpcError:
         """The error of a request to ``dst`` whose connection failed with ``exc``."""
         if isinstance(exc, (ConnectionLostError, NotInitializedError)) \
                 and getattr(exc, "worker", None):
             return exc
-        if dst.id in self._agent.registry.left:
-            return self._agent.left_error(dst)
+        if dst.id in self._left:
+            return self._left_error(dst)
         return ConnectionLostError(f"RPC to worker {dst.name} (rank {dst.id}) failed: {exc}",
                                    worker=dst.name)
 
     def on_reply(self, conn: Connection, header: _wire.Header, envelope: bytes,
                  buffers: List[torch.Tensor]) -> None:
         """A reply (``RESPONSE`` or ``ERROR``) came on ``conn``: complete its request."""
-        agent = self._agent
-        pending = agent.requests.pending
+        pending = self._pending
         p = pending.get(header.request_id)
         if p is None:
             return  # expired or failed already
         if p.dst.id != conn.peer_rank:
             # Only the callee answers a call: a reply from anyone else is dropped.
             log.warning("%s dropped a reply from rank %d to request %d, which was "
-                        "sent to rank %d", agent.name, conn.peer_rank, header.request_id,
+                        "sent to rank %d", self._name, conn.peer_rank, header.request_id,
                         p.dst.id)
             return
         if pending.pop(header.request_id, None) is not p:
@@ -252,7 +285,7 @@ class Calls:
         if p.timeout > 0 and now - p.sent > p.timeout:
             # Past its deadline, before the timer got to it (a loaded machine): the
             # deadline holds all the same, as the caller was promised.
-            agent.requests.time_out(p)
+            self._requests.time_out(p)
             return
         resend = p.resend
         if resend is not None:
@@ -266,7 +299,7 @@ class Calls:
             stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
             if header.kind == Kind.ERROR:
                 stats.errors_out += 1
-        ctx = MessageContext(agent, p.dst, header.kind)
+        ctx = self._new_context(p.dst, header.kind)
         recv_hook = None
         if p.states is not None:
             recv_hook = lambda meta: self._response_hook(p, meta)  # noqa: E731
@@ -283,30 +316,17 @@ class Calls:
         else:
             p.future.set_result(value)
 
-    def _outgoing(self, dst: WorkerInfo, kind: int) -> Tuple[Any, Any, Any]:
-        found = None  # made only when a hook has something for this request (rarely)
-        for hook in self._agent._hooks:
-            out = hook.outgoing_request(dst, kind)
-            if out is not None:
-                if found is None:
-                    found = ({}, [], {})
-                found[0][hook.key], h, found[2][hook.key] = out
-                found[1].append(h)
-        if found is None:
-            return None, None, None
-        return found[0], combine(found[1]), found[2]
-
     def _request_failed(self, dst: WorkerInfo, states: Dict[str, Any]) -> None:
-        for hook in self._agent._hooks:
+        for hook in self._hooks:
             if hook.key in states:
                 try:
                     hook.request_failed(dst, states[hook.key])
                 except Exception:  # noqa: BLE001 - the caller's error matters more
-                    log.exception("%s: call hook %r failed", self._agent.name, hook.key)
+                    log.exception("%s: call hook %r failed", self._name, hook.key)
 
     def _response_hook(self, p: Pending, meta: Any) -> Optional[Any]:
         hooks = []
-        for hook in self._agent._hooks:
+        for hook in self._hooks:
             if hook.key in p.states:
                 hooks.append(hook.incoming_response(p.dst, p.states[hook.key],
                                                     (meta or {}).get(hook.key)))

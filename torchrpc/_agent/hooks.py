@@ -88,7 +88,8 @@ class MessageContext:
 
     def __init__(self, agent: Any, peer: WorkerInfo, kind: int,
                  replied: bool = False) -> None:
-        # The Agent whose message it is (typed loosely: agent.py imports this module).
+        # The Agent (agent.py), for the upper layers' pickling; typed Any so that the
+        # agent's parts, which make contexts, need not import agent.py.
         self.agent = agent
         self.peer = peer
         self.kind = kind

@@ -33,22 +33,22 @@ transport, knows lanes exist.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
 from .._transport import PollPolicy
 from .bursts import Bursts
 from .cpus import usable_cpus as _usable_cpus
+from .lifecycle import RUNNING, Lifecycle
+from .pool import WorkerPool
 from .private import PrivateConnections
 from .private_lane import MAX_PARKED, PrivateLane
 from .retry import RetryPolicy
 from .route import Expect, Route, Sender
-from .lifecycle import RUNNING
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
-    from .agent import Agent
     from .pending import Pending
 
 __all__ = ["Expect", "Lanes", "Route", "SharedLane"]
@@ -70,17 +70,23 @@ class SharedLane:
 
 
 class Lanes:
-    """One agent's lanes, and the choice among them."""
+    """One agent's lanes, and the choice among them.
 
-    def __init__(self, agent: "Agent", calls: Sender) -> None:
+    ``calls``: the caller's side, which sends and completes requests; ``private``: the
+    private connections at rest; ``spin_us``: the option (how long readers of private
+    connections poll); ``pending``: the request table, read only; ``pool``: the worker
+    pool, which reads the replies nobody claims; ``lifecycle``: whether the agent runs.
+    """
+
+    def __init__(self, calls: Sender, private: PrivateConnections, spin_us: Optional[float],
+                 pending: Dict[int, "Pending"], pool: WorkerPool, lifecycle: Lifecycle) -> None:
         # handed to every private connection (Connections.on_connect); the spin_us option
-        self.poll = PollPolicy.from_option(agent.settings.spin_us)
-        self.private = PrivateConnections(agent)
+        self.poll = PollPolicy.from_option(spin_us)
+        self.private = private
         self.shared = SharedLane(calls)
-        pending, pool = agent.requests.pending, agent.pool
-        self.private_lane = PrivateLane(calls, self.private, pending, pool)
-        self.bursts = Bursts(calls, self.private, self.private_lane, pending, pool,
-                             lambda: agent.lifecycle.state is RUNNING)
+        self.private_lane = PrivateLane(calls, private, pending, pool)
+        self.bursts = Bursts(calls, private, self.private_lane, pending, pool,
+                             lambda: lifecycle.state is RUNNING)
 
     @property
     def num_parked(self) -> int:
@@ -103,10 +109,9 @@ class Lanes:
                 route = lane.after(after, timeout)
                 if route is not None:
                     return route
-            if private.usable(dst):
-                conn = private.checkout(dst)
-                if conn is not None:
-                    return Route(lane, conn, (), True)
+            conn = private.checkout(dst)
+            if conn is not None:
+                return (lane.routes.get(conn) or lane.routes_of(conn))[Expect.WAIT]
             return self.shared.route
         if expect == Expect.FUTURE:
             if retry is not None:
@@ -119,26 +124,26 @@ class Lanes:
             # worker would otherwise take a connection, and a reading thread on both
             # sides, each.
             if private.has_idle(dst.id):
-                if lane.num_parked < MAX_PARKED and not lane.parked_to(dst.id) \
-                        and private.usable(dst):
+                if lane.num_parked < MAX_PARKED and not lane.parked_to(dst.id):
                     conn = private.checkout(dst, opens=False)
                     if conn is not None:
-                        return Route(lane, conn, None)
+                        return (lane.routes.get(conn) or lane.routes_of(conn))[Expect.FUTURE]
                 if private.has_idle(dst.id):
                     return self.shared.route
             self.bursts.went_shared(dst)
             return self.shared.route
         # Expect.FOLLOWED
-        if lane.num_parked < MAX_PARKED and private.usable(dst):
+        if lane.num_parked < MAX_PARKED:
             conn = private.checkout(dst)
             if conn is not None:
-                return Route(lane, conn, None, sync=True, inline=True)
+                return (lane.routes.get(conn) or lane.routes_of(conn))[Expect.FOLLOWED]
         return self.shared.route
 
     def tick(self, now: float) -> None:
         """Timer: read the replies nobody claimed for a tick (parked ones, bursts'); give
         back the burst connections of threads that ended."""
         self.private_lane.drain_parked(now)
+        self.private_lane.forget_closed()
         self.bursts.tick(now)
 
     def check_cpus(self, workers: int) -> None:

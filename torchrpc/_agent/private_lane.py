@@ -28,11 +28,10 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from .. import _wire
 from .._transport import Connection
-from .._wire import Header
 from ..errors import ClosedError
 from .pool import WorkerPool, current_pool
 from .route import IdleConnections, Route, Sender, read_replies
@@ -45,16 +44,21 @@ if TYPE_CHECKING:
 MAX_PARKED = 8  # requests whose reply may wait unread in a private connection at once
 
 
-class Claim:
+class Claim(Route):
     """The claim of a parked request: read its reply on the calling thread, or with
-    ``later`` on the pool, unless someone took it over already (see the module docs)."""
+    ``later`` on the pool, unless someone took it over already (see the module docs).
+    It is also the route of a waiting call that takes it over (:meth:`PrivateLane.after`):
+    on its connection, holding its request, with a future of its own."""
 
-    __slots__ = ("lane", "conn", "rid", "deadline", "since", "thread", "future")
+    __slots__ = ("rid", "deadline", "since", "thread", "future")
 
     def __init__(self, lane: "PrivateLane", conn: Connection, rid: int,
                  deadline: Optional[float], future: Any) -> None:
         self.lane = lane
         self.conn = conn
+        self.held = (rid,)
+        self.sync = True
+        self.inline = False
         self.rid = rid
         self.deadline = deadline
         self.since = time.monotonic()
@@ -80,9 +84,24 @@ class PrivateLane:
         self._pool = pool
         self._lock = threading.Lock()
         self._parked: Dict[int, Claim] = {}  # unclaimed parked requests by request id
-        self.num_parked = 0  # parked requests whose reply is not read yet
+        self.num_parked = 0  # parked requests nobody has taken over yet
+        # Connection -> its routes, indexed by Expect (made once: see routes_of()).
+        self.routes: Dict[Connection, Tuple[Optional[Route], ...]] = {}
 
     # -- the lane ------------------------------------------------------------------------------
+
+    def routes_of(self, conn: Connection) -> Tuple[Optional[Route], ...]:
+        """The routes of the calls on private connection ``conn``, indexed by
+        :class:`~torchrpc._agent.route.Expect` (``ANY`` has none): a waiting call's, a
+        parked ``rpc_async``'s, a parked RRef creation's. Made on its first call and kept
+        in :attr:`routes` until it closes (:meth:`forget_closed`); ``Lanes.pick`` reads
+        them there."""
+        routes = self.routes.get(conn)
+        if routes is None:
+            routes = self.routes[conn] = (
+                None, Route(self, conn, (), sync=True), Route(self, conn, None),
+                Route(self, conn, None, sync=True, inline=True))
+        return routes
 
     def send(self, route: Route, rid: int, p: "Pending", kind: int, flags: int, env: bytes,
              bufs: Any, keep: Any) -> None:
@@ -128,15 +147,19 @@ class PrivateLane:
             return None
         if self._parked.pop(claim.rid, None) is None:
             return None
+        with self._lock:
+            self.num_parked -= 1
         future._claim = None
-        return Route(self, claim.conn, (claim.rid,), sync=True)
+        return claim
 
     # -- reading ------------------------------------------------------------------------------
 
-
     def take(self, rid: int) -> bool:
         """Take parked request ``rid`` over (its taker reads the reply), if still there."""
-        return self._parked.pop(rid, None) is not None
+        if self._parked.pop(rid, None) is None:
+            return False
+        self._unpark()
+        return True
 
     def read_parked(self, conn: Connection, rid: int, later: bool) -> None:
         """Read the reply of parked request ``rid`` (taken over) from ``conn``: on this
@@ -147,7 +170,7 @@ class PrivateLane:
         try:
             self._pool.submit(self._drain, conn, rid)
         except ClosedError:
-            self._unpark()  # shutting down: the pending call is failed there
+            pass  # shutting down: the pending call is failed there
 
     def read_waiting(self, conn: Connection, rid: int, p: "Pending",
                      also: Tuple[int, ...] = (), _future: Any = None,
@@ -156,31 +179,20 @@ class PrivateLane:
         requests ``also`` (sent on it before) are answered, as a blocked thread in the
         eyes of the pool; then give ``conn`` back. (A waiting call's claim, on the
         waiting thread.)"""
-        calls = self._calls
         waiting = {rid, *also}
-
-        def took(header: Header) -> None:
-            r = header.request_id
-            if r in waiting:
-                waiting.discard(r)
-                if not waiting:  # free before the caller wakes, for its next call
-                    p.private = None
-                    if also:
-                        self._unpark()
-                    self._private.checkin(p.dst, conn)
-
-        def lost(exc: BaseException) -> None:
-            for r in waiting:
-                calls.request_lost(r, p.dst, exc)
-            if also:
-                self._unpark()
-
+        lost = functools.partial(self._lost, p.dst, waiting)
+        # Given back before the caller wakes, for its next call.
+        free = functools.partial(self._private.checkin, p.dst, conn, p)
         pool = current_pool()
         if pool is None:
-            read_replies(conn, calls, waiting.__len__, took, lost)
+            read_replies(conn, self._calls, lost, waiting, free)
         else:
             with pool.blocking():
-                read_replies(conn, calls, waiting.__len__, took, lost)
+                read_replies(conn, self._calls, lost, waiting, free)
+
+    def _lost(self, dst: WorkerInfo, waiting: Set[int], exc: BaseException) -> None:
+        for rid in waiting:
+            self._calls.request_lost(rid, dst, exc)
 
     # -- parked replies ------------------------------------------------------------------------
 
@@ -210,14 +222,24 @@ class PrivateLane:
             parked = self._parked.get(rid)
             if parked is not None and now - parked.since > LENT_TICK \
                     and self._parked.pop(rid, None) is not None:
+                self._unpark()
                 try:
                     self._pool.submit(self._drain, parked.conn, rid)
                 except ClosedError:
-                    self._unpark()  # shutting down: the pending call is failed there
+                    pass  # shutting down: the pending call is failed there
+
+    def forget_closed(self) -> None:
+        """Timer: forget the routes of the connections that have closed."""
+        routes = self.routes
+        if routes:
+            for conn in list(routes):  # the keys: one C-level copy, see docs/design.md
+                if conn.closed:
+                    routes.pop(conn, None)
 
     def clear(self) -> None:
-        """The agent stops: forget the parked requests."""
+        """The agent stops: forget the parked requests and the routes."""
         self._parked.clear()
+        self.routes.clear()
 
     def _unpark(self) -> None:
         with self._lock:
@@ -227,6 +249,5 @@ class PrivateLane:
         """Read the reply of parked request ``rid`` (claimed by this thread) from ``conn``."""
         p = self._pending.get(rid)
         if p is None:  # failed already (which closed the connection)
-            self._unpark()
             return
         self.read_waiting(conn, rid, p, (rid,))

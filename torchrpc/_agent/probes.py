@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Dict, List
+from typing import Callable, Dict, List
 
 from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from .._wire.probe import MISSING
 from ..errors import RpcError
-from .pending import Resend
+from .pending import Pending, Resend
+from .route import Sender
 from .worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from .agent import Agent
-    from .calls import Calls
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +34,22 @@ _RECHECK = 1.0
 
 
 class Probes:
-    """The probes one agent sends before sending requests again, and what they found."""
+    """The probes one agent sends before sending requests again, and what they found.
 
-    def __init__(self, agent: "Agent", calls: "Calls") -> None:
-        self._agent = agent
+    ``calls``: the caller's side, which sends again or fails what a probe found;
+    ``name``: the agent's (for logs); ``pending``: the request table, read only;
+    ``shared_to(dst)``: the shared connection to ``dst`` (Connections.to), which carries
+    the probes; ``call_later(delay, fn, *args)``: the timer's.
+    """
+
+    def __init__(self, calls: Sender, name: str, pending: Dict[int, Pending],
+                 shared_to: Callable[[WorkerInfo], Connection],
+                 call_later: Callable[..., None]) -> None:
         self._calls = calls
+        self._name = name
+        self._pending = pending
+        self._shared_to = shared_to
+        self._call_later = call_later
         # rank -> ids of requests whose next attempt asks that peer first (one probe for all).
         self._due: Dict[int, List[int]] = {}
         self._lock = threading.Lock()
@@ -58,7 +66,7 @@ class Probes:
                 due.append(rid)
                 return
             self._due[dst.id] = [rid]
-        self._agent.call_later(delay, self._probe_peer, dst)
+        self._call_later(delay, self._probe_peer, dst)
 
     def answered(self, r: Resend) -> None:
         """The reply of a request came before its probe's answer."""
@@ -70,12 +78,11 @@ class Probes:
 
     def _probe_peer(self, dst: WorkerInfo) -> None:
         """Ask ``dst`` which of the requests due to be probed it has."""
-        agent = self._agent
         with self._lock:
             due = self._due.pop(dst.id, [])
         asking = []
         for rid in due:
-            p = agent.requests.pending.get(rid)
+            p = self._pending.get(rid)
             r = p.resend if p is not None else None
             if r is None or not r.scheduled:
                 continue  # answered, timed out or failed meanwhile
@@ -87,8 +94,8 @@ class Probes:
             with self._lock:  # counted first: the answer may come before send returns
                 self.sent += 1
             try:
-                agent._send(dst, Kind.ONCE_PROBE, _wire.FLAG_ONEWAY, 0, _wire.pack_probe(ids),
-                            [], None)
+                self._shared_to(dst).send(Kind.ONCE_PROBE, _wire.FLAG_ONEWAY, 0,
+                                          _wire.pack_probe(ids), [], None)
             except RpcError as exc:  # not sent: this attempt failed
                 with self._lock:
                     self.sent -= 1
@@ -96,11 +103,11 @@ class Probes:
                     self._calls.request_lost(rid, dst, exc)
                 continue
             log.info("%s asks %s whether it has %d request(s) before sending them again",
-                     agent.name, dst.name, len(ids))
+                     self._name, dst.name, len(ids))
 
     def on_status(self, conn: Connection, envelope: bytes) -> None:
         """The answer to a probe: send again what the callee never got; wait for the rest."""
-        pending = self._agent.requests.pending
+        pending = self._pending
         missing = []
         for rid, status in _wire.parse_status(envelope):
             p = pending.get(rid)

@@ -25,30 +25,48 @@ import heapq
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _wire
-from .._transport import Connection
 from .._wire import Kind
 from ..errors import ConnectionLostError, RpcError, RpcTimeoutError
+from .debug import TimeoutReports
 from .hooks import describe
-from .pending import Pending, Resend
+from .lifecycle import RUNNING, Lifecycle
+from .pending import Pending
 from .retry import retryable
-from .lifecycle import RUNNING
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 
 class Requests:
-    """One agent's table of outstanding requests (:attr:`pending`) and their deadlines."""
+    """One agent's table of outstanding requests (:attr:`pending`) and their deadlines.
 
-    def __init__(self, agent: "Agent", cv: threading.Condition, lock: Any) -> None:
-        self._agent = agent
+    ``name``, ``rank``: the agent's; ``cv``: the timer's condition (a deadline earlier
+    than all others wakes it) and ``lock``, its own lock; ``lifecycle``: whether the
+    agent runs (a stopping one retries nothing); ``timeout_reports``: what a timeout
+    logs; ``declared(rank)``: whether liveness declared worker ``rank`` lost (never
+    retried); ``call_later(delay, fn, *args)``: the timer's. The caller's side does the
+    sending again: ``transmit(conn, rid, p, kind, flags, env, bufs, keep)`` and
+    ``probe_later(dst, rid, delay)`` (Calls.transmit and Probes.later).
+    """
+
+    def __init__(self, name: str, rank: int, cv: threading.Condition, lock: Any,
+                 lifecycle: Lifecycle, timeout_reports: TimeoutReports,
+                 declared: Callable[[int], bool], call_later: Callable[..., None],
+                 transmit: Callable[..., bool],
+                 probe_later: Callable[[WorkerInfo, int, float], None]) -> None:
+        self._name = name
+        self._rank = rank
         self._cv = cv  # the timer's: a deadline earlier than all others wakes it
         self._lock = lock  # cv's own lock, taken without the Condition's Python wrapper
+        self._lifecycle = lifecycle
+        self._timeout_reports = timeout_reports
+        self._declared = declared
+        self._call_later = call_later
+        self._transmit = transmit
+        self._probe_later = probe_later
         self.pending: Dict[int, Pending] = {}
         self._heap: List[Tuple[float, int]] = []  # (deadline, request id)
 
@@ -97,9 +115,9 @@ class Requests:
         """Fail request ``p`` (already out of the table) with the timeout error."""
         if p.stats is not None:
             p.stats.timeouts += 1
-        agent = self._agent
-        if agent.timeout_reports.enabled and p.dst.id != agent.rank:
-            agent.timeout_reports.report(p.dst, p.what, p.timeout)
+        reports = self._timeout_reports
+        if reports.enabled and p.dst.id != self._rank:
+            reports.report(p.dst, p.what, p.timeout)
         p.set_exception(RpcTimeoutError(
             f"RPC ran for more than set timeout ({p.timeout * 1000:g} ms) and will now be "
             f"marked with an error: the call to worker {p.dst.name} (rank {p.dst.id}) of "
@@ -108,10 +126,9 @@ class Requests:
 
     def fail(self, rid: int, p: Pending, error: BaseException) -> None:
         """Fail request ``rid`` (already out of the table), or schedule its next attempt."""
-        agent = self._agent
         r = p.resend
-        if r is not None and retryable(error) and agent.lifecycle.state is RUNNING \
-                and p.dst.id not in agent.liveness.declared:
+        if r is not None and retryable(error) and self._lifecycle.state is RUNNING \
+                and not self._declared(p.dst.id):
             if r.scheduled:  # failed twice (its reader and its peer's loss): resent once
                 self.pending[rid] = p
                 return
@@ -123,12 +140,12 @@ class Requests:
                     r.probing = False
                     self.pending[rid] = p
                     log.info("%s retries %s to %s in %.3g s (attempt %d of %d): %s",
-                             agent.name, describe(p.what) if p.what else Kind(r.kind).name,
+                             self._name, describe(p.what) if p.what else Kind(r.kind).name,
                              p.dst.name, delay, r.attempt, r.policy.max_attempts, error)
                     if r.sent and r.flags & _wire.FLAG_ONCE:
-                        agent.calls.probes.later(p.dst, rid, delay)
+                        self._probe_later(p.dst, rid, delay)
                     else:
-                        agent.call_later(delay, self.resend, rid)
+                        self._call_later(delay, self.resend, rid)
                     return
             if r.attempt > 1:
                 error = ConnectionLostError(f"{error} (gave up after {r.attempt} attempts)",
@@ -142,7 +159,7 @@ class Requests:
             return  # timed out or answered meanwhile
         r = p.resend
         r.scheduled = False
-        self._agent.calls.transmit(None, rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
+        self._transmit(None, rid, p, r.kind, r.flags, r.env, r.bufs, r.keep)
 
     def fail_matching(self, match: Callable[[Pending], bool], error: RpcError) -> None:
         """Fail (or retry) the pending requests for which ``match`` is true."""

@@ -6,7 +6,7 @@ replies a waiting thread reads (:func:`read_replies`). See lanes.py for the lane
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Set
 
 import torch
 
@@ -30,7 +30,9 @@ class Expect:
 
 
 class Route:
-    """A lane picked for one call, and what it reserved for it (a connection, a burst)."""
+    """A lane picked for one call, and what it reserved for it (a connection, a burst).
+    Made once per connection and kind of call where it holds nothing of one call's (see
+    :meth:`PrivateLane.routes <torchrpc._agent.private_lane.PrivateLane.routes>`)."""
 
     __slots__ = ("lane", "conn", "held", "sync", "inline")
 
@@ -83,26 +85,34 @@ class IdleConnections(Protocol):
         """Whether a private connection to ``rank`` waits to be used."""
 
     def checkout(self, dst: WorkerInfo, opens: bool = True) -> Optional[Connection]:
-        """An idle private connection to ``dst``, or with ``opens`` a new one; or None."""
+        """An idle private connection to ``dst``, or with ``opens`` a new one; or None
+        (also where calls to ``dst`` may not use one)."""
 
-    def checkin(self, dst: WorkerInfo, conn: Connection) -> None:
-        """``conn``, to ``dst``, is free again."""
+    def checkin(self, dst: WorkerInfo, conn: Connection, carried: Optional["Pending"] = None
+                ) -> None:
+        """``conn``, to ``dst``, is free again (and request ``carried``, answered, lets go
+        of it)."""
 
 
-def read_replies(conn: Connection, calls: Sender, more: Callable[[], Any],
-                 took: Callable[[Header], None], lost: Callable[[BaseException], None],
+def read_replies(conn: Connection, calls: Sender, lost: Callable[[BaseException], None],
+                 waiting: Optional[Set[int]] = None, free: Optional[Callable[[], None]] = None,
+                 more: Optional[Callable[[], Any]] = None,
+                 took: Optional[Callable[[Header], None]] = None,
                  settled: Optional[Callable[[Header], None]] = None,
                  as_reader: bool = False) -> None:
     """The reading loop of the lanes whose replies a waiting thread reads: read frames
-    from ``conn`` while ``more()``; for each reply, ``took(header)`` (the lane's
-    bookkeeping, before the caller wakes), complete its request, then ``settled(header)``;
-    if the connection breaks, ``lost(error)``. ``as_reader``: the thread counts as a
-    reader meanwhile (callbacks of the futures it completes go to the pool)."""
+    from ``conn`` until the requests ``waiting`` are answered, or while ``more()``. For
+    each reply: ``took(header)`` (the lane's bookkeeping), and, for the last of
+    ``waiting``, ``free()`` (the lane gives the connection back, for the caller's next
+    call), both before the caller wakes; then complete its request, then
+    ``settled(header)``. If the connection breaks, ``lost(error)``. ``as_reader``: the
+    thread counts as a reader meanwhile (callbacks of the futures it completes go to the
+    pool)."""
     if as_reader:
         was_reader = on_reader_thread()
         mark_reader_thread()
     try:
-        while more():
+        while waiting if more is None else more():
             try:
                 header, envelope, buffers = conn.read_frame()
             except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
@@ -110,7 +120,14 @@ def read_replies(conn: Connection, calls: Sender, more: Callable[[], Any],
                 return
             kind = header.kind
             if kind == Kind.RESPONSE or kind == Kind.ERROR:
-                took(header)
+                if took is not None:
+                    took(header)
+                if waiting is not None:
+                    rid = header.request_id
+                    if rid in waiting:
+                        waiting.discard(rid)
+                        if not waiting:
+                            free()
                 calls.on_reply(conn, header, envelope, buffers)
                 if settled is not None:
                     settled(header)

@@ -118,10 +118,12 @@ class Observers:
     answers their snapshot requests (see the module docs). The transport's connect and
     close callbacks go through :meth:`on_connect` and :meth:`on_close`."""
 
-    def __init__(self, agent: Inspected, on_connect: Callable[[Connection], None],
+    def __init__(self, name: str, snapshot: Callable[[bool, "Observers"], Dict[str, Any]],
+                 on_connect: Callable[[Connection], None],
                  on_close: Callable[[Connection, Optional[BaseException]], None],
                  secret: bytes) -> None:
-        self._agent = agent
+        self._name = name  # the worker's, for the log
+        self._snapshot = snapshot  # (stacks, self) -> this worker's snapshot (take)
         self.secret = secret  # an observer in this process proves it (observer.py)
         self._on_connect = on_connect
         self._on_close = on_close
@@ -137,7 +139,7 @@ class Observers:
         with self._lock:
             self.count += 1
         conn.route_frames(self.on_frame)
-        log.info("%s: an observer connected", self._agent.name)
+        log.info("%s: an observer connected", self._name)
 
     def on_close(self, conn: Connection, reason: Optional[BaseException]) -> None:
         if conn.peer_rank != OBSERVER_RANK:
@@ -145,7 +147,7 @@ class Observers:
             return
         with self._lock:
             self.count -= 1
-        log.info("%s: an observer left", self._agent.name)
+        log.info("%s: an observer left", self._name)
 
     def on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                  buffers: List[torch.Tensor]) -> None:
@@ -156,10 +158,10 @@ class Observers:
                              f"({len(buffers)} buffers); only SNAPSHOT is answered")
         try:
             ask = json.loads(bytes(envelope).decode("utf-8")) if envelope else {}
-            doc = take(self._agent, bool(ask.get("stacks")), self)
+            doc = self._snapshot(bool(ask.get("stacks")), self)
             kind, body = Kind.RESPONSE, json.dumps(doc, default=str).encode("utf-8")
         except Exception as exc:  # noqa: BLE001 - the observer is told, the worker goes on
-            log.warning("%s could not make a snapshot: %r", self._agent.name, exc)
+            log.warning("%s could not make a snapshot: %r", self._name, exc)
             kind, body = Kind.ERROR, json.dumps({"error": repr(exc)}).encode("utf-8")
         conn.send(kind, 0, header.request_id, body, [], None)
 

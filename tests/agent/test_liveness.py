@@ -23,8 +23,8 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
-from .. import helpers
-from ..group import running_group, sigstop, wait_for
+from ..support import helpers
+from ..support.group import running_group, sigstop, wait_for
 
 HB_TIMEOUT = 2.0
 # Calls that are running when their callee stops: longer than it takes to detect it, and

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 
-from ..group import free_port, running_group
+from ..support.group import free_port, running_group
 
 TRAINERS = ["worker1", "worker2"]
 LR = 0.1

@@ -14,8 +14,8 @@ from torchrpc import _wire
 from torchrpc._dist_autograd.records import DistAutogradContext, RecvRecorder, SendRecorder
 from torchrpc.errors import RpcTimeoutError, SerializationError
 
-from .. import autograd_helpers as h, helpers
-from ..group import running_group, wait_for
+from ..support import autograd as h, helpers
+from ..support.group import running_group, wait_for
 
 WORKERS = ["worker0", "worker1", "worker2"]
 

@@ -18,7 +18,7 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import RpcTimeoutError
 
-from ..group import running_group
+from ..support.group import running_group
 
 RECV = "torch::distributed::autograd::RecvRpcBackward"
 SEND = "torch::distributed::autograd::SendRpcBackward"

@@ -18,8 +18,8 @@ import torchrpc.rpc as rpc
 from torchrpc.nn import RemoteModule
 from torchrpc.nn.api.remote_module import _REMOTE_MODULE_PICKLED_ATTRIBUTES, _RemoteModule
 
-from .. import helpers
-from ..group import ROOT, running_group, wait_for
+from ..support import helpers
+from ..support.group import ROOT, running_group, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)

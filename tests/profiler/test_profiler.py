@@ -7,8 +7,8 @@ import torch
 
 import torchrpc.rpc as rpc
 
-from .. import helpers
-from ..group import running_group
+from ..support import helpers
+from ..support.group import running_group
 
 
 @pytest.fixture(scope="module", autouse=True)

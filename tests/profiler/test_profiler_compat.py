@@ -17,7 +17,7 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.rpc.internal import RPCExecMode, _build_rpc_profiling_key
 
-from ..group import running_group
+from ..support.group import running_group
 
 REMOTE_OP = "#remote_op: "
 

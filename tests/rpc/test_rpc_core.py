@@ -18,8 +18,8 @@ from torchrpc._transport import handshake
 from torchrpc.errors import RpcTimeoutError, SerializationError
 from torchrpc.rpc import api
 
-from .. import helpers
-from ..group import running_group
+from ..support import helpers
+from ..support.group import running_group
 
 THREADS = 4
 

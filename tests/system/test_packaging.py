@@ -18,7 +18,7 @@ import torchrpc.rpc as rpc
 from torchrpc._rendezvous import rendezvous
 from torchrpc.rpc import options
 
-from ..group import ROOT
+from ..support.group import ROOT
 
 VENV_SH = os.path.join(ROOT, "scripts", "_venv.sh")
 SCRIPTS = [os.path.join(ROOT, "scripts", n) for n in ("test.sh", "demo.sh", "conformance.sh")]

@@ -22,7 +22,8 @@ def launch(scenario: str, world: int, extra=None, ranks=None, env_per_rank=None)
         env = worker_env(port, world, extra)
         if env_per_rank:
             env.update(env_per_rank(r))
-        procs.append(start_module("tests.support.scenarios", [scenario, str(r), str(world), str(free_port())],
+        procs.append(start_module("tests.support.scenarios",
+                                  [scenario, str(r), str(world), str(free_port())],
                                   env, capture=True))
     outs = []
     for p in procs:

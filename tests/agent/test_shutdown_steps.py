@@ -87,9 +87,10 @@ def test_a_shutdown_that_waits_for_requests_says_which_and_its_deadline_names_th
         group.init_self()
         fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(3.0, 7), timeout=20)
         with caplog.at_level("WARNING", logger="torchrpc"):
-            with pytest.raises(ShutdownError, match=r"1 RPCs still outstanding at shutdown: "
-                                                    r"tests\.support\.helpers\.sleep_then to worker1 "
-                                                    r"\(sent 1\.\d s ago, timeout 20 s\)"):
+            with pytest.raises(ShutdownError,
+                               match=r"1 RPCs still outstanding at shutdown: "
+                                     r"tests\.support\.helpers\.sleep_then to worker1 "
+                                     r"\(sent 1\.\d s ago, timeout 20 s\)"):
                 rpc.shutdown(graceful=True, timeout=1.5)
         said = [r.getMessage() for r in caplog.records
                 if "waits for 1 outstanding" in r.getMessage()]

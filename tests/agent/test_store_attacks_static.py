@@ -34,8 +34,9 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as ano
 
 def member(port: int, rank: int, world_size: int, options: Dict[str, Any]) -> Any:
     env = worker_env(port, world_size, {"TORCHRPC_TEST_OPTIONS": json.dumps(options)})
-    return start_module("tests.support.worker_main", [f"worker{rank}", str(rank), str(world_size), "2",
-                                              "30"], env, capture=True)
+    return start_module("tests.support.worker_main",
+                        [f"worker{rank}", str(rank), str(world_size), "2", "30"], env,
+                        capture=True)
 
 
 class RankZero:

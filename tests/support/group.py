@@ -1,9 +1,9 @@
 """Start a group of real worker processes for a test module.
 
 The pytest process is rank 0 of the group, so tests call the RPC API directly.
-Ranks 1..n-1 are subprocesses running ``tests.support.worker_main``: they ``init_rpc``
-and then wait in a graceful ``shutdown()``, serving requests until rank 0 shuts
-down too.
+Ranks 1..n-1 are subprocesses running ``tests.support.worker_main``: they
+``init_rpc`` and then wait in a graceful ``shutdown()``, serving requests until rank 0
+shuts down too.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ class Group:
         env = worker_env(self.port, world_size, extra_env)
         self.procs: Dict[int, Any] = {}
         for r in range(1, world_size):
-            self.procs[r] = start_module("tests.support.worker_main", [self.names[r], str(r), str(world_size),
-                                                               str(threads), str(timeout)], env,
-                                         fresh=fresh)
+            self.procs[r] = start_module("tests.support.worker_main",
+                                         [self.names[r], str(r), str(world_size), str(threads),
+                                          str(timeout)], env, fresh=fresh)
 
     def init_self(self) -> None:
         import torchrpc.rpc as rpc

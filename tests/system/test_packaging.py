@@ -163,7 +163,7 @@ def test_the_package_ships_no_benchmark_or_developer_tool():
     # configuration must not pick them (or the tests) up, and nothing in torchrpc/ may
     # import them. Programs under torchrpc/ are the examples only.
     include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    for folder in ("benchmarks", "benchmarks.variants", "tests", "scripts"):
+    for folder in ("benchmarks", "benchmarks.variants", "tests", "tests.support", "scripts"):
         assert not any(fnmatch.fnmatchcase(folder, pattern) for pattern in include), folder
     assert os.path.exists(os.path.join(ROOT, "benchmarks", "__main__.py"))
     problems = []

@@ -17,13 +17,10 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
 from ..support import helpers, robust
-from ..support.group import running_group, wait_for
+from ..support.group import wait_for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=4, timeout=30.0)
 
 
 def _cut(rank: int) -> int:

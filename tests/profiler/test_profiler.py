@@ -8,13 +8,9 @@ import torch
 import torchrpc.rpc as rpc
 
 from ..support import helpers
-from ..support.group import running_group
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=2, timeout=30.0, options={"profile_kineto": True}) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=2, timeout=30.0, options={"profile_kineto": True})
 
 
 def _names(events):

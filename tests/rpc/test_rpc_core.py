@@ -19,15 +19,11 @@ from torchrpc.errors import RpcTimeoutError, SerializationError
 from torchrpc.rpc import api
 
 from ..support import helpers
-from ..support.group import running_group
 
 THREADS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=THREADS, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=THREADS, timeout=30.0)
 
 
 def test_rpc_sync_builtins_and_targets():

@@ -19,16 +19,12 @@ import torchrpc.rpc as rpc
 from torchrpc.errors import SerializationError
 
 from ..support import helpers, values
-from ..support.group import running_group
 from ..support.values import LARGE, assert_same, numpy_sample, pickled
 
 MATRIX = values.matrix()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=4, timeout=60.0) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=4, timeout=60.0)
 
 
 @pytest.fixture(autouse=True)

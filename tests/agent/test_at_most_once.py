@@ -16,14 +16,11 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
-from .. import helpers, robust_helpers
-from ..group import running_group, wait_for
+from ..support import helpers, robust
+from ..support.group import wait_for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=4, timeout=30.0)
 
 
 def _cut(rank: int) -> int:
@@ -51,11 +48,11 @@ def test_a_backward_part_whose_connection_broke_after_delivery_runs_once():
         t.start()
         # worker1 runs its part (2 s): the request was delivered.
         wait_for("worker1 runs its part", lambda: rpc.rpc_sync(
-            "worker1", robust_helpers.count, args=("backward",)) >= 1, 10)
+            "worker1", robust.count, args=("backward",)) >= 1, 10)
         assert _cut(1) >= 2  # the shared connection and the private one the part went on
         t.join(30)
         assert not t.is_alive() and not errors, errors
-        assert rpc.rpc_sync("worker1", robust_helpers.count, args=("backward",)) == 1
+        assert rpc.rpc_sync("worker1", robust.count, args=("backward",)) == 1
         assert torch.equal(rpc.rpc_sync("worker1", helpers.weight_gradient, args=(ctx,)),
                            torch.ones(4))
         assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((4,), 3.0))
@@ -86,7 +83,7 @@ def test_replies_kept_for_a_resend_go_once_the_caller_has_them():
 def test_a_reply_goes_back_on_the_connection_its_request_came_on():
     # worker1's current connection to this worker swallows what it writes (a link that
     # broke while worker1 has not noticed); a reply sent there would never arrive.
-    assert rpc.rpc_sync("worker1", robust_helpers.black_hole_current_connection, args=(0,))
+    assert rpc.rpc_sync("worker1", robust.black_hole_current_connection, args=(0,))
     try:
         # rpc_async: on the shared connection (an rpc_sync may take a private one).
         for _ in range(3):
@@ -94,4 +91,4 @@ def test_a_reply_goes_back_on_the_connection_its_request_came_on():
         assert rpc.rpc_async("worker1", helpers.add, args=(torch.ones(2), 1),
                              timeout=5).wait().tolist() == [2.0, 2.0]
     finally:
-        assert rpc.rpc_sync("worker1", robust_helpers.close_black_holes, timeout=10) == 1
+        assert rpc.rpc_sync("worker1", robust.close_black_holes, timeout=10) == 1

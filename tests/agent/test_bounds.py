@@ -21,8 +21,8 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError, RpcError
 
-from .. import helpers
-from ..group import running_group, sigstop, wait_for
+from ..support import helpers
+from ..support.group import running_group, sigstop, wait_for
 
 SEND_TIMEOUT = 1.5
 OUTBOX = 8 << 20

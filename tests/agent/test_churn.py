@@ -20,9 +20,9 @@ from torchrpc._agent.current import handle
 from torchrpc._testing import faulty
 from torchrpc.errors import ConnectionLostError
 
-from .. import robust_helpers as rh
-from ..group import running_group
-from ..thread_watch import WATCH_ENV, ThreadWatch
+from ..support import robust as rh
+from ..support.group import running_group
+from ..support.thread_watch import WATCH_ENV, ThreadWatch
 
 SECONDS = float(os.environ.get("TORCHRPC_CHURN_SECONDS", "10"))
 WORLD = 8

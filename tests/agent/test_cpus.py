@@ -12,7 +12,7 @@ import torch
 from torchrpc._agent import cpus
 from torchrpc._agent.cpus import SpinGuard
 
-from ..group import ROOT, free_port, wait_for
+from ..support.group import ROOT, free_port, wait_for
 
 
 def _tasks() -> int:

@@ -1,6 +1,6 @@
 """Serving requests, one message at a time: no sockets, no reading thread, no other process.
 A request is handed to the dispatcher as the agent's reader would hand it, and the reply
-is read off the fake connection it came on (see agent_helpers.py)."""
+is read off the fake connection it came on (see tests/support/agent.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torchrpc._agent.remote_error import rebuild_error
 from torchrpc._wire import Kind
 from torchrpc._wire.probe import MISSING, REPLIED, RUNNING
 from torchrpc.errors import RpcError
-from tests.agent_helpers import Agents, FakeConn, running
+from tests.support.agent import Agents, FakeConn, running
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import WorkerLeftError
 
-from .. import helpers
-from ..handshake_helpers import authenticate
-from ..group import free_port, start_module, wait_for, worker_env
+from ..support import helpers
+from ..support.handshake import authenticate
+from ..support.group import free_port, start_module, wait_for, worker_env
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-elastic-")
@@ -32,7 +32,8 @@ def spawn(name: str, rank: int, stop: str, scenario: str = "elastic_member"
           ) -> Any:
     env = worker_env(PORT, 0, {"SCENARIO_NAME": name, "SCENARIO_STOPFILE": os.path.join(STOP, stop)})
     env.pop("WORLD_SIZE")
-    return start_module("tests.scenarios", [scenario, str(rank), "0", "0"], env, capture=True)
+    return start_module("tests.support.scenarios", [scenario, str(rank), "0", "0"], env,
+                        capture=True)
 
 
 def names_everywhere(expected, who=("w0", "w1"), timeout=60.0):

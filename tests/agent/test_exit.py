@@ -1,6 +1,6 @@
 """Every way a worker can end, in fresh interpreters: no process ends by a signal, none
 prints ``terminate called``, and each exits with the code its program chose (see
-torchrpc/_agent/process_exit.py and tests/exit_worker.py).
+torchrpc/_agent/process_exit.py and tests/support/exit_worker.py).
 
 In CI each way runs once with torch's default threads and once with one torch thread.
 ``TORCHRPC_EXIT_REPEAT=N`` runs each N times instead (the full form: N=17 makes 204
@@ -18,9 +18,9 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from tests.exit_worker import CODES, DIED
+from tests.support.exit_worker import CODES, DIED
 
-from ..group import free_port, start_module, worker_env
+from ..support.group import free_port, start_module, worker_env
 
 REPEAT = int(os.environ.get("TORCHRPC_EXIT_REPEAT", "1"))
 TIMEOUT = 120
@@ -35,7 +35,7 @@ def run_group(mode: str, threads: str, world: int = 2) -> List[Outcome]:
     env = worker_env(free_port(), world)
     if threads == "default":
         env.pop("OMP_NUM_THREADS", None)  # torch's default: a thread per CPU
-    procs = [start_module("tests.exit_worker", [mode, str(r), str(world), threads], env,
+    procs = [start_module("tests.support.exit_worker", [mode, str(r), str(world), threads], env,
                           capture=True, fresh=True) for r in range(world)]
     outputs: Dict[int, List[str]] = {r: [] for r in range(world)}
     ready = [threading.Event() for _ in procs]

@@ -17,8 +17,8 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError, ShutdownError
 from torchrpc.optim import DistributedOptimizer
 
-from .. import helpers
-from ..group import Group, running_group, sigstop, wait_for
+from ..support import helpers
+from ..support.group import Group, running_group, sigstop, wait_for
 
 
 def _fail_times(futs: List, start: float) -> List[float]:

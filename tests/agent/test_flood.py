@@ -12,9 +12,9 @@ import pytest
 import torchrpc.rpc as rpc
 from torchrpc.rpc import api
 
-from .. import helpers
-from ..group import running_group
-from ..handshake_helpers import authenticate
+from ..support import helpers
+from ..support.group import running_group
+from ..support.handshake import authenticate
 
 NOFILE = 256
 

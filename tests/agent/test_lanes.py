@@ -18,8 +18,8 @@ from torchrpc import _wire
 from torchrpc._agent import Agent, Expect
 from torchrpc._wire import Kind
 from torchrpc.errors import RpcError
-from tests.agent_helpers import Agents, FakeConn, running
-from tests.group import wait_for
+from tests.support.agent import Agents, FakeConn, running
+from tests.support.group import wait_for
 
 
 class FakePrivate(FakeConn):

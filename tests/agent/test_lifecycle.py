@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from ..group import ROOT, free_port, start_module, worker_env
+from ..support.group import ROOT, free_port, start_module, worker_env
 
 TIMEOUT = int(os.environ.get("TORCHRPC_SCENARIO_TIMEOUT", "90"))
 
@@ -22,7 +22,8 @@ def launch(scenario: str, world: int, extra=None, ranks=None, env_per_rank=None)
         env = worker_env(port, world, extra)
         if env_per_rank:
             env.update(env_per_rank(r))
-        procs.append(start_module("tests.scenarios", [scenario, str(r), str(world), str(free_port())],
+        procs.append(start_module("tests.support.scenarios",
+                                  [scenario, str(r), str(world), str(free_port())],
                                   env, capture=True))
     outs = []
     for p in procs:
@@ -74,7 +75,7 @@ def test_torchrun_single_node():
         env.pop(key, None)
     out = subprocess.run(
         [torchrun, "--nproc-per-node=3", f"--master-port={free_port()}", "--master-addr=127.0.0.1",
-         "-m", "tests.scenarios", "group_call", "0", "3", "0"],
+         "-m", "tests.support.scenarios", "group_call", "0", "3", "0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("OK group") == 3

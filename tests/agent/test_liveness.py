@@ -23,8 +23,8 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
-from .. import helpers
-from ..group import running_group, sigstop, wait_for
+from ..support import helpers
+from ..support.group import sigstop, wait_for
 
 HB_TIMEOUT = 2.0
 # Calls that are running when their callee stops: longer than it takes to detect it, and
@@ -37,11 +37,8 @@ BOUND = HB_TIMEOUT + 1.0
 SLACK = 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=4, timeout=60.0,
-                       options={"heartbeat_timeout": HB_TIMEOUT}) as g:
-        yield g
+pytestmark = pytest.mark.group(
+    3, threads=4, timeout=60.0, options={"heartbeat_timeout": HB_TIMEOUT})
 
 
 def _stop(group, rank: int) -> float:

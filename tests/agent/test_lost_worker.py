@@ -24,8 +24,8 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError
 
-from .. import helpers
-from ..group import Group, wait_for as _wait_for
+from ..support import helpers
+from ..support.group import Group, wait_for as _wait_for
 
 HB_TIMEOUT = 2.0
 # The bound is heartbeat_timeout + 1 s; the shared 2-core machine gets 1 s more.

@@ -12,7 +12,7 @@ from torchrpc._agent import pool as pool_module
 from torchrpc._agent.pool import WorkerPool, current_pool
 from torchrpc.errors import ClosedError
 
-from ..group import wait_for
+from ..support.group import wait_for
 
 
 @pytest.fixture()

@@ -1,5 +1,5 @@
 """The agent's table of workers and its part in the membership, driven by membership events
-alone: no sockets, no store server, no other process (see agent_helpers.py)."""
+alone: no sockets, no store server, no other process (see tests/support/agent.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torchrpc._agent import WorkerInfo, devices
 from torchrpc._wire import pickler
 from torchrpc.errors import (DestinationTypeError, DeviceMapError, InvalidArgumentError,
                              ThreadFailedError, WorkerLeftError)
-from tests.agent_helpers import Agents, FakeConn, NoTransport, info, pending_to, running
+from tests.support.agent import Agents, FakeConn, NoTransport, info, pending_to, running
 
 
 @pytest.fixture

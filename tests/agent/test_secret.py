@@ -21,7 +21,7 @@ from torchrpc._rendezvous import secret
 from torchrpc.errors import RendezvousError
 from torchrpc.rpc import api
 
-from ..group import running_group
+from ..support.group import running_group
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from torchrpc._wire import Kind
 from torchrpc.rpc import api
 from torchrpc.rpc.options import LISTEN_ADDR_ENV, read_environment
 
-from .. import helpers, robust_helpers as rh
-from ..group import running_group, wait_for
-from ..handshake_helpers import authenticate, recv_exact
+from ..support import helpers, robust as rh
+from ..support.group import running_group, wait_for
+from ..support.handshake import authenticate, recv_exact
 
 
 @pytest.fixture(scope="module", autouse=True)

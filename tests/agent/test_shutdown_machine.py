@@ -1,5 +1,5 @@
 """The agent's lifecycle as a state machine, and the shutdown protocol driven by messages
-alone: no sockets, no threads of the agent, no other process (see agent_helpers.py)."""
+alone: no sockets, no threads of the agent, no other process (see tests/support/agent.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from torchrpc._transport.tcp import Transport
 from torchrpc._wire import Kind
 from torchrpc.errors import (ClosedError, LifecycleError, NotInitializedError, ShutdownError,
                              WorkerLeftError)
-from tests.agent_helpers import Agents, FakeConn, NoTransport, deliver, pending_to, running
-from tests.group import wait_for
+from tests.support.agent import Agents, FakeConn, NoTransport, deliver, pending_to, running
+from tests.support.group import wait_for
 
 ORDER = [NEW, RUNNING, STOPPING, STOPPED]
 

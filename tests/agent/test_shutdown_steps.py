@@ -12,8 +12,8 @@ import torchrpc.rpc as rpc
 import torchrpc.rpc.api as api
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ShutdownError
-from tests import helpers
-from tests.group import Group, free_port, wait_for
+from tests.support import helpers
+from tests.support.group import Group, free_port, wait_for
 
 
 def test_rref_leak_is_reported_when_asked_and_the_group_still_stops():
@@ -87,13 +87,14 @@ def test_a_shutdown_that_waits_for_requests_says_which_and_its_deadline_names_th
         group.init_self()
         fut = rpc.rpc_async("worker1", helpers.sleep_then, args=(3.0, 7), timeout=20)
         with caplog.at_level("WARNING", logger="torchrpc"):
-            with pytest.raises(ShutdownError, match=r"1 RPCs still outstanding at shutdown: "
-                                                    r"tests\.helpers\.sleep_then to worker1 "
-                                                    r"\(sent 1\.\d s ago, timeout 20 s\)"):
+            with pytest.raises(ShutdownError,
+                               match=r"1 RPCs still outstanding at shutdown: "
+                                     r"tests\.support\.helpers\.sleep_then to worker1 "
+                                     r"\(sent 1\.\d s ago, timeout 20 s\)"):
                 rpc.shutdown(graceful=True, timeout=1.5)
         said = [r.getMessage() for r in caplog.records
                 if "waits for 1 outstanding" in r.getMessage()]
-        assert said and "tests.helpers.sleep_then to worker1 (sent 0." in said[0], said
+        assert said and "tests.support.helpers.sleep_then to worker1 (sent 0." in said[0], said
         assert fut.done() and not rpc.api._is_current_rpc_agent_set()
     finally:
         group.abandon(30)

@@ -22,9 +22,9 @@ import torchrpc.rpc as rpc
 from torchrpc._rendezvous import membership
 from torchrpc._agent.current import current_agent
 
-from .. import helpers
-from ..group import free_port, start_module, wait_for, worker_env
-from ..nobody import init_rpc_as_nobody, needs_nobody
+from ..support import helpers
+from ..support.group import free_port, start_module, wait_for, worker_env
+from ..support.nobody import init_rpc_as_nobody, needs_nobody
 
 PORT = free_port()
 STOP = tempfile.mkdtemp(prefix="torchrpc-attacks-")
@@ -34,7 +34,7 @@ def spawn(name: str, rank: int, **extra: str) -> Any:
     env = worker_env(PORT, 0, {"SCENARIO_NAME": name,
                                "SCENARIO_STOPFILE": os.path.join(STOP, f"stop-{name}"), **extra})
     env.pop("WORLD_SIZE")
-    return start_module("tests.scenarios", ["elastic_member", str(rank), "0", "0"], env,
+    return start_module("tests.support.scenarios", ["elastic_member", str(rank), "0", "0"], env,
                         capture=True)
 
 

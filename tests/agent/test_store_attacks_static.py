@@ -23,9 +23,9 @@ from torchrpc._rendezvous import rendezvous, secret
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import RendezvousError
 
-from .. import helpers
-from ..group import free_port, running_group, start_module, worker_env
-from ..nobody import init_rpc_as_nobody, needs_nobody
+from ..support import helpers
+from ..support.group import free_port, running_group, start_module, worker_env
+from ..support.nobody import init_rpc_as_nobody, needs_nobody
 
 NOBODY = 65534
 
@@ -34,8 +34,9 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as ano
 
 def member(port: int, rank: int, world_size: int, options: Dict[str, Any]) -> Any:
     env = worker_env(port, world_size, {"TORCHRPC_TEST_OPTIONS": json.dumps(options)})
-    return start_module("tests.worker_main", [f"worker{rank}", str(rank), str(world_size), "2",
-                                              "30"], env, capture=True)
+    return start_module("tests.support.worker_main",
+                        [f"worker{rank}", str(rank), str(world_size), "2", "30"], env,
+                        capture=True)
 
 
 class RankZero:

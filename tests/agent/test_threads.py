@@ -27,8 +27,8 @@ from torchrpc._transport import Transport, handshake
 from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcError, RpcTimeoutError, ThreadFailedError
 
-from .. import helpers
-from ..group import free_port, wait_for
+from ..support import helpers
+from ..support.group import free_port, wait_for
 
 
 class Boom(Exception):

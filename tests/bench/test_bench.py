@@ -22,7 +22,7 @@ import torch.distributed
 from benchmarks.metrics import metric_specs
 from benchmarks.options import DEFAULT_WORKLOADS, QUICK_OVERRIDES, BenchOptions
 
-from ..group import free_port
+from ..support.group import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_quick_run_ratios_are_torchrpc_over_torch(quick_report: dict[str, Any]) 
 # turns; "crashy"'s caller exits in its 4th step, in the middle of its first turn (its
 # callee reports the lost caller).
 BROKEN = {"mixed": "torchrpc.rpc,torch.distributed.autograd,torchrpc.optim",
-          "crashy": "torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim"}
+          "crashy": "torchrpc.rpc,torchrpc.autograd,tests.support.bench_crashing_optim"}
 
 
 @pytest.fixture(scope="module")

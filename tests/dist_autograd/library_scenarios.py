@@ -1,5 +1,5 @@
 """What libraries built on torch's RPC do, as scenarios that run under torch's RPC and under
-torchrpc alike (see tests/side_by_side.py; test_library_patterns.py compares the two).
+torchrpc alike (see tests/support/side_by_side.py; test_library_patterns.py compares the two).
 
 Each scenario runs on rank 0 (``worker0``, the driver) of a group of three and returns
 plain values: whether requests to the driver itself run in the caller's distributed
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from ..side_by_side import api
+from ..support.side_by_side import api
 
 API = api()
 rpc = API.rpc

@@ -30,8 +30,8 @@ from torchrpc._dist_autograd.records import (DistAutogradContext, RecvRecorder, 
 from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 
-from ..autograd_helpers import SleepInBackward
-from ..group import wait_for
+from ..support.autograd import SleepInBackward
+from ..support.group import wait_for
 from ..wire.test_wire import round_trip
 
 PASS = (0, 1)

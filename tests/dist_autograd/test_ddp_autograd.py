@@ -19,16 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 
-from ..group import free_port, running_group
+from ..support.group import free_port
 
 TRAINERS = ["worker1", "worker2"]
 LR = 0.1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=4, timeout=60.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=4, timeout=60.0)
 
 
 # -- on the trainers ------------------------------------------------------------------------------

@@ -14,16 +14,13 @@ from torchrpc import _wire
 from torchrpc._dist_autograd.records import DistAutogradContext, RecvRecorder, SendRecorder
 from torchrpc.errors import RpcTimeoutError, SerializationError
 
-from .. import autograd_helpers as h, helpers
-from ..group import running_group, wait_for
+from ..support import autograd as h, helpers
+from ..support.group import wait_for
 
 WORKERS = ["worker0", "worker1", "worker2"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=4, timeout=30.0)
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -18,16 +18,12 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.errors import RpcTimeoutError
 
-from ..group import running_group
 
 RECV = "torch::distributed::autograd::RecvRpcBackward"
 SEND = "torch::distributed::autograd::SendRpcBackward"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=4, timeout=30.0)
 
 
 # -- helpers that run on worker1 ------------------------------------------------------------------

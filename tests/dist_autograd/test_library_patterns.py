@@ -1,7 +1,7 @@
 """What libraries built on torch's RPC do, under torchrpc and under torch's RPC, compared.
 
 The scenarios of library_scenarios.py run on two groups of three real worker processes,
-one on torch.distributed.rpc and one on torchrpc (tests/side_by_side.py); torch's values
+one on torch.distributed.rpc and one on torchrpc (tests/support/side_by_side.py); torch's values
 are the reference. They cover requests a worker addresses to itself inside a distributed
 autograd context (a pipeline stage on the driver, started by a remote() to itself),
 backward passes where an RPC result's gradient is None (phony dependency tensors) or a
@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from ..side_by_side import run_both
+from ..support.side_by_side import run_both
 
 
 @pytest.fixture(scope="module")

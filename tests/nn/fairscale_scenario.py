@@ -1,5 +1,5 @@
 """fairscale's distributed pipeline trained on three workers, under torch's RPC or under
-torchrpc substituted by import redirection (see tests/side_by_side.py and
+torchrpc substituted by import redirection (see tests/support/side_by_side.py and
 test_fairscale_pipeline.py).
 
 Under torchrpc, fairscale's modules see torchrpc wherever they name
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..dist_autograd.library_scenarios import Linear, step_record
-from ..side_by_side import api
+from ..support.side_by_side import api
 
 API = api()
 if API.impl == "torchrpc":

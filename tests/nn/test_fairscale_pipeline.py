@@ -2,7 +2,7 @@
 torch's RPC by import redirection, exactly as under torch's RPC.
 
 fairscale_scenario.py trains two pipelines of RemoteModules over three real worker
-processes, once on torch.distributed.rpc and once on torchrpc (tests/side_by_side.py):
+processes, once on torch.distributed.rpc and once on torchrpc (tests/support/side_by_side.py):
 one whose first partition lives on the driver (started by a remote() to the driver
 itself), and one traced by torch.fx with a branch to two workers. Both use four
 micro-batches joined by phony tensors whose gradient is None, checkpointing,
@@ -18,7 +18,7 @@ from typing import Any, Dict
 import pytest
 
 from ..dist_autograd.test_library_patterns import assert_same
-from ..side_by_side import run_both
+from ..support.side_by_side import run_both
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,11 @@ import torchrpc.rpc as rpc
 from torchrpc.nn import RemoteModule
 from torchrpc.nn.api.remote_module import _REMOTE_MODULE_PICKLED_ATTRIBUTES, _RemoteModule
 
-from .. import helpers
-from ..group import ROOT, running_group, wait_for
+from ..support import helpers
+from ..support.group import ROOT, wait_for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=4, timeout=30.0)
 
 
 # -- code the workers run ---------------------------------------------------------------------

@@ -13,8 +13,8 @@ import torchrpc.rpc as rpc
 from torchrpc.nn import RemoteModule
 from torchrpc.optim import DistributedOptimizer
 
-from .. import autograd_helpers as h
-from ..group import running_group
+from ..support import autograd as h
+from ..support.group import running_group
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,14 +7,10 @@ import torch
 
 import torchrpc.rpc as rpc
 
-from .. import helpers
-from ..group import running_group
+from ..support import helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=2, timeout=30.0, options={"profile_kineto": True}) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=2, timeout=30.0, options={"profile_kineto": True})
 
 
 def _names(events):

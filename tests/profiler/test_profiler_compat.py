@@ -17,17 +17,13 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 from torchrpc.rpc.internal import RPCExecMode, _build_rpc_profiling_key
 
-from ..group import running_group
 
 REMOTE_OP = "#remote_op: "
 
 warnings.filterwarnings("ignore", message=".*profiler_legacy.profile.*deprecated")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=4, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=4, timeout=30.0)
 
 
 # -- functions the workers run ---------------------------------------------------------------------

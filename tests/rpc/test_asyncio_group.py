@@ -14,9 +14,9 @@ import torch
 import torchrpc.rpc as rpc
 from torchrpc.errors import GroupCallError
 
-from .. import aio_helpers as aio
-from .. import helpers
-from ..group import running_group
+from ..support import aio as aio
+from ..support import helpers
+from ..support.group import running_group
 
 THREADS = 2
 

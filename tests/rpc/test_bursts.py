@@ -22,8 +22,8 @@ import torchrpc.rpc as rpc
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
-from .. import helpers
-from ..group import Group, wait_for
+from ..support import helpers
+from ..support.group import Group, wait_for
 
 _done = torch._C.Future.done  # without asking the future to be read
 

@@ -11,8 +11,8 @@ import torch
 
 import torchrpc.rpc as rpc
 
-from .. import cuda_helpers as ch
-from ..group import running_group
+from ..support import cuda as ch
+from ..support.group import running_group
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

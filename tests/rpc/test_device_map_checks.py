@@ -10,7 +10,7 @@ import pytest
 
 import torchrpc.rpc as rpc
 
-from ..group import Group
+from ..support.group import Group
 
 # cuda:63 is a device no machine of ours has.
 @pytest.mark.parametrize("maps, words", [

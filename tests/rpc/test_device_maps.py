@@ -3,7 +3,7 @@
 A CUDA tensor travels as its bytes plus the device it lands on, which the sender's device
 map names (a request) or the inverse of the caller's map (a reply); without an entry for
 its device, the call fails with torch's error before anything is sent. Here a stand-in
-for CUDA tensors (``tests.cuda_helpers.FakeCuda``, mocked at the serialization layer
+for CUDA tensors (``tests.support.cuda.FakeCuda``, mocked at the serialization layer
 only) maps to ``cpu``, a target torch allows too; ``tests/rpc/test_cuda.py`` runs the real
 thing where a GPU exists.
 """
@@ -19,8 +19,8 @@ from torchrpc._wire import pickler
 from torchrpc._agent.current import current_agent
 from torchrpc.errors import DeviceMapError
 
-from .. import cuda_helpers as ch
-from ..group import running_group
+from ..support import cuda as ch
+from ..support.group import running_group
 
 TORCH_WORDS = ("TensorPipe RPC backend only supports CPU tensors by default, please move your "
                "tensors to CPU before sending them over RPC, or call `set_device_map` on "

@@ -21,7 +21,7 @@ from torchrpc._agent.snapshot import OBSERVER_RANK
 from torchrpc._transport import handshake
 from torchrpc._transport.sockets import recv_exact
 
-from ..group import free_port, running_group, start_module, wait_for
+from ..support.group import free_port, running_group, start_module, wait_for
 
 SECRET = "inspect-test-secret-" + "0123456789abcdef" * 2
 NAMES = ["worker0", "worker1", "worker2"]

@@ -12,7 +12,7 @@ import pytest
 
 import torchrpc.rpc as rpc
 
-from ..group import free_port, start_module, wait_for, worker_env
+from ..support.group import free_port, start_module, wait_for, worker_env
 from . import test_inspect as ti
 
 PORT = free_port()
@@ -31,7 +31,7 @@ def group():
     env = worker_env(PORT, 0, {"TORCHRPC_SECRET": ti.SECRET, "SCENARIO_NAME": "w1",
                                "SCENARIO_STOPFILE": os.path.join(STOP, "stop")})
     env.pop("WORLD_SIZE")
-    member = start_module("tests.scenarios", ["elastic_member", "1", "0", "0"], env,
+    member = start_module("tests.support.scenarios", ["elastic_member", "1", "0", "0"], env,
                           capture=True)
     try:
         wait_for("w1 to join", lambda: len(rpc.get_worker_infos()) == 2, 120)

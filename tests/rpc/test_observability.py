@@ -21,8 +21,8 @@ import torchrpc.rpc as rpc
 from torchrpc._agent import stats
 from torchrpc.errors import RpcTimeoutError
 
-from .. import helpers
-from ..group import ROOT, running_group, wait_for
+from ..support import helpers
+from ..support.group import ROOT, running_group, wait_for
 
 warnings.filterwarnings("ignore", message=".*profiler_legacy.profile.*deprecated")
 

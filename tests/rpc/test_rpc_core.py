@@ -18,16 +18,12 @@ from torchrpc._transport import handshake
 from torchrpc.errors import RpcTimeoutError, SerializationError
 from torchrpc.rpc import api
 
-from .. import helpers
-from ..group import running_group
+from ..support import helpers
 
 THREADS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(3, threads=THREADS, timeout=30.0) as g:
-        yield g
+pytestmark = pytest.mark.group(3, threads=THREADS, timeout=30.0)
 
 
 def test_rpc_sync_builtins_and_targets():

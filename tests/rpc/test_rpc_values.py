@@ -1,6 +1,6 @@
 """Every picklable value crosses a real RPC intact, both ways (issue 22).
 
-The matrix of ``tests/values.py`` is echoed through ``rpc_sync``, ``rpc_async`` and
+The matrix of ``tests/support/values.py`` is echoed through ``rpc_sync``, ``rpc_async`` and
 ``remote``/``to_here`` to a worker process and back; each value must come back as one
 ``pickle.dumps``/``loads`` in one process gives it. Values that cannot be pickled fail
 on the caller before anything is sent, naming the path to the bad part.
@@ -18,17 +18,13 @@ import torch
 import torchrpc.rpc as rpc
 from torchrpc.errors import SerializationError
 
-from .. import helpers, values
-from ..group import running_group
-from ..values import LARGE, assert_same, numpy_sample, pickled
+from ..support import helpers, values
+from ..support.values import LARGE, assert_same, numpy_sample, pickled
 
 MATRIX = values.matrix()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
-    with running_group(2, threads=4, timeout=60.0) as g:
-        yield g
+pytestmark = pytest.mark.group(2, threads=4, timeout=60.0)
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ from torchrpc._agent.current import handle
 from torchrpc._rref import RREF_LAYER
 from torchrpc.errors import RpcTimeoutError
 
-from .. import helpers
-from ..group import running_group, wait_for
+from ..support import helpers
+from ..support.group import running_group, wait_for
 
 REPORT = tempfile.mkdtemp(prefix="torchrpc-rref-")
 THREADS = 4

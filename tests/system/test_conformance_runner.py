@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.group import ROOT
+from tests.support.group import ROOT
 
 _PROBE = textwrap.dedent("""
     from tests.conformance import redirect

@@ -18,7 +18,7 @@ import torchrpc.rpc as rpc
 from torchrpc._rendezvous import rendezvous
 from torchrpc.rpc import options
 
-from ..group import ROOT
+from ..support.group import ROOT
 
 VENV_SH = os.path.join(ROOT, "scripts", "_venv.sh")
 SCRIPTS = [os.path.join(ROOT, "scripts", n) for n in ("test.sh", "demo.sh", "conformance.sh")]
@@ -164,7 +164,7 @@ def test_the_package_ships_no_benchmark_or_developer_tool():
     # import them. Programs under torchrpc/ are the examples, and the one command the
     # product ships (python -m torchrpc.inspect).
     include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    for folder in ("benchmarks", "benchmarks.variants", "tests", "scripts"):
+    for folder in ("benchmarks", "benchmarks.variants", "tests", "tests.support", "scripts"):
         assert not any(fnmatch.fnmatchcase(folder, pattern) for pattern in include), folder
     assert os.path.exists(os.path.join(ROOT, "benchmarks", "__main__.py"))
     problems = []

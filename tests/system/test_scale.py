@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ..group import free_port, start_module, worker_env
+from ..support.group import free_port, start_module, worker_env
 from ..agent.test_lifecycle import assert_ok, launch
 
 NS = ("trpc_ns_a", "trpc_ns_b")
@@ -20,7 +20,8 @@ ADDRS = ("10.231.7.1", "10.231.7.2")
 def test_thirty_two_workers_init_call_everyone_and_shut_down(tmp_path):
     # 32 processes forked from one that imported torch and torchrpc (see scenarios.forked).
     world = 32
-    proc = start_module("tests.scenarios", ["forked", "all_to_all", str(world), str(tmp_path)],
+    proc = start_module("tests.support.scenarios",
+                        ["forked", "all_to_all", str(world), str(tmp_path)],
                         worker_env(free_port(), world), capture=True, fresh=True)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -74,8 +75,8 @@ def _run_on_two_hosts(extra_env):
     procs = []
     for rank, ns in enumerate(NS):
         env = worker_env(int(port), 2, {"MASTER_ADDR": ADDRS[0], **extra_env})
-        procs.append(start_module("tests.scenarios", ["multihost", str(rank), "2", "0"], env,
-                                  capture=True, prefix=("ip", "netns", "exec", ns)))
+        procs.append(start_module("tests.support.scenarios", ["multihost", str(rank), "2", "0"],
+                                  env, capture=True, prefix=("ip", "netns", "exec", ns)))
     outs = []
     for p in procs:
         try:

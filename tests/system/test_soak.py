@@ -14,8 +14,8 @@ import threading
 
 import torchrpc.rpc as rpc
 
-from .. import robust_helpers as rh
-from ..group import running_group
+from ..support import robust as rh
+from ..support.group import running_group
 
 SECONDS = float(os.environ.get("TORCHRPC_SOAK_SECONDS", "10"))
 THREADS = int(os.environ.get("TORCHRPC_SOAK_THREADS", "8"))

@@ -23,8 +23,8 @@ from typing import Any, Dict, List
 
 import torchrpc.rpc as rpc
 
-from .. import robust_helpers as rh
-from ..group import free_port, start_module, wait_for, worker_env
+from ..support import robust as rh
+from ..support.group import free_port, start_module, wait_for, worker_env
 
 SECONDS = float(os.environ.get("TORCHRPC_SOAK_CHURN_SECONDS", "12"))
 EVERY = float(os.environ.get("TORCHRPC_SOAK_CHURN_EVERY", "4"))
@@ -37,7 +37,7 @@ VICTIM, VICTIM_RANK = "v", 10
 def _spawn(port: int, name: str, rank: int, stopfile: str) -> Any:
     env = worker_env(port, 0, {"SCENARIO_NAME": name, "SCENARIO_STOPFILE": stopfile})
     env.pop("WORLD_SIZE")
-    return start_module("tests.scenarios", ["soak_member", str(rank), "0", "0"], env,
+    return start_module("tests.support.scenarios", ["soak_member", str(rank), "0", "0"], env,
                         capture=True)
 
 

@@ -14,8 +14,8 @@ from torchrpc._wire import Kind
 from torchrpc.errors import ConnectionLostError, RpcTimeoutError
 from torchrpc.rpc import api
 
-from .. import helpers, robust_helpers as rh
-from ..group import running_group, wait_for
+from ..support import helpers, robust as rh
+from ..support.group import running_group, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -44,9 +44,9 @@ from torchrpc._transport import handshake, sockets
 from torchrpc._wire import Kind
 from torchrpc.rpc import api
 
-from .. import helpers, pki_helpers, robust_helpers as rh
-from ..group import Group, running_group
-from ..handshake_helpers import recv_exact
+from ..support import helpers, certs, robust as rh
+from ..support.group import Group, running_group
+from ..support.handshake import recv_exact
 
 ITERS = int(os.environ.get("TORCHRPC_FUZZ_ITERS", "10000"))
 SEED = int(os.environ.get("TORCHRPC_FUZZ_SEED", str(random.randrange(1 << 30))))
@@ -75,7 +75,7 @@ class _Groups:
     def get(self, kind: str, pki: Optional[Dict[str, str]] = None) -> Group:
         if kind != self._kind:
             self.close()
-            options = pki_helpers.tls_options(pki) if pki else None
+            options = certs.tls_options(pki) if pki else None
             self._group = self._stack.enter_context(
                 running_group(3, threads=4, timeout=30.0, options=options))
             self._kind = kind
@@ -104,7 +104,7 @@ def groups():
 def pki(tmp_path_factory) -> Dict[str, str]:
     # The workers' certificate, and the authenticated fuzzer's: both of the job's CA and
     # naming this host, so the fuzzer passes mutual TLS and reaches the HMAC handshake.
-    return pki_helpers.make_pki(tmp_path_factory.mktemp("pki"), ("ca",), (
+    return certs.make_pki(tmp_path_factory.mktemp("pki"), ("ca",), (
         ("worker", "ca", "IP:127.0.0.1"), ("client", "ca", "IP:127.0.0.1")))
 
 
@@ -407,7 +407,7 @@ def _fuzz_authenticated(rng: random.Random, target: _Target, templates: List[byt
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix",
-                                       pytest.param("tls", marks=pki_helpers.needs_openssl)])
+                                       pytest.param("tls", marks=certs.needs_openssl)])
 def test_fuzz_worker(groups, transport, request, record_property):
     pki = request.getfixturevalue("pki") if transport == "tls" else None
     group = groups.get("tls" if pki else "plain", pki)

@@ -17,7 +17,7 @@ import pytest
 from torchrpc import _wire
 from torchrpc._transport import Transport, dial, handshake, sockets
 
-from ..group import free_port, wait_for
+from ..support.group import free_port, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
                                 reason="needs root to run a process as the user nobody")

@@ -16,9 +16,9 @@ from torchrpc import _wire
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, ProtocolError
 
-from .. import helpers, relay_helpers as rh
-from .. import transport_helpers as th
-from ..group import running_group, wait_for
+from ..support import helpers, relay as rh
+from ..support import transport as th
+from ..support.group import running_group, wait_for
 
 SIZE = 1 << 20
 

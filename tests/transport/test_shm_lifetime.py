@@ -14,8 +14,8 @@ import torch
 
 import torchrpc.rpc as rpc
 
-from .. import helpers
-from ..group import Group, running_group, wait_for
+from ..support import helpers
+from ..support.group import Group, running_group, wait_for
 from .test_transport import torchrpc_segments
 
 _MEMFD = re.compile(r"/memfd:torchrpc-\d+-(\d+)-")  # the creator's pid

@@ -21,16 +21,16 @@ from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, RpcError
 from torchrpc.rpc import api
 
-from .. import helpers, pki_helpers
-from .. import transport_helpers as th
-from ..group import running_group, wait_for
+from ..support import helpers, certs
+from ..support import transport as th
+from ..support.group import running_group, wait_for
 
-pytestmark = pki_helpers.needs_openssl
+pytestmark = certs.needs_openssl
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Dict[str, str]:
-    return pki_helpers.make_pki(tmp_path_factory.mktemp("pki"), ("ca", "rogue_ca"), (
+    return certs.make_pki(tmp_path_factory.mktemp("pki"), ("ca", "rogue_ca"), (
         ("worker", "ca", "IP:127.0.0.1"),
         ("rogue", "rogue_ca", "IP:127.0.0.1"),
         ("elsewhere", "ca", "IP:10.9.9.9"),  # the job's CA, another host's address
@@ -286,7 +286,7 @@ def test_the_hmac_handshake_is_bound_to_the_tls_session(pki):
 
 
 def test_a_group_runs_over_tls(pki):
-    with running_group(3, threads=4, timeout=30.0, options=pki_helpers.tls_options(pki)):
+    with running_group(3, threads=4, timeout=30.0, options=certs.tls_options(pki)):
         big = torch.randn(4 << 20)
         assert torch.equal(rpc.rpc_sync("worker1", helpers.echo, args=(big,)), big)
         assert rpc.rpc_sync("worker2", helpers.nested_call, args=("worker1", 2)) == \

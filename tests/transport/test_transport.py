@@ -28,9 +28,9 @@ from torchrpc._wire import Kind
 from torchrpc.errors import ProtocolError
 from torchrpc.rpc import api
 
-from .. import helpers
-from .. import transport_helpers as th
-from ..group import running_group, wait_for
+from ..support import helpers
+from ..support import transport as th
+from ..support.group import running_group, wait_for
 from ..wire.test_wire import DTYPES, Inner, Outer, assert_same, sample
 
 THRESHOLD = 64 << 10

@@ -27,8 +27,8 @@ from ..support.memory_transport import MemoryLink
 from torchrpc._wire import Kind
 from torchrpc.errors import ClosedError, ConnectionLostError, ProtocolError
 
-from .. import helpers, pki_helpers
-from .. import transport_helpers as th
+from ..support import helpers, certs
+from ..support import transport as th
 
 LINKS = ["tcp", "unix", "tls", "shm", "memory"]
 THRESHOLD = 64 << 10  # bytes from which the shm link puts a buffer in shared memory
@@ -97,7 +97,7 @@ def _memory_pair() -> Pair:
 def pki(tmp_path_factory) -> Dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command line tool to make certificates")
-    return pki_helpers.make_pki(tmp_path_factory.mktemp("pki"), ("ca",),
+    return certs.make_pki(tmp_path_factory.mktemp("pki"), ("ca",),
                                 (("worker", "ca", "IP:127.0.0.1"),))
 
 

@@ -14,9 +14,9 @@ import torch
 
 import torchrpc.rpc as rpc
 
-from .. import helpers
-from .. import transport_helpers as th
-from ..group import Group, free_port, sigstop, start_module, wait_for, worker_env
+from ..support import helpers
+from ..support import transport as th
+from ..support.group import Group, free_port, sigstop, start_module, wait_for, worker_env
 from .test_transport import LARGE, THRESHOLD, torchrpc_segments
 
 
@@ -74,7 +74,7 @@ def test_echo_of_256mb_keeps_peak_rss_within_the_payloads_it_holds(tmp_path, shm
     out = tmp_path / "rss.json"
     env = worker_env(port, 2, {"SHM": "1" if shm_on else "0", "PAYLOAD": str(payload)})
     # New interpreters: a forked worker would count the zygote's pages in its peak RSS.
-    procs = [start_module("tests.transport_helpers", ["memory", str(r), str(port), str(out)],
+    procs = [start_module("tests.support.transport", ["memory", str(r), str(port), str(out)],
                           env, fresh=True) for r in (0, 1)]
     try:
         codes = [p.wait(120) for p in procs]

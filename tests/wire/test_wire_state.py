@@ -13,7 +13,7 @@ import torch
 
 from torchrpc import _wire
 
-from ..group import ROOT
+from ..support.group import ROOT
 
 
 class _Marked:

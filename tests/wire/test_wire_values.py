@@ -26,11 +26,11 @@ from torchrpc import _wire
 from torchrpc._wire import rebuild
 from torchrpc.errors import SerializationError
 
-from .. import values
-from ..group import ROOT
+from ..support import values
+from ..support.group import ROOT
 from ..support.frames import FrameDecoder
 from .test_wire import receive, round_trip
-from ..values import LARGE, assert_same, numpy_sample, pickled
+from ..support.values import LARGE, assert_same, numpy_sample, pickled
 
 MATRIX = values.matrix()
 

@@ -1,9 +1,9 @@
 """Start a group of real worker processes for a test module.
 
 The pytest process is rank 0 of the group, so tests call the RPC API directly.
-Ranks 1..n-1 are subprocesses running ``tests.worker_main``: they ``init_rpc``
-and then wait in a graceful ``shutdown()``, serving requests until rank 0 shuts
-down too.
+Ranks 1..n-1 are subprocesses running ``tests.support.worker_main``: they
+``init_rpc`` and then wait in a graceful ``shutdown()``, serving requests until rank 0
+shuts down too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ FORK_ENV = "TORCHRPC_TEST_FORK"  # "0": start group members as new interpreters
 def start_module(module: str, args: List[str], env: Dict[str, str], capture: bool = False,
                  fresh: bool = False, prefix: Sequence[str] = ()) -> Any:
     """``python -m module *args`` with environment ``env``: forked from the test zygote
-    (``tests.zygote``, which has imported torch once for all), or a new interpreter where
+    (``tests.support.zygote``, which has imported torch once for all), or a new interpreter where
     ``TORCHRPC_TEST_FORK=0``, with ``fresh`` (a process whose memory must be its own) or
     with a command ``prefix`` (``ip netns exec NS``: a worker in another network). Either
     answers ``subprocess.Popen``'s pid, poll, wait, send_signal and kill; with
@@ -55,7 +55,7 @@ def start_module(module: str, args: List[str], env: Dict[str, str], capture: boo
                                  if capture else {})
         return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], cwd=ROOT,
                                 env=env, **pipes)
-    from tests import zygote
+    from tests.support import zygote
     return zygote.spawn(module, args, env, ROOT, capture)
 
 
@@ -108,9 +108,9 @@ class Group:
         env = worker_env(self.port, world_size, extra_env)
         self.procs: Dict[int, Any] = {}
         for r in range(1, world_size):
-            self.procs[r] = start_module("tests.worker_main", [self.names[r], str(r), str(world_size),
-                                                               str(threads), str(timeout)], env,
-                                         fresh=fresh)
+            self.procs[r] = start_module("tests.support.worker_main",
+                                         [self.names[r], str(r), str(world_size), str(threads),
+                                          str(timeout)], env, fresh=fresh)
 
     def init_self(self) -> None:
         import torchrpc.rpc as rpc

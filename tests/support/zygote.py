@@ -24,10 +24,11 @@ import sys
 import threading
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Imported once in the zygote, before any fork.
 PRELOAD = ("torch", "torchrpc.rpc", "torchrpc.autograd", "torchrpc.optim", "torchrpc.nn",
-           "tests.group", "tests.thread_watch", "tests.helpers", "tests.robust_helpers")
+           "tests.support.group", "tests.support.thread_watch", "tests.support.helpers",
+           "tests.support.robust")
 
 
 class Forked:
@@ -94,7 +95,8 @@ class _Client:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.zygote",
+                                      str(theirs.fileno())],
                                      cwd=ROOT, env=env, pass_fds=[theirs.fileno()])
         theirs.close()
         self.sock = ours

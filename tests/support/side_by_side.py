@@ -8,7 +8,7 @@ the functions it runs on the other members: each member imports the module with 
 setting. Every member seeds torch's generator with 0 before ``init_rpc``, so modules
 created on a member get the same parameters under both implementations.
 
-``python -m tests.side_by_side IMPL SCENARIO RANK WORLD_SIZE TIMEOUT`` is one member
+``python -m tests.support.side_by_side IMPL SCENARIO RANK WORLD_SIZE TIMEOUT`` is one member
 (TensorPipe options: 16 threads, ``TIMEOUT`` as the RPC timeout); rank 0 prints the
 scenario's value on one line after :data:`RESULT`.
 """
@@ -78,7 +78,7 @@ def start(impl: str, scenario: str, world_size: int, timeout: float,
     output is captured); read the value with :func:`result`."""
     port = free_port()
     member_env = worker_env(port, world_size, {IMPL_ENV: impl, **(env or {})})
-    return [start_module("tests.side_by_side",
+    return [start_module("tests.support.side_by_side",
                          [impl, scenario, str(rank), str(world_size), str(timeout)],
                          member_env, capture=rank == 0)
             for rank in range(world_size)]

@@ -8,8 +8,8 @@ import sys
 import torch
 
 import torchrpc.rpc as rpc
-from tests.group import backend_and_options, exit_fast
-from tests.thread_watch import WATCH_ENV, ThreadWatch
+from tests.support.group import backend_and_options, exit_fast
+from tests.support.thread_watch import WATCH_ENV, ThreadWatch
 
 # Set: serve until helpers.stop_serving is called, then stop without meeting the group.
 SERVE_ENV = "TORCHRPC_TEST_SERVE"
@@ -30,7 +30,7 @@ def main() -> None:
                  rpc_backend_options=opts)
     if os.environ.get(SERVE_ENV) or rank in os.environ.get(SERVE_RANKS_ENV, "").split(","):
         # Serve whatever happens to the others, until the test says stop.
-        from tests.helpers import stopped_serving
+        from tests.support.helpers import stopped_serving
         stopped_serving.wait()
         rpc.shutdown(graceful=False)
         return

@@ -406,7 +406,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        from tests.robust_helpers import bump
+        from tests.support.robust import bump
         if ctx.counted:
             bump("backward")
         bump("slow backward")
@@ -416,7 +416,7 @@ class _SlowBackward(torch.autograd.Function):
 
 def slow_backward_starts() -> int:
     """How many times a backward pass entered the slow part of ``_SlowBackward`` here."""
-    from tests.robust_helpers import count
+    from tests.support.robust import count
     return count("slow backward")
 
 
@@ -435,7 +435,7 @@ def autograd_contexts() -> int:
     return rpc.get_debug_info()["num_autograd_contexts"]
 
 
-stopped_serving = threading.Event()  # see tests.worker_main's TORCHRPC_TEST_SERVE
+stopped_serving = threading.Event()  # see tests.support.worker_main's TORCHRPC_TEST_SERVE
 
 
 def stop_serving() -> bool:

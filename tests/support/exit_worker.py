@@ -1,5 +1,5 @@
 """One worker of a group that ends in one of the ways a worker can end, in a fresh
-interpreter: ``python -m tests.exit_worker MODE RANK WORLD THREADS`` (the group's store
+interpreter: ``python -m tests.support.exit_worker MODE RANK WORLD THREADS`` (the group's store
 from ``MASTER_ADDR``/``MASTER_PORT``; THREADS ``1`` runs one torch thread, ``default``
 torch's default). tests/agent/test_exit.py runs it and checks how each process ended.
 

@@ -1,6 +1,6 @@
 """A ``DistributedOptimizer`` for the bench tests whose process dies in its 4th step.
 
-``--define-system crashy=torchrpc.rpc,torchrpc.autograd,tests.bench_crashing_optim`` makes
+``--define-system crashy=torchrpc.rpc,torchrpc.autograd,tests.support.bench_crashing_optim`` makes
 a system whose training caller is killed in the middle of its first turn (with the quick
 options: one warmup step, then one untimed and three timed steps a turn).
 """

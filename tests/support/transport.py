@@ -1,7 +1,7 @@
 """Bare transports in this process for the transport tests, functions that those tests
 run on remote workers, and the memory-test worker.
 
-``python -m tests.transport_helpers memory RANK PORT OUT`` is one member of the two-worker
+``python -m tests.support.transport memory RANK PORT OUT`` is one member of the two-worker
 group of the peak-RSS test: rank 0 echoes a large tensor off rank 1 and writes both
 processes' peak RSS to ``OUT`` as JSON.
 """
@@ -26,7 +26,7 @@ from torchrpc._wire import Kind
 
 def tls_contexts(pki: Dict[str, str], cert: str = "worker", ca: str = "ca",
                  require: bool = True, identity: Optional[str] = None) -> tls.TlsContexts:
-    """TLS contexts with ``cert`` (and its key) from ``pki`` (see pki_helpers.make_pki)."""
+    """TLS contexts with ``cert`` (and its key) from ``pki`` (see certs.make_pki)."""
     return tls.make_contexts(pki[cert], pki[f"{cert}.key"], pki[ca], require, identity)
 
 

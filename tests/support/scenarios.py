@@ -1,4 +1,4 @@
-"""Whole-process scenarios for lifecycle tests: ``python -m tests.scenarios NAME RANK``.
+"""Whole-process scenarios for lifecycle tests: ``python -m tests.support.scenarios NAME RANK``.
 
 Each prints ``OK <detail>`` on success; any exception fails the process.
 """

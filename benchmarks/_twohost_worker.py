@@ -23,11 +23,9 @@ The systems:
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import itertools
 import json
-import logging
 import os
 import socket
 import struct
@@ -38,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ._worker import Record, _describe
+from ._worker import Record, _describe, begin
 from .callees import (baseline_rss_mb, echo, noop, peak_rss_mb, process_cpu_s,
                       remote_peak_rss_mb)
 from .context import WorkerContext, percentile
@@ -280,16 +278,7 @@ def _profile_threads(directory: str, rank: int) -> Any:
 
 def main(argv: list[str]) -> int:
     """Run the worker described by the spec file ``argv[0]``; return the exit status."""
-    with open(argv[0], encoding="utf-8") as spec_file:
-        spec = json.load(spec_file)
-    faulthandler.dump_traceback_later(spec["time_limit"], exit=True)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s "
-                        "%(name)s %(threadName)s: %(message)s")
-    record = Record(spec["result_path"], spec["rank"])
-    opts = BenchOptions.from_json(spec["options"])
-    if opts.torch_threads:
-        torch.set_num_threads(opts.torch_threads)
-    record.data["torch_threads"] = torch.get_num_threads()
+    spec, record, opts = begin(argv[0])
     dump = _profile_threads(spec["profile_dir"], spec["rank"]) if spec.get("profile_dir") \
         else None
     try:

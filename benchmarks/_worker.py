@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from types import ModuleType
-from typing import Any
+from typing import Any, Dict, Tuple
 
 import torch
 from torch.distributed import TCPStore
@@ -210,9 +210,10 @@ def run_scale(spec: dict[str, Any], mods: dict[str, ModuleType], opts: BenchOpti
     _exit_barrier(store, world_size)
 
 
-def main(argv: list[str]) -> int:
-    """Run the worker described by the spec file ``argv[0]``; return the exit status."""
-    with open(argv[0], encoding="utf-8") as spec_file:
+def begin(spec_path: str) -> Tuple[Dict[str, Any], "Record", BenchOptions]:
+    """A worker's start: its spec, the time limit, the log, its record and options, and
+    torch's threads as the options say (every worker of the bench, one host or two)."""
+    with open(spec_path, encoding="utf-8") as spec_file:
         spec = json.load(spec_file)
     faulthandler.dump_traceback_later(spec["time_limit"], exit=True)
     # The systems' warnings and errors go to this rank's log, where the launcher looks.
@@ -223,6 +224,12 @@ def main(argv: list[str]) -> int:
     if opts.torch_threads:
         torch.set_num_threads(opts.torch_threads)
     record.data["torch_threads"] = torch.get_num_threads()
+    return spec, record, opts
+
+
+def main(argv: list[str]) -> int:
+    """Run the worker described by the spec file ``argv[0]``; return the exit status."""
+    spec, record, opts = begin(argv[0])
     try:
         record.phase("import")
         mods = {role: importlib.import_module(name)

@@ -29,14 +29,13 @@ import json
 import os
 import socket
 import struct
-import sys
 import time
 import traceback
 from typing import Any
 
 import torch
 
-from ._worker import Record, _describe, begin
+from ._worker import Record, _describe, begin, run_and_exit
 from .callees import (baseline_rss_mb, echo, noop, peak_rss_mb, process_cpu_s,
                       remote_peak_rss_mb)
 from .context import WorkerContext, percentile
@@ -302,7 +301,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    _status = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_status)
+    run_and_exit(main)

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 from torch.distributed import TCPStore
@@ -246,9 +246,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    _status = main(sys.argv[1:])
+def run_and_exit(main_fn: Callable[[list[str]], int]) -> None:
+    """Run a worker's ``main_fn`` on the command line and exit with its status, skipping
+    interpreter teardown: a system's leftover threads must not keep the worker alive."""
+    status = main_fn(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: a system's leftover threads must not keep us alive.
-    os._exit(_status)
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    run_and_exit(main)

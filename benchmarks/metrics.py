@@ -126,22 +126,7 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                              "x", "higher", workload,
                              Target("absolute", ">=", 0.8, "issue 20: one copy"))
                   for s in options.echo_sizes_mb if s >= 64]
-        largest = max(options.echo_sizes_mb)
-        # The bound is about the payload copies a process holds: its growth over its peak
-        # before the echoes (torch alone is ~300 MB, which no transport can shed). Below
-        # 64 MB the allocator's own slack dominates and a 2x bound means nothing.
-        rss_target = (Target("absolute", "<=", 2 * largest, "issue 20: 2x payload")
-                      if largest >= 64 else None)
-        specs += [
-            MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
-                       workload),
-            MetricSpec("peak_rss_callee_MB", "peak RSS callee (echo)", "MiB", "lower",
-                       workload),
-            MetricSpec("rss_growth_caller_MB", "peak RSS growth caller (echo)", "MiB",
-                       "lower", workload, rss_target),
-            MetricSpec("rss_growth_callee_MB", "peak RSS growth callee (echo)", "MiB",
-                       "lower", workload, rss_target),
-        ]
+        specs += rss_specs(max(options.echo_sizes_mb), workload, "issue 20: 2x payload")
         return specs
     if workload == "echo_numpy":
         return [MetricSpec(echo_numpy_metric(options.echo_numpy_mb),
@@ -183,3 +168,20 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                                  "lower", workload) for what, label in SCALE_MEMORY]
         return specs
     raise ValueError(f"unknown workload {workload!r}")
+
+
+def rss_specs(largest_mb: float, workload: str, source: str) -> list[MetricSpec]:
+    """The peak RSS metrics of an echo workload whose largest payload is ``largest_mb``.
+
+    The bound is about the payload copies a process holds: its growth over its peak
+    before the echoes (torch alone is ~300 MB, which no transport can shed). Below 64 MB
+    the allocator's own slack dominates and a 2x bound means nothing."""
+    bound = Target("absolute", "<=", 2 * largest_mb, source) if largest_mb >= 64 else None
+    return [
+        MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower", workload),
+        MetricSpec("peak_rss_callee_MB", "peak RSS callee (echo)", "MiB", "lower", workload),
+        MetricSpec("rss_growth_caller_MB", "peak RSS growth caller (echo)", "MiB", "lower",
+                   workload, bound),
+        MetricSpec("rss_growth_callee_MB", "peak RSS growth callee (echo)", "MiB", "lower",
+                   workload, bound),
+    ]

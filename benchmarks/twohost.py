@@ -38,7 +38,7 @@ from typing import Any
 
 from .launcher import (_KILL_MARGIN_S, SessionOutcome, _count_errors, _kill_group,
                        _read_json, _supervise, _tail, _worker_env)
-from .metrics import MetricSpec, Target, echo_metric, size_label
+from .metrics import MetricSpec, Target, echo_metric, rss_specs, size_label
 from .netns import HostPair, exit_on_sigterm, unavailable
 from .options import BenchOptions
 from .report import build_report, combine_reports, render_markdown, threads_label
@@ -85,21 +85,11 @@ def metric_specs(options: BenchOptions) -> list[MetricSpec]:
             if size >= 1 else None
         specs.append(MetricSpec(echo_metric(size), f"echo {size_label(size)} MB float32",
                                 "GB/s", "higher", WORKLOAD, target))
-    largest = max(options.echo_sizes_mb)
-    rss = Target("absolute", "<=", 2 * largest, f"{_SOURCE}: 2x payload") \
-        if largest >= 64 else None
     specs += [MetricSpec("echo_cpu_caller_s", "CPU of the echoes, caller", "s", "lower",
                          WORKLOAD),
               MetricSpec("echo_cpu_callee_s", "CPU of the echoes, callee", "s", "lower",
-                         WORKLOAD),
-              MetricSpec("peak_rss_caller_MB", "peak RSS caller (echo)", "MiB", "lower",
-                         WORKLOAD),
-              MetricSpec("peak_rss_callee_MB", "peak RSS callee (echo)", "MiB", "lower",
-                         WORKLOAD),
-              MetricSpec("rss_growth_caller_MB", "peak RSS growth caller (echo)", "MiB",
-                         "lower", WORKLOAD, rss),
-              MetricSpec("rss_growth_callee_MB", "peak RSS growth callee (echo)", "MiB",
-                         "lower", WORKLOAD, rss)]
+                         WORKLOAD)]
+    specs += rss_specs(max(options.echo_sizes_mb), WORKLOAD, f"{_SOURCE}: 2x payload")
     return specs
 
 

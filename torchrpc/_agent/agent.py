@@ -103,7 +103,6 @@ class Agent:
         # Elastic membership (world_size=None): see torchrpc._rendezvous.membership.
         self.elastic = world_size is None
         self.traffic = Traffic(self._lock)  # the traffic counters by peer (stats.py)
-        self._peer_stats, self.new_stats = self.traffic.by_rank, self.traffic.new
         # Runs the coroutines of ``async def`` targets (its loop starts with the first one).
         self.coroutines = CoroutineRunner(name, self._pool)
         self._next_tick = 0.0  # when the timer's housekeeping is due next
@@ -386,7 +385,7 @@ def _new_calls(agent: Agent) -> Calls:
                                  lambda: agent.default_timeout)
     return Calls(
         agent.name, settings.max_pending_requests, pool, agent.requests, connections.to,
-        registry.left, agent.left_error, agent._hooks, agent._peer_stats, agent.new_stats,
+        registry.left, agent.left_error, agent._hooks, agent.traffic.by_rank, agent.traffic.new,
         functools.partial(MessageContext, agent),
         functools.partial(Lanes, private=private, spin_us=settings.spin_us, pending=pending,
                           pool=pool, lifecycle=agent.lifecycle),

@@ -332,6 +332,7 @@ def goodbye_to(rank: int) -> bool:
     """Send GOODBYE to ``rank`` on every connection to it, as a stopping worker does, but
     keep running and serving: the window between a peer's GOODBYE and its closed socket."""
     import time
+    from torchrpc._agent.connections import goodbye
     from torchrpc._agent.current import current_agent
     agent = current_agent()
     # The caller's shared connection here may still be registering (its handshake ends
@@ -342,7 +343,7 @@ def goodbye_to(rank: int) -> bool:
     conns = list(agent.connections.all.get(rank, []))
     assert conns, f"no shared connection to rank {rank} to say GOODBYE on"
     for conn in conns:
-        agent.shutdown_protocol.goodbye(conn)
+        goodbye(conn)
     return True
 
 

@@ -443,8 +443,6 @@ class Shutdown:
 
     # -- stopping ----------------------------------------------------------------------------------
 
-    goodbye = staticmethod(goodbye)  # connections.goodbye
-
     def _time_left(self) -> Optional[float]:
         """Seconds left to the graceful shutdown under way; None without a deadline."""
         return None if self.deadline is None else _left(self.deadline)

@@ -115,12 +115,11 @@ class Agent:
         # The connections by peer, and the peers whose connections broke (connections.py).
         self.connections = Connections(name, self._lock, self.lifecycle, self.registry,
                                        self.requests, timeout, lambda: self._transport)
-        self._send = self.connections.send  # the one "send a frame to a peer" of the parts
         # Serving requests: the handlers by kind, replies, at most once (dispatch.py).
         self.dispatch = Dispatch(name, self._pool, self.coroutines,
                                  functools.partial(MessageContext, self), self._hooks,
-                                 self.serve_all, self.traffic.by_rank, self._send, timeout,
-                                 settings.max_queued_requests)
+                                 self.serve_all, self.traffic.by_rank, self.connections.send,
+                                 timeout, settings.max_queued_requests)
         # Sending and completing requests (calls.py), by the lanes replies take (lanes.py).
         self.calls = _new_calls(self)
         self.lanes = self.calls.lanes
@@ -340,8 +339,6 @@ class Agent:
         """Run ``fn(*args)`` on the worker pool in ``delay`` seconds; dropped at shutdown."""
         self.scheduler.call_later(delay, fn, *args)
 
-    left_error = staticmethod(left_error)  # registry.left_error
-
     def mark_ready(self) -> None:
         """Start serving requests (``init_rpc`` calls this once every layer is installed)."""
         self.inbound.mark_ready()
@@ -381,11 +378,11 @@ def _new_calls(agent: Agent) -> Calls:
     settings, registry, connections = agent.settings, agent.registry, agent.connections
     pending, pool = agent.requests.pending, agent._pool
     private = PrivateConnections(agent.rank, settings.max_private_connections,
-                                 agent.lifecycle, registry, connections, agent.left_error,
+                                 agent.lifecycle, registry, connections, left_error,
                                  lambda: agent.default_timeout)
     return Calls(
         agent.name, settings.max_pending_requests, pool, agent.requests, connections.to,
-        registry.left, agent.left_error, agent._hooks, agent.traffic.by_rank, agent.traffic.new,
+        registry.left, left_error, agent._hooks, agent.traffic.by_rank, agent.traffic.new,
         functools.partial(MessageContext, agent),
         functools.partial(Lanes, private=private, spin_us=settings.spin_us, pending=pending,
                           pool=pool, lifecycle=agent.lifecycle),

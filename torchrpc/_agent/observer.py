@@ -8,6 +8,12 @@ proves the secret to each worker in the ordinary handshake, as the rank
 :data:`~torchrpc._agent.snapshot.OBSERVER_RANK`, which no member has, and asks each for
 its snapshot (snapshot.py); the answers are JSON, nothing is unpickled. It writes nothing
 to the store and takes no rank, so when it closes, or dies, nothing of it remains.
+
+A group whose links run over TLS takes the observer's links over TLS too, with what a
+worker is given (``tls_certfile``, ``tls_keyfile``, ``tls_cafile``, ``tls_identity``) and
+the same checks both ways: its certificate must chain to the job's CA and carry the job
+identity or name the observer's address. Without them, the first worker that turns out
+to speak TLS ends the snapshot with :class:`TlsRequiredError`, which says what to give.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from .._rendezvous import membership, rendezvous
 from .._rendezvous.group_store import Records
 from .._rendezvous.secret import (LOCATOR_KEY, SECRET_ENV, SECRET_FILE_ENV, Source,
                                   launcher_secret, read_local)
-from .._transport import Connection, handshake
+from .._transport import Connection, handshake, tls
 from .._transport.dial import dial
 from .._transport.links import Links
 from .._wire import Kind
@@ -50,6 +56,29 @@ _HOW = (f"set {SECRET_ENV} to the job's secret (the value its workers were given
 
 class GroupNotFoundError(RendezvousError):
     """The rendezvous store holds no torchrpc group (yet)."""
+
+
+class TlsRequiredError(AuthenticationError):
+    """The group's links run over TLS and the observer was given no TLS material."""
+
+
+TLS_HOW = ("give the observer what a worker of the job is given: a certificate and key "
+           "signed by the job's CA (tls_certfile, tls_keyfile; the certificate must carry "
+           "the job identity, or name this host's address), the CA (tls_cafile) and, if "
+           "the workers set one, tls_identity; on the command line --tls-certfile, "
+           "--tls-keyfile, --tls-cafile and --tls-identity")
+
+
+def _tls_contexts(certfile: Optional[str], keyfile: Optional[str], cafile: Optional[str],
+                  identity: Optional[str]) -> Optional[tls.TlsContexts]:
+    """The observer's TLS contexts from a worker's TLS options (None without a
+    certificate); ValueError naming a bad or missing one."""
+    if not certfile:
+        if cafile or keyfile or identity:
+            raise ValueError(f"tls_certfile is required with tls_cafile, tls_keyfile or "
+                             f"tls_identity: {TLS_HOW}")
+        return None
+    return tls.make_contexts(certfile, keyfile, cafile, True, identity)
 
 
 class Member:
@@ -178,15 +207,25 @@ class Observer:
         secret: the job secret; by default ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``
             (or, in a worker's process, that worker's).
         timeout: seconds to reach the store and each worker.
+        tls_certfile, tls_keyfile, tls_cafile, tls_identity: for a group whose links
+            run over TLS, as a worker's backend options of those names (in a worker's
+            process, by default that worker's).
     """
 
     def __init__(self, init_method: Optional[str] = None, secret: Optional[bytes] = None,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, tls_certfile: Optional[str] = None,
+                 tls_keyfile: Optional[str] = None, tls_cafile: Optional[str] = None,
+                 tls_identity: Optional[str] = None) -> None:
         self._init_method = init_method
         self._secret = secret
         self._timeout = timeout
         self._store: Any = None
         self._agent = handle.agent if init_method is None else None
+        self._tls = _tls_contexts(tls_certfile, tls_keyfile, tls_cafile, tls_identity)
+        settings = getattr(self._agent, "settings", None)
+        if self._tls is None and settings is not None and settings.tls_certfile:
+            self._tls = _tls_contexts(settings.tls_certfile, settings.tls_keyfile,
+                                      settings.tls_cafile, settings.tls_identity)
         self.members: List[Member] = []
         self._links: Optional[Links] = None
         self._conns: Dict[int, Connection] = {}  # rank -> its connection
@@ -220,7 +259,8 @@ class Observer:
         if self._links is None:
             self._links = Links(OBSERVER_RANK, secret, _wire.Limits(),
                                 handshake.FEATURE_FRAME_MAC | handshake.FEATURE_TENSOR_MAC,
-                                lambda conn: None, self._on_frame, self._on_close)
+                                lambda conn: None, self._on_frame, self._on_close,
+                                tls_contexts=self._tls)
 
     def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:
@@ -239,8 +279,18 @@ class Observer:
         if conn is not None and not conn.closed:
             return conn
         assert self._links is not None
-        conn = dial(self._links, m.rank, m.host, m.port,
-                    max(deadline - time.monotonic(), 0.5), incarnation=m.incarnation)
+        try:
+            conn = dial(self._links, m.rank, m.host, m.port,
+                        max(deadline - time.monotonic(), 0.5), incarnation=m.incarnation)
+        except RpcError:
+            # A TLS worker closes on the plain handshake's first bytes: find out whether
+            # that is why, and if so say what the observer needs.
+            if self._links.tls is None and tls.speaks_tls(
+                    m.host, m.port, max(deadline - time.monotonic(), 0.5)):
+                raise TlsRequiredError(f"the group's links run over TLS ({m.name} at "
+                                       f"{m.host}:{m.port} speaks TLS), and this observer "
+                                       f"has no TLS material: {TLS_HOW}") from None
+            raise
         with self._lock:
             self._conns[m.rank] = conn
         return conn
@@ -264,6 +314,9 @@ class Observer:
             self._replies[rid] = (event, box)
             try:
                 self._connect(m, deadline).send(Kind.SNAPSHOT, 0, rid, body, [], None)
+            except TlsRequiredError:
+                self._replies.pop(rid, None)
+                raise
             except (RpcError, OSError) as exc:
                 self._replies.pop(rid, None)
                 docs[m.rank] = _unanswered(m, f"cannot reach it at {m.host}:{m.port}: {exc}")
@@ -425,7 +478,9 @@ def short_name(function: str) -> str:
 
 def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
              timeout: float = 10.0, init_method: Optional[str] = None,
-             secret: Optional[bytes] = None) -> Dict[str, Any]:
+             secret: Optional[bytes] = None, tls_certfile: Optional[str] = None,
+             tls_keyfile: Optional[str] = None, tls_cafile: Optional[str] = None,
+             tls_identity: Optional[str] = None) -> Dict[str, Any]:
     """A snapshot of every worker of a running group, as an observer.
 
     Args:
@@ -436,6 +491,10 @@ def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
             in this process, else ``MASTER_ADDR``/``MASTER_PORT``.
         secret: the job secret; by default ``TORCHRPC_SECRET`` or
             ``TORCHRPC_SECRET_FILE`` (in a worker's process, that worker's).
+        tls_certfile, tls_keyfile, tls_cafile, tls_identity: for a group whose links
+            run over TLS: what a worker's backend options of those names hold (in a
+            worker's process, by default that worker's). Without them such a group
+            raises :class:`TlsRequiredError`, which says what to give.
 
     Returns:
         ``{"workers": [...], "chains": [...], "taken_at": ...}``: per worker its name,
@@ -444,5 +503,6 @@ def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
         ``thread``), RRefs, autograd contexts, lost peers and, with ``stacks``, its
         threads' stacks; ``chains`` are the wait-for chains (see docs/guide.md).
     """
-    with Observer(init_method, secret, timeout) as observer:
+    with Observer(init_method, secret, timeout, tls_certfile, tls_keyfile, tls_cafile,
+                  tls_identity) as observer:
         return observer.snapshot(workers, stacks, timeout)

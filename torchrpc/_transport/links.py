@@ -169,9 +169,10 @@ class Links:
             if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
                 tls.check_identity(wrapped.peer_certificate(), self.tls.identity, address)
         except BaseException:
-            # The caller forgets and closes the plain socket; the session must go too, or
-            # every failed handshake would keep its buffers here until shutdown.
+            # The session took the socket over: it closes here, and goes from the table,
+            # or every failed handshake would keep its socket until shutdown.
             self.forget(wrapped)
+            wrapped.close()
             raise
         return wrapped, wrapped.binding(self.tls.certificate_hash, server_side)
 

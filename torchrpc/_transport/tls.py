@@ -1,13 +1,24 @@
 """TLS for links between workers (stdlib ``ssl``), safe for one reader and many writers.
 
-Theory of operation. A connection is read by its reader thread while other
-threads write to it, but one OpenSSL connection object must not be used by two
-threads at once, and an ``ssl.SSLSocket`` has no lock of its own. So the TLS
-state machine runs over memory BIOs (``ssl.SSLObject``): the reader pulls
-ciphertext from the socket itself and decrypts it under a short lock; a writer
-encrypts under the same lock and sends the ciphertext outside it, holding a
-second lock that keeps records in order. No lock is held across a blocking
-receive, so a writer never waits for the peer to speak.
+Theory of operation. OpenSSL works on the socket itself (``ssl.SSLSocket``): it
+reads records from the kernel, decrypts them straight into the reader's buffer (a
+tensor's memory, for the bytes of a tensor) and encrypts a writer's buffers straight
+onto the socket, with no Python code per record. Where the kernel offers TLS (Linux's
+``tls`` module) OpenSSL hands the record layer to it (kernel TLS, see :func:`ktls`);
+elsewhere, or where it cannot, it does the work itself, unseen by the callers.
+
+A connection is read by its reader thread while other threads write to it, but one
+OpenSSL connection object must not be used by two threads at once, and an
+``ssl.SSLSocket`` has no lock of its own. So the socket is non-blocking and every
+call into OpenSSL runs under one short lock; a call that would block
+(``SSLWantReadError``/``SSLWantWriteError``) lets the lock go and waits for the
+socket with ``poll`` outside it. No lock is held across a wait, so a writer never
+waits for the peer to speak and the reader never waits for a writer's peer to read.
+The reader always asks OpenSSL first and waits on the socket only when OpenSSL has
+nothing decrypted left: bytes of a record already read from the kernel (``pending()``)
+never show in ``poll``, so waiting first could sleep on bytes that have arrived.
+A second lock keeps writers' records in order; small buffers are joined into one
+record, large ones are encrypted where they lie.
 
 :class:`TlsSocket` offers the part of the socket API the transport uses
 (``recv``, ``recv_into``, ``sendall``, ``sendmsg``, ``settimeout``, ...), so a
@@ -24,24 +35,42 @@ is configured, else name the address the peer is reached at or connects from.
 Finally the HMAC handshake is bound to the session through the server
 certificate's hash (:meth:`TlsSocket.binding`), so a party holding some other
 certificate of the CA cannot relay it.
+
+Ciphers: the TLS 1.3 suites are OpenSSL's defaults, AES-256-GCM first. Python 3.11
+cannot choose TLS 1.3 suites per context (``set_ciphers`` reaches TLS 1.2 only), and
+AES-128-GCM would save little where AES instructions run GCM at several GB/s, far
+above what a Python reader moves; dropping to TLS 1.2 for it, or changing OpenSSL's
+configuration for the whole process, would cost more than it saves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import ipaddress
-import mmap
+import logging
+import select
 import socket
 import ssl
+import struct
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..errors import AuthenticationError
 
-_CIPHER_CHUNK = 256 * 1024  # ciphertext read from the socket at once
-_PLAIN_CHUNK = 1024 * 1024  # plaintext encrypted at once by a writer
+log = logging.getLogger(__name__)
+
+_PLAIN_CHUNK = 1024 * 1024  # the most plaintext one locked call encrypts
+_RECORD = 16 * 1024  # the most plaintext a TLS record carries
+_JOIN = _RECORD  # buffers smaller than a record are joined, up to this much at once
+
+# OpenSSL 3's SSL_OP_ENABLE_KTLS (ssl.OP_ENABLE_KTLS from Python 3.12 on): let OpenSSL
+# hand the record layer to the kernel where the kernel's TLS module is there.
+_OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
+_SOL_TLS, _TLS_TX, _TLS_RX = 282, 1, 2  # linux/tls.h
+_TCP_ULP = getattr(socket, "TCP_ULP", 31)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +95,8 @@ def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
     def load(ctx: ssl.SSLContext) -> None:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.options |= ssl.OP_NO_RENEGOTIATION
+        if kernel_tls_available():
+            ctx.options |= _OP_ENABLE_KTLS
         try:
             ctx.load_cert_chain(certfile, keyfile)
         except (OSError, ssl.SSLError) as exc:
@@ -87,6 +118,58 @@ def make_contexts(certfile: str, keyfile: Optional[str], cafile: Optional[str],
     client.verify_mode = ssl.CERT_REQUIRED
     return TlsContexts(server, client, hashlib.sha256(_first_certificate(certfile)).digest(),
                        identity)
+
+
+def kernel_tls_available() -> bool:
+    """Whether OpenSSL may hand TLS links to the kernel: OpenSSL 3 or later, and a
+    kernel whose ``tls`` module is loaded (listed in ``tcp_available_ulp``). Elsewhere
+    OpenSSL does the record layer itself; kernel TLS is never required."""
+    if ssl.OPENSSL_VERSION_INFO < (3,):
+        return False  # the option's bit means something else before OpenSSL 3
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_ulp") as f:
+            return "tls" in f.read().split()
+    except OSError:
+        return False
+
+
+def ktls(sock: Any) -> Tuple[bool, bool]:
+    """Whether the kernel encrypts (send) and decrypts (receive) on the TCP socket
+    ``sock``: (False, False) unless kernel TLS took the link over."""
+    try:
+        ulp = sock.getsockopt(socket.IPPROTO_TCP, _TCP_ULP, 16)
+    except OSError:
+        return False, False
+    if ulp.rstrip(b"\0") != b"tls":
+        return False, False
+
+    def on(direction: int) -> bool:
+        try:
+            sock.getsockopt(_SOL_TLS, direction, 64)
+            return True
+        except OSError:
+            return False
+    return on(_TLS_TX), on(_TLS_RX)
+
+
+def speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the listener at ``host:port`` answers a TLS ClientHello with a TLS
+    handshake: what a worker whose links run over TLS does. Nothing is verified: the
+    answer only tells a client without TLS material what it lacks."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, do_handshake_on_connect=False) as sock:
+            sock.do_handshake()
+            return True  # TLS 1.3: done before the server looks at our (missing) certificate
+    except ssl.SSLError as exc:
+        # An alert from the server (it wants a certificate) is TLS too; bytes that are no
+        # TLS, or a close, are not.
+        return "ALERT" in str(exc.reason or "").upper()
+    except OSError:
+        return False
 
 
 def _first_certificate(certfile: str) -> bytes:
@@ -165,18 +248,23 @@ def _resolves_to(name: str, want: "ipaddress._BaseAddress") -> bool:
 
 
 class TlsSocket:
-    """A TLS session over a connected socket; see the module docs."""
+    """A TLS session over a connected socket; see the module docs.
+
+    It takes over ``sock`` (which is detached): close this object, not ``sock``."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool) -> None:
-        self._sock = sock
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self.ssl_object = context.wrap_bio(self._in, self._out, server_side=server_side)
-        self._lock = threading.Lock()       # guards the SSLObject and both BIOs
-        self._send_lock = threading.Lock()  # keeps ciphertext records in order on the socket
-        # An anonymous mapping, not a bytearray: no page costs memory before data lands on it,
-        # so an unauthenticated peer makes this worker allocate nothing of it.
-        self._cipher = memoryview(mmap.mmap(-1, _CIPHER_CHUNK))
+        # Waits follow the socket's timeout (the handshake's), and sends that make no
+        # progress fail after its SO_SNDTIMEO, which a non-blocking socket ignores.
+        self._timeout: Optional[float] = sock.gettimeout()
+        self._send_timeout = _send_timeout(sock)
+        sock.setblocking(False)
+        self.ssl_object: ssl.SSLSocket = context.wrap_socket(
+            sock, server_side=server_side, do_handshake_on_connect=False)
+        self._fd = self.ssl_object.fileno()
+        self._lock = threading.Lock()       # one thread in OpenSSL at a time
+        self._send_lock = threading.Lock()  # keeps writers' records in order on the socket
+        self._closed = False
+        self.ktls = (False, False)  # (send, receive) done by the kernel; set after the handshake
 
     def binding(self, own_certificate_hash: bytes, server_side: bool) -> bytes:
         """The SHA-256 of the server's certificate, as this side of the session sees it."""
@@ -192,68 +280,141 @@ class TlsSocket:
         """Run the TLS handshake (one thread, before the connection is shared); past the
         ``time.monotonic()`` ``deadline``, if given, raise TimeoutError."""
         while True:
-            with self._lock:
-                try:
-                    self.ssl_object.do_handshake()
-                    done = True
-                except ssl.SSLWantReadError:
-                    done = False
-                out = self._out.read()
-            if out:
-                self._sock.sendall(out)
-            if done:
-                return
-            if deadline is not None:  # a peer trickling bytes must not hold us for long
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the TLS handshake did not finish by its deadline")
-                self._sock.settimeout(left)
-            data = self._sock.recv(_CIPHER_CHUNK)
-            if not data:
+            try:
+                self.ssl_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                events = select.POLLIN
+            except ssl.SSLWantWriteError:
+                events = select.POLLOUT
+            except ssl.SSLEOFError as exc:
                 raise ConnectionResetError("the peer closed the connection during the TLS "
-                                           "handshake")
-            with self._lock:
-                self._in.write(data)
+                                           "handshake") from exc
+            # A peer trickling bytes must not hold us for long: one deadline for it all.
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 or not self._wait(events, left):
+                raise TimeoutError("the TLS handshake did not finish by its deadline")
+        self.ktls = ktls(self.ssl_object)
+        if any(self.ktls):
+            log.debug("kernel TLS on a link (send %s, receive %s)", *self.ktls)
+
+    def _wait(self, events: int, timeout: Optional[float]) -> bool:
+        """Wait until the socket is ready for ``events`` (or broke); False after
+        ``timeout`` seconds (None: no limit)."""
+        poller = select.poll()
+        poller.register(self._fd, events)
+        ms = None if timeout is None else max(int(timeout * 1000), 1)
+        while True:
+            try:
+                return bool(poller.poll(ms))
+            except InterruptedError:  # pragma: no cover - retried by Python since 3.5
+                continue
 
     # -- receiving (the reader thread) ---------------------------------------------------------
 
     def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
-        view = memoryview(buffer)
+        """Receive into ``buffer`` (``nbytes`` at most): the records OpenSSL can decrypt
+        without waiting, up to the buffer's end or a record shorter than the longest
+        (the end of what a writer sent), or else wait for the next bytes."""
+        view = memoryview(buffer).cast("B")
         n = nbytes or view.nbytes
+        timeout = self._timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lock, sslsock = self._lock, self.ssl_object
+        with lock:
+            buffered = sslsock.pending()
+        if not buffered:
+            # Nothing decrypted waits inside OpenSSL, which reads no further than the
+            # record it decrypts: only the socket can bring more, so sleep on it first.
+            self._await(select.POLLIN, deadline)
+        got = 0
         while True:
-            with self._lock:
+            with lock:  # let go between records: a writer waits for one record at most
                 try:
-                    return self.ssl_object.read(n, view)
+                    # Decrypted straight into the caller's buffer, a record at a time.
+                    k = sslsock.read(n - got, view[got:] if got else view)
                 except ssl.SSLWantReadError:
-                    pass
+                    if got:
+                        return got
+                    events = select.POLLIN
+                except ssl.SSLWantWriteError:
+                    if got:
+                        return got
+                    events = select.POLLOUT
                 except ssl.SSLZeroReturnError:
-                    return 0  # the peer closed the TLS session
-            k = self._sock.recv_into(self._cipher)
-            if not k:
-                return 0
-            with self._lock:
-                self._in.write(self._cipher[:k])
+                    return got  # the peer closed the TLS session
+                except ValueError:
+                    if self._closed:  # closed by another thread
+                        raise OSError(errno.EBADF, "the TLS socket is closed") from None
+                    raise
+                else:
+                    got += k
+                    if not k or got >= n or k < _RECORD:
+                        return got
+                    continue
+            self._await(events, deadline)
+
+    def _await(self, events: int, deadline: Optional[float]) -> None:
+        """Wait for ``events`` on the socket; socket.timeout past ``deadline``."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 or not self._wait(events, left):
+            raise socket.timeout("timed out")
 
     def recv(self, n: int) -> bytes:
         buf = bytearray(n)
         k = self.recv_into(buf)
         return bytes(buf[:k])
 
+    def pending(self) -> int:
+        """Bytes OpenSSL has decrypted and no caller has read yet."""
+        with self._lock:
+            return self.ssl_object.pending()
+
     # -- sending (any thread) ------------------------------------------------------------------
 
     def sendmsg(self, parts: Sequence[Any]) -> int:
         """Encrypt and send every part; return the number of plaintext bytes (all of them)."""
         total = 0
+        joined = bytearray()
         with self._send_lock:
             for part in parts:
                 view = memoryview(part).cast("B")
-                for pos in range(0, view.nbytes, _PLAIN_CHUNK):
-                    with self._lock:
-                        self.ssl_object.write(view[pos:pos + _PLAIN_CHUNK])
-                        out = self._out.read()
-                    self._sock.sendall(out)
-                total += view.nbytes
+                n = view.nbytes
+                total += n
+                if n < _JOIN:
+                    joined += view  # a header, an envelope, a small tensor: one record
+                    if len(joined) >= _JOIN:
+                        self._write(joined)
+                        joined = bytearray()
+                    continue
+                if joined:
+                    self._write(joined)
+                    joined = bytearray()
+                for pos in range(0, n, _PLAIN_CHUNK):
+                    self._write(view[pos:pos + _PLAIN_CHUNK])
+            if joined:
+                self._write(joined)
         return total
+
+    def _write(self, data: Any) -> None:
+        # OpenSSL finishes a write that would block when it is called again with the
+        # same buffer, so the retries pass ``data`` itself.
+        lock, write = self._lock, self.ssl_object.write
+        while True:
+            with lock:
+                try:
+                    write(data)
+                    return
+                except ssl.SSLWantWriteError:
+                    events = select.POLLOUT
+                except ssl.SSLWantReadError:
+                    events = select.POLLIN
+                except ValueError:
+                    if self._closed:
+                        raise OSError(errno.EBADF, "the TLS socket is closed") from None
+                    raise
+            if not self._wait(events, self._send_timeout):
+                raise OSError(errno.EAGAIN, "no progress sending")  # as SO_SNDTIMEO reports it
 
     def sendall(self, data: Any) -> None:
         self.sendmsg([data])
@@ -261,19 +422,33 @@ class TlsSocket:
     # -- the rest of the socket API the transport uses ------------------------------------------
 
     def settimeout(self, value: Optional[float]) -> None:
-        self._sock.settimeout(value)
+        self._timeout = value  # for recv_into; the socket itself stays non-blocking
 
     def setsockopt(self, *args: Any) -> None:
-        self._sock.setsockopt(*args)
+        self.ssl_object.setsockopt(*args)
 
     def fileno(self) -> int:
-        return self._sock.fileno()
+        return self.ssl_object.fileno()
 
     def getpeername(self) -> Any:
-        return self._sock.getpeername()
+        return self.ssl_object.getpeername()
 
     def shutdown(self, how: int) -> None:
-        self._sock.shutdown(how)
+        # The socket's own shutdown, not SSLSocket.shutdown: that one drops the TLS
+        # session, after which reads would return the stream's bytes undecrypted.
+        socket.socket.shutdown(self.ssl_object, how)
 
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            self._closed = True
+            self.ssl_object.close()
+
+
+def _send_timeout(sock: socket.socket) -> Optional[float]:
+    """The socket's SO_SNDTIMEO in seconds (None: none)."""
+    try:
+        sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                                        struct.calcsize("ll")))
+    except OSError:
+        return None
+    return sec + usec / 1e6 or None

@@ -6,6 +6,8 @@ the job secret from ``TORCHRPC_SECRET`` or ``TORCHRPC_SECRET_FILE``, asks every 
 for a snapshot and prints a table of the workers, their outstanding calls and the
 requests they serve, and the wait-for chains; ``--stacks`` adds every thread's stack,
 ``--json`` prints the document instead, ``--watch S`` refreshes it every S seconds.
+A group whose links run over TLS needs what a worker is given: ``--tls-certfile``,
+``--tls-keyfile``, ``--tls-cafile`` and ``--tls-identity``.
 """
 
 from __future__ import annotations
@@ -117,6 +119,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="refresh every S seconds until interrupted")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to reach the store and for each worker's answer (10)")
+    tls = p.add_argument_group(
+        "TLS", "for a group whose links run over TLS: what a worker's backend options of the "
+               "same names hold (the certificate must carry the job identity, or name this "
+               "host's address)")
+    tls.add_argument("--tls-certfile", default=None, metavar="PEM",
+                     help="a certificate signed by the job's CA (with its key, or see "
+                          "--tls-keyfile)")
+    tls.add_argument("--tls-keyfile", default=None, metavar="PEM",
+                     help="the certificate's private key, when not inside --tls-certfile")
+    tls.add_argument("--tls-cafile", default=None, metavar="PEM",
+                     help="the job's CA, which the workers' certificates chain to")
+    tls.add_argument("--tls-identity", default=None, metavar="NAME",
+                     help="the job identity the workers' certificates carry, if they set "
+                          "tls_identity")
     p.add_argument("-v", "--verbose", action="store_true", help="log torchrpc's messages")
     return p
 
@@ -135,7 +151,9 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
               file=sys.stderr)
         return 2
     try:
-        observer = Observer(args.init_method, timeout=args.timeout)
+        observer = Observer(args.init_method, timeout=args.timeout,
+                            tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
+                            tls_cafile=args.tls_cafile, tls_identity=args.tls_identity)
     except (RpcError, ValueError) as exc:
         print(f"torchrpc.inspect: error: {exc}", file=sys.stderr)
         return 2

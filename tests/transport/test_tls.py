@@ -3,10 +3,12 @@ the HMAC handshake inside TLS, and a whole group running over TLS."""
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from typing import Dict
@@ -301,3 +303,130 @@ def test_a_group_runs_over_tls(pki):
                 assert not s.recv(100).startswith(b"TRPH")
             except ConnectionResetError:
                 pass
+
+
+def test_a_64_mb_tensor_and_many_small_frames_cross_a_tls_link(pki):
+    server, client = _Peer(0, _contexts(pki)), _Peer(1, _contexts(pki))
+    try:
+        conn = client.connect(server)
+        # TLS 1.3's suites are OpenSSL's defaults (see tls.py); an AEAD either way.
+        assert conn.sock.ssl_object.cipher()[0] in ("TLS_AES_256_GCM_SHA384",
+                                                    "TLS_AES_128_GCM_SHA256",
+                                                    "TLS_CHACHA20_POLY1305_SHA256")
+        if not tls.kernel_tls_available():
+            assert conn.sock.ktls == (False, False)  # OpenSSL does the records itself
+        big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+        conn.send(Kind.CALL, 0, 1, b"big", [_wire.tensor_bytes(big)], big)
+        header, env, bufs = client.frames.get(timeout=120)
+        assert header.request_id == 1 and env == b"big" and torch.equal(bufs[0], big)
+        del bufs, big
+
+        # Many small frames from several threads at once: writers' frames go out together,
+        # several to a record, and each frame's tensor is read on its own (a few bytes of
+        # a record, the rest left decrypted inside OpenSSL, unseen by poll).
+        def send(i: int) -> None:
+            for j in range(300):
+                rid = 1000 + i * 1000 + j
+                data = torch.tensor([rid % 251, i, j % 256], dtype=torch.uint8)
+                conn.send(Kind.CALL, 0, rid, b"s", [_wire.tensor_bytes(data)], data)
+
+        assert not helpers.run_in_threads(send, [(i,) for i in range(6)])
+        seen = set()
+        for _ in range(6 * 300):
+            header, env, bufs = client.frames.get(timeout=30)
+            rid = header.request_id
+            i, j = divmod(rid - 1000, 1000)
+            assert bufs[0].tolist() == [rid % 251, i, j % 256]
+            seen.add(rid)
+        assert len(seen) == 6 * 300
+    finally:
+        client.close()
+        server.close()
+
+
+def _tls_pair(pki, send_timeout: float = 0.0) -> "tuple[tls.TlsSocket, tls.TlsSocket]":
+    """Two ends of a TLS session over loopback TCP, handshaken; the first one's socket
+    has SO_SNDTIMEO ``send_timeout`` before TLS takes it over (as Links.bound sets it)."""
+    contexts = _contexts(pki)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        raw_a = socket.create_connection(listener.getsockname())
+        raw_b, _ = listener.accept()
+    if send_timeout:
+        sec = int(send_timeout)
+        raw_a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                         struct.pack("ll", sec, int((send_timeout - sec) * 1e6)))
+    a = tls.TlsSocket(raw_a, contexts.client, False)
+    b = tls.TlsSocket(raw_b, contexts.server, True)
+    done = threading.Thread(target=b.do_handshake, args=(time.monotonic() + 10,))
+    done.start()
+    a.do_handshake(time.monotonic() + 10)
+    done.join()
+    return a, b
+
+
+def test_bytes_decrypted_inside_openssl_are_read_while_the_socket_is_quiet(pki):
+    # The classic bug of TLS on a non-blocking socket: a record holds many small frames;
+    # the reader takes a few bytes, OpenSSL keeps the rest decrypted, and the kernel has
+    # nothing, so waiting on the socket first would sleep on bytes that have arrived.
+    a, b = _tls_pair(pki)
+    try:
+        frames = [f"frame{i:05d}".encode() * 4 for i in range(300)]  # 40 bytes apiece
+        a.sendmsg(frames)
+        b.settimeout(2.0)  # a wait on the socket here would raise socket.timeout
+        buf = bytearray(40)
+        assert b.recv_into(buf, 40) == 40 and bytes(buf) == frames[0]
+        assert b.pending() > 0  # the rest of the record, decrypted, inside OpenSSL ...
+        deadline = time.monotonic() + 5
+        while b.pending() < 299 * 40 - 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # ... while the socket has nothing to read (the whole record was taken from it).
+        if b.pending() >= 299 * 40 - 40:
+            assert not select.select([b.fileno()], [], [], 0)[0]
+        for want in frames[1:]:
+            got = 0
+            while got < 40:
+                got += b.recv_into(memoryview(buf)[got:], 40 - got)
+            assert bytes(buf) == want
+        with pytest.raises(socket.timeout):
+            b.recv_into(buf)  # and now nothing is left anywhere: a wait, to its timeout
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tls_send_that_makes_no_progress_fails_at_the_send_timeout(pki):
+    # The socket under TLS is non-blocking, where SO_SNDTIMEO does nothing: the session
+    # reads it when it takes the socket over, keeps the deadline itself, and reports it
+    # as the kernel would (EAGAIN, which the connection words as send_timeout's).
+    a, b = _tls_pair(pki, send_timeout=0.5)
+    try:
+        blob = bytes(32 << 20)  # more than the two sockets' buffers hold; b never reads
+        start = time.monotonic()
+        with pytest.raises(OSError) as info:
+            a.sendall(blob)
+        assert info.value.errno == errno.EAGAIN
+        assert 0.4 < time.monotonic() - start < 10
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_close_from_another_thread_wakes_the_reader(pki):
+    a, b = _tls_pair(pki)
+    result = []
+
+    def read() -> None:
+        try:
+            result.append(b.recv_into(bytearray(100)))
+        except OSError as exc:
+            result.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    b.shutdown(socket.SHUT_RDWR)  # what Connection.close does, then close()
+    reader.join(5)
+    b.close()
+    a.close()
+    assert not reader.is_alive()
+    assert result == [0] or isinstance(result[0], OSError), result

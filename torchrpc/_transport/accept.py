@@ -152,8 +152,9 @@ class Acceptor:
             binding = b""
             if links.tls is not None:
                 # A client on the Unix socket is on this host, which its certificate must name.
-                sock, binding = links.secure(sock, True, addr[0] if isinstance(addr, tuple)
-                                             else self.address[0], deadline)
+                sock = links.wrap_tls(sock, True)
+                binding = links.secure(sock, True, addr[0] if isinstance(addr, tuple)
+                                       else self.address[0], deadline)
             hello = handshake.parse_hello(recv_exact(sock, handshake.HELLO.size, deadline))
             # This worker proves its rank, incarnation and address as it published them.
             challenge, nonce = handshake.make_challenge(links.secret, hello, links.rank,

@@ -40,8 +40,9 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
         links.bound(sock)
         binding = b""
         if links.tls is not None:
-            sock, binding = links.secure(sock, False, host,
-                                         time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT))
+            sock = links.wrap_tls(sock, False)
+            binding = links.secure(sock, False, host,
+                                   time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT))
         offer = links.features if private else links.features & ~handshake.FEATURE_PRIVATE
         hello, nonce = handshake.make_hello(links.rank, offer, links.incarnation)
         sock.sendall(hello)

@@ -153,28 +153,27 @@ class Links:
             except OSError as exc:
                 log.debug("no send timeout on a socket: %s", exc)
 
-    def secure(self, sock: socket.socket, server_side: bool, address: str,
-               deadline: Optional[float] = None) -> Tuple[tls.TlsSocket, bytes]:
-        """Run the TLS handshake on ``sock`` (by ``deadline``, if given) and check the
-        identity of the peer at ``address``; return the TLS socket that replaces it and
-        the session's binding."""
+    def wrap_tls(self, sock: socket.socket, server_side: bool) -> tls.TlsSocket:
+        """The TLS session that takes ``sock`` over, tracked in its place (the caller
+        closes it, as it would have closed ``sock``)."""
         assert self.tls is not None
-        ctx = self.tls.server if server_side else self.tls.client
-        wrapped = tls.TlsSocket(sock, ctx, server_side)
+        wrapped = tls.TlsSocket(sock, self.tls.server if server_side else self.tls.client,
+                                server_side)
         with self._lock:
             self._sockets.discard(sock)
             self._sockets.add(wrapped)
-        try:
-            wrapped.do_handshake(deadline)
-            if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
-                tls.check_identity(wrapped.peer_certificate(), self.tls.identity, address)
-        except BaseException:
-            # The session took the socket over: it closes here, and goes from the table,
-            # or every failed handshake would keep its socket until shutdown.
-            self.forget(wrapped)
-            wrapped.close()
-            raise
-        return wrapped, wrapped.binding(self.tls.certificate_hash, server_side)
+        return wrapped
+
+    def secure(self, wrapped: tls.TlsSocket, server_side: bool, address: str,
+               deadline: Optional[float] = None) -> bytes:
+        """Run the TLS handshake of ``wrapped`` (by ``deadline``, if given) and check the
+        identity of the peer at ``address``; return the session's binding."""
+        assert self.tls is not None
+        wrapped.do_handshake(deadline)
+        ctx = self.tls.server if server_side else self.tls.client
+        if not server_side or ctx.verify_mode == ssl.CERT_REQUIRED:
+            tls.check_identity(wrapped.peer_certificate(), self.tls.identity, address)
+        return wrapped.binding(self.tls.certificate_hash, server_side)
 
     # -- connections ---------------------------------------------------------------------------
 

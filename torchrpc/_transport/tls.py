@@ -14,9 +14,11 @@ call into OpenSSL runs under one short lock; a call that would block
 (``SSLWantReadError``/``SSLWantWriteError``) lets the lock go and waits for the
 socket with ``poll`` outside it. No lock is held across a wait, so a writer never
 waits for the peer to speak and the reader never waits for a writer's peer to read.
-The reader always asks OpenSSL first and waits on the socket only when OpenSSL has
-nothing decrypted left: bytes of a record already read from the kernel (``pending()``)
-never show in ``poll``, so waiting first could sleep on bytes that have arrived.
+The reader waits on the socket only when OpenSSL holds nothing decrypted
+(``pending()``): the rest of a record already taken from the kernel never shows in
+``poll``, so waiting then would sleep on bytes that have arrived. (OpenSSL reads
+from the socket no further than the end of the record it decrypts, so nothing else
+of the stream can wait inside it.)
 A second lock keeps writers' records in order; small buffers are joined into one
 record, large ones are encrypted where they lie.
 

@@ -430,3 +430,24 @@ def test_a_close_from_another_thread_wakes_the_reader(pki):
     a.close()
     assert not reader.is_alive()
     assert result == [0] or isinstance(result[0], OSError), result
+
+
+def test_kernel_tls_is_asked_for_only_where_the_kernel_offers_it(pki):
+    contexts = _contexts(pki)
+    offered = tls.kernel_tls_available()
+    with open("/proc/sys/net/ipv4/tcp_available_ulp") as f:
+        assert offered == ("tls" in f.read().split())
+    for ctx in (contexts.client, contexts.server):
+        assert bool(ctx.options & tls._OP_ENABLE_KTLS) == offered
+    a, b = _tls_pair(pki)
+    try:
+        if not offered:  # OpenSSL does the records itself, and says so
+            assert a.ktls == b.ktls == (False, False)
+        a.sendall(b"over whichever does the records")
+        assert b.recv(100) == b"over whichever does the records"
+    finally:
+        a.close()
+        b.close()
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # plain TCP: no kernel TLS
+        with socket.create_connection(listener.getsockname()) as plain:
+            assert tls.ktls(plain) == (False, False)

@@ -76,7 +76,6 @@ class Inbound:
         self._new_stats = new_stats
         self._max_queued = max_queued
         self.role = ReadingRole(name, pool, scheduler)
-        self._serve = dispatch.serve
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
 
@@ -133,7 +132,7 @@ class Inbound:
         pool = self._pool
         running = self._lifecycle.state is RUNNING
         if current_pool() is pool and running:
-            return self.role.run_inline(conn, self._serve, src, header, envelope, buffers,
+            return self.role.run_inline(conn, self._dispatch.serve, src, header, envelope, buffers,
                                         handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
@@ -160,7 +159,7 @@ class Inbound:
         role of its connection, as if this thread had read the request itself."""
         with self._pool.blocking():
             mark_reader_thread()
-            work = self.role.run_inline(conn, self._serve, src, header, envelope, buffers,
+            work = self.role.run_inline(conn, self._dispatch.serve, src, header, envelope, buffers,
                                         handler, via)
             if work is None:
                 work = conn.read_frames()

@@ -132,8 +132,8 @@ class Inbound:
         pool = self._pool
         running = self._lifecycle.state is RUNNING
         if current_pool() is pool and running:
-            return self.role.run_inline(conn, self._dispatch.serve, src, header, envelope, buffers,
-                                        handler, via)
+            return self.role.run_inline(conn, self._dispatch.serve, src, header, envelope,
+                                        buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
@@ -159,8 +159,8 @@ class Inbound:
         role of its connection, as if this thread had read the request itself."""
         with self._pool.blocking():
             mark_reader_thread()
-            work = self.role.run_inline(conn, self._dispatch.serve, src, header, envelope, buffers,
-                                        handler, via)
+            work = self.role.run_inline(conn, self._dispatch.serve, src, header, envelope,
+                                        buffers, handler, via)
             if work is None:
                 work = conn.read_frames()
         if work is not None:

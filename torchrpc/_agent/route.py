@@ -113,7 +113,8 @@ def read_replies(conn: Connection, calls: Sender, waiting: Optional[Set[int]] = 
         try:
             header, envelope, buffers = read_frame()
         except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
-            return exc
+            # Whoever fails requests with it may keep it: not its frames (and their callers').
+            return exc.with_traceback(None)
         kind = header.kind
         if kind == _RESPONSE or kind == _ERROR:
             if took is not None:

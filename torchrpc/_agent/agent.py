@@ -65,6 +65,7 @@ from .stats import Traffic
 from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
+_CALL = Kind.CALL  # looked up once: a member's lookup on the enum class is slow
 
 
 class Agent:
@@ -284,8 +285,8 @@ class Agent:
         """Run ``func(*args, **kwargs)`` on ``dst``; a future of its result (see request)."""
         if self.shutdown_protocol.failure is not None or self.lifecycle.state is not RUNNING:
             self.check_running()  # raises
-        return self.calls.start(dst, Kind.CALL, (func, args, kwargs), timeout, func,
-                                retry=retry, expect=expect)
+        return self.calls.start(dst, _CALL, (func, args, kwargs), timeout, func, False, retry,
+                                expect)
 
     def request(self, dst: WorkerInfo, kind: int, payload: Any, timeout: float,
                 what: Any = None, oneway: bool = False,

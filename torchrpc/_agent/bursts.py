@@ -43,7 +43,7 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Header, Kind
 from ..errors import ClosedError, RpcError
-from .futures import ManyClaim, RpcFuture
+from .futures import ManyClaim, RpcFuture, mark_reader_thread, on_reader_thread
 from .pool import WorkerPool, current_pool
 from .route import IdleConnections, Route, Sender, read_replies
 from .scheduler import LENT_TICK
@@ -59,6 +59,7 @@ _MAX_OUT = 512  # requests outstanding on one burst connection at most
 _MAX_BYTES = 1024  # a larger request of a burst goes over the shared connection
 _OPEN_AFTER = 64  # rpc_async calls to a worker over the shared connection open a private one
 _WAKE = 0.05  # seconds between looks at its future of a thread waiting for a reply
+_ERROR = int(Kind.ERROR)  # a plain int: looking a member up on the enum class is slow
 _done = torch._C.Future.done  # without RpcFuture's claim
 
 
@@ -289,11 +290,17 @@ class Bursts:
             out.pop(header.request_id, None)
 
         def settled(header: Header) -> None:
-            if header.kind == Kind.ERROR:
+            if header.kind == _ERROR:
                 burst.errors += 1
 
-        read_replies(burst.conn, self._calls, lambda exc: self._lost(burst, exc), more=more,
-                     took=took, settled=settled, as_reader=True)
+        was_reader = on_reader_thread()
+        mark_reader_thread()
+        try:
+            error = read_replies(burst.conn, self._calls, None, None, more, took, settled)
+            if error is not None:
+                self._lost(burst, error)
+        finally:
+            mark_reader_thread(was_reader)
 
     def _lost(self, burst: Burst, exc: BaseException) -> None:
         burst.errors += 1

@@ -41,6 +41,10 @@ from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
+# Plain ints: looking a member up on the enum class costs more than the comparison.
+_CALL, _RESPONSE, _ERROR = int(Kind.CALL), int(Kind.RESPONSE), int(Kind.ERROR)
+_FLAG_ONEWAY, _FLAG_ONCE = _wire.FLAG_ONEWAY, _wire.FLAG_ONCE
+
 
 class Calls:
     """Encoding, sending and completing the requests of one agent.
@@ -82,6 +86,8 @@ class Calls:
         self._rid = itertools.count(1)
         self.probes = probes(self)
         self.lanes = lanes(self)
+        self._pick = self.lanes.pick
+        self._shared = self.lanes.shared.route
         # Callee rank -> ids of at-most-once requests to it whose replies arrived here: the
         # next such request tells the callee, which then lets go of the replies it kept.
         self._acks: Dict[int, List[int]] = {}
@@ -96,12 +102,11 @@ class Calls:
               on_done: Optional[Callable[[Any], None]] = None) -> Any:
         """The one path of a request (see :meth:`Agent.request`): pick its lane, encode
         and enter it, send it; its future."""
-        route = self.lanes.pick(dst, expect, retry, timeout, after) if expect else \
-            self.lanes.shared.route
+        route = self._pick(dst, expect, retry, timeout, after) if expect else self._shared
         try:
             rid, p, flags, env, bufs, keep = self.new_request(
-                dst, kind, payload, timeout, what, oneway, retry, route.conn, sync=route.sync,
-                on_done=on_done if route.inline else None)
+                dst, kind, payload, timeout, what, oneway, retry, route.conn, None, None,
+                route.sync, on_done if route.inline else None)
         except BaseException:
             route.lane.release(route, dst)
             raise
@@ -149,7 +154,7 @@ class Calls:
         encoding if it depends on nothing of ``dst`` (see :meth:`request_many`).
         """
         # The protocols' at-most-once messages are not refused: losing them would lose state.
-        once = retry is not None and retry.max_attempts > 1 and kind != Kind.CALL
+        once = retry is not None and retry.max_attempts > 1 and kind != _CALL
         waiting = len(self._pending)
         if self._max_pending and waiting >= self._max_pending and not oneway and not once:
             raise RpcError(
@@ -173,7 +178,7 @@ class Calls:
             if acks:
                 meta = dict(meta) if meta else {}
                 meta[ONCE_ACKS] = tuple(acks)
-        ctx = self._new_context(dst, kind, replied=not oneway)
+        ctx = self._new_context(dst, kind, not oneway)
         inline = self._inline_max.get(dst.id, _wire.INLINE_MAX)
         if encoded is not None and meta is None and send_hook is None and states is None \
                 and encoded[3] == inline:
@@ -190,13 +195,13 @@ class Calls:
                     and not ctx.per_peer and not ctx.on_settled and ctx.gates is None:
                 share.append((env, bufs, keep, inline))
         rid = next(self._rid)
-        flags = _wire.FLAG_ONEWAY if oneway else 0
+        flags = _FLAG_ONEWAY if oneway else 0
         now = time.monotonic()
         stats = self._peer_stats.get(dst.id) or self._new_stats(dst.id)
         stats.calls_out += 1
         stats.bytes_out += len(env) + nbytes(bufs) if bufs else len(env)
-        p = Pending(SyncFuture() if sync else new_future(self._pool), dst, what, timeout, states,
-                    stats, now)
+        p = Pending(SyncFuture() if sync else RpcFuture(self._pool), dst, what, timeout, states,
+                    stats, now, private, kind)
         if states is not None:
             p.on_failure = functools.partial(self._request_failed, dst, states)
         # Inline, wherever the future completes: these are short bookkeeping steps.
@@ -204,12 +209,10 @@ class Calls:
             _inline_callback(p.future, functools.partial(_run_all, ctx.on_settled))
         if on_done is not None:
             _inline_callback(p.future, on_done)
-        p.private = private
-        p.kind = kind
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             if once:  # internal: the callee runs it once; @idempotent may rerun
-                flags |= _wire.FLAG_ONCE
+                flags |= _FLAG_ONCE
             p.resend = Resend(retry, deadline, kind, flags, env, bufs, keep)
         if not oneway or p.resend is not None:
             self._requests.add(rid, p, deadline)
@@ -232,19 +235,19 @@ class Calls:
             if r is not None:
                 r.sent = was_sent
             p.private = None  # nobody reads a lane's connection for it: a retry goes shared
-            if flags & _wire.FLAG_ONEWAY and p.resend is None:
+            if flags & _FLAG_ONEWAY and p.resend is None:
                 p.set_exception(self.lost_error(p.dst, exc))
             else:
                 self.send_failed(kind, rid, p.dst, exc)
             return False
-        if flags & _wire.FLAG_ONEWAY and (p.resend is None
+        if flags & _FLAG_ONEWAY and (p.resend is None
                                           or self._pending.pop(rid, None)):
             p.future.set_result(None)
         return True
 
     def send_failed(self, kind: int, rid: int, dst: WorkerInfo, exc: BaseException) -> None:
         """A frame for ``dst`` could not be sent: retry or fail its request, log a reply."""
-        if kind in (Kind.RESPONSE, Kind.ERROR):
+        if kind == _RESPONSE or kind == _ERROR:
             log.warning("%s could not reply to %s: %s", self._name, dst.name, exc)
             return
         self.request_lost(rid, dst, exc)
@@ -291,13 +294,13 @@ class Calls:
         if resend is not None:
             if resend.probing:
                 self.probes.answered(resend)  # the reply came before the probe's answer
-            if resend.flags & _wire.FLAG_ONCE:
+            if resend.flags & _FLAG_ONCE:
                 self._acks.setdefault(p.dst.id, []).append(header.request_id)
         stats = p.stats
         if stats is not None:
             stats.latency(now - p.sent)
             stats.bytes_in += len(envelope) + nbytes(buffers) if buffers else len(envelope)
-            if header.kind == Kind.ERROR:
+            if header.kind == _ERROR:
                 stats.errors_out += 1
         ctx = self._new_context(p.dst, header.kind)
         recv_hook = None
@@ -306,12 +309,12 @@ class Calls:
         try:
             _, value = _wire.decode(envelope, buffers, ctx, recv_hook)
         except Exception as exc:  # noqa: BLE001 - the caller gets the error
-            if stats is not None and header.kind != Kind.ERROR:
+            if stats is not None and header.kind != _ERROR:
                 stats.errors_out += 1
             p.future.set_exception(SerializationError(
                 f"cannot unpickle the reply of {p.dst.name} to {describe(p.what)}: {exc}"))
             return
-        if header.kind == Kind.ERROR:
+        if header.kind == _ERROR:
             p.future.set_exception(rebuild_error(value))
         else:
             p.future.set_result(value)

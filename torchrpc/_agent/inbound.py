@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .. import _wire
-from .._threads import Guard
 from .._transport import Connection
 from .._wire import Kind
 from ..errors import ClosedError, ConnectionLostError, RpcError
@@ -34,6 +33,12 @@ from .role import HANDED, ReadingRole
 from .scheduler import Scheduler
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
+
+# Plain ints: looking a member up on the enum class costs more than the comparison.
+_RESPONSE, _ERROR, _GOODBYE, _HEARTBEAT = (int(Kind.RESPONSE), int(Kind.ERROR),
+                                           int(Kind.GOODBYE), int(Kind.HEARTBEAT))
+_ONCE_PROBE, _ONCE_STATUS = int(Kind.ONCE_PROBE), int(Kind.ONCE_STATUS)
+_FLAG_MANY, _FLAG_ONCE = _wire.FLAG_MANY, _wire.FLAG_ONCE
 
 
 class Inbound:
@@ -70,7 +75,7 @@ class Inbound:
         self._stats = stats
         self._new_stats = new_stats
         self._max_queued = max_queued
-        self.role = ReadingRole(pool, scheduler)
+        self.role = ReadingRole(name, pool, scheduler)
         self._ready = threading.Event()
         self.ready = False  # _ready is set: read by every frame, without the Event's method
 
@@ -90,7 +95,7 @@ class Inbound:
             self._ready.wait(120.0)
         kind = header.kind
         to_pool = self.role.to_pool
-        if kind == Kind.RESPONSE or kind == Kind.ERROR:
+        if kind == _RESPONSE or kind == _ERROR:
             self._on_reply(conn, header, envelope, buffers)
             return to_pool(conn)
         registry = self._registry
@@ -100,17 +105,17 @@ class Inbound:
             src = registry.workers.get(conn.peer_rank)
         if src is None:
             raise ConnectionLostError(f"frame from unknown rank {conn.peer_rank}")
-        if kind == Kind.GOODBYE:
+        if kind == _GOODBYE:
             registry.said_goodbye(src.id)
             self._fail_peer(src.id, left_error(src))
             return None
-        if kind == Kind.HEARTBEAT:
+        if kind == _HEARTBEAT:
             self._heard_beat(src.id)
             return to_pool(conn)
-        if kind == Kind.ONCE_PROBE:
+        if kind == _ONCE_PROBE:
             self._dispatch.answer_probe(conn, src, envelope)
             return to_pool(conn)
-        if kind == Kind.ONCE_STATUS:
+        if kind == _ONCE_STATUS:
             self._on_status(conn, envelope)
             return to_pool(conn)
         stats = self._stats.get(src.id) or self._new_stats(src.id)
@@ -119,14 +124,16 @@ class Inbound:
         dispatch = self._dispatch
         handler = dispatch.handlers.get(kind)
         via = conn  # the reply goes back on it: the caller watches that connection for it
-        if header.flags & _wire.FLAG_MANY:
+        flags = header.flags
+        if flags & _FLAG_MANY:
             self.role.carries_many(conn)
-        if header.flags & _wire.FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
+        if flags & _FLAG_ONCE and not dispatch.first_time(src, header.request_id, via):
             return to_pool(conn)
         pool = self._pool
         running = self._lifecycle.state is RUNNING
         if current_pool() is pool and running:
-            return self._serve_inline(conn, src, header, envelope, buffers, handler, via)
+            return self.role.run_inline(conn, self._dispatch.serve, src, header, envelope,
+                                        buffers, handler, via)
         # A transport thread. With a pool thread idle, it takes the request and the
         # reading role with it, and serves what comes next as it comes, inline. Otherwise
         # (and until then) this thread reads on and passes each request to the pool,
@@ -136,7 +143,7 @@ class Inbound:
                 self._serve_then_read, conn, src, header, envelope, buffers, handler, via):
             return HANDED
         if self._max_queued and pool.num_pending >= self._max_queued \
-                and not header.oneway and not header.flags & _wire.FLAG_ONCE:
+                and not header.oneway and not flags & _FLAG_ONCE:
             dispatch.refuse(src, header, via)
             return to_pool(conn)
         try:
@@ -145,21 +152,6 @@ class Inbound:
             pass  # stopping; the caller learns from the GOODBYE or the closed connection
         return to_pool(conn)
 
-    def _serve_inline(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
-                      envelope: bytes, buffers: List[torch.Tensor], handler: Any,
-                      via: Optional[Connection]) -> Optional[Callable[[], None]]:
-        """Run a request on the reading thread, lending the reading role meanwhile."""
-        role = self.role
-        role.lend(conn)
-        try:
-            self._dispatch.serve(src, header, envelope, buffers, handler, via)
-        except Exception as exc:  # noqa: BLE001 - must not reach a reader that lent its role
-            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self._name}",
-                  limit=None).failed(exc)
-        finally:
-            work = role.returned(conn)
-        return work  # None: read on; else the role is elsewhere
-
     def _serve_then_read(self, conn: Connection, src: WorkerInfo, header: _wire.Header,
                          envelope: bytes, buffers: List[torch.Tensor], handler: Any,
                          via: Optional[Connection]) -> None:
@@ -167,7 +159,8 @@ class Inbound:
         role of its connection, as if this thread had read the request itself."""
         with self._pool.blocking():
             mark_reader_thread()
-            work = self._serve_inline(conn, src, header, envelope, buffers, handler, via)
+            work = self.role.run_inline(conn, self._dispatch.serve, src, header, envelope,
+                                        buffers, handler, via)
             if work is None:
                 work = conn.read_frames()
         if work is not None:

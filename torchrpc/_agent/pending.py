@@ -21,7 +21,8 @@ class Pending:
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
-                 sent: float = 0.0) -> None:
+                 sent: float = 0.0, private: Optional[Connection] = None,
+                 kind: int = 0) -> None:
         self.future = future
         self.stats = stats  # the callee's counters (None for a request to this worker)
         self.sent = sent  # time.monotonic() when the request was made
@@ -31,13 +32,13 @@ class Pending:
         self.states = states
         self.resend: Optional[Resend] = None
         # The private connection whose caller reads the reply itself (see private_lane.py).
-        self.private: Optional[Connection] = None
+        self.private = private
         # The shared connection its last attempt went out on: if that one breaks, the
         # request may be lost even while other connections to the peer stay open.
         self.conn: Optional[Connection] = None
         # Tells the call hooks with a state that the request failed here (see set_exception).
         self.on_failure: Optional[Callable[[], None]] = None
-        self.kind = 0  # the message kind (for snapshots; see snapshot.py)
+        self.kind = kind  # the message kind (for snapshots; see snapshot.py)
 
     def set_exception(self, error: BaseException) -> None:
         """Fail the call with an error of this side (not a reply); wake a caller blocked

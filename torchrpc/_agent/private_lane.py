@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from .. import _wire
 from .._transport import Connection
@@ -180,19 +180,18 @@ class PrivateLane:
         eyes of the pool; then give ``conn`` back. (A waiting call's claim, on the
         waiting thread.)"""
         waiting = {rid, *also}
-        lost = functools.partial(self._lost, p.dst, waiting)
         # Given back before the caller wakes, for its next call.
         free = functools.partial(self._private.checkin, p.dst, conn, p)
+        calls = self._calls
         pool = current_pool()
         if pool is None:
-            read_replies(conn, self._calls, lost, waiting, free)
+            error = read_replies(conn, calls, waiting, free)
         else:
             with pool.blocking():
-                read_replies(conn, self._calls, lost, waiting, free)
-
-    def _lost(self, dst: WorkerInfo, waiting: Set[int], exc: BaseException) -> None:
-        for rid in waiting:
-            self._calls.request_lost(rid, dst, exc)
+                error = read_replies(conn, calls, waiting, free)
+        if error is not None:  # the requests still waiting went with the connection
+            for lost in waiting:
+                calls.request_lost(lost, p.dst, error)
 
     # -- parked replies ------------------------------------------------------------------------
 

@@ -11,11 +11,12 @@ the thread has nothing else to do. All the moves of the role are :class:`Reading
 from __future__ import annotations
 
 import threading
-import weakref
 import time
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Set
 
+from .._threads import Guard
 from .._transport import Connection
+from .._wire import Kind
 from ..errors import ClosedError
 from .futures import mark_reader_thread
 from .pool import WorkerPool, current_pool
@@ -42,7 +43,7 @@ class ReadingRole:
        blocked (it waits for the network, not for work).
     2. A pool thread that reads a request runs it itself, at once (no other thread is
        woken: a wake-up and the GIL hand-over that follows cost more than a small request
-       does). Meanwhile the role is *lent* (:meth:`lend` ... :meth:`returned`).
+       does). Meanwhile the role is *lent* (:meth:`run_inline`).
     3. A lent role goes to another pool thread the moment the request blocks on an RPC
        (the pool's ``on_block`` calls :meth:`lend_out`), so a nested call, even back to
        the caller over this very connection, never waits for itself;
@@ -56,7 +57,8 @@ class ReadingRole:
     5. A reader whose role went elsewhere stops reading when its request returns.
     """
 
-    def __init__(self, pool: WorkerPool, scheduler: "Scheduler") -> None:
+    def __init__(self, name: str, pool: WorkerPool, scheduler: "Scheduler") -> None:
+        self._name = name  # the agent's, for the error of a request that failed inline
         self._pool = pool
         self._scheduler = scheduler
         self._lent: Dict[Connection, float] = {}  # roles lent to inline requests, since
@@ -64,35 +66,42 @@ class ReadingRole:
         # the timer last asked: it keeps ticking fast meanwhile (see lends_shared).
         self._served = False
         # Callee side: the private connections whose caller has several requests on them
-        # at once (FLAG_MANY, the caller's bursts), served as shared ones.
-        self._many: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-        self._any_many = False  # whether _many ever had one (a set lookup is a call)
+        # at once (FLAG_MANY, the caller's bursts), served as shared ones. A plain set,
+        # which every request served looks in; the timer drops the closed ones.
+        self._many: Set[Connection] = set()
         pool.on_block = self.lend_out  # rule 3
 
     def carries_many(self, conn: Connection) -> None:
         """Private connection ``conn`` carries a burst (its caller said so)."""
         self._many.add(conn)
-        self._any_many = True
 
     def _watched(self, conn: Connection) -> bool:
-        return not conn.private or (self._any_many and conn in self._many)
+        return not conn.private or conn in self._many
 
-    def lend(self, conn: Connection) -> None:
-        """This thread, which holds ``conn``'s role, runs a request it read (rule 2)."""
+    def run_inline(self, conn: Connection, serve: Callable[..., None], src: Any,
+                   header: Any, *args: Any) -> Optional[Callable[[], None]]:
+        """This thread, which holds ``conn``'s role, runs ``serve(src, header, *args)``,
+        a request it read, lending the role meanwhile (rule 2); then None if it holds
+        the role still (it reads on), else :data:`HANDED` (rule 5). An error of
+        ``serve`` is logged: it must not reach a reader that lent its role."""
+        lent = self._lent
         # _lent is changed with single dict operations, which the GIL makes atomic.
-        self._lent[conn] = time.monotonic()
-        if not conn.private or (self._any_many and conn in self._many):  # _watched
+        lent[conn] = time.monotonic()
+        if not conn.private or conn in self._many:  # _watched
             self._served = True
             scheduler = self._scheduler
             if scheduler.slow:
                 scheduler.wake()  # it set slow before it looked at _lent and _served
         _inline.conn = conn
-
-    def returned(self, conn: Connection) -> Optional[Callable[[], None]]:
-        """The request lent ``conn``'s role for returned: None if this thread holds the
-        role still (it reads on), else :data:`HANDED` (rule 5)."""
-        _inline.conn = None
-        return None if self._lent.pop(conn, None) is not None else HANDED
+        try:
+            serve(src, header, *args)
+        except Exception as exc:  # noqa: BLE001 - logged, see above
+            Guard(f"serving a {Kind(header.kind).name} from {src.name} on {self._name}",
+                  limit=None).failed(exc)
+        finally:
+            _inline.conn = None
+            kept = lent.pop(conn, None) is not None
+        return None if kept else HANDED
 
     def lend_out(self, conn: Optional[Connection] = None) -> None:
         """Give a lent reading role to another thread (this one's, without ``conn``)."""
@@ -111,7 +120,13 @@ class ReadingRole:
             pass  # the pool is shut down, and with it the connection
 
     def check_lent(self, now: float) -> None:
-        """Timer: hand on the reading role of requests that run inline for too long."""
+        """Timer: hand on the reading role of requests that run inline for too long;
+        forget the burst connections that closed."""
+        many = self._many
+        if many:
+            for conn in list(many):  # a C-level copy: the set changes on other threads
+                if conn.closed:
+                    many.discard(conn)
         if not self._lent:
             return
         lent = self._lent

@@ -13,11 +13,13 @@ import torch
 from .._transport import Connection
 from .._wire import Header, Kind
 from ..errors import RpcError
-from .futures import mark_reader_thread, on_reader_thread
 from .worker import WorkerInfo
 
 if TYPE_CHECKING:
     from .pending import Pending
+
+# Plain ints: looking a member up on the enum class costs more than the comparison.
+_RESPONSE, _ERROR = int(Kind.RESPONSE), int(Kind.ERROR)
 
 
 class Expect:
@@ -94,45 +96,38 @@ class IdleConnections(Protocol):
         of it)."""
 
 
-def read_replies(conn: Connection, calls: Sender, lost: Callable[[BaseException], None],
-                 waiting: Optional[Set[int]] = None, free: Optional[Callable[[], None]] = None,
+def read_replies(conn: Connection, calls: Sender, waiting: Optional[Set[int]] = None,
+                 free: Optional[Callable[[], None]] = None,
                  more: Optional[Callable[[], Any]] = None,
                  took: Optional[Callable[[Header], None]] = None,
-                 settled: Optional[Callable[[Header], None]] = None,
-                 as_reader: bool = False) -> None:
+                 settled: Optional[Callable[[Header], None]] = None) -> Optional[RpcError]:
     """The reading loop of the lanes whose replies a waiting thread reads: read frames
     from ``conn`` until the requests ``waiting`` are answered, or while ``more()``. For
     each reply: ``took(header)`` (the lane's bookkeeping), and, for the last of
     ``waiting``, ``free()`` (the lane gives the connection back, for the caller's next
     call), both before the caller wakes; then complete its request, then
-    ``settled(header)``. If the connection breaks, ``lost(error)``. ``as_reader``: the
-    thread counts as a reader meanwhile (callbacks of the futures it completes go to the
-    pool)."""
-    if as_reader:
-        was_reader = on_reader_thread()
-        mark_reader_thread()
-    try:
-        while waiting if more is None else more():
-            try:
-                header, envelope, buffers = conn.read_frame()
-            except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
-                lost(exc)
-                return
-            kind = header.kind
-            if kind == Kind.RESPONSE or kind == Kind.ERROR:
-                if took is not None:
-                    took(header)
-                if waiting is not None:
-                    rid = header.request_id
-                    if rid in waiting:
-                        waiting.discard(rid)
-                        if not waiting:
-                            free()
-                calls.on_reply(conn, header, envelope, buffers)
-                if settled is not None:
-                    settled(header)
-            # Nothing else is sent to a caller on these connections; ignore anything else.
-            envelope = buffers = None
-    finally:
-        if as_reader:
-            mark_reader_thread(was_reader)
+    ``settled(header)``. If the connection breaks, return its error (the requests of
+    ``waiting`` left are the ones it took with it); else None."""
+    read_frame, on_reply = conn.read_frame, calls.on_reply
+    while waiting if more is None else more():
+        try:
+            header, envelope, buffers = read_frame()
+        except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
+            # Whoever fails requests with it may keep it: not its frames (and their callers').
+            return exc.with_traceback(None)
+        kind = header.kind
+        if kind == _RESPONSE or kind == _ERROR:
+            if took is not None:
+                took(header)
+            if waiting is not None:
+                rid = header.request_id
+                if rid in waiting:
+                    waiting.discard(rid)
+                    if not waiting:
+                        free()
+            on_reply(conn, header, envelope, buffers)
+            if settled is not None:
+                settled(header)
+        # Nothing else is sent to a caller on these connections; ignore anything else.
+        envelope = buffers = None
+    return None

@@ -144,6 +144,10 @@ def test_the_store_holds_no_secret():
         assert not store.check(["secret"]) and not store.check(["insecure_secret"])
         locator = store.get("secret_locator").decode()
         assert job_secret.decode() not in locator
-        # Every rank has joined: rank 0 removed the file, so nothing is left to read.
+        # Rank 0 keeps the file while it runs (for the inspector), private to this user.
         where = json.loads(locator)
-        assert not os.path.exists(os.path.join(where["dir"], where["file"]))
+        path = os.path.join(where["dir"], where["file"])
+        st = os.lstat(path)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.geteuid()
+    assert not os.path.exists(path)  # removed when rank 0 shut down

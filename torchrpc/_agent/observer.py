@@ -29,8 +29,8 @@ import torch.distributed as dist
 from .. import _wire
 from .._rendezvous import membership, rendezvous
 from .._rendezvous.group_store import Records
-from .._rendezvous.secret import (LOCATOR_KEY, SECRET_ENV, SECRET_FILE_ENV, Source,
-                                  launcher_secret, read_local)
+from .._rendezvous.secret import (SECRET_ENV, SECRET_FILE_ENV, VIA_STORE_ENV, Source,
+                                  launcher_secret, shared_secret)
 from .._transport import Connection, handshake
 from .._transport.dial import dial
 from .._transport.links import Links
@@ -107,25 +107,24 @@ def open_store(init_method: str, timeout: float) -> Tuple[Any, str]:
 
 
 def find_secret(store: Any, given: Optional[bytes] = None) -> bytes:
-    """The job secret: ``given``, else ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``, else
-    the file the group's locator names on this host (a dynamic group keeps it while it
-    runs)."""
+    """The job secret, found the way a worker that is not rank 0 finds it: ``given``, else
+    ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``, else what rank 0 shares on this host:
+    its secret file, which it keeps while it runs, or, with
+    ``TORCHRPC_INSECURE_SECRET_IN_STORE=1``, the secret in the store."""
     value = given
     if value is None and os.environ.get(SECRET_ENV):
         value = os.environ[SECRET_ENV].encode()
-    secret = launcher_secret(Source(value=value, path=os.environ.get(SECRET_FILE_ENV)))
+    source = Source(value=value, path=os.environ.get(SECRET_FILE_ENV) or None,
+                    via_store=os.environ.get(VIA_STORE_ENV, "") not in ("", "0"))
+    secret = launcher_secret(source)
     if secret is not None:
         return secret
-    if store.check([LOCATOR_KEY]):
-        try:
-            return read_local(store.get(LOCATOR_KEY).decode(errors="replace"),
-                              rendezvous.host_identity())
-        except RendezvousError as exc:
-            raise AuthenticationError(f"no job secret: {exc}; {_HOW}") from exc
-    raise AuthenticationError(
-        f"no job secret: {_HOW}. (A group of one host started without them keeps its "
-        f"secret in a file that a static group removes once every worker joined; start "
-        f"the job with {SECRET_FILE_ENV} to inspect it.)")
+    try:
+        return shared_secret(store, rendezvous.host_identity(), source)
+    except RendezvousError as exc:
+        raise AuthenticationError(
+            f"no job secret: {exc}. To inspect a job, {_HOW}; without either, the job's own "
+            f"secret file is read, by its user on the host of its rank 0") from exc
 
 
 def discover(init_method: str, secret: Optional[bytes], timeout: float

@@ -174,7 +174,7 @@ class Observer:
         init_method: the group's rendezvous (``tcp://HOST:PORT``, ``file:///PATH``,
             ``env://``); by default, the worker running in this process, else
             ``MASTER_ADDR``/``MASTER_PORT``.
-        secret: the job secret; by default ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``
+        secret: the job secret; by default found as a worker finds it (:func:`find_secret`)
             (or, in a worker's process, that worker's).
         timeout: seconds to reach the store and each worker.
     """
@@ -433,8 +433,8 @@ def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
         timeout: seconds to wait for the answers (and to reach the store and workers).
         init_method: the group's rendezvous; by default the group of the worker running
             in this process, else ``MASTER_ADDR``/``MASTER_PORT``.
-        secret: the job secret; by default ``TORCHRPC_SECRET`` or
-            ``TORCHRPC_SECRET_FILE`` (in a worker's process, that worker's).
+        secret: the job secret; by default ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``,
+            or rank 0's secret file on its host (in a worker's process, that worker's).
 
     Returns:
         ``{"workers": [...], "chains": [...], "taken_at": ...}``: per worker its name,

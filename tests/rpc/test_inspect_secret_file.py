@@ -31,15 +31,17 @@ from ..support.group import free_port, start_module, wait_for, worker_env
 from ..support.nobody import needs_nobody, run_as_nobody
 
 NAMES = ["worker0", "worker1", "worker2"]
-# This module's own XDG_RUNTIME_DIR (0700), so the files made here are easy to find and
-# the tests never touch the user's real directory.
-RUNTIME = tempfile.mkdtemp(prefix="torchrpc-xdg-")
+# This module's own temporary directory, open to all like /tmp (mode 1777), where rank 0
+# makes its private directory (no XDG_RUNTIME_DIR): what keeps another user out is
+# torchrpc's own modes, and the tests never touch the user's real directory.
+RUNTIME = tempfile.mkdtemp(prefix="torchrpc-tmp-")
+os.chmod(RUNTIME, 0o1777)
 
 
 def clean_env(port: int, **extra: str) -> Dict[str, str]:
     """A worker's (or the inspector's) environment with no secret given in any way."""
-    env = worker_env(port, len(NAMES), {"XDG_RUNTIME_DIR": RUNTIME})
-    for key in (SECRET_ENV, SECRET_FILE_ENV, VIA_STORE_ENV):
+    env = worker_env(port, len(NAMES), {"TMPDIR": RUNTIME})
+    for key in (SECRET_ENV, SECRET_FILE_ENV, VIA_STORE_ENV, "XDG_RUNTIME_DIR"):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -144,7 +146,7 @@ def test_the_inspector_reads_the_secret_file_of_a_group_started_without_one(job)
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
     assert stat.S_ISDIR(dst.st_mode) and stat.S_IMODE(dst.st_mode) == 0o700, oct(dst.st_mode)
     assert st.st_uid == dst.st_uid == os.geteuid()
-    assert locator["dir"] == os.path.join(RUNTIME, "torchrpc")
+    assert locator["dir"] == os.path.join(RUNTIME, f"torchrpc-{os.geteuid()}")
     assert f"-{job.procs[0].pid}-" in locator["file"]
     code, out = job.inspect("--json")
     assert code == 0, out
@@ -174,7 +176,8 @@ def test_another_user_can_neither_read_the_file_nor_inspect_the_group(job):
     assert out.stdout.startswith("DENIED\n"), out
     assert out.returncode == 2, out
     assert "no job secret" in out.stderr and SECRET_ENV in out.stderr, out
-    assert "Permission denied" in out.stderr, out  # the directory of rank 0's user
+    # The private directory of rank 0's user, in a directory open to all.
+    assert f"({os.path.dirname(path)}): [Errno 13] Permission denied" in out.stderr, out
     assert not any(name in out.stdout for name in NAMES), out  # it learned nothing
     assert time.monotonic() - start < 60
 

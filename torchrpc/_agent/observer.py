@@ -123,8 +123,9 @@ def find_secret(store: Any, given: Optional[bytes] = None) -> bytes:
         return shared_secret(store, rendezvous.host_identity(), source)
     except RendezvousError as exc:
         raise AuthenticationError(
-            f"no job secret: {exc}. To inspect a job, {_HOW}; without either, the job's own "
-            f"secret file is read, by its user on the host of its rank 0") from exc
+            f"no job secret: {getattr(exc, 'reason', exc)}. To inspect a job, {_HOW}; "
+            f"without either, the secret file of its rank 0 is read, by the job's user on "
+            f"that host") from exc
 
 
 def discover(init_method: str, secret: Optional[bytes], timeout: float

@@ -252,13 +252,13 @@ def _parse_locator(locator: str) -> tuple[str, str, str]:
     return where
 
 
-class SecretFileError(RendezvousError):
-    """The secret file a locator names cannot be used; ``reason`` says why, without the
-    advice to workers that the message adds."""
-
-    def __init__(self, reason: str, advice: str = _HOW) -> None:
-        super().__init__(f"{reason}; {advice}")
-        self.reason = reason
+def _unusable(reason: str, advice: str = _HOW) -> RendezvousError:
+    """The error of a secret file that cannot be used: ``reason`` and the advice to
+    workers; its ``reason`` attribute keeps the reason alone (the inspector gives advice
+    of its own)."""
+    error = RendezvousError(f"{reason}; {advice}")
+    error.reason = reason  # type: ignore[attr-defined]
+    return error
 
 
 _SAME_USER = f"are all workers of this host running as the same user? Otherwise {_HOW}"
@@ -271,8 +271,8 @@ def read_local(locator: str, host: str) -> bytes:
     process that still runs (or kept for later joiners)."""
     their_host, directory, name = _parse_locator(locator)
     if their_host != host:
-        raise SecretFileError("cannot get the job secret: rank 0 created it on another host "
-                              "(or container), where only its own user can read it")
+        raise _unusable("cannot get the job secret: rank 0 created it on another host "
+                        "(or container), where only its own user can read it")
     if not name.startswith("job-") or os.sep in name or not os.path.isabs(directory):
         raise RendezvousError(f"malformed secret locator {locator[:200]!r} in the rendezvous "
                               f"store")
@@ -280,27 +280,27 @@ def read_local(locator: str, host: str) -> bytes:
     try:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise SecretFileError(f"cannot open the directory of the job secret rank 0 created "
-                              f"({directory}): {exc}", _SAME_USER) from exc
+        raise _unusable(f"cannot open the directory of the job secret rank 0 created "
+                        f"({directory}): {exc}", _SAME_USER) from exc
     try:
         why = _unsafe(os.fstat(dfd))
         if why is not None:
-            raise SecretFileError(f"refusing the secret directory {directory}: {why}")
+            raise _unusable(f"refusing the secret directory {directory}: {why}")
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
         except OSError as exc:
-            raise SecretFileError(f"cannot read the job secret rank 0 created ({path}): {exc}",
-                                  _SAME_USER) from exc
+            raise _unusable(f"cannot read the job secret rank 0 created ({path}): {exc}",
+                            _SAME_USER) from exc
     finally:
         os.close(dfd)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise SecretFileError(f"refusing the secret file {path}: owner uid {st.st_uid}, "
-                                  f"mode {stat.S_IMODE(st.st_mode):04o}")
+            raise _unusable(f"refusing the secret file {path}: owner uid {st.st_uid}, "
+                            f"mode {stat.S_IMODE(st.st_mode):04o}")
         stale = _maker_gone(name)
         if stale is not None:
-            raise SecretFileError(f"refusing the secret file {path}: {stale}")
+            raise _unusable(f"refusing the secret file {path}: {stale}")
         return _checked(f.read().strip(), path)
 
 

@@ -153,6 +153,24 @@ def test_a_file_whose_maker_ended_is_refused_and_swept(private_runtime, caplog):
     assert not os.listdir(directory)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_second_rank_0_takes_the_first_ones_secret_and_leaves_no_file(private_runtime, keep):
+    # A duplicate rank 0, or rank 0 rejoining a dynamic group: it uses the secret already
+    # shared, and removes the file it made for nothing (kept or not).
+    store = dist.HashStore()
+    first = secret._create_shared(store, "h", keep)
+    directory = json.loads(store.get(secret.LOCATOR_KEY))["dir"]
+    assert len(os.listdir(directory)) == 1
+    try:
+        assert secret._create_shared(store, "h", keep) == first
+        assert len(os.listdir(directory)) == 1
+    finally:
+        secret.discard_local()
+        if keep:
+            os.unlink(os.path.join(directory, os.listdir(directory)[0]))
+    assert not os.listdir(directory)
+
+
 def _ended_pid() -> int:
     """The pid of a process that has ended (and was reaped)."""
     proc = subprocess.Popen(["true"])

@@ -224,11 +224,11 @@ def create_local(host: str, keep: bool = False) -> tuple[bytes, str]:
     secret = secrets.token_hex(32).encode()
     directory = runtime_dir()
     _sweep(directory)
-    if keep:
+    started = _started(os.getpid())
+    if keep or started is None or not pid_namespace():  # no maker to check (or no /proc)
         name = f"job-{secrets.token_hex(16)}"
     else:
-        name = (f"job-{pid_namespace()}-{os.getpid()}-{_started(os.getpid()) or 0}-"
-                f"{secrets.token_hex(16)}")
+        name = f"job-{pid_namespace()}-{os.getpid()}-{started}-{secrets.token_hex(16)}"
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -321,11 +321,17 @@ def shared_secret(store: Any, host: str, source: Source) -> bytes:
     return read_local(store.get(LOCATOR_KEY).decode(errors="replace"), host)
 
 
-def discard_local() -> None:
-    """Remove the secret files this process created (its agent stops)."""
+def discard_local(locator: Optional[str] = None) -> None:
+    """Remove the secret files this process created (its agent stops), or only the one
+    of ``locator`` (made by :func:`create_local`, kept or not)."""
     with _lock:
-        paths = list(_files)
-        _files.clear()
+        if locator is None:
+            paths = list(_files)
+            _files.clear()
+        else:
+            _, directory, name = _parse_locator(locator)
+            paths = [os.path.join(directory, name)]
+            _files.discard(paths[0])
     for path in paths:
         try:
             os.unlink(path)
@@ -413,7 +419,7 @@ def _create_shared(store: Any, host: str, keep: bool) -> bytes:
                         "which it cannot use: %s", exc)
             held = store.compare_set(LOCATOR_KEY, held, locator).decode(errors="replace")
             continue
-        discard_local()
+        discard_local(locator)  # its own, which no one reads
         return theirs
     raise RendezvousError("cannot put the secret locator in the rendezvous store: another "
                           "process keeps writing it")

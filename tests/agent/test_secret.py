@@ -114,6 +114,70 @@ def test_another_host_is_told_how_to_provide_a_secret(private_runtime):
         secret.discard_local()
 
 
+def test_a_file_whose_maker_ended_is_refused_and_swept(private_runtime, caplog):
+    # Secret files that a killed rank 0 left: its pid is gone, or reused by another process
+    # (another start time). No reader uses them; the next rank 0 of this user removes them.
+    caplog.set_level(logging.INFO, logger="torchrpc")
+    gone = _ended_pid()
+    value, locator = secret.create_local("h")
+    directory, name = json.loads(locator)["dir"], json.loads(locator)["file"]
+    ns, pid, start, token = name[len("job-"):].split("-")
+    assert (int(pid), int(ns)) == (os.getpid(), os.stat("/proc/self/ns/pid").st_ino)
+    stale = {"ended": f"job-{ns}-{gone}-{start}-{token}",
+             "reused": f"job-{ns}-{pid}-{int(start) + 1}-{token}"}
+    kept = {"kept": f"job-{token}",  # a dynamic group's, made to outlive its maker
+            "other pid namespace": f"job-{int(ns) + 1}-{gone}-{start}-{token}"}
+    try:
+        for what, other in {**stale, **kept}.items():
+            fd = os.open(os.path.join(directory, other), os.O_WRONLY | os.O_CREAT, 0o600)
+            os.write(fd, b"s" * 64)
+            os.close(fd)
+            where = json.dumps({"host": "h", "dir": directory, "file": other})
+            if what in stale:
+                with pytest.raises(RendezvousError, match=r"has ended: it is left from a job "
+                                                          r"that was killed"):
+                    secret.read_local(where, "h")
+            else:
+                assert secret.read_local(where, "h") == b"s" * 64, what
+        assert secret.read_local(locator, "h") == value  # its maker runs: this process
+        secret.create_local("h")
+        left = set(os.listdir(directory))
+        assert not left & set(stale.values()) and set(kept.values()) <= left, left
+        assert name in left
+        assert f"removed the stale secret file {os.path.join(directory, stale['ended'])}" \
+            in caplog.text
+    finally:
+        secret.discard_local()
+        for other in kept.values():
+            os.unlink(os.path.join(directory, other))
+    assert not os.listdir(directory)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_second_rank_0_takes_the_first_ones_secret_and_leaves_no_file(private_runtime, keep):
+    # A duplicate rank 0, or rank 0 rejoining a dynamic group: it uses the secret already
+    # shared, and removes the file it made for nothing (kept or not).
+    store = dist.HashStore()
+    first = secret._create_shared(store, "h", keep)
+    directory = json.loads(store.get(secret.LOCATOR_KEY))["dir"]
+    assert len(os.listdir(directory)) == 1
+    try:
+        assert secret._create_shared(store, "h", keep) == first
+        assert len(os.listdir(directory)) == 1
+    finally:
+        secret.discard_local()
+        if keep:
+            os.unlink(os.path.join(directory, os.listdir(directory)[0]))
+    assert not os.listdir(directory)
+
+
+def _ended_pid() -> int:
+    """The pid of a process that has ended (and was reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
                     reason="needs root to run a probe as the user nobody")
 def test_another_user_cannot_read_the_shared_secret(tmp_path, monkeypatch):
@@ -144,6 +208,10 @@ def test_the_store_holds_no_secret():
         assert not store.check(["secret"]) and not store.check(["insecure_secret"])
         locator = store.get("secret_locator").decode()
         assert job_secret.decode() not in locator
-        # Every rank has joined: rank 0 removed the file, so nothing is left to read.
+        # Rank 0 keeps the file while it runs (for the inspector), private to this user.
         where = json.loads(locator)
-        assert not os.path.exists(os.path.join(where["dir"], where["file"]))
+        path = os.path.join(where["dir"], where["file"])
+        st = os.lstat(path)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.geteuid()
+    assert not os.path.exists(path)  # removed when rank 0 shut down

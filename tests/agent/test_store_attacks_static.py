@@ -176,7 +176,7 @@ def test_a_squatted_runtime_directory_makes_rank_0_use_a_private_one(squat, tmp_
         st = os.lstat(where["dir"])
         assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
     assert os.lstat(shared).st_uid == NOBODY or os.path.islink(shared)  # left as it was
-    assert not os.listdir(where["dir"])  # the secret file is gone once every rank joined
+    assert not os.listdir(where["dir"])  # the secret file is gone once rank 0 shut down
 
 
 def test_a_deleted_key_fails_the_group_after_the_rendezvous_timeout_not_a_hang(tmp_path):

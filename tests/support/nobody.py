@@ -1,10 +1,11 @@
 """Run a Python script as uid ``nobody`` that imports this checkout's torchrpc and torch.
 
 The checkout and its ``.venv`` may sit under a directory ``nobody`` cannot enter (a home
-directory of mode 0700). Then the two are bind-mounted, read-only as their modes make
-them, under a fresh world-readable directory for the run, and unmounted after it: the
-world-readable environment the script runs in is built here, whatever the checkout's
-place.
+directory of mode 0700, a clone under ``mktemp -d``). Then the two are bind-mounted,
+read-only as their modes make them, under a fresh world-readable directory for the run,
+and unmounted after it; where mounting is not allowed (a container without the
+capability), a tree of hard links to their files stands in. The world-readable
+environment the script runs in is built here, whatever the checkout's place.
 """
 
 from __future__ import annotations
@@ -51,17 +52,41 @@ def _readable(paths: List[str]) -> Iterator[List[str]]:
     top = tempfile.mkdtemp(prefix="torchrpc-nobody-")
     os.chmod(top, 0o755)
     mounted: List[str] = []
+    targets: List[str] = []
     try:
         for i, path in enumerate(paths):
             target = os.path.join(top, str(i))
             os.mkdir(target)
-            subprocess.run(["mount", "--bind", path, target], check=True)
-            mounted.append(target)
-        yield mounted
+            if _mount(path, target):
+                mounted.append(target)
+            else:
+                _link_tree(path, target)
+            targets.append(target)
+        yield targets
     finally:
         for target in mounted:
             subprocess.run(["umount", "-l", target], check=False)
-        shutil.rmtree(top, ignore_errors=True)
+        if all(not os.path.ismount(t) for t in mounted):
+            shutil.rmtree(top, ignore_errors=True)
+
+
+def _mount(path: str, target: str) -> bool:
+    """Bind-mount ``path`` at ``target``; False where this process may not mount."""
+    try:
+        done = subprocess.run(["mount", "--bind", path, target], capture_output=True)
+    except FileNotFoundError:
+        return False
+    return done.returncode == 0
+
+
+def _link_tree(path: str, target: str) -> None:
+    """``path``'s files as hard links under ``target`` (directories made anew, with their
+    modes), or skip the test where that fails too (another file system)."""
+    done = subprocess.run(["cp", "-al", "--no-target-directory", path, target],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot show {path} to nobody: neither a bind mount nor hard links "
+                    f"work here ({done.stderr.strip()})")
 
 
 def run_as_nobody(script: str, env: Dict[str, str], timeout: float = 120

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from .. import _wire
 from .._rendezvous import membership, rendezvous
 from .._rendezvous.group_store import Records
-from .._rendezvous.secret import (LOCATOR_KEY, SECRET_ENV, SECRET_FILE_ENV, Source,
-                                  launcher_secret, read_local)
+from .._rendezvous.secret import (SECRET_ENV, SECRET_FILE_ENV, VIA_STORE_ENV, Source,
+                                  launcher_secret, shared_secret)
 from .._transport import Connection, handshake, tls
 from .._transport.dial import dial
 from .._transport.links import Links
@@ -136,25 +136,25 @@ def open_store(init_method: str, timeout: float) -> Tuple[Any, str]:
 
 
 def find_secret(store: Any, given: Optional[bytes] = None) -> bytes:
-    """The job secret: ``given``, else ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``, else
-    the file the group's locator names on this host (a dynamic group keeps it while it
-    runs)."""
+    """The job secret, found the way a worker that is not rank 0 finds it: ``given``, else
+    ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``, else what rank 0 shares on this host:
+    its secret file, which it keeps while it runs, or, with
+    ``TORCHRPC_INSECURE_SECRET_IN_STORE=1``, the secret in the store."""
     value = given
     if value is None and os.environ.get(SECRET_ENV):
         value = os.environ[SECRET_ENV].encode()
-    secret = launcher_secret(Source(value=value, path=os.environ.get(SECRET_FILE_ENV)))
+    source = Source(value=value, path=os.environ.get(SECRET_FILE_ENV) or None,
+                    via_store=os.environ.get(VIA_STORE_ENV, "") not in ("", "0"))
+    secret = launcher_secret(source)
     if secret is not None:
         return secret
-    if store.check([LOCATOR_KEY]):
-        try:
-            return read_local(store.get(LOCATOR_KEY).decode(errors="replace"),
-                              rendezvous.host_identity())
-        except RendezvousError as exc:
-            raise AuthenticationError(f"no job secret: {exc}; {_HOW}") from exc
-    raise AuthenticationError(
-        f"no job secret: {_HOW}. (A group of one host started without them keeps its "
-        f"secret in a file that a static group removes once every worker joined; start "
-        f"the job with {SECRET_FILE_ENV} to inspect it.)")
+    try:
+        return shared_secret(store, rendezvous.host_identity(), source)
+    except RendezvousError as exc:
+        raise AuthenticationError(
+            f"no job secret: {getattr(exc, 'reason', exc)}. To inspect a job, {_HOW}; "
+            f"without either, the secret file of its rank 0 is read, by the job's user on "
+            f"that host") from exc
 
 
 def discover(init_method: str, secret: Optional[bytes], timeout: float
@@ -204,7 +204,7 @@ class Observer:
         init_method: the group's rendezvous (``tcp://HOST:PORT``, ``file:///PATH``,
             ``env://``); by default, the worker running in this process, else
             ``MASTER_ADDR``/``MASTER_PORT``.
-        secret: the job secret; by default ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``
+        secret: the job secret; by default found as a worker finds it (:func:`find_secret`)
             (or, in a worker's process, that worker's).
         timeout: seconds to reach the store and each worker.
         tls_certfile, tls_keyfile, tls_cafile, tls_identity: for a group whose links
@@ -489,8 +489,8 @@ def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
         timeout: seconds to wait for the answers (and to reach the store and workers).
         init_method: the group's rendezvous; by default the group of the worker running
             in this process, else ``MASTER_ADDR``/``MASTER_PORT``.
-        secret: the job secret; by default ``TORCHRPC_SECRET`` or
-            ``TORCHRPC_SECRET_FILE`` (in a worker's process, that worker's).
+        secret: the job secret; by default ``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``,
+            or rank 0's secret file on its host (in a worker's process, that worker's).
         tls_certfile, tls_keyfile, tls_cafile, tls_identity: for a group whose links
             run over TLS: what a worker's backend options of those names hold (in a
             worker's process, by default that worker's). Without them such a group

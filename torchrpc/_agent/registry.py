@@ -49,7 +49,6 @@ from ..errors import (DestinationTypeError, InvalidArgumentError, RpcError,
                       ThreadFailedError, WorkerLeftError)
 from . import devices
 from .._rendezvous import membership
-from .._rendezvous.secret import discard_local as discard_local_secret
 from .lifecycle import RUNNING, STOPPING, Lifecycle
 from .worker import WorkerInfo
 
@@ -267,7 +266,6 @@ class Registry:
             membership.leave(self._store(), self._name, self._rank, self.incarnation)
         except Exception as exc:  # noqa: BLE001 - the store host may be gone already
             log.warning("%s could not announce its departure: %s", self._name, exc)
-        discard_local_secret()  # a dynamic group's joiners read it until its rank 0 stops
 
     def refresh(self) -> None:
         """Read the membership log now (a worker not known yet is named, or calls)."""

@@ -75,6 +75,7 @@ from .._transport import Transport
 from ..errors import (BarrierTimeoutError, NotInitializedError, RpcError,
                       ShutdownError, ThreadFailedError)
 from .._rendezvous import barriers
+from .._rendezvous.secret import discard_local as discard_local_secret
 from .connections import Connections, goodbye
 from .coroutines import CoroutineRunner
 from .hooks import describe
@@ -458,6 +459,9 @@ class Shutdown:
         self.final_debug_info = parts.debug_info()
         if parts.elastic:
             parts.registry.leave(_left(until))  # stop following the membership log, announce it
+        # The secret file this process made as rank 0: joiners and inspectors read it while
+        # the agent runs (a dynamic group whose store outlives rank 0 keeps it).
+        discard_local_secret()
         for conn in parts.connections.every_shared():
             goodbye(conn)
         for hook in self._stop_hooks:

@@ -23,7 +23,6 @@ from .._transport.tls import TlsContexts, make_contexts
 from ..errors import RendezvousError, RpcError, ThreadFailedError
 from . import devices
 from .._rendezvous import membership, rendezvous
-from .._rendezvous.secret import discard_local as discard_local_secret
 from .connections import Connections
 from .inbound import Inbound
 from .lifecycle import RUNNING, State
@@ -103,7 +102,6 @@ def start(parts: Parts, plan: rendezvous.Plan, limits: _wire.Limits) -> None:
         else:
             infos = rendezvous.publish(store, parts.name, rank, parts.world_size,
                                        transport.address, plan, facts)
-            discard_local_secret()  # every rank has joined, so has read it
         devices.check(infos, static=not parts.elastic)
     except BaseException:
         transport.close()

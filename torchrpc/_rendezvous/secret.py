@@ -16,6 +16,15 @@ file, so it carries at most a *locator*: which file on which host holds the secr
    host, running as the same user, read it, after checking that the directory and the
    file are theirs and private (the store is writable by anyone); anyone else cannot. A
    worker on another host fails, naming the ways to provide a secret.
+
+   The file lives as long as the process that made it runs its agent, so that
+   ``python -m torchrpc.inspect`` of the same user on the same host finds the secret the
+   way a worker does (:func:`shared_secret`); it is removed when that agent stops
+   (graceful or not) or at exit. Its name carries its maker's pid namespace, pid and
+   start time, so a file left by a killed job (SIGKILL, or a SIGTERM that skips
+   ``atexit``) is told apart: no reader uses it, and the next rank 0 of this user
+   removes it. A dynamic group whose store outlives rank 0 (``file://``) keeps its file
+   for later joiners; its name carries no maker.
 3. The ``insecure_secret_in_store`` option or ``TORCHRPC_INSECURE_SECRET_IN_STORE=1``
    shares the secret through the store, for trusted networks only; every use logs a
    warning.
@@ -30,6 +39,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -38,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Set
 
+from .._transport.shm import pid_namespace
 from ..errors import RendezvousError
 
 log = logging.getLogger(__name__)
@@ -54,6 +65,7 @@ _HOW = (f"set {SECRET_ENV} to the same random string of at least {MIN_LENGTH} ch
         f"rendezvous store; add TLS for cross-host links (see docs/security.md)")
 
 LOCATOR_KEY = "secret_locator"
+IN_STORE_KEY = "insecure_secret"  # where the opted-in insecure secret travels
 LOCATOR_GRACE = 5.0  # seconds a worker retries a locator it cannot use before it fails
 
 _lock = threading.Lock()
@@ -153,16 +165,70 @@ def runtime_dir() -> str:
         return _fallback[-1]
 
 
+def _started(pid: int) -> Optional[str]:
+    """When process ``pid`` started (clock ticks since boot, from ``/proc``), or None if
+    there is no such process (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode("ascii")
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+_MAKER = re.compile(r"job-(\d+)-(\d+)-(\d+)-[0-9a-f]{32}")  # pidns, pid, start time, token
+
+
+def _maker_gone(name: str) -> Optional[str]:
+    """Why the secret file ``name`` is stale (the process that made it, named in it, has
+    ended), or None: it runs, or the name does not say (a kept file), or it ran in
+    another pid namespace, where this process cannot tell."""
+    match = _MAKER.fullmatch(name)
+    if match is None:
+        return None
+    pidns, pid, start = (int(x) for x in match.groups())
+    if not pidns or pidns != pid_namespace():
+        return None
+    if _started(pid) != str(start):
+        return (f"the process that made it (pid {pid}) has ended: it is left from a job that "
+                f"was killed")
+    return None
+
+
+def _sweep(directory: str) -> None:
+    """Remove this user's secret files in ``directory`` whose maker has ended (a job
+    killed before it could remove its own)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        why = _maker_gone(name)
+        if why is None:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            continue
+        log.info("removed the stale secret file %s: %s", os.path.join(directory, name), why)
+
+
 def create_local(host: str, keep: bool = False) -> tuple[bytes, str]:
     """Rank 0: a new secret in a new private file; return it and the store locator (a
     JSON object: the host's identity, the directory and the file's name).
 
-    The file is removed once every rank has read it, or at exit at the latest, unless
-    ``keep`` (a dynamic group whose store outlives rank 0: members may join after it left).
+    The file is removed when this process's agent stops (:func:`discard_local`), or at
+    exit at the latest, unless ``keep`` (a dynamic group whose store outlives rank 0:
+    members may join after it left). Stale files of killed jobs in the directory are
+    removed first.
     """
     secret = secrets.token_hex(32).encode()
-    name = f"job-{secrets.token_hex(16)}"
     directory = runtime_dir()
+    _sweep(directory)
+    started = _started(os.getpid())
+    if keep or started is None or not pid_namespace():  # no maker to check (or no /proc)
+        name = f"job-{secrets.token_hex(16)}"
+    else:
+        name = f"job-{pid_namespace()}-{os.getpid()}-{started}-{secrets.token_hex(16)}"
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -186,15 +252,27 @@ def _parse_locator(locator: str) -> tuple[str, str, str]:
     return where
 
 
+def _unusable(reason: str, advice: str = _HOW) -> RendezvousError:
+    """The error of a secret file that cannot be used: ``reason`` and the advice to
+    workers; its ``reason`` attribute keeps the reason alone (the inspector gives advice
+    of its own)."""
+    error = RendezvousError(f"{reason}; {advice}")
+    error.reason = reason  # type: ignore[attr-defined]
+    return error
+
+
+_SAME_USER = f"are all workers of this host running as the same user? Otherwise {_HOW}"
+
+
 def read_local(locator: str, host: str) -> bytes:
     """Any other rank: the secret rank 0 keeps in the file the locator names. The
     locator comes from the untrusted store, so what it names is checked: a directory
-    and a file (no symlinks) of this user, that no one else may read or write."""
+    and a file (no symlinks) of this user, that no one else may read or write, made by a
+    process that still runs (or kept for later joiners)."""
     their_host, directory, name = _parse_locator(locator)
     if their_host != host:
-        raise RendezvousError(
-            f"cannot get the job secret: rank 0 created it on another host (or container), "
-            f"where only its own user can read it; {_HOW}")
+        raise _unusable("cannot get the job secret: rank 0 created it on another host "
+                        "(or container), where only its own user can read it")
     if not name.startswith("job-") or os.sep in name or not os.path.isabs(directory):
         raise RendezvousError(f"malformed secret locator {locator[:200]!r} in the rendezvous "
                               f"store")
@@ -202,34 +280,58 @@ def read_local(locator: str, host: str) -> bytes:
     try:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise RendezvousError(f"cannot open the directory of the job secret rank 0 created "
-                              f"({directory}): {exc}; are all workers of this host running as "
-                              f"the same user? Otherwise {_HOW}") from exc
+        raise _unusable(f"cannot open the directory of the job secret rank 0 created "
+                        f"({directory}): {exc}", _SAME_USER) from exc
     try:
         why = _unsafe(os.fstat(dfd))
         if why is not None:
-            raise RendezvousError(f"refusing the secret directory {directory}: {why}; {_HOW}")
+            raise _unusable(f"refusing the secret directory {directory}: {why}")
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
         except OSError as exc:
-            raise RendezvousError(f"cannot read the job secret rank 0 created ({path}): {exc}; "
-                                  f"are all workers of this host running as the same user? "
-                                  f"Otherwise {_HOW}") from exc
+            raise _unusable(f"cannot read the job secret rank 0 created ({path}): {exc}",
+                            _SAME_USER) from exc
     finally:
         os.close(dfd)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise RendezvousError(f"refusing the secret file {path}: owner uid {st.st_uid}, "
-                                  f"mode {stat.S_IMODE(st.st_mode):04o}; {_HOW}")
+            raise _unusable(f"refusing the secret file {path}: owner uid {st.st_uid}, "
+                            f"mode {stat.S_IMODE(st.st_mode):04o}")
+        stale = _maker_gone(name)
+        if stale is not None:
+            raise _unusable(f"refusing the secret file {path}: {stale}")
         return _checked(f.read().strip(), path)
 
 
-def discard_local() -> None:
-    """Remove the secret files this process created (every rank has read them)."""
+def shared_secret(store: Any, host: str, source: Source) -> bytes:
+    """The secret rank 0 shares, read once (no waiting): the one in the store if
+    ``source.via_store`` (the insecure opt-in), else the file the locator names. A worker
+    that is not rank 0 and ``python -m torchrpc.inspect`` both read it here. Raises
+    :class:`RendezvousError` if it is not there, or cannot be used."""
+    if via_store_allowed(source):
+        if not store.check([IN_STORE_KEY]):
+            raise RendezvousError(f"{VIA_STORE_ENV} is set, but the rendezvous store holds no "
+                                  f"secret: the group was not started with it")
+        return store.get(IN_STORE_KEY)
+    if not store.check([LOCATOR_KEY]):
+        hint = (f" (it holds one in the store: the group was started with {VIA_STORE_ENV}=1, "
+                f"which this process needs too)" if store.check([IN_STORE_KEY]) else "")
+        raise RendezvousError(f"the rendezvous store names no secret file of rank 0{hint}")
+    return read_local(store.get(LOCATOR_KEY).decode(errors="replace"), host)
+
+
+def discard_local(locator: Optional[str] = None) -> None:
+    """Remove the secret files this process created (its agent stops), or only the one
+    of ``locator`` (made by :func:`create_local`, kept or not)."""
     with _lock:
-        paths = list(_files)
-        _files.clear()
+        if locator is None:
+            paths = list(_files)
+            _files.clear()
+        else:
+            _, directory, name = _parse_locator(locator)
+            paths = [os.path.join(directory, name)]
+            _files.discard(paths[0])
     for path in paths:
         try:
             os.unlink(path)
@@ -275,12 +377,12 @@ def job_secret(store: Any, rank: int, host: str,
     secret = launcher_secret(source)
     if secret is not None:
         return secret
-    if via_store_allowed(source):
+    if source.via_store:
         if rank == 0:
             # compare_set: a rank 0 that rejoins a dynamic group keeps the group's secret
-            store.compare_set("insecure_secret", "", secrets.token_hex(32))
-        wait(["insecure_secret"], "the job secret from rank 0")
-        return store.get("insecure_secret")
+            store.compare_set(IN_STORE_KEY, "", secrets.token_hex(32))
+        wait([IN_STORE_KEY], "the job secret from rank 0")
+        return shared_secret(store, host, source)
     if rank == 0:
         return _create_shared(store, host, keep)
     give_up: Optional[float] = None
@@ -288,7 +390,7 @@ def job_secret(store: Any, rank: int, host: str,
     while True:
         wait([LOCATOR_KEY], "where rank 0 keeps the job secret")
         try:
-            return read_local(store.get(LOCATOR_KEY).decode(errors="replace"), host)
+            return shared_secret(store, host, source)
         except RendezvousError as exc:
             now = time.monotonic()
             give_up = give_up or now + LOCATOR_GRACE
@@ -317,7 +419,7 @@ def _create_shared(store: Any, host: str, keep: bool) -> bytes:
                         "which it cannot use: %s", exc)
             held = store.compare_set(LOCATOR_KEY, held, locator).decode(errors="replace")
             continue
-        discard_local()
+        discard_local(locator)  # its own, which no one reads
         return theirs
     raise RendezvousError("cannot put the secret locator in the rendezvous store: another "
                           "process keeps writing it")

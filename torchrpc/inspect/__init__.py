@@ -2,7 +2,8 @@
 
 Joins the group at ``--init-method`` (default ``MASTER_ADDR``/``MASTER_PORT``) as an
 observer (no rank, invisible to the workers' group; see ``torchrpc._agent.observer``) with
-the job secret from ``TORCHRPC_SECRET`` or ``TORCHRPC_SECRET_FILE``, asks every worker
+the job secret from where a worker gets it (``TORCHRPC_SECRET``, ``TORCHRPC_SECRET_FILE``,
+or on the job's host rank 0's secret file), asks every worker
 for a snapshot and prints a table of the workers, their outstanding calls and the
 requests they serve, and the wait-for chains; ``--stacks`` adds every thread's stack,
 ``--json`` prints the document instead, ``--watch S`` refreshes it every S seconds.
@@ -107,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Show a running torchrpc group's outstanding calls, the requests each "
                     "worker serves, the wait-for chains and (with --stacks) every thread's "
                     "stack. Needs the job's rendezvous and its secret (TORCHRPC_SECRET or "
-                    "TORCHRPC_SECRET_FILE).")
+                    "TORCHRPC_SECRET_FILE; on the host of a one-host job started without "
+                    "either, as its user: none).")
     p.add_argument("--init-method", default=None,
                    help="the job's rendezvous: tcp://HOST:PORT, file:///PATH or env:// "
                         "(default: MASTER_ADDR and MASTER_PORT)")

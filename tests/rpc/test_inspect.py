@@ -333,8 +333,8 @@ def _chains_through(doc: dict, function: str) -> list:
 
 def test_two_requests_served_at_once_each_chain_names_only_its_own_call(group):
     # worker1 serves relay_a, then relay_b while relay_a still runs; each makes one call
-    # to worker2. Both calls were made since either request began: only the thread that
-    # made each says which request it belongs to.
+    # to worker2. Both calls were made since either request began: only what the thread
+    # that made each served then says which request it belongs to.
     a = rpc.rpc_async("worker1", relay_a, ("worker2",))
     try:
         wait_for("relay_a's call to reach worker2", lambda: serves("worker2", "gated_a"), 60)
@@ -343,7 +343,9 @@ def test_two_requests_served_at_once_each_chain_names_only_its_own_call(group):
         doc = rpc.snapshot()
         w1 = _by_name(doc)["worker1"]
         served = {s["function"].rsplit(".", 1)[1]: s for s in w1["serving"]}
-        assert served["relay_a"]["thread"] != served["relay_b"]["thread"], w1["serving"]
+        # On two threads, or on one: a thread that waits for relay_a's reply may read
+        # relay_b and serve it inline, before relay_a returns.
+        assert served["relay_a"]["thread"] and served["relay_b"]["thread"], w1["serving"]
         made_for = {p["function"].rsplit(".", 1)[1]: p["for"] for p in w1["pending"]}
         for relay, gated in (("relay_a", "gated_a"), ("relay_b", "gated_b")):
             assert made_for[gated] == {"from_rank": 0, "id": served[relay]["id"]}, w1
@@ -390,6 +392,39 @@ def test_an_async_execution_request_stays_listed_until_its_reply_is_sent(group):
     # The reply was sent: the entry has gone (it leaves right after sending it).
     wait_for("async_relay to leave worker1's table", lambda: not serves("worker1", "async_relay"),
              10)
+
+
+def test_the_serving_table_lists_what_each_thread_serves_and_what_waits():
+    from torchrpc._agent.serving import ServingTable, this_thread
+    from torchrpc._agent.worker import WorkerInfo
+
+    caller = WorkerInfo("w0", 0)
+    table, other = ServingTable(), ServingTable()
+    outer, inner = [table, caller, 1, 0, None, 1.0], [table, caller, 2, 0, None, 2.0]
+    stack = table.thread_stack()
+    assert this_thread.stack is stack and table.thread_stack() is stack
+    base = len(stack)
+    stack.extend([outer, inner, [other, caller, 3, 0, None, 3.0]])
+    try:
+        got = [(e[2], ident) for e, ident in table.entries()]
+        me = threading.get_ident()
+        assert got == [(1, me), (2, me)]  # innermost last; another agent's is not listed
+        assert table.key_of(inner) == (0, 2) and other.key_of(inner) is None
+        # One moving to ``waiting`` (still on its thread's stack) is listed once.
+        table.waiting[id(inner)] = inner
+        assert [(e[2], ident) for e, ident in table.entries()] == [(1, me), (2, me)]
+        del stack[base + 1:]
+        assert [(e[2], ident) for e, ident in table.entries()] == [(1, me), (2, None)]
+        # Another thread gets a stack of its own.
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(table.thread_stack() is not stack))
+        t.start()
+        t.join()
+        assert seen == [True]
+    finally:
+        del stack[base:]
+        table.waiting.clear()
+    assert table.entries() == []
 
 
 def _worker(rank: int, pending=(), serving=(), answered: bool = True) -> dict:

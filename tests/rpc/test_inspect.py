@@ -57,6 +57,52 @@ def members() -> list:
     return sorted(w.name for w in rpc.get_worker_infos())
 
 
+_gate = threading.Event()  # in each process: lets gated_a, gated_b and gated_c return
+
+
+def gated_a() -> str:
+    _gate.wait(120)
+    return "a"
+
+
+def gated_b() -> str:
+    _gate.wait(120)
+    return "b"
+
+
+def gated_c() -> str:
+    _gate.wait(120)
+    return "c"
+
+
+def relay_a(to: str) -> str:
+    return rpc.rpc_sync(to, gated_a)
+
+
+def relay_b(to: str) -> str:
+    return rpc.rpc_sync(to, gated_b)
+
+
+@rpc.functions.async_execution
+def async_relay(to: str):
+    """Returns at once; its reply waits for the onward call's."""
+    return rpc.rpc_async(to, gated_c)
+
+
+def open_gate() -> None:
+    _gate.set()
+
+
+def close_gate() -> None:
+    _gate.clear()
+
+
+def serves(worker: str, function: str) -> list:
+    """The requests ``worker`` serves now that run this module's ``function``."""
+    (w,) = rpc.snapshot(workers=[worker], timeout=10)["workers"]
+    return [s for s in w["serving"] if s["function"] == f"{__name__}.{function}"]
+
+
 @pytest.fixture(scope="module")
 def group():
     watcher = None
@@ -280,10 +326,115 @@ def test_a_group_that_does_not_exist_yet(group, tmp_path):
     assert code == 2 and "no rendezvous file" in out
 
 
+def _chains_through(doc: dict, function: str) -> list:
+    return [c for c in doc["chains"] if len(c["links"]) > 1
+            and c["links"][1]["function"] == f"{__name__}.{function}"]
+
+
+def test_two_requests_served_at_once_each_chain_names_only_its_own_call(group):
+    # worker1 serves relay_a, then relay_b while relay_a still runs; each makes one call
+    # to worker2. Both calls were made since either request began: only what the thread
+    # that made each served then says which request it belongs to.
+    a = rpc.rpc_async("worker1", relay_a, ("worker2",))
+    try:
+        wait_for("relay_a's call to reach worker2", lambda: serves("worker2", "gated_a"), 60)
+        b = rpc.rpc_async("worker1", relay_b, ("worker2",))
+        wait_for("relay_b's call to reach worker2", lambda: serves("worker2", "gated_b"), 60)
+        doc = rpc.snapshot()
+        w1 = _by_name(doc)["worker1"]
+        served = {s["function"].rsplit(".", 1)[1]: s for s in w1["serving"]}
+        # On two threads, or on one: a thread that waits for relay_a's reply may read
+        # relay_b and serve it inline, before relay_a returns.
+        assert served["relay_a"]["thread"] and served["relay_b"]["thread"], w1["serving"]
+        made_for = {p["function"].rsplit(".", 1)[1]: p["for"] for p in w1["pending"]}
+        for relay, gated in (("relay_a", "gated_a"), ("relay_b", "gated_b")):
+            assert made_for[gated] == {"from_rank": 0, "id": served[relay]["id"]}, w1
+            (c,) = _chains_through(doc, relay)
+            assert [(link["worker"], link.get("function", "").rsplit(".", 1)[-1],
+                     link.get("state")) for link in c["links"]] == [
+                ("worker0", "", None), ("worker1", relay, "running"),
+                ("worker2", gated, "running")], c
+            assert c["text"].startswith(f"worker0 -> worker1 ({relay}, "), c["text"]
+            assert f"-> worker2 ({gated}, " in c["text"], c["text"]
+        # The call worker0 itself makes (made for no request) is none of them.
+        assert all(p["for"] is None for p in _by_name(doc)["worker0"]["pending"])
+    finally:
+        rpc.rpc_sync("worker2", open_gate)
+        assert a.wait() == "a"
+        assert b.wait() == "b"
+        rpc.rpc_sync("worker2", close_gate)
+
+
+def test_an_async_execution_request_stays_listed_until_its_reply_is_sent(group):
+    fut = rpc.rpc_async("worker1", async_relay, ("worker2",))
+    try:
+        wait_for("async_relay's call to reach worker2", lambda: serves("worker2", "gated_c"),
+                 60)
+        time.sleep(0.3)  # async_relay returned long ago: it waits for its future
+        doc = rpc.snapshot()
+        w1 = _by_name(doc)["worker1"]
+        (s,) = [s for s in w1["serving"] if s["function"] == f"{__name__}.async_relay"]
+        assert s["async"] is True and s["thread"] is None and s["age_s"] >= 0.3, s
+        (p,) = [p for p in w1["pending"] if p["function"] == f"{__name__}.gated_c"]
+        assert p["for"] == {"from_rank": 0, "id": s["id"]}, p
+        (c,) = _chains_through(doc, "async_relay")
+        assert [link.get("state") for link in c["links"][1:]] == ["running", "running"], c
+        assert c["links"][1]["async"] is True and c["links"][2]["worker"] == "worker2"
+        assert ", async) -> worker2 (gated_c, " in c["text"], c["text"]
+        code, out = run_cli(group, "--workers", "worker1")
+        assert code == 0, out
+        assert re.search(rf"<- worker0 +{re.escape(__name__)}\.async_relay +\[call\] +\S+ s"
+                         r" +waiting for its future", out), out
+    finally:
+        rpc.rpc_sync("worker2", open_gate)
+        assert fut.wait() == "c"
+        rpc.rpc_sync("worker2", close_gate)
+    # The reply was sent: the entry has gone (it leaves right after sending it).
+    wait_for("async_relay to leave worker1's table", lambda: not serves("worker1", "async_relay"),
+             10)
+
+
+def test_the_serving_table_lists_what_each_thread_serves_and_what_waits():
+    from torchrpc._agent.serving import ServingTable, this_thread
+    from torchrpc._agent.worker import WorkerInfo
+
+    caller = WorkerInfo("w0", 0)
+    table, other = ServingTable(), ServingTable()
+    outer, inner = [table, caller, 1, 0, None, 1.0], [table, caller, 2, 0, None, 2.0]
+    stack = table.thread_stack()
+    assert this_thread.stack is stack and table.thread_stack() is stack
+    base = len(stack)
+    stack.extend([outer, inner, [other, caller, 3, 0, None, 3.0]])
+    try:
+        got = [(e[2], ident) for e, ident in table.entries()]
+        me = threading.get_ident()
+        assert got == [(1, me), (2, me)]  # innermost last; another agent's is not listed
+        assert table.key_of(inner) == (0, 2) and other.key_of(inner) is None
+        # One moving to ``waiting`` (still on its thread's stack) is listed once.
+        table.waiting[id(inner)] = inner
+        assert [(e[2], ident) for e, ident in table.entries()] == [(1, me), (2, me)]
+        del stack[base + 1:]
+        assert [(e[2], ident) for e, ident in table.entries()] == [(1, me), (2, None)]
+        # Another thread gets a stack of its own.
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(table.thread_stack() is not stack))
+        t.start()
+        t.join()
+        assert seen == [True]
+    finally:
+        del stack[base:]
+        table.waiting.clear()
+    assert table.entries() == []
+
+
 def _worker(rank: int, pending=(), serving=(), answered: bool = True) -> dict:
+    """A worker of a snapshot document: ``pending`` as (id, to, age[, (caller, id) of the
+    request served that the call was made for]), ``serving`` as (id, caller, age)."""
     return {"name": f"w{rank}", "rank": rank, "answered": answered,
-            "pending": [{"id": i, "to": f"w{to}", "to_rank": to, "function": f"m.f{to}",
-                         "kind": "call", "age_s": age} for i, to, age in pending],
+            "pending": [{"id": p[0], "to": f"w{p[1]}", "to_rank": p[1], "function": f"m.f{p[1]}",
+                         "kind": "call", "age_s": p[2],
+                         "for": {"from_rank": p[3][0], "id": p[3][1]} if len(p) > 3 else None}
+                        for p in pending],
             "serving": [{"id": i, "from": f"w{frm}", "from_rank": frm, "function": f"m.f{rank}",
                          "kind": "call", "age_s": age, "thread": "t"}
                         for i, frm, age in serving]}
@@ -293,13 +444,13 @@ def test_wait_chains_name_a_cycle_and_a_worker_that_did_not_answer():
     from torchrpc._agent.observer import wait_chains
     # w0 -> w1 -> w2 -> w0: w0 called w1 first, then each serves the call of the one before.
     cycle = [_worker(0, pending=[(1, 1, 9.0)], serving=[(3, 2, 7.5)]),
-             _worker(1, pending=[(2, 2, 8.0)], serving=[(1, 0, 8.9)]),
-             _worker(2, pending=[(3, 0, 7.4)], serving=[(2, 1, 7.95)])]
+             _worker(1, pending=[(2, 2, 8.0, (0, 1))], serving=[(1, 0, 8.9)]),
+             _worker(2, pending=[(3, 0, 7.4, (1, 2))], serving=[(2, 1, 7.95)])]
     chains = wait_chains(cycle)
     assert [c["cycle"] for c in chains] == [True], chains
     assert chains[0]["text"] == "w0 -> w1 (f1, 9.0 s) -> w2 (f2, 8.0 s) -> w0 (f0, 7.4 s)  CYCLE"
-    # The same, every call made while serving the one before it (no call starts the chain).
-    cycle[0]["pending"][0]["age_s"] = 7.0
+    # The same, every call made for the request served before it (no call starts the chain).
+    cycle[0]["pending"][0]["for"] = {"from_rank": 2, "id": 3}
     chains = wait_chains(cycle)
     assert [c["cycle"] for c in chains] == [True], chains
     assert chains[0]["links"][-1]["state"] == "cycle"
@@ -308,3 +459,21 @@ def test_wait_chains_name_a_cycle_and_a_worker_that_did_not_answer():
                           _worker(1, answered=False), _worker(2)])
     assert [c["text"] for c in chains] == ["w0 -> w1 (f1, 1.1 min, no answer)",
                                            "w0 -> w2 (f2, 3.0 s, not running)"]
+
+
+def test_wait_chains_follow_the_request_each_call_was_made_for():
+    from torchrpc._agent.observer import wait_chains
+    # w1 serves two calls of w0 at once; each made one onward call, to w2 and w3. By age
+    # alone both onward calls were made since either request began; by ``for`` each
+    # chain names only its own.
+    ws = [_worker(0, pending=[(1, 1, 5.0), (2, 1, 4.0)]),
+          _worker(1, pending=[(7, 2, 3.0, (0, 2)), (8, 3, 2.0, (0, 1))],
+                  serving=[(1, 0, 5.0), (2, 0, 4.0)]),
+          _worker(2, serving=[(7, 1, 3.0)]), _worker(3, serving=[(8, 1, 2.0)])]
+    assert sorted(c["text"] for c in wait_chains(ws)) == [
+        "w0 -> w1 (f1, 4.0 s) -> w2 (f2, 3.0 s)", "w0 -> w1 (f1, 5.0 s) -> w3 (f3, 2.0 s)"]
+    # A call made for no request (or for one that ended) starts a chain of its own.
+    ws[1]["pending"][1]["for"] = {"from_rank": 0, "id": 99}
+    assert sorted(c["text"] for c in wait_chains(ws)) == [
+        "w0 -> w1 (f1, 4.0 s) -> w2 (f2, 3.0 s)", "w0 -> w1 (f1, 5.0 s)",
+        "w1 -> w3 (f3, 2.0 s)"]

@@ -282,6 +282,10 @@ PROCESS_STATE = {
     "_agent/pool.py:_current": "per-thread context",
     "_agent/role.py:_inline": "per-thread context",
     "_transport/reader.py:_reading": "per-thread context",
+    # The stacks of the requests each thread serves (serving.py's per-thread this_thread),
+    # registered weakly for snapshots, and the lock of that registry.
+    "_agent/serving.py:_stacks": "per-thread context",
+    "_agent/serving.py:_stacks_lock": "per-thread context",
     # Secret files this process wrote, removed at its exit at the latest.
     "_rendezvous/secret.py:_lock": "process resources",
     "_rendezvous/secret.py:_files": "process resources",

@@ -120,7 +120,7 @@ class Agent:
         self.dispatch = Dispatch(name, self._pool, self.coroutines,
                                  functools.partial(MessageContext, self), self._hooks,
                                  self.serve_all, self.traffic.by_rank, self.connections.send,
-                                 timeout, settings.max_queued_requests)
+                                 timeout, settings.max_queued_requests, self.scheduler)
         # Sending and completing requests (calls.py), by the lanes replies take (lanes.py).
         self.calls = _new_calls(self)
         self.lanes = self.calls.lanes

@@ -36,6 +36,7 @@ from .pending import Pending, Resend
 from .requests import Requests
 from .retry import RetryPolicy
 from .route import Sender
+from .serving import this_thread
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -209,6 +210,9 @@ class Calls:
             _inline_callback(p.future, functools.partial(_run_all, ctx.on_settled))
         if on_done is not None:
             _inline_callback(p.future, on_done)
+        serving = this_thread.stack  # what this thread serves, if anything (serving.py)
+        if serving:
+            p.serving = serving[-1]
         deadline = now + timeout if timeout > 0 else None
         if retry is not None and retry.max_attempts > 1:
             if once:  # internal: the callee runs it once; @idempotent may rerun

@@ -35,10 +35,8 @@ import functools
 import logging
 import threading
 import time
-from threading import get_ident
-from time import monotonic
 from types import CoroutineType
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -54,7 +52,8 @@ from .hooks import AsyncResult, CallHook, CallScope, MessageContext, combine, de
 from .once import OnceTable
 from .pool import WorkerPool, current_pool
 from .remote_error import capture
-from .snapshot import FUNCTION_FIRST, Serving
+from .serving import WHAT, Clock, ServingTable, this_thread
+from .snapshot import FUNCTION_FIRST
 from .stats import PeerStats, nbytes
 from .worker import WorkerInfo
 
@@ -81,7 +80,7 @@ class Dispatch:
     def __init__(self, name: str, pool: WorkerPool, coroutines: CoroutineRunner,
                  context: Callable[..., MessageContext], hooks: List[CallHook],
                  serve_all: List[CallHook], stats: Dict[int, PeerStats], send: Send,
-                 timeout: Callable[[], float], max_queued: int) -> None:
+                 timeout: Callable[[], float], max_queued: int, clock: Clock) -> None:
         self._name = name  # the worker's
         self._pool = pool  # runs requests; at most max_queued wait for a thread (refuse)
         self._context = context  # (peer, kind, replied=False) -> the message's MessageContext
@@ -96,8 +95,10 @@ class Dispatch:
             Kind.CALL: functools.partial(_handle_call, coroutines)}
         self._overloads = LogBudget(what="refused requests")
         self.once = OnceTable()  # the requests that may arrive again (once.py)
-        # (caller rank, request id) -> the request a thread serves now (snapshot.py).
-        self.serving: Dict[Tuple[int, int], Serving] = {}
+        # What this worker serves now, for snapshots (serving.py); entries are stamped
+        # with ``clock.now`` (the agent's Scheduler: the time of its round under way).
+        self.serving = ServingTable()
+        self._clock = clock
 
     def register_handler(self, kind: int, handler: Callable[[WorkerInfo, Any], Any]) -> None:
         """:meth:`Agent.register_handler`."""
@@ -135,9 +136,15 @@ class Dispatch:
             return combine([s.recv_hook for s in scopes])
 
         what: Any = kind  # the function, once known; only error paths describe it
-        # What this thread serves, until the handler returns (snapshot.py).
-        key = (src.id, rid)
-        entry = self.serving[key] = Serving((src, kind, None, monotonic(), get_ident()))
+        # What this thread serves, until the handler returns or, for an AsyncResult, until
+        # the reply is sent (serving.py).
+        table = self.serving
+        stack = this_thread.stack
+        if stack is None:
+            stack = table.thread_stack()
+        entry = [table, src, rid, kind, None, self._clock.now]
+        stack.append(entry)
+        waits = False  # the handler gave an AsyncResult that is replied to
         try:
             ctx = self._context(src, kind, replied=not oneway)
             _, payload = _wire.decode(envelope, buffers, ctx, recv_hook)
@@ -145,9 +152,9 @@ class Dispatch:
             if ctx.gates is not None:
                 self._pass_gates(ctx.gates)
             if kind == Kind.CALL:
-                what = entry[2] = payload[0]
+                what = entry[WHAT] = payload[0]
             elif kind in FUNCTION_FIRST:
-                entry[2] = payload[0]
+                entry[WHAT] = payload[0]
             if handler is None:
                 raise RpcError(f"worker {self._name} has no handler for message kind "
                                f"{Kind(kind).name}")
@@ -158,6 +165,9 @@ class Dispatch:
             finally:
                 for s in reversed(scopes):
                     s.__exit__(None, None, None)
+            if isinstance(result, AsyncResult) and not oneway:
+                waits = True
+                table.waiting[id(entry)] = entry  # before this thread lets it go
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             if not oneway:
                 self._reply_error(src, rid, exc, what, via)
@@ -167,12 +177,12 @@ class Dispatch:
                     self.once.ran((src.id, rid))
             return
         finally:
-            self.serving.pop(key, None)
+            stack.pop()
         if oneway:
             if header.flags & _wire.FLAG_ONCE:
                 self.once.ran((src.id, rid))
             return
-        if isinstance(result, AsyncResult):
+        if waits:
             def done(fut: torch.futures.Future) -> None:
                 try:
                     value = fut.wait()
@@ -180,6 +190,8 @@ class Dispatch:
                     self._reply_error(src, rid, exc, what, via)
                 else:
                     self._reply(src, rid, value, scopes, what, via=via)
+                finally:
+                    table.waiting.pop(id(entry), None)
             result.future.add_done_callback(done)
             return
         # Hand the result over and let go of the request: once the reply is staged

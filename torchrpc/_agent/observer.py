@@ -374,13 +374,15 @@ def _unanswered(m: Member, why: str) -> Dict[str, Any]:
 
 def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The wait-for chains of a snapshot: each starts at a call that no request served by
-    its caller explains (the caller's own thread made it) and follows it to the worker
-    serving it, then on along that worker's calls made since; a chain that comes back
-    to a worker on it is a cycle.
+    its caller explains (made for none, or for one whose caller did not answer) and
+    follows it to the worker serving it, then on along the calls that worker made for
+    that request (a call names the request it was made for, ``for``: the one its thread
+    served); a chain that comes back to a worker on it is a cycle.
 
     Each chain is ``{"links": [{"worker", "function", "kind", "age_s", "state"}],
     "cycle": bool, "text": str}``; ``state`` of the last link says where it rests:
-    ``running`` (its function runs there now), ``not running`` (queued, async, or
+    ``running`` (its function runs there now, or is an ``@async_execution`` one waiting
+    for its future: then the link has ``"async": true``), ``not running`` (queued, or
     the reply is on its way), ``no answer`` (that worker did not answer) or ``not
     asked`` (that worker was left out of the snapshot)."""
     by_rank = {w["rank"]: w for w in workers}
@@ -390,9 +392,10 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             serving_of[(w["rank"], s["from_rank"], s["id"])] = s
 
     def onward(w: Dict[str, Any], served: Dict[str, Any]) -> List[Dict[str, Any]]:
-        # Calls this worker made since it began serving ``served``.
-        return [p for p in w.get("pending", ())
-                if p.get("age_s") is not None and p["age_s"] <= served["age_s"] + 0.001]
+        # The calls this worker made for ``served``.
+        return [p for p in w.get("pending", ()) if p.get("for")
+                and p["for"]["from_rank"] == served["from_rank"]
+                and p["for"]["id"] == served["id"]]
 
     explained = set()  # calls that a chain from their caller's caller reaches
     for w in workers:
@@ -426,6 +429,8 @@ def wait_chains(workers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             return
         link["state"] = "running"
         link["thread"] = served["thread"]
+        if served.get("async"):
+            link["async"] = True
         nxt = onward(callee, served)
         if not nxt:
             chains.append(_chain(path, False))
@@ -452,6 +457,8 @@ def _chain(links: List[Dict[str, Any]], cycle: bool) -> Dict[str, Any]:
     for link in links[1:]:
         age = link["age_s"]
         note = "" if link["state"] in ("running", "cycle") else f", {link['state']}"
+        if link.get("async"):
+            note = ", async"  # waits for its future
         parts.append(f"{link['worker']} ({short_name(link['function'])}, {age_text(age)}"
                      f"{note})")
     text = " -> ".join(parts) + ("  CYCLE" if cycle else "")
@@ -498,9 +505,10 @@ def snapshot(workers: Optional[Iterable[Any]] = None, stacks: bool = False,
 
     Returns:
         ``{"workers": [...], "chains": [...], "taken_at": ...}``: per worker its name,
-        rank, state, ``pending`` calls (``to``, ``function``, ``kind``, ``age_s``), the
-        requests it is ``serving`` (``from``, ``function``, ``kind``, ``age_s``,
-        ``thread``), RRefs, autograd contexts, lost peers and, with ``stacks``, its
+        rank, state, ``pending`` calls (``to``, ``function``, ``kind``, ``age_s``, and
+        ``for``: the request served that it was made for), the requests it is
+        ``serving`` (``from``, ``function``, ``kind``, ``age_s``, ``thread``, ``async``),
+        RRefs, autograd contexts, lost peers and, with ``stacks``, its
         threads' stacks; ``chains`` are the wait-for chains (see docs/guide.md).
     """
     with Observer(init_method, secret, timeout, tls_certfile, tls_keyfile, tls_cafile,

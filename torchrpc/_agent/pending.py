@@ -4,7 +4,7 @@ the caller's side (calls.py) fill in."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .._transport import Connection
 from .futures import RpcFuture
@@ -17,7 +17,7 @@ class Pending:
     """An outstanding request: the future of its reply and what failing or retrying it needs."""
 
     __slots__ = ("future", "dst", "what", "timeout", "states", "resend", "private", "on_failure",
-                 "stats", "sent", "conn", "kind")
+                 "stats", "sent", "conn", "kind", "serving")
 
     def __init__(self, future: RpcFuture, dst: WorkerInfo, what: Any, timeout: float,
                  states: Optional[Dict[str, Any]], stats: Optional[PeerStats] = None,
@@ -39,6 +39,9 @@ class Pending:
         # Tells the call hooks with a state that the request failed here (see set_exception).
         self.on_failure: Optional[Callable[[], None]] = None
         self.kind = kind  # the message kind (for snapshots; see snapshot.py)
+        # The entry of the request this call was made for, by the thread serving it (or
+        # None): snapshots link chains by it (serving.py).
+        self.serving: Optional[List[Any]] = None
 
     def set_exception(self, error: BaseException) -> None:
         """Fail the call with an error of this side (not a reply); wake a caller blocked

@@ -64,7 +64,8 @@ class Scheduler:
         # Set by the timer before it sleeps a whole TICK; work that starts on a shared
         # connection's reading thread then wakes it (see the module docs).
         self.slow = False
-        self.now = 0.0  # when the current (or last) round started
+        # When the current (or last) round started; before the first, when this was made.
+        self.now = time.monotonic()
         self._guard: Optional[Guard] = None
         self._stopped = False
         self.thread: Optional[threading.Thread] = None

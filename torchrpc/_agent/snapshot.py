@@ -16,10 +16,11 @@ reads the agent's tables without locks (each is changed by single dict operation
 the GIL makes atomic) and copies them first (docs/design.md, "Snapshots of shared
 tables").
 
-What each pool thread serves is kept by :class:`~torchrpc._agent.dispatch.Dispatch` in
-``serving``: (caller rank, request id) -> :class:`Serving`, entered as its serving
-begins (the function is filled in once the request is decoded) and removed once its
-handler returns, so the hot path pays one dict store and one removal.
+What each thread serves is kept by :class:`~torchrpc._agent.serving.ServingTable`
+(``dispatch.serving``; serving.py says what it costs and how ages and chains are made
+exact): a request is listed from when a thread begins serving it until its handler
+returns, or for an ``@async_execution`` one until its reply is sent. Each outgoing call
+names the request it was made for (``for``), by the thread that made it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .. import _wire
 from .._transport import Connection
 from .._wire import Kind
 from .hooks import Slot, describe
+from .serving import CALLER, KIND, RID, STARTED, WHAT
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +71,6 @@ KIND_NAMES = {
 FUNCTION_FIRST = frozenset((Kind.RREF_REMOTE_CALL, Kind.PROFILED_CALL))
 
 
-class Serving(list):
-    """A request a thread serves: [caller WorkerInfo, kind, function (or None),
-    time.monotonic() at its start, the serving thread's ident]. A list, so that the
-    function is filled in once the request is decoded."""
-
-    __slots__ = ()
-
-
 def kind_name(kind: int) -> str:
     name = KIND_NAMES.get(kind)
     if name is not None:
@@ -104,7 +98,7 @@ class Inspected(Protocol):
     rank: int
     pool: Any  # pool.WorkerPool
     requests: Any  # requests.Requests: ``pending``
-    dispatch: Any  # dispatch.Dispatch: ``serving``
+    dispatch: Any  # dispatch.Dispatch: ``serving`` (serving.ServingTable)
     registry: Any  # registry.Registry: ``workers``, ``left``
     connections: Any  # connections.Connections: ``lost``
     lifecycle: Any  # lifecycle.Lifecycle
@@ -172,22 +166,30 @@ def take(agent: Inspected, stacks: bool = False, observers: Optional[Observers] 
     now = time.monotonic()
     pool = agent.pool
     names = {t.ident: t.name for t in threading.enumerate()}
+    table = agent.dispatch.serving
     pending = []
     for rid, p in list(agent.requests.pending.items()):
+        made_for = table.key_of(p.serving)
         pending.append({"id": rid, "to": p.dst.name, "to_rank": p.dst.id,
                         "function": function_name(p.what), "kind": kind_name(p.kind),
-                        "age_s": round(now - p.sent, 3) if p.sent else None})
+                        "age_s": round(now - p.sent, 3) if p.sent else None,
+                        "for": None if made_for is None
+                        else {"from_rank": made_for[0], "id": made_for[1]}})
     pending.sort(key=lambda e: -(e["age_s"] or 0))
     serving = []
-    labels: Dict[int, str] = {}
-    for (rank, rid), entry in list(agent.dispatch.serving.items()):
-        src, kind, what, started, ident = entry
+    labels: Dict[int, List[str]] = {}
+    for entry, ident in table.entries():
+        src, kind, what = entry[CALLER], entry[KIND], entry[WHAT]
         function = function_name(what) if what is not None else "(being decoded)"
-        thread = names.get(ident, f"thread {ident}")
-        age = round(now - started, 3)
-        serving.append({"id": rid, "from": src.name, "from_rank": rank, "function": function,
-                        "kind": kind_name(kind), "age_s": age, "thread": thread})
-        labels[ident] = f"serving {kind_name(kind)} {function} from {src.name} ({age:g} s)"
+        # Never less than the time it has been served; at most one timer round more.
+        age = round(max(now - entry[STARTED], 0.0), 3)
+        thread = None if ident is None else names.get(ident, f"thread {ident}")
+        serving.append({"id": entry[RID], "from": src.name, "from_rank": src.id,
+                        "function": function, "kind": kind_name(kind), "age_s": age,
+                        "thread": thread, "async": ident is None})
+        if ident is not None:
+            labels.setdefault(ident, []).append(
+                f"serving {kind_name(kind)} {function} from {src.name} ({age:g} s)")
     serving.sort(key=lambda e: -e["age_s"])
     registry = agent.registry
     workers = dict(registry.workers)
@@ -221,9 +223,9 @@ def take(agent: Inspected, stacks: bool = False, observers: Optional[Observers] 
     return doc
 
 
-def _stacks(names: Dict[Optional[int], str], labels: Dict[int, str]) -> Dict[str, str]:
-    """The Python stack of every thread, by thread name (and, for one serving a
-    request, what it serves)."""
+def _stacks(names: Dict[Optional[int], str], labels: Dict[int, List[str]]) -> Dict[str, str]:
+    """The Python stack of every thread, by thread name (and, for one serving requests,
+    what it serves, innermost last)."""
     out = {}
     me = threading.get_ident()
     for ident, frame in sys._current_frames().items():
@@ -231,6 +233,6 @@ def _stacks(names: Dict[Optional[int], str], labels: Dict[int, str]) -> Dict[str
         if ident == me:
             name += " (answering this snapshot)"
         label = labels.get(ident)
-        key = f"{name} [{label}]" if label else name
+        key = f"{name} [{'; '.join(label)}]" if label else name
         out[key] = "".join(traceback.format_stack(frame))
     return out

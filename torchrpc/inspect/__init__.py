@@ -57,8 +57,9 @@ def render(doc: Dict[str, Any], stacks: bool = False, where: str = "") -> str:
             out.append(f"    -> {p['to']:<12} {p['function']}  [{p['kind']}]  {_age(p['age_s'])}")
         out.append("  serving:" if w["serving"] else "  serving: nothing")
         for s in w["serving"]:
+            where = "waiting for its future" if s.get("async") else f"on {s['thread']}"
             out.append(f"    <- {s['from']:<12} {s['function']}  [{s['kind']}]  "
-                       f"{_age(s['age_s'])}  on {s['thread']}")
+                       f"{_age(s['age_s'])}  {where}")
         r, a = w["rrefs"], w["autograd"]
         out.append(f"  rrefs: owned {r['owned']}, forks {r['forks']}, unconfirmed "
                    f"{r['unconfirmed']};  autograd contexts {a['contexts']}, backward passes "

@@ -441,7 +441,7 @@ def _worker(rank: int, pending=(), serving=(), answered: bool = True) -> dict:
 
 
 def test_wait_chains_name_a_cycle_and_a_worker_that_did_not_answer():
-    from torchrpc._agent.observer import wait_chains
+    from torchrpc._agent.chains import wait_chains
     # w0 -> w1 -> w2 -> w0: w0 called w1 first, then each serves the call of the one before.
     cycle = [_worker(0, pending=[(1, 1, 9.0)], serving=[(3, 2, 7.5)]),
              _worker(1, pending=[(2, 2, 8.0, (0, 1))], serving=[(1, 0, 8.9)]),
@@ -462,7 +462,7 @@ def test_wait_chains_name_a_cycle_and_a_worker_that_did_not_answer():
 
 
 def test_wait_chains_follow_the_request_each_call_was_made_for():
-    from torchrpc._agent.observer import wait_chains
+    from torchrpc._agent.chains import wait_chains
     # w1 serves two calls of w0 at once; each made one onward call, to w2 and w3. By age
     # alone both onward calls were made since either request began; by ``for`` each
     # chain names only its own.

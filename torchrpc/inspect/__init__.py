@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
-from .._agent.observer import Observer, age_text as _age, default_init_method, snapshot
+from .._agent.chains import age_text as _age
+from .._agent.observer import Observer, default_init_method, snapshot
 from ..errors import RpcError
 
 __all__ = ["main", "render", "snapshot"]

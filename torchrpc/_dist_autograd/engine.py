@@ -55,6 +55,7 @@ backward passes; this module joins them on an agent and sends the releases.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from fractions import Fraction
@@ -63,6 +64,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from .._agent import Agent, Slot, WorkerInfo
+from .._agent import devices
 from .._rref import RREF_LAYER
 from .._threads import Guard
 from .._wire import Kind
@@ -89,7 +91,8 @@ class DistAutogradEngine:
         self._rank = agent.rank
         self.contexts = ContextTable(agent.rank, agent.name)
         self.passes = PassBook(agent.rank)
-        self.recorder = Recorder(self.contexts, self.release)
+        self.recorder = Recorder(self.contexts, self.release,
+                                 functools.partial(devices.back_map, agent.registry))
         self.driver = PassDriver(agent, self.contexts, self.passes)
         self._flushing = False
         self._release_messages = 0

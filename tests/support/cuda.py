@@ -51,6 +51,8 @@ def _pooled_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in memory that the next copy of its size reuses once
     this one is freed (the address reuse real device-to-host copies show)."""
     nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return torch.empty(t.shape, dtype=t.dtype)
     free = _POOL.setdefault(nbytes, [])
     memory = free.pop() if free else bytearray(max(nbytes, 1))
     copy = torch.frombuffer(memory, dtype=t.dtype, count=t.numel()).view(t.shape)
@@ -104,3 +106,13 @@ def add_all(label: str, *tensors: torch.Tensor) -> torch.Tensor:
     """Run by RPC: the sum of ``tensors``, which must all be on one device."""
     assert isinstance(label, str)
     return sum(tensors[1:], tensors[0])
+
+
+def acknowledge(sender: int, share_ids: List[int]) -> int:
+    """Run by RPC: tell worker ``sender``, by a real ``CUDA_RELEASE``, that this worker has
+    copied its CUDA IPC shares ``share_ids``; how many acknowledgements went out."""
+    from torchrpc._agent.current import current_agent
+    from torchrpc._agent.hooks import CUDA_IPC
+    ipc = current_agent().extensions[CUDA_IPC]
+    ipc.acknowledge(sender, list(share_ids))
+    return ipc.acks_sent

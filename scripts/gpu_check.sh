@@ -21,6 +21,8 @@ PYEOF
 status=0
 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/rpc/test_cuda.py tests/rpc/test_device_maps.py tests/rpc/test_device_map_checks.py \
+    tests/agent/test_cuda_ipc.py tests/agent/test_cuda_release.py \
+    tests/dist_autograd/test_placement.py \
     tests/agent/test_devices.py 2>&1 | tee "$out/gpu_tests.txt" \
     || status=1
 # Every runner appends whole lines to one progress file; their failure reports are joined

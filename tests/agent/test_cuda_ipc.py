@@ -55,8 +55,9 @@ class FakeCalls(cuda_ipc.CudaCalls):
     def wait(self, event):
         self.waited.append(event)
 
-    def let_go(self, keep, device):
-        self.let_go_of.append(keep)
+    def let_go(self, receipt, device):
+        self.let_go_of.append(receipt[cuda_ipc.KEEP])
+        receipt[cuda_ipc.KEEP] = None
 
 
 W0, W1, W2 = WorkerInfo("w0", 0), WorkerInfo("w1", 1), WorkerInfo("w2", 2)

@@ -82,6 +82,9 @@ class ShareInfo(NamedTuple):
     shape: Tuple[int, ...]
 
 
+KEEP = 3  # where a receipt keeps what it opened (see Receipts.pending)
+
+
 class CudaCalls:
     """The CUDA calls of IPC, in one place (the rest is bookkeeping). Tests replace them."""
 
@@ -127,14 +130,15 @@ class CudaCalls:
     def wait(self, event: Any) -> None:
         event.synchronize()  # this copy only: not the device, not the stream
 
-    def let_go(self, keep: Any, device: int) -> None:
-        """Drop an opened storage whose copy is done. torch's deleter of an opened storage
-        synchronizes the current stream of its device: make that an idle one."""
+    def let_go(self, receipt: List[Any], device: int) -> None:
+        """Drop what a receipt opened (its last reference, ``receipt[KEEP]``), its copy
+        being done. torch's deleter of an opened storage synchronizes the current stream
+        of its device: make that an idle one."""
         stream = self._idle.get(device)
         if stream is None:
             stream = self._idle.setdefault(device, torch.cuda.Stream(device))
         with torch.cuda.stream(stream):
-            del keep
+            receipt[KEEP] = None
 
 
 class ShareTable:
@@ -198,8 +202,8 @@ class Receipts:
     def __init__(self, calls: CudaCalls) -> None:
         self._calls = calls
         self._lock = threading.Lock()
-        # (sender rank, share id, event after the copy, what must live until then, device)
-        self.pending: List[Tuple[int, int, Any, Any, int]] = []
+        # [sender rank, share id, event after the copy, what lives until then (KEEP), device]
+        self.pending: List[List[Any]] = []
 
     def receive(self, sender: int, info: ShareInfo, target: torch.device,
                 reply: bool) -> torch.Tensor:
@@ -209,7 +213,7 @@ class Receipts:
         if reply:
             self._calls.wait(done)
         with self._lock:
-            self.pending.append((sender, info.share_id, done, keep, info.device))
+            self.pending.append([sender, info.share_id, done, keep, info.device])
         return out
 
     def completed(self) -> Dict[int, List[int]]:
@@ -223,14 +227,10 @@ class Receipts:
             finished = {id(p) for p in done}
             self.pending = [p for p in self.pending if id(p) not in finished]
         out: Dict[int, List[int]] = {}
-        for sender, share_id, _, keep, device in done:
-            self._calls.let_go(keep, device)
-            out.setdefault(sender, []).append(share_id)
+        for receipt in done:
+            self._calls.let_go(receipt, receipt[4])
+            out.setdefault(receipt[0], []).append(receipt[1])
         return out
-
-    def sender_lost(self, sender: int) -> None:
-        """Nobody waits for ``sender``'s acknowledgements any more (its copies complete
-        all the same; they are let go of when they do)."""
 
 
 class Hosts(Protocol):
@@ -296,7 +296,6 @@ class CudaIpc:
         if dropped:
             log.info("%s dropped %d CUDA IPC shares held for lost worker %s",
                      self._name, dropped, worker.name)
-        self.receipts.sender_lost(worker.id)
 
     def debug_info(self) -> Dict[str, Any]:
         return {"cuda_ipc_shares_held": len(self.shares.outstanding),

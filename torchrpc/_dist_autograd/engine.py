@@ -55,7 +55,6 @@ backward passes; this module joins them on an agent and sends the releases.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from fractions import Fraction
@@ -92,7 +91,7 @@ class DistAutogradEngine:
         self.contexts = ContextTable(agent.rank, agent.name)
         self.passes = PassBook(agent.rank)
         self.recorder = Recorder(self.contexts, self.release,
-                                 functools.partial(devices.back_map, agent.registry))
+                                 lambda peer, reply: devices.back_map(agent.registry, peer, reply))
         self.driver = PassDriver(agent, self.contexts, self.passes)
         self._flushing = False
         self._release_messages = 0

@@ -274,3 +274,18 @@ def test_a_share_is_refused_outside_a_message_or_when_its_metadata_does_not_fit(
             cuda_ipc._receive(bad, "cuda:0", context=context)
     with pytest.raises(ValueError, match="outside an RPC message"):
         cuda_ipc._receive(tuple(info), "cuda:0", context=context)
+
+
+def test_a_message_encoded_in_two_passes_shares_each_cuda_tensor_once():
+    calls = FakeCalls()
+    sender, receiver = _ipc(W0, calls), _ipc(W1, calls, sent=[])
+    base = torch.arange(100.0)
+    # Two views of one storage, the second reaching past what the first pickled: encode()
+    # runs a second pass with the whole range known.
+    value = (ch.fake_cuda(torch.ones(8)), base[:10], base[50:])
+    env, bufs, _ = _wire.encode(value, _SendContext(sender))
+    assert len(sender.shares.outstanding) == 1
+    received = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in bufs]
+    out = _wire.decode(env, received, _receiver_context(receiver))[1]
+    assert out[0].tolist() == [1.0] * 8 and out[2].tolist() == base[50:].tolist()
+    assert out[1].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()

@@ -32,6 +32,16 @@ that sees the same GPUs (:func:`ipc_possible`), through CUDA IPC; to any other, 
 
 Everything but the few CUDA calls (:class:`CudaCalls`) is bookkeeping tested on the CPU
 with fake calls; ``tests/rpc/test_cuda.py`` runs the real thing on a GPU.
+
+Across hosts (planned, not built): a CUDA tensor to a worker of another host travels as
+the bytes of its CPU copy, made on the encoding thread. The plan, as TensorPipe does it:
+per peer and device a few pinned host chunks; the sender copies chunk *i* of the tensor
+into a pinned chunk on a side stream that waited for the current stream, while the
+transport sends chunk *i-1*; the receiver receives into pinned chunks and copies each to
+the device on a side stream as it arrives, and the callee's stream waits for the last
+copy's event. It needs the transport to send an out-of-band buffer that is produced in
+pieces (and to receive one into pieces), which it cannot yet; the encoder's
+``reduce_mapped`` is where it would be chosen, with a rebuild tag of its own.
 """
 
 from __future__ import annotations

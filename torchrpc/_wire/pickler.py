@@ -90,6 +90,9 @@ class _Bytes:
 
 # An encoder's cpu_target and cuda_share before it has asked its context.
 _UNREAD = object()
+# The key, among an encode's retry ranges (which every pass of it sees), of the CUDA
+# tensors it has shared: id(tensor) -> how it is rebuilt.
+_SHARED = object()
 
 
 def device_maps_move_cpu() -> None:
@@ -281,7 +284,12 @@ class _Encoder:
                 offer = getattr(self.context, "cuda_share", None)
                 share = self.cuda_share = None if offer is None else offer()
             if share is not None:
-                return _rebuild, (_DEVICE, target, *share(t, target), requires_grad)
+                # One share per tensor and message, however many passes encode() makes.
+                shared = self.retry_ranges.setdefault(_SHARED, {})
+                how = shared.get(id(t))
+                if how is None:
+                    how = shared[id(t)] = share(t, target)
+                return _rebuild, (_DEVICE, target, *how, requires_grad)
         data = t.detach().cpu()
         # Storages are known by address until encode() returns: the copy must outlive it,
         # or the next tensor's copy could take its place and pass for a view of it.

@@ -104,7 +104,8 @@ class CudaCalls:
     def snapshot(self, t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[Any, ...], Any]:
         """A contiguous copy of ``t`` made on the current stream, its storage's IPC share
         (torch's ``_share_cuda_`` tuple) and an interprocess event recorded after the copy."""
-        snap = t.detach().clone(memory_format=torch.contiguous_format)
+        snap = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        snap.copy_(t.detach())  # contiguous, with a conjugate or negative view resolved
         info = snap.untyped_storage()._share_cuda_()
         # The table alone keeps the snapshot alive: give torch's count back at once (see
         # the module docs).
@@ -166,8 +167,9 @@ class ShareTable:
     def share(self, peer: int, t: torch.Tensor) -> ShareInfo:
         """Share a snapshot of CUDA tensor ``t`` with worker ``peer``."""
         snap, info, event = self._calls.snapshot(t)
-        share_id = next(self._ids)
-        self.outstanding[share_id] = (peer, (snap, event))
+        with self._lock:
+            share_id = next(self._ids)
+            self.outstanding[share_id] = (peer, (snap, event))
         return ShareInfo(share_id, int(info[0]), info[1], int(info[2]), int(info[3]), info[4],
                          int(info[5]), self._calls.event_handle(event), t.dtype, tuple(t.shape))
 
@@ -186,7 +188,7 @@ class ShareTable:
     def peer_lost(self, peer: int) -> int:
         """Worker ``peer`` is gone: drop every share it held; how many."""
         with self._lock:
-            ids = [i for i, (rank, _) in list(self.outstanding.items()) if rank == peer]
+            ids = [i for i, (rank, _) in self.outstanding.items() if rank == peer]
             for share_id in ids:
                 del self.outstanding[share_id]
             self.released += len(ids)
@@ -202,7 +204,8 @@ class ShareTable:
 
     def held_for(self, peer: int) -> int:
         """How many shares worker ``peer`` has not acknowledged."""
-        return sum(1 for rank, _ in list(self.outstanding.values()) if rank == peer)
+        with self._lock:
+            return sum(1 for rank, _ in self.outstanding.values() if rank == peer)
 
 
 class Receipts:

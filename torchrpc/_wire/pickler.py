@@ -278,7 +278,7 @@ class _Encoder:
         requires_grad = t.requires_grad
         if hook is not None and requires_grad and t.numel():
             hook(t)  # recorded as itself; the receiver records the tensor where it lands
-        if t.is_cuda and target != "cpu" and t.layout is torch.strided:
+        if t.is_cuda and target != "cpu" and t.layout is torch.strided and t.numel():
             share = self.cuda_share
             if share is _UNREAD:
                 offer = getattr(self.context, "cuda_share", None)

@@ -27,7 +27,8 @@ status=0
     tests/agent/test_devices.py 2>&1 | tee "$out/gpu_tests.txt" \
     || status=1
 # The CUDA echo, torch and torchrpc one after the other, before the suites share the GPU.
-timeout 240 "$PY" -m benchmarks.cuda_echo --json-out "$out/cuda_echo.json" \
+timeout 240 "$PY" -m benchmarks.cuda_echo --iters 6 --small-calls 200 \
+    --json-out "$out/cuda_echo.json" \
     >"$out/cuda_echo.txt" 2>&1 || { status=1; tail -20 "$out/cuda_echo.txt"; }
 # Every runner appends whole lines to one progress file; their failure reports are joined
 # into one file once all have finished.

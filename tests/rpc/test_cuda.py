@@ -166,5 +166,5 @@ def test_a_callee_that_dies_mid_call_has_the_callers_shared_memory_released(grou
              lambda: _shares().held_for(2) == 0, 15.0, _counts)
     del x, fut
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated(0) == baseline
+    assert torch.cuda.memory_allocated(0) <= baseline  # the snapshot is freed
     assert group.procs[2].wait(10) in (3, -signal.SIGKILL)

@@ -168,3 +168,15 @@ def test_a_callee_that_dies_mid_call_has_the_callers_shared_memory_released(grou
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(0) <= baseline  # the snapshot is freed
     assert group.procs[2].wait(10) in (3, -signal.SIGKILL)
+
+
+def test_a_remote_module_on_a_cuda_device_takes_and_returns_mapped_tensors(group):
+    from torchrpc.nn import RemoteModule
+    remote = RemoteModule("worker1/cuda:0", torch.nn.Linear, args=(4, 2))
+    x = torch.ones(3, 4, device="cuda:0")
+    out = remote.forward(x)
+    assert out.device == torch.device("cuda:0") and out.shape == (3, 2)
+    params = [p.to_here() for p in remote.remote_parameters()]
+    assert all(p.device == torch.device("cuda:0") for p in params)
+    weight, bias = params
+    assert torch.allclose(out, x @ weight.t() + bias)

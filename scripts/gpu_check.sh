@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with a CUDA device (the device tool's machines have a CUDA
-# build of torch in their python3, and no network): the CUDA and device-map tests, then
-# torch's CUDA conformance suites in GPU_CHECK_SHARDS runners side by side (default 6), with
+# build of torch in their python3, and no network): the CUDA and device-map tests, the CUDA
+# echo bench (benchmarks/cuda_echo.py, into $OUT/cuda_echo.json), then torch's CUDA
+# conformance suites in GPU_CHECK_SHARDS runners side by side (default 6), with
 # their output under $OUT when that is set.
 #   bash scripts/gpu_check.sh
 # On a machine without a GPU the CUDA tests report themselves skipped, so the script can
@@ -21,8 +22,14 @@ PYEOF
 status=0
 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/rpc/test_cuda.py tests/rpc/test_device_maps.py tests/rpc/test_device_map_checks.py \
+    tests/agent/test_cuda_ipc.py tests/agent/test_cuda_release.py \
+    tests/dist_autograd/test_placement.py \
     tests/agent/test_devices.py 2>&1 | tee "$out/gpu_tests.txt" \
     || status=1
+# The CUDA echo, torch and torchrpc one after the other, before the suites share the GPU.
+timeout 240 "$PY" -m benchmarks.cuda_echo --iters 6 --small-calls 200 \
+    --json-out "$out/cuda_echo.json" \
+    >"$out/cuda_echo.txt" 2>&1 || { status=1; tail -20 "$out/cuda_echo.txt"; }
 # Every runner appends whole lines to one progress file; their failure reports are joined
 # into one file once all have finished.
 reports="$(mktemp -d)"

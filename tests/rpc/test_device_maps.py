@@ -153,3 +153,68 @@ def test_a_reply_on_a_device_outside_the_inverse_map_fails_with_torchs_error(gro
         rpc.rpc_sync("worker1", ch.make_fake_cuda, args=(4,))
     assert TORCH_WORDS in str(info.value)
     assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+
+
+# -- placed tensors and mapped tensors that require grad (distributed autograd) ----------------
+
+class _Hooks:
+    """A send hook and a receive hook that count the tensors they see."""
+
+    def __init__(self) -> None:
+        self.sent, self.received = [], []
+
+    def send(self, t):
+        self.sent.append(t)
+
+    def recv(self, meta):
+        def hook(t):
+            self.received.append(t)
+            return t
+        return hook
+
+
+def test_a_mapped_tensor_that_requires_grad_is_recorded_where_it_lands():
+    hooks = _Hooks()
+    x = ch.fake_cuda(torch.ones(3)).requires_grad_()
+    empty = ch.fake_cuda(torch.ones(0)).requires_grad_()
+    env, bufs, _ = _wire.encode((x, empty), _To("cpu"), send_hook=hooks.send)
+    received = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in bufs]
+    out, out_empty = _wire.decode(env, received, recv_hook=hooks.recv)[1]
+    # Recorded on both sides once, the empty one on neither (as for unmapped tensors).
+    assert len(hooks.sent) == 1 and hooks.sent[0] is x
+    assert len(hooks.received) == 1 and hooks.received[0] is out
+    assert out.is_leaf and out.requires_grad and out.device == torch.device("cpu")
+    assert out_empty.requires_grad and out_empty.numel() == 0
+
+
+def test_a_placed_tensor_lands_where_it_was_placed_whatever_the_maps_say(monkeypatch):
+    monkeypatch.setattr(pickler._Encoder, "moves_cpu", True)
+
+    class MovesEverything(_To):
+        def cpu_target(self) -> torch.device:
+            return torch.device("cuda:1")
+
+    context = MovesEverything("cuda:1")
+    value = (_wire.Placed(torch.arange(3.0), torch.device("cpu")),
+             _wire.Placed(ch.fake_cuda(torch.full((2,), 5.0)), torch.device("cpu")))
+    env, out = _round_trip(value, context)
+    assert b"cuda:1" not in env
+    assert [type(t) for t in out] == [torch.Tensor, torch.Tensor]
+    assert out[0].tolist() == [0.0, 1.0, 2.0] and out[1].tolist() == [5.0, 5.0]
+    assert out[1].device == torch.device("cpu")
+
+
+def test_a_placed_tensor_carries_its_target_and_needs_the_device_on_arrival():
+    env, bufs, _ = _wire.encode(_wire.Placed(torch.ones(2), torch.device("cuda:1")), None)
+    assert b"cuda:1" in env
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            _wire.decode(env, bufs)
+
+
+def test_a_placed_tensor_outside_an_rpc_message_pickles_as_the_moved_tensor():
+    import pickle
+    out = pickle.loads(pickle.dumps(_wire.Placed(torch.ones(2), torch.device("cpu"))))
+    assert type(out) is torch.Tensor and out.tolist() == [1.0, 1.0]
+    with pytest.raises(DeviceMapError):
+        pickle.dumps(_wire.Placed(torch.ones(2), DeviceMapError("no device")))

@@ -51,6 +51,8 @@ def _pooled_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in memory that the next copy of its size reuses once
     this one is freed (the address reuse real device-to-host copies show)."""
     nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return torch.empty(t.shape, dtype=t.dtype)
     free = _POOL.setdefault(nbytes, [])
     memory = free.pop() if free else bytearray(max(nbytes, 1))
     copy = torch.frombuffer(memory, dtype=t.dtype, count=t.numel()).view(t.shape)
@@ -104,3 +106,50 @@ def add_all(label: str, *tensors: torch.Tensor) -> torch.Tensor:
     """Run by RPC: the sum of ``tensors``, which must all be on one device."""
     assert isinstance(label, str)
     return sum(tensors[1:], tensors[0])
+
+
+def acknowledge(sender: int, share_ids: List[int]) -> int:
+    """Run by RPC: tell worker ``sender``, by a real ``CUDA_RELEASE``, that this worker has
+    copied its CUDA IPC shares ``share_ids``; how many acknowledgements went out."""
+    from torchrpc._agent.current import current_agent
+    from torchrpc._agent.hooks import CUDA_IPC
+    ipc = current_agent().extensions[CUDA_IPC]
+    ipc.acknowledge(sender, list(share_ids))
+    return ipc.acks_sent
+
+
+def cuda_sum_later(x: torch.Tensor, cycles: int) -> float:
+    """Run by RPC on a GPU: the sum of ``x`` after the GPU has spun for ``cycles`` on the
+    stream this call runs on (so a caller that changed its tensor in the meantime would
+    show)."""
+    torch.cuda._sleep(cycles)
+    return float(x.sum().item())
+
+
+def written_late(n: int, cycles: int, side_stream: bool) -> torch.Tensor:
+    """Run by RPC on a GPU: a tensor of ``n`` threes that the GPU writes only after
+    spinning for ``cycles``, returned at once: written on the stream this call runs on,
+    or on a side stream that the current one then waits for (as torch's own tests do)."""
+    out = torch.empty((n,), device="cuda:0")
+    if not side_stream:
+        torch.cuda._sleep(cycles)
+        return out.fill_(3.0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        out.fill_(3.0)
+    torch.cuda.current_stream().wait_stream(side)
+    return out
+
+
+def die(x: torch.Tensor) -> None:
+    """Run by RPC: the callee kills itself mid-call, with the caller's tensor received."""
+    import os
+    os._exit(3)
+
+
+def cuda_ipc_counts() -> Dict[str, int]:
+    """Run by RPC: this worker's CUDA IPC counters (shares held, released, copies pending)."""
+    from torchrpc._agent.current import current_agent
+    return current_agent().debug_info("cuda_ipc")

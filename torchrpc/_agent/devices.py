@@ -7,6 +7,7 @@ the group fails ``init_rpc`` on every worker alike, with torch's ValueError and 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, List, Optional, Protocol
 
 import torch
@@ -85,10 +86,57 @@ def target_device(registry: Maps, peer: WorkerInfo, device: torch.device,
         f"on {device} has no entry in the device map; {fix}")
 
 
+def inverse(map_: Map) -> Map:
+    """The inverse of device map ``map_``: where a tensor that crossed by ``map_`` came
+    from, by the device it landed on. Raises ValueError where two devices map to one,
+    which torch's ``set_device_map`` refuses too ("only supports 1-to-1 mapping")."""
+    out: Map = {}
+    for src, dst in map_.items():
+        if dst in out:
+            raise ValueError(f"device map {map_} cannot be inverted: {out[dst]} and {src} "
+                             f"both map to {dst}; map each target device from one source "
+                             f"only (torch's set_device_map only supports 1-to-1 mapping)")
+        out[dst] = src
+    return out
+
+
+def back_map(registry: Maps, peer: WorkerInfo, reply: bool) -> Optional[Map]:
+    """The map the gradients of tensors received from ``peer`` go back through: the inverse
+    of the map they came by, as torch's RecvRpcBackward keeps it. A request from ``peer``
+    came by ``peer``'s map for this worker, whose inverse the registry keeps (``reply_maps``);
+    a reply came by the inverse of this worker's map for ``peer``, whose inverse is that
+    map. None where no map applies (tensors stayed on the device type they had)."""
+    if peer.id == registry.worker_info.id:
+        return None
+    return registry.device_maps.get(peer.name) if reply else registry.reply_maps.get(peer.id)
+
+
+def gradient_device(back: Optional[Map], device: torch.device) -> Optional[torch.device]:
+    """Where the gradient of a tensor received on ``device`` goes on its sender, through
+    ``back`` (see :func:`back_map`): the device the tensor came from. None where it needs
+    no placing (a CPU tensor that no map moved). Raises :class:`DeviceMapError` for a
+    CUDA device the map does not reach: no tensor can have come from there by it."""
+    source = back.get(device) if back else None
+    if source is not None:
+        return source
+    if device.type == "cpu":
+        return None
+    raise DeviceMapError(
+        f"distributed autograd cannot send back the gradient of a tensor received on "
+        f"{device}: the device map it came by ({back or 'none'}) has no entry that maps to "
+        f"{device}; a tensor received on a CUDA device must have come by the sender's "
+        f"device map")
+
+
 def facts(device_maps: Dict[str, Map], devices: List[torch.device]) -> Dict[str, Any]:
     """The JSON-able facts about this worker's devices that its peers check and use: its
-    CUDA device count, its device maps by callee, and the devices it was given."""
+    CUDA device count and the GPUs it sees, its device maps by callee, and the devices it
+    was given."""
     out: Dict[str, Any] = {"device_count": torch.cuda.device_count()}
+    if out["device_count"]:
+        # Which GPUs it sees, so that a peer on its host knows whether a CUDA device index
+        # means the same GPU to both (CUDA IPC, cuda_ipc.ipc_possible).
+        out["gpus"] = os.environ.get("CUDA_VISIBLE_DEVICES", "*")
     if device_maps:
         out["device_maps"] = {to: {str(a): str(b) for a, b in m.items()}
                               for to, m in device_maps.items()}

@@ -77,6 +77,11 @@ class Extensions:
         return obj
 
 
+CUDA_IPC: Slot[Any] = Slot("cuda_ipc")
+"""The slot of the agent's CUDA IPC part (``cuda_ipc.CudaIpc``), which message contexts
+ask how CUDA tensors travel to their peer."""
+
+
 class MessageContext:
     """What pickling code of upper layers may know about the message being (un)pickled.
 
@@ -127,6 +132,12 @@ class MessageContext:
         """The device a CPU tensor lands on at the peer where a device map moves CPU
         tensors, else None (see :func:`devices.cpu_target`)."""
         return devices.cpu_target(self.agent.registry, self.peer, self.kind == Kind.RESPONSE)
+
+    def cuda_share(self) -> Optional[Callable[..., Any]]:
+        """How the message's CUDA tensors are shared with the peer through CUDA IPC (see
+        ``cuda_ipc.CudaIpc.sharing``), or None where they travel as bytes."""
+        ipc = self.agent.extensions.get(CUDA_IPC)
+        return None if ipc is None else ipc.sharing(self.peer)
 
     def __repr__(self) -> str:
         return f"MessageContext(agent={self.agent.name!r}, peer={self.peer!r}, kind={self.kind})"

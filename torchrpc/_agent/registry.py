@@ -104,6 +104,7 @@ class Registry:
         self.by_name: Dict[str, WorkerInfo] = {}
         self.addresses: Dict[int, Tuple[str, int]] = {}
         self.hostids: Dict[int, str] = {}
+        self.gpus: Dict[int, Optional[str]] = {}  # rank -> the GPUs it sees (for CUDA IPC)
         self.procs: Dict[int, Tuple[int, int]] = {}  # rank -> (pid, pid namespace)
         self.pidns = shm.pid_namespace()  # this process's
         self.left: set[int] = set()  # ranks that said GOODBYE, or left the group
@@ -156,7 +157,7 @@ class Registry:
             for forget in self._forget_locked:  # a new worker under a rank that was lost
                 forget(rank)
             self.addresses[rank] = (info["host"], info["port"])
-            self.hostids[rank] = info["hostid"]
+            self.hostids[rank], self.gpus[rank] = info["hostid"], info.get("gpus")
             if "pid" in info and "pidns" in info:
                 self.procs[rank] = (int(info["pid"]), int(info["pidns"]))
             self._losses.joined(rank, float(info.get("heartbeat_interval") or 0.0))

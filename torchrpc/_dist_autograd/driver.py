@@ -35,6 +35,7 @@ from .messages import BackwardReply, BackwardRequest, DoneReport, PassId
 from .passes import (ALL_CREDIT, Grads, PassBook, RootPass, Routed, deadline_of, keys_of,
                      plan_forward, unused_sends)
 from .parts import materialize, siblings
+from .placement import placed
 from .records import NODE_PREFIX, DistAutogradContext, local_pass
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class PassDriver:
         """:func:`local_pass`, counted in ``num_running_local_backward_passes``."""
         self._book.local_pass_starts()
         try:
-            return local_pass(ctx, outputs, grads)
+            return placed(ctx, local_pass(ctx, outputs, grads))
         finally:
             self._book.local_pass_ends()
 

@@ -63,6 +63,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from .._agent import Agent, Slot, WorkerInfo
+from .._agent import devices
 from .._rref import RREF_LAYER
 from .._threads import Guard
 from .._wire import Kind
@@ -89,7 +90,8 @@ class DistAutogradEngine:
         self._rank = agent.rank
         self.contexts = ContextTable(agent.rank, agent.name)
         self.passes = PassBook(agent.rank)
-        self.recorder = Recorder(self.contexts, self.release)
+        self.recorder = Recorder(self.contexts, self.release,
+                                 lambda peer, reply: devices.back_map(agent.registry, peer, reply))
         self.driver = PassDriver(agent, self.contexts, self.passes)
         self._flushing = False
         self._release_messages = 0

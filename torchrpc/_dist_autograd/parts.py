@@ -83,8 +83,14 @@ def _graphs(ctx: DistAutogradContext, sends: Dict[MessageKey, GradientEdge]
 
 
 def materialize(edge: GradientEdge, g: Optional[torch.Tensor]) -> torch.Tensor:
-    """``g``, or zeros shaped as the tensor sent on ``edge`` when ``g`` is None."""
+    """``g``, or zeros shaped as the tensor sent on ``edge`` when ``g`` is None. A CUDA
+    gradient that arrived on another device than the tensor sent on ``edge`` moves there
+    (the receiver placed it through the inverse of the device map, which cannot tell a
+    CPU tensor a map moved from one no map moved)."""
     if g is not None:
-        return g
+        if g.is_cpu:
+            return g
+        device = edge.node._input_metadata[edge.output_nr].device  # type: ignore[attr-defined]
+        return g if g.device == device else g.to(device)
     meta = edge.node._input_metadata[edge.output_nr]  # type: ignore[attr-defined]
     return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)

@@ -14,13 +14,16 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Optional, Tuple
 
+from .._agent.devices import Map
+
 import torch
 
 from .._agent import CallHook, CallScope, WorkerInfo
 from .._wire import Kind
 from ..errors import RpcError
 from .contexts import ContextTable
-from .records import DistAutogradContext, RecvRecorder, SendRecorder
+from .placement import recv_recorder
+from .records import DistAutogradContext, SendRecorder
 
 EXTENSION_KEY = "autograd"
 """The key of distributed autograd's part in a message's metadata."""
@@ -36,12 +39,12 @@ class _CalleeScope(CallScope):
     """Around one incoming request of a context: record, and make the context current."""
 
     def __init__(self, table: ContextTable, ctx: DistAutogradContext, src: int,
-                 msg: int, reply_msg: int) -> None:
+                 msg: int, reply_msg: int, back: Optional[Map]) -> None:
         self._table = table
         self._ctx = ctx
         self._reply_msg = reply_msg
         self._prev: Optional[DistAutogradContext] = None
-        self.recv_hook = RecvRecorder(ctx, src, msg)
+        self.recv_hook = recv_recorder(ctx, src, msg, back)
         self.send_hook = SendRecorder(ctx, reply_msg)
 
     def __enter__(self) -> "_CalleeScope":
@@ -70,14 +73,19 @@ class _Piggyback:
 
 class Recorder(CallHook):
     """The call hook of distributed autograd on one agent. ``release(context_id,
-    notified_by)`` releases a context whose release rode along with a request."""
+    notified_by)`` releases a context whose release rode along with a request;
+    ``back_map(peer, reply)`` is the device map that gradients of tensors received from
+    ``peer`` (in a reply, or a request) go back through (``devices.back_map``)."""
 
     key = EXTENSION_KEY
 
     def __init__(self, table: ContextTable,
-                 release: Callable[[int, Optional[int]], None]) -> None:
+                 release: Callable[[int, Optional[int]], None],
+                 back_map: Callable[[WorkerInfo, bool], Optional[Map]] = lambda peer, reply: None
+                 ) -> None:
         self._table = table
         self._release = release
+        self._back_map = back_map
         self._next_message = itertools.count(1)
         self.piggybacked = 0  # requests that arrived carrying releases
 
@@ -111,7 +119,8 @@ class Recorder(CallHook):
         ctx = self._table.join(context_id)
         if ctx is None:
             return None  # arrived after the context was released: run it outside
-        return _CalleeScope(self._table, ctx, src.id, msg, next(self._next_message))
+        return _CalleeScope(self._table, ctx, src.id, msg, next(self._next_message),
+                            self._back_map(src, False))
 
     def incoming_response(self, src: WorkerInfo, state: Any, meta: Any
                           ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
@@ -119,7 +128,7 @@ class Recorder(CallHook):
             return None
         if type(state) is _Piggyback:
             state = state.ctx
-        return RecvRecorder(state, src.id, meta)
+        return recv_recorder(state, src.id, meta, self._back_map(src, True))
 
 
 def parse_meta(meta: Any) -> Tuple[int, int, Tuple[int, ...]]:

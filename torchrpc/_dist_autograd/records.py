@@ -117,7 +117,7 @@ class DistAutogradContext:
     """The records and accumulated gradients of one context on one worker. Thread-safe."""
 
     __slots__ = ("id", "rank", "_lock", "_sends", "_recvs", "_recv_fns", "_grads", "_known",
-                 "_by_node", "_send_order", "_order")
+                 "_by_node", "_send_order", "_order", "_places")
 
     def __init__(self, context_id: int, rank: int = 0) -> None:
         self.id = context_id
@@ -131,7 +131,7 @@ class DistAutogradContext:
         # message id (sender's rank and counter) -> the RecvRpcBackward node of its tensors
         self._recv_fns: Dict[int, Any] = {}
         self._grads: Dict[torch.Tensor, torch.Tensor] = {}
-        self._known: set = set()
+        self._known, self._places = set(), {}  # _places: placement.py, by (sender, key)
         # The order of sends and receipts here (parts.siblings); message id -> its send's.
         self._order = itertools.count(1)
         self._send_order: Dict[int, int] = {}

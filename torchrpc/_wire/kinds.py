@@ -37,6 +37,8 @@ class Kind(enum.IntEnum):
     AUTOGRAD_DONE = 34
     # profiler
     PROFILED_CALL = 48
+    # CUDA IPC (see torchrpc._agent.cuda_ipc): a receiver has copied these shares
+    CUDA_RELEASE = 64
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)

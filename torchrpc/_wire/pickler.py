@@ -19,7 +19,7 @@ import torch
 from ..errors import DeviceMapError
 from .rebuild import (_BUILTIN, _BYTES, _DEVICE, _DTYPE_IDS, _EMPTY, _INLINE, _SLOT, _TENSOR,
                       _TORCH_FUNCTION, _TORCH_FUNCTIONS, _contiguous_strides, _load_script_function,
-                      _rebuild, _rebuild_parameter, _rebuild_sparse_compressed,
+                      _place, _rebuild, _rebuild_parameter, _rebuild_sparse_compressed,
                       _rebuild_sparse_coo, TensorHook, memoryview_of)
 
 _SPAN_SLACK = 2
@@ -88,14 +88,38 @@ class _Bytes:
         self.view = view
 
 
-# An encoder's cpu_target before it has asked its context.
+# An encoder's cpu_target and cuda_share before it has asked its context.
 _UNREAD = object()
+# The key, among an encode's retry ranges (which every pass of it sees), of the CUDA
+# tensors it has shared: id(tensor) -> how it is rebuilt.
+_SHARED = object()
 
 
 def device_maps_move_cpu() -> None:
     """Have every later encode ask its context where CPU tensors go (``cpu_target``):
     called once a device map that moves CPU tensors exists in this process."""
     _Encoder.moves_cpu = True
+
+
+class Placed:
+    """A tensor that lands on ``device`` at the receiver of the message that carries it,
+    whatever the device maps say: distributed autograd sends a gradient back to the device
+    its tensor came from (through the inverse of the map it came by). ``device`` may be
+    the error that says why no device fits; encoding the message raises it."""
+
+    __slots__ = ("tensor", "device")
+
+    def __init__(self, tensor: torch.Tensor, device: Any) -> None:
+        self.tensor = tensor
+        self.device = device
+
+    def __reduce__(self) -> Tuple[Any, ...]:  # outside an RPC message
+        if isinstance(self.device, BaseException):
+            raise self.device
+        return _place, (self.tensor, str(self.device))
+
+    def __repr__(self) -> str:
+        return f"Placed({self.tensor!r}, {self.device!r})"
 
 
 # What the PickleBuffers that mark a _Bytes' place export (pickle never reads their
@@ -123,6 +147,9 @@ class _Encoder:
         # Where this message's CPU tensors land (a device map that moves them), None where
         # they stay on the CPU; read from the context at the first CPU tensor.
         self.cpu_target: Any = _UNREAD
+        # How this message's CUDA tensors are shared with a peer on this host (the
+        # context's ``cuda_share()``), None where they travel as bytes; read at the first.
+        self.cuda_share: Any = _UNREAD
         self.retry_ranges = retry_ranges
         self.conflict = False
         # The PickleBuffer that the next buffer_callback must send out of band.
@@ -243,14 +270,27 @@ class _Encoder:
             raise PassThrough(exc) from None
 
     def reduce_mapped(self, t: torch.Tensor, target: str) -> Tuple[Any, ...]:
-        """Send ``t`` (a CUDA tensor, or a CPU tensor that a device map moves) as the bytes
-        of its CPU copy, to be moved to ``target`` on arrival."""
+        """Send ``t`` (a CUDA tensor, or a CPU tensor that a device map moves) to land on
+        ``target``. This is the one place that chooses how a CUDA tensor's data travels:
+        through CUDA IPC where the context offers it (a peer on this host, see
+        ``torchrpc._agent.cuda_ipc``), else as the bytes of its CPU copy."""
         hook = self.send_hook
-        if hook is not None and t.requires_grad and t.numel():
-            hook(t)  # recorded as itself; the copy below only carries the bytes
+        requires_grad = t.requires_grad
+        if hook is not None and requires_grad and t.numel():
+            hook(t)  # recorded as itself; the receiver records the tensor where it lands
+        if t.is_cuda and target != "cpu" and t.layout is torch.strided and t.numel():
+            share = self.cuda_share
+            if share is _UNREAD:
+                offer = getattr(self.context, "cuda_share", None)
+                share = self.cuda_share = None if offer is None else offer()
+            if share is not None:
+                # One share per tensor and message, however many passes encode() makes.
+                shared = self.retry_ranges.setdefault(_SHARED, {})
+                how = shared.get(id(t))
+                if how is None:
+                    how = shared[id(t)] = share(t, target)
+                return _rebuild, (_DEVICE, target, *how, requires_grad)
         data = t.detach().cpu()
-        if t.requires_grad:
-            data.requires_grad_(True)
         # Storages are known by address until encode() returns: the copy must outlive it,
         # or the next tensor's copy could take its place and pass for a view of it.
         self.keepalive.append(data)
@@ -260,7 +300,21 @@ class _Encoder:
             fn, args = self.reduce_tensor(data)[:2]
         finally:
             self.send_hook, self.cpu_target = hook, cpu_target
-        return _rebuild, (_DEVICE, target, fn, args)
+        return _rebuild, (_DEVICE, target, fn, args, requires_grad)
+
+    def reduce_placed(self, p: "Placed") -> Tuple[Any, ...]:
+        """A tensor its sender placed: it lands on ``p.device`` whatever the maps say."""
+        t, device = p.tensor, p.device
+        if isinstance(device, BaseException):
+            raise PassThrough(device)
+        if device.type == "cpu" and t.is_cpu:
+            cpu_target = self.cpu_target
+            self.cpu_target = None  # stays on the CPU, whatever a map does with the CPU
+            try:
+                return self.reduce_tensor(t)
+            finally:
+                self.cpu_target = cpu_target
+        return self.reduce_mapped(t, str(device))
 
     def widen(self, key: int, sent: Tuple[int, int], lo: int, hi: int) -> None:
         """Storage ``key``, of which bytes ``sent`` are already pickled, is needed over
@@ -359,6 +413,7 @@ _REDUCERS: dict = {
     torch.jit.ScriptFunction: _Encoder.reduce_script_function,
     _Slot: _Encoder.reduce_slot,
     _Bytes: _Encoder.reduce_bytes,
+    Placed: _Encoder.reduce_placed,
 }
 
 

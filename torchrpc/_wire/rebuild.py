@@ -37,7 +37,11 @@ def _rebuild(tag: int, *args: Any, hook: Optional[TensorHook] = None) -> Any:
     if hook is None:
         return _REBUILDERS[tag](*args)
     t = _REBUILDERS[tag](*args)
-    return hook(t) if (tag == _TENSOR or tag == _INLINE) and t.requires_grad else t
+    if (tag == _TENSOR or tag == _INLINE) and t.requires_grad:
+        return hook(t)
+    # A mapped tensor that requires grad is recorded where it landed; an empty one, whose
+    # sender did not record it, is not.
+    return hook(t) if tag == _DEVICE and t.requires_grad and t.numel() else t
 
 
 def _torch_function(name: str) -> Any:
@@ -177,21 +181,28 @@ def _rebuild_inline(data: bytes, dtype: Any, shape: Tuple[int, ...],
     return _received_with_grad(t) if requires_grad else t
 
 
-def _rebuild_on_device(target: str, fn: Callable[..., torch.Tensor], args: Tuple[Any, ...]
-                       ) -> torch.Tensor:
-    """A CUDA tensor: its bytes travel as a CPU tensor (``fn(*args)``) and land on
-    ``target``, the device its sender's device map names."""
+def _rebuild_on_device(target: str, fn: Callable[..., torch.Tensor], args: Tuple[Any, ...],
+                       requires_grad: bool = False) -> torch.Tensor:
+    """A tensor that lands on ``target``, the device its sender's device map names (or
+    that its sender placed it on, see :class:`~torchrpc._wire.pickler.Placed`):
+    ``fn(*args)`` rebuilds its data (a CPU tensor from its bytes, or a CUDA tensor copied
+    from its sender's memory, see ``torchrpc._agent.cuda_ipc``), which moves to ``target``
+    unless it is there already. With ``requires_grad`` it arrives as a leaf that
+    requires grad, on ``target``, so that a gradient reaching it is on that device."""
     device = torch.device(target)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"malformed tensor: target device {target!r} is not a CUDA device")
     t = fn(*args)
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.requires_grad:
         raise ValueError(f"malformed tensor: {type(t).__name__} sent for device {target}")
-    if t.is_leaf:
-        with torch.no_grad():
-            moved = t.to(device)
-        return moved.requires_grad_(t.requires_grad)
-    return t.to(device)  # received by a distributed autograd pass: the copy is in its graph
+    if t.device != device:
+        t = t.to(device)
+    return t.requires_grad_(True) if requires_grad else t
+
+
+def _place(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A :class:`~torchrpc._wire.pickler.Placed` tensor pickled outside an RPC message."""
+    return t.to(device)
 
 
 _SLOT, _TENSOR, _EMPTY, _TORCH_FUNCTION, _BYTES, _INLINE, _DEVICE = 0, 1, 2, 3, 4, 5, 6

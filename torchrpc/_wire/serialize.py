@@ -52,11 +52,12 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 
 from ..errors import MissingDefinitionError, SerializationError
-from .pickler import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, TensorHook, _Encoder, _Pickler,
-                      register_message_reducer, register_reducer, tensor_bytes)
+from .pickler import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, Placed, TensorHook, _Encoder,
+                      _Pickler, register_message_reducer, register_reducer, tensor_bytes)
 from .rebuild import HOOKED, memoryview_of, new_buffer
 
-__all__ = ["INLINE_MAX", "OUT_OF_BAND_MIN", "PassThrough", "TensorHook", "decode", "encode",
+__all__ = ["INLINE_MAX", "OUT_OF_BAND_MIN", "PassThrough", "Placed", "TensorHook", "decode",
+           "encode",
            "locate", "memoryview_of", "new_buffer", "register_message_reducer",
            "register_rebuilder", "register_reducer", "tensor_bytes"]
 

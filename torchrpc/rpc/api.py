@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._agent import Agent, RpcFuture, WorkerInfo, debug_info_here
-from .._agent import collect
+from .._agent import collect, cuda_ipc
 from .._agent.current import current_agent, handle as _state
 from .. import _dist_autograd, _profiler, _rref
 from .._rref import RREF_LAYER, RRef
@@ -38,7 +38,8 @@ def _install_public_calls(agent: Agent) -> None:
 
 
 _agent_installers: List[Callable[[Agent], None]] = [_rref.install, _dist_autograd.install,
-                                                    _profiler.install, _install_public_calls]
+                                                    _profiler.install, _install_public_calls,
+                                                    cuda_ipc.install]
 
 
 def _env_int(name: str) -> Optional[int]:

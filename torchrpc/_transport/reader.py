@@ -336,7 +336,7 @@ class FrameReader:
         check: Optional[handshake.Seal] = None  # of the buffers' bytes, where sealed
         sealed_digest = b""
         if mac is not None:
-            sealed = handshake.SEAL_SIZE if mac.buffers and header.nbuffers else 0
+            sealed = mac.front if header.nbuffers else 0
             size = sealed + handshake.FRAME_MAC_SIZE
             fill(size)
             start = self._rstart
@@ -371,11 +371,21 @@ class FrameReader:
                     buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
                 continue
             tensor, view = _wire.new_buffer(size)
-            if size:
+            if check is not None:
+                # MAC'd piece by piece as it comes, while the network brings the next.
+                step = check.piece
+                for i in range(0, size, step):
+                    piece = view[i:i + step]
+                    self._take_into(piece)
+                    check.update(piece)
+            elif size:
                 self._take_into(view)
-                if check is not None:
-                    check.update(view)
             buffers.append(tensor)
+        if check is not None and mac.trailer:
+            fill(handshake.SEAL_DIGEST_SIZE)
+            start = self._rstart
+            sealed_digest = bytes(mv[start:start + handshake.SEAL_DIGEST_SIZE])
+            self._rstart = start + handshake.SEAL_DIGEST_SIZE
         if check is not None and not hmac.compare_digest(check.digest(), sealed_digest):
             # Checked once every byte is in place, before anyone sees the frame.
             raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} failed "

@@ -291,10 +291,12 @@ class Connection(FrameReader):
 
     def _write_sealing(self, iov: List[Any]) -> None:
         # Each _Sealing entry becomes its buffers, in the seal's pieces, then the seal's
-        # digest. A piece is MAC'd just before it is written, and whatever precedes it
-        # goes out with it once a piece's worth is gathered, so the network carries
-        # each piece while the next is MAC'd, and small frames still leave together.
+        # digest. Once a piece's worth is gathered, it goes out, and is then MAC'd while
+        # the network carries it (the piece is still in the CPU's cache, fresh from the
+        # kernel's copy); a frame's digest follows its last piece, MAC'd first. Small
+        # frames still leave together, in one call.
         run: List[Any] = []
+        unsealed: List[Any] = []  # the pieces of the current frame's buffers in run
         gathered = 0
         for entry in iov:
             if type(entry) is not _Sealing:
@@ -308,13 +310,17 @@ class Connection(FrameReader):
                     view = view.cast("B")
                 for i in range(0, len(view), step):
                     piece = view[i:i + step]
-                    seal.update(piece)
                     run.append(piece)
+                    unsealed.append(piece)
                     gathered += len(piece)
                     if gathered >= step:
                         self._write_all(run)
-                        run = []
-                        gathered = 0
+                        for piece in unsealed:
+                            seal.update(piece)
+                        run, unsealed, gathered = [], [], 0
+            for piece in unsealed:
+                seal.update(piece)
+            unsealed = []
             run.append(seal.digest())
         self._write_all(run)
 

@@ -76,7 +76,7 @@ SEAL_NUMBER_SIZE = 8
 SEAL_DIGEST_SIZE = 16
 SEAL_SIZE = SEAL_NUMBER_SIZE + SEAL_DIGEST_SIZE  # see FrameMac
 PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal) ...
-STREAM_PIECE = 256 << 10  # ... and of a seal that trails its buffers
+STREAM_PIECE = 1 << 20  # ... and of a seal that trails its buffers
 
 
 @dataclasses.dataclass(frozen=True)

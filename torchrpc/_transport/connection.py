@@ -11,7 +11,11 @@ Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at
 them into a segment, or sends back a buffer that lies in one of the peer's, and the
 frame carries a reference. On plain TCP each frame carries MACs (``handshake.FrameMac``):
 after its envelope, the seal of its buffers (where they are covered) and its tag, then
-the buffers. Reading is :class:`~torchrpc._transport.reader.FrameReader`'s.
+the buffers. Where the seal trails the buffers (``handshake.FEATURE_SEAL_TRAILER``), only
+its number precedes the tag: the writer MACs the buffers piece by piece as it writes
+them and then writes the digest (``_write_sealing``); otherwise the sending thread seals
+them before it queues the frame. Reading is
+:class:`~torchrpc._transport.reader.FrameReader`'s.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ the thread that read it, instead of waking a pool thread for it (leader/follower
 
 :meth:`FrameReader._next_frame` is the one parser of whole frames, for the reader loop
 and for :meth:`FrameReader.read_frame` alike: it checks each part with the wire layer
-(``_wire/frame.py`` has the layout) and the MAC trailer with the connection's
+(``_wire/frame.py`` has the layout) and the frame's MACs with the connection's
 ``mac_rx``; tensor buffers are read straight into freshly allocated tensor memory
-(``recv_into``), and buffers in shared memory are wrapped where they lie (``shm.py``).
+(``recv_into``), piece by piece where they are sealed, each piece MAC'd as it comes, and
+buffers in shared memory are wrapped where they lie (``shm.py``).
 Tests drive it without a socket, over a link that hands it bytes they feed
 (``tests/support/frames.py``).
 """

@@ -223,8 +223,9 @@ class FrameReader:
         seconds = self.poll.seconds
         return self._spin_recv(dst, seconds, False) if seconds else self.sock.recv_into(dst)
 
-    def _take_into(self, dst: memoryview) -> None:
-        # Fill dst from the read buffer, then straight from the socket.
+    def _take_into(self, dst: memoryview, poll: bool = True) -> None:
+        # Fill dst from the read buffer, then straight from the socket; ``poll``: poll
+        # for the rest where the connection polls (see _recv_rest).
         start, mv = self._rstart, self._rmv
         n = len(dst)
         have = min(n, self._rend - start)
@@ -232,7 +233,7 @@ class FrameReader:
             dst[:have] = mv[start:start + have]
             self._rstart = start + have
         got = have
-        recv = self._recv_rest if self.spin else self.sock.recv_into
+        recv = self._recv_rest if self.spin and poll else self.sock.recv_into
         while got < n:
             k = recv(dst[got:])
             if k == 0:
@@ -374,10 +375,14 @@ class FrameReader:
             tensor, view = _wire.new_buffer(size)
             if check is not None:
                 # MAC'd piece by piece as it comes, while the network brings the next.
+                # The sender MACs its pieces too, so they come with gaps between them:
+                # polling through each would spend a CPU for as long as the sender MACs
+                # (and take it from the sender where both share a host), so the reader
+                # waits in the kernel instead.
                 step = check.piece
                 for i in range(0, size, step):
                     piece = view[i:i + step]
-                    self._take_into(piece)
+                    self._take_into(piece, False)
                     check.update(piece)
             elif size:
                 self._take_into(view)

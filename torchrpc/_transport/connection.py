@@ -297,8 +297,9 @@ class Connection(FrameReader):
         # Each _Sealing entry becomes its buffers, in the seal's pieces, then the seal's
         # digest. Once a piece's worth is gathered, it goes out, and is then MAC'd while
         # the network carries it (the piece is still in the CPU's cache, fresh from the
-        # kernel's copy); a frame's digest follows its last piece, MAC'd first. Small
-        # frames still leave together, in one call.
+        # kernel's copy); a frame's last piece is MAC'd first and goes out with the
+        # digest, so a frame of one piece or less leaves in one call, with the frames
+        # queued around it.
         run: List[Any] = []
         unsealed: List[Any] = []  # the pieces of the current frame's buffers in run
         gathered = 0
@@ -308,16 +309,18 @@ class Connection(FrameReader):
                 continue
             seal = entry.seal
             step = seal.piece
-            for buf in entry.data:
+            data = entry.data
+            for k, buf in enumerate(data, 1 - len(data)):  # k == 0: the last buffer
                 view = memoryview(buf)
                 if view.format != "B" or view.ndim != 1:
                     view = view.cast("B")
-                for i in range(0, len(view), step):
+                n = len(view)
+                for i in range(0, n, step):
                     piece = view[i:i + step]
                     run.append(piece)
                     unsealed.append(piece)
                     gathered += len(piece)
-                    if gathered >= step:
+                    if gathered >= step and (k or i + step < n):
                         self._write_all(run)
                         for piece in unsealed:
                             seal.update(piece)

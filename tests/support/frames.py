@@ -172,3 +172,24 @@ def _no_frames(*args: Any) -> None:
 
 def _no_close(*args: Any) -> None:
     pass
+
+
+def macs_around(mac: Optional[handshake.FrameMac], head: bytes, envelope: bytes,
+                data: List[Any]) -> bytes:
+    """The stream bytes of a frame of ``head`` (with its length table), ``envelope`` and
+    the stream bytes ``data`` of its buffers, as a sender with the MACs ``mac`` (None:
+    without MACs) writes them: the seal in front of the tag, or its number there and its
+    digest after the buffers with ``mac.trailer``. Advances ``mac``'s sequence."""
+    body = b"".join(bytes(d) for d in data)
+    if mac is None:
+        return head + envelope + body
+    if not (mac.buffers and _wire.frame.HEADER.unpack_from(head)[-1]):  # nothing sealed
+        return head + envelope + mac.tag(head, envelope) + body
+    if not mac.trailer:
+        seal = mac.seal(data)
+        return head + envelope + seal + mac.tag(head, envelope, seal) + body
+    check = mac.open_seal()
+    for d in data:
+        check.update(d)
+    return (head + envelope + check.number + mac.tag(head, envelope, check.number) + body
+            + check.digest())

@@ -30,6 +30,7 @@ from torchrpc.rpc import api
 
 from ..support import helpers
 from ..support import transport as th
+from ..support.frames import macs_around
 from ..support.group import running_group, wait_for
 from ..wire.test_wire import DTYPES, Inner, Outer, assert_same, sample
 
@@ -259,11 +260,7 @@ def _authentic(conn, head: bytes, envelope: bytes, data: bytes = b"") -> bytes:
     """A frame of ``head`` (with one buffer or more), ``envelope`` and the stream bytes
     ``data`` of its buffers, as the peer's own code would send it (with its MACs when the
     connection has them): bad content from a peer that holds the secret."""
-    mac = conn.mac_tx
-    if mac is None:
-        return head + envelope + data
-    seal = mac.seal([data]) if mac.buffers else b""
-    return head + envelope + seal + mac.tag(head, envelope, seal) + data
+    return macs_around(conn.mac_tx, head, envelope, [data])
 
 
 def test_bad_shared_memory_references_close_only_that_connection():

@@ -23,7 +23,7 @@ from torchrpc._transport import handshake
 from torchrpc._wire import Kind
 from torchrpc.errors import ProtocolError
 
-from ..support.frames import Frame, FrameDecoder, ShmRef
+from ..support.frames import Frame, FrameDecoder, ShmRef, macs_around
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -465,17 +465,19 @@ def mac_frame(mac: handshake.FrameMac, obj: Any, rid: int = 1) -> bytes:
     seal of the buffers (where it has any), then the tag."""
     env, bufs, _ = _wire.encode(obj, inline_max=64)
     head = _wire.pack_header(Kind.CALL, 0, rid, len(env), [len(b) for b in bufs])
-    data = [bytes(b) for b in bufs]
-    seal = mac.seal(data) if data else b""
-    return head + env + seal + mac.tag(head, env, seal) + b"".join(data)
+    return macs_around(mac, head, env, [bytes(b) for b in bufs])
 
 
-def test_frames_with_macs_are_checked():
-    tx = handshake.FrameMac(KEY, buffers=True)
+@pytest.mark.parametrize("trailer", [False, True], ids=["seal-in-front", "seal-trailer"])
+def test_frames_with_macs_are_checked(trailer):
+    def mac(key: bytes = KEY) -> handshake.FrameMac:
+        return handshake.FrameMac(key, buffers=True, trailer=trailer)
+
+    tx = mac()
     values = [("call", i, torch.full((100,), float(i))) for i in range(3)] + [("plain",)]
     stream = b"".join(mac_frame(tx, v, rid=i) for i, v in enumerate(values))
     for piece in (len(stream), 7):  # whole, and in pieces that cut every part
-        dec = FrameDecoder(mac=handshake.FrameMac(KEY, buffers=True))
+        dec = FrameDecoder(mac=mac())
         got = []
         for i in range(0, len(stream), piece):
             got += dec.feed(stream[i:i + piece])
@@ -485,19 +487,23 @@ def test_frames_with_macs_are_checked():
                            torch.full((100,), 2.0))
 
     def fresh() -> FrameDecoder:
-        return FrameDecoder(mac=handshake.FrameMac(KEY, buffers=True))
+        return FrameDecoder(mac=mac())
 
-    first = mac_frame(handshake.FrameMac(KEY, buffers=True), ("call", torch.ones(100)))
+    first = mac_frame(mac(), ("call", torch.ones(100)))
     env_at = _wire.HEADER_SIZE + 8 + 3
     altered = first[:env_at] + bytes([first[env_at] ^ 1]) + first[env_at + 1:]
     with pytest.raises(ProtocolError, match="failed authentication"):
         fresh().feed(altered)
-    # The tensor bytes come after the tag: the seal catches them.
-    altered = first[:-1] + bytes([first[-1] ^ 1])
-    with pytest.raises(ProtocolError, match="tensor bytes of a frame .* failed authentication"):
-        fresh().feed(altered)
+    # The tensor bytes come after the tag: the seal catches them, and its digest too
+    # where it trails them.
+    last = len(first) - 1 - (handshake.SEAL_DIGEST_SIZE if trailer else 0)
+    for at in {last, len(first) - 1}:
+        altered = first[:at] + bytes([first[at] ^ 1]) + first[at + 1:]
+        with pytest.raises(ProtocolError,
+                           match="tensor bytes of a frame .* failed authentication"):
+            fresh().feed(altered)
     # A replayed frame fails (the sequence number is implicit), and so does one without
-    # MACs or with another key.
+    # MACs or with another key, or with the other place of the seal.
     dec = fresh()
     assert len(dec.feed(first)) == 1
     with pytest.raises(ProtocolError, match="failed authentication"):
@@ -506,7 +512,50 @@ def test_frames_with_macs_are_checked():
     with pytest.raises(ProtocolError, match="failed authentication"):
         fresh().feed(data + data)  # the next frame's bytes read as this one's tag
     with pytest.raises(ProtocolError, match="failed authentication"):
-        fresh().feed(mac_frame(handshake.FrameMac(bytes(32), buffers=True), ("x",)))
+        fresh().feed(mac_frame(mac(bytes(32)), ("x",)))
+    other = handshake.FrameMac(KEY, buffers=True, trailer=not trailer)
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        fresh().feed(mac_frame(other, ("call", torch.ones(100))) + bytes(64))
+
+
+def _sealed_frame(mac: handshake.FrameMac, sizes: List[int]) -> Tuple[bytes, List[bytes]]:
+    bufs = [bytes((i * 7 + n) % 251 for i in range(n)) for n in sizes]
+    head = _wire.pack_header(Kind.CALL, 0, 1, 1, sizes)
+    return macs_around(mac, head, b"e", bufs), bufs
+
+
+PIECE = handshake.STREAM_PIECE
+
+
+@pytest.mark.parametrize("sizes", [[PIECE - 1], [PIECE], [PIECE + 1], [2 * PIECE + 3],
+                                   [PIECE, 0, 1, PIECE - 1], [0]])
+def test_a_trailing_seal_checks_every_piece_of_every_buffer(sizes):
+    # The reader MACs a buffer in the seal's pieces as they come: one altered byte at
+    # either edge of any piece, or in the last buffer's last byte, fails the frame.
+    def mac() -> handshake.FrameMac:
+        return handshake.FrameMac(KEY, buffers=True, trailer=True)
+
+    stream, bufs = _sealed_frame(mac(), sizes)
+    (frame,) = FrameDecoder(mac=mac()).feed(stream)
+    assert [bytes(b.numpy()) for b in frame.buffers] == bufs
+    first = len(stream) - handshake.SEAL_DIGEST_SIZE - sum(sizes)
+    edges = set()
+    at = first
+    for n in sizes:
+        edges |= {at + i for i in range(0, n, PIECE)} | {at + min(i + PIECE, n) - 1
+                                                         for i in range(0, n, PIECE)}
+        at += n
+    for at in sorted(edges) + [len(stream) - 1]:
+        altered = stream[:at] + bytes([stream[at] ^ 0x10]) + stream[at + 1:]
+        with pytest.raises(ProtocolError,
+                           match="tensor bytes of a frame .* failed authentication"):
+            FrameDecoder(mac=mac()).feed(altered)
+    # A buffer's pieces are MAC'd in order: two of its pieces swapped fail too.
+    if sizes == [2 * PIECE + 3]:
+        body = stream[first:first + sum(sizes)]
+        swapped = body[PIECE:2 * PIECE] + body[:PIECE] + body[2 * PIECE:]
+        with pytest.raises(ProtocolError, match="tensor bytes"):
+            FrameDecoder(mac=mac()).feed(stream[:first] + swapped + stream[first + len(body):])
 
 
 def test_random_headers_never_crash_the_decoder():

@@ -259,7 +259,8 @@ class Observer:
             self.members = members
         if self._links is None:
             self._links = Links(OBSERVER_RANK, secret, _wire.Limits(),
-                                handshake.FEATURE_FRAME_MAC | handshake.FEATURE_TENSOR_MAC,
+                                handshake.FEATURE_FRAME_MAC | handshake.FEATURE_TENSOR_MAC
+                                | handshake.FEATURE_SEAL_TRAILER,
                                 lambda conn: None, self._on_frame, self._on_close,
                                 tls_contexts=self._tls)
 

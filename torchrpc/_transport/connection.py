@@ -11,7 +11,11 @@ Between two workers of one host that both offered ``FEATURE_SHM``, buffers of at
 them into a segment, or sends back a buffer that lies in one of the peer's, and the
 frame carries a reference. On plain TCP each frame carries MACs (``handshake.FrameMac``):
 after its envelope, the seal of its buffers (where they are covered) and its tag, then
-the buffers. Reading is :class:`~torchrpc._transport.reader.FrameReader`'s.
+the buffers. Where the seal trails the buffers (``handshake.FEATURE_SEAL_TRAILER``), only
+its number precedes the tag: the writer MACs the buffers piece by piece as it writes
+them and then writes the digest (``_write_sealing``); otherwise the sending thread seals
+them before it queues the frame. Reading is
+:class:`~torchrpc._transport.reader.FrameReader`'s.
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ class Releasable(list):
     __slots__ = ()
 
 
+class _Sealing:
+    """In a frame's parts, in place of its buffers: the buffers (``data``, as they go on
+    the stream), which the writer seals with ``seal`` as it writes them, and after which
+    it writes the seal's digest (``handshake.FEATURE_SEAL_TRAILER``)."""
+
+    __slots__ = ("seal", "data")
+
+    def __init__(self, seal: handshake.Seal, data: List[Any]) -> None:
+        self.seal = seal
+        self.data = data
+
+
 class Connection(FrameReader):
     """One authenticated socket to a peer worker."""
 
@@ -74,6 +90,7 @@ class Connection(FrameReader):
         self._lock = threading.Lock()
         self._outbox: List[Any] = []
         self._outbox_bytes = 0  # stream bytes of the frames in _outbox
+        self._outbox_sealing = False  # whether a frame in _outbox has a _Sealing part
         self._room = threading.Condition(self._lock)  # _outbox got emptier, or closed
         self._room_waiters = 0  # threads in _wait_for_room: only they need a notify
         self._writing = False
@@ -153,8 +170,13 @@ class Connection(FrameReader):
         else:
             data = []
         mac = self.mac_tx
-        # Sealed before the lock, by the sending thread (see handshake.FrameMac).
-        seal = mac.seal(data) if mac is not None and mac.buffers and lengths else b""
+        seal = b""
+        sealing = mac is not None and mac.trailer and bool(lengths)
+        if sealing:  # the writer seals the buffers as it writes them (see _write)
+            data = [_Sealing(mac.open_seal(), data)]
+            seal = data[0].seal.number
+        elif mac is not None and mac.buffers and lengths:
+            seal = mac.seal(data)  # before the lock, by the sending thread
         with self._lock:
             if self._writing and self.max_outbox and self._outbox \
                     and self._outbox_bytes + size > self.max_outbox \
@@ -172,11 +194,12 @@ class Connection(FrameReader):
             if self._writing:
                 self._outbox.append((parts, keepalive))
                 self._outbox_bytes += size
+                self._outbox_sealing |= sealing
                 return
             self._writing = True
         # Nobody writes and nothing waits (a writer empties the outbox before it stops):
         # this frame goes out now, without the outbox; what others queue meanwhile, after.
-        if self._write(parts):
+        if self._write(parts, sealing):
             self._drain()
 
     def _unsend(self, staged: Any, returned: Any) -> None:
@@ -222,26 +245,21 @@ class Connection(FrameReader):
                     return
                 self._outbox = []
                 self._outbox_bytes = 0
+                sealing, self._outbox_sealing = self._outbox_sealing, False
                 if self._room_waiters:
                     self._room.notify_all()
-            if not self._write([p for parts, _ in batch for p in parts]):
+            if not self._write([p for parts, _ in batch for p in parts], sealing):
                 return
 
-    def _write(self, iov: List[Any]) -> bool:
-        """As the writer: write ``iov`` whole; on failure stop writing, close the
-        connection and return False."""
+    def _write(self, iov: List[Any], sealing: bool = False) -> bool:
+        """As the writer: write ``iov`` whole (with ``sealing``, some of its entries are
+        a frame's buffers to seal as they go, see :class:`_Sealing`); on failure stop
+        writing, close the connection and return False."""
         try:
-            sock, i = self.sock, 0
-            while i < len(iov):
-                sent = sock.sendmsg(iov[i:i + _IOV_MAX] if i or len(iov) > _IOV_MAX else iov)
-                while sent:
-                    n = len(iov[i])
-                    if sent >= n:
-                        sent -= n
-                        i += 1
-                    else:
-                        iov[i] = memoryview(iov[i])[sent:]
-                        sent = 0
+            if sealing:
+                self._write_sealing(iov)
+            else:
+                self._write_all(iov)
             self.last_send = time.monotonic()
             return True
         except OSError as exc:
@@ -255,6 +273,63 @@ class Connection(FrameReader):
                 error = lost(f"send to rank {self.peer_rank} failed", exc)
             self.close(error)
             return False
+        except Exception as exc:  # noqa: BLE001 - a buffer could not be sealed (the
+            # frame is cut short on the stream): the connection cannot go on
+            with self._lock:
+                self._writing = False
+            self.close(exc)
+            return False
+
+    def _write_all(self, iov: List[Any]) -> None:
+        sock, i = self.sock, 0
+        while i < len(iov):
+            sent = sock.sendmsg(iov[i:i + _IOV_MAX] if i or len(iov) > _IOV_MAX else iov)
+            while sent:
+                n = len(iov[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    iov[i] = memoryview(iov[i])[sent:]
+                    sent = 0
+
+    def _write_sealing(self, iov: List[Any]) -> None:
+        # Each _Sealing entry becomes its buffers, in the seal's pieces, then the seal's
+        # digest. Once a piece's worth is gathered, it goes out, and is then MAC'd while
+        # the network carries it (the piece is still in the CPU's cache, fresh from the
+        # kernel's copy); a frame's last piece is MAC'd first and goes out with the
+        # digest, so a frame of one piece or less leaves in one call, with the frames
+        # queued around it.
+        run: List[Any] = []
+        unsealed: List[Any] = []  # the pieces of the current frame's buffers in run
+        gathered = 0
+        for entry in iov:
+            if type(entry) is not _Sealing:
+                run.append(entry)
+                continue
+            seal = entry.seal
+            step = seal.piece
+            data = entry.data
+            for k, buf in enumerate(data, 1 - len(data)):  # k == 0: the last buffer
+                view = memoryview(buf)
+                if view.format != "B" or view.ndim != 1:
+                    view = view.cast("B")
+                n = len(view)
+                for i in range(0, n, step):
+                    piece = view[i:i + step]
+                    run.append(piece)
+                    unsealed.append(piece)
+                    gathered += len(piece)
+                    if gathered >= step and (k or i + step < n):
+                        self._write_all(run)
+                        for piece in unsealed:
+                            seal.update(piece)
+                        run, unsealed, gathered = [], [], 0
+            for piece in unsealed:
+                seal.update(piece)
+            unsealed = []
+            run.append(seal.digest())
+        self._write_all(run)
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -68,9 +68,15 @@ FEATURE_PRIVATE = 2
 FEATURE_FRAME_MAC = 4
 # The frames' MACs cover their out-of-band buffers too (see FrameMac); on when both offer it.
 FEATURE_TENSOR_MAC = 8
+# The seal of a frame's buffers follows them (see FrameMac), so both sides MAC the bytes
+# while they are on the wire; on when both offer it and the buffers are sealed.
+FEATURE_SEAL_TRAILER = 16
 FRAME_MAC_SIZE = 16
-SEAL_SIZE = 8 + 16  # see FrameMac
-PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal)
+SEAL_NUMBER_SIZE = 8
+SEAL_DIGEST_SIZE = 16
+SEAL_SIZE = SEAL_NUMBER_SIZE + SEAL_DIGEST_SIZE  # see FrameMac
+PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal) ...
+STREAM_PIECE = 1 << 20  # ... and of a seal that trails its buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,27 +188,37 @@ class FrameMac:
     """The MACs of one direction of a connection.
 
     The frame's tag: keyed BLAKE2b over a sequence number, the frame's header (with its
-    length table), its envelope and, where buffers are covered, its seal. The sequence
-    number is implicit (both sides count), so a dropped, replayed or reordered frame
-    fails too.
+    length table), its envelope and, where buffers are covered, the seal's number (and,
+    without ``trailer``, its digest). The sequence number is implicit (both sides count),
+    so a dropped, replayed or reordered frame fails too.
 
     With ``buffers`` (``FEATURE_TENSOR_MAC``), a frame with out-of-band buffers carries a
-    seal of the bytes it sends after its tag (:class:`Seal`): a number the sender draws
-    (8 bytes, never the same twice on a direction) and a 16-byte digest of the GMAC tags
-    of those bytes. The frame's tag covers the seal, so a seal cannot move to another
-    frame. A seal is made without the sequence number, so a sending thread seals its
-    buffers before it takes the connection's lock.
+    seal of the bytes it sends as its buffers (:class:`Seal`): a number the sender draws
+    (8 bytes, never the same twice on a direction), which keys the seal's GMACs, and a
+    16-byte digest of the GMAC tags of those bytes. The frame's tag covers the number,
+    so a seal cannot move to another frame.
+
+    Where the seal lies is the ``trailer``'s choice (``FEATURE_SEAL_TRAILER``), made here
+    once for the connection: without it, number and digest precede the tag, so the
+    sender MACs every buffer before the first byte leaves (:meth:`seal`) and the receiver
+    after the last one came; with it, the number precedes the tag and the digest follows
+    the buffers, which are MAC'd in pieces of :data:`STREAM_PIECE` bytes as they go out
+    and as they come in (:meth:`open_seal`), each piece while the network carries the
+    one before it.
     """
 
-    __slots__ = ("_keyed", "_seq", "_gmac", "_numbers", "buffers")
+    __slots__ = ("_keyed", "_seq", "_gmac", "_numbers", "buffers", "trailer", "front")
 
-    def __init__(self, key: bytes, buffers: bool = False) -> None:
+    def __init__(self, key: bytes, buffers: bool = False, trailer: bool = False) -> None:
         self._keyed = hashlib.blake2b(key=key, digest_size=FRAME_MAC_SIZE)  # copied per frame
         self._seq = 0
         self._gmac = AESGCM(hashlib.blake2b(key=key, digest_size=32,
                                             person=b"trpc buffers").digest())
         self._numbers = itertools.count()  # its next() is atomic: senders share it
         self.buffers = buffers
+        self.trailer = buffers and trailer
+        # The seal's bytes between a frame's envelope and its tag, where it has buffers.
+        self.front = 0 if not buffers else SEAL_NUMBER_SIZE if trailer else SEAL_SIZE
 
     def tag(self, *parts: Any) -> bytes:
         """The tag of the next frame, made of ``parts``; advances the sequence."""
@@ -214,49 +230,61 @@ class FrameMac:
         return h.digest()
 
     def seal(self, data: Sequence[Any]) -> bytes:
-        """Sender: the seal (:data:`SEAL_SIZE` bytes) of the bytes ``data`` puts on the
-        stream, buffer by buffer; any thread may call it."""
-        number = next(self._numbers).to_bytes(8, "little")
-        check = Seal(self._gmac, number)
+        """Sender, without ``trailer``: the seal (:data:`SEAL_SIZE` bytes) of the bytes
+        ``data`` puts on the stream, buffer by buffer; any thread may call it."""
+        check = self.open_seal()
         for part in data:
             check.update(part)
-        return number + check.digest()
+        return check.number + check.digest()
+
+    def open_seal(self) -> "Seal":
+        """Sender: a fresh :class:`Seal` of a frame's buffers, under a number of its own
+        (``Seal.number``, for the frame's tag); any thread may call it."""
+        return Seal(self._gmac, next(self._numbers).to_bytes(SEAL_NUMBER_SIZE, "little"),
+                    STREAM_PIECE if self.trailer else PIECE)
 
     def unseal(self, seal: bytes) -> Tuple["Seal", bytes]:
         """Receiver: (a :class:`Seal` to ``update`` with each buffer's bytes as they
-        arrive, the digest it must come to) of a frame whose tag covered ``seal``."""
-        return Seal(self._gmac, seal[:8]), seal[8:]
+        arrive, the digest it must come to, empty with ``trailer``: the frame's last
+        :data:`SEAL_DIGEST_SIZE` bytes) of a frame whose tag covered ``seal`` (its
+        :attr:`front` bytes)."""
+        number = seal[:SEAL_NUMBER_SIZE]
+        return (Seal(self._gmac, number, STREAM_PIECE if self.trailer else PIECE),
+                seal[SEAL_NUMBER_SIZE:])
 
 
 class Seal:
     """The seal of a frame's buffers, fed buffer by buffer: each buffer's bytes in
-    pieces of at most :data:`PIECE` bytes from its start (AES-GCM takes less than 2 GiB
-    at once), each piece MAC'd with GMAC (AES-GCM with nothing to encrypt) under the
+    pieces of at most ``piece`` bytes from its start (:data:`PIECE`, since AES-GCM takes
+    less than 2 GiB at once, or :data:`STREAM_PIECE` for a seal that trails its
+    buffers), each piece MAC'd with GMAC (AES-GCM with nothing to encrypt) under the
     direction's key and a nonce of its own (the seal's number and the piece's index),
     and the tags hashed in order.
 
     GMAC, because it is faster than BLAKE2b or HMAC-SHA256 where the CPU multiplies
-    carry-less (docs/security.md has the figures). Each call releases the
-    GIL, and getting it back can wait for another thread's switch interval, so a buffer
-    is MAC'd in as few calls as it allows: a receiver MACs it once it is all in place.
+    carry-less (docs/security.md has the figures). Each call releases the GIL.
     """
 
-    __slots__ = ("_gmac", "_number", "_index", "_tags")
+    __slots__ = ("_gmac", "number", "piece", "_index", "_tags")
 
-    def __init__(self, gmac: AESGCM, number: bytes) -> None:
+    def __init__(self, gmac: AESGCM, number: bytes, piece: int = PIECE) -> None:
         self._gmac = gmac
-        self._number = number
+        self.number = number
+        self.piece = piece
         self._index = 0
-        self._tags = hashlib.blake2b(digest_size=16)
+        self._tags = hashlib.blake2b(digest_size=SEAL_DIGEST_SIZE)
 
     def update(self, data: Any) -> None:
-        """MAC ``data`` (any contiguous buffer), in pieces of at most :data:`PIECE`."""
+        """MAC ``data`` (any contiguous buffer), in pieces of at most :attr:`piece`
+        bytes. A buffer may be fed in several calls, each but its last a whole number of
+        pieces."""
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        encrypt, update, number = self._gmac.encrypt, self._tags.update, self._number
-        for i in range(0, len(view), PIECE):
-            update(encrypt(number + self._index.to_bytes(4, "little"), b"", view[i:i + PIECE]))
+        encrypt, update, number, piece = (self._gmac.encrypt, self._tags.update,
+                                          self.number, self.piece)
+        for i in range(0, len(view), piece):
+            update(encrypt(number + self._index.to_bytes(4, "little"), b"", view[i:i + piece]))
             self._index += 1
 
     def digest(self) -> bytes:

@@ -190,8 +190,9 @@ class Links:
             c2s, s2c = handshake.frame_keys(self.secret, nonces[0], nonces[1], *ranks)
             tx, rx = (c2s, s2c) if outbound else (s2c, c2s)
             buffers = bool(features & handshake.FEATURE_TENSOR_MAC)
-            conn.mac_tx = handshake.FrameMac(tx, buffers)
-            conn.mac_rx = handshake.FrameMac(rx, buffers)
+            trailer = bool(features & handshake.FEATURE_SEAL_TRAILER)
+            conn.mac_tx = handshake.FrameMac(tx, buffers, trailer)
+            conn.mac_rx = handshake.FrameMac(rx, buffers, trailer)
             self.inline_max[peer_rank] = MAC_INLINE_MAX
         else:
             # This rank is reached without MACs now (a worker restarted on this host).

@@ -8,9 +8,10 @@ the thread that read it, instead of waking a pool thread for it (leader/follower
 
 :meth:`FrameReader._next_frame` is the one parser of whole frames, for the reader loop
 and for :meth:`FrameReader.read_frame` alike: it checks each part with the wire layer
-(``_wire/frame.py`` has the layout) and the MAC trailer with the connection's
+(``_wire/frame.py`` has the layout) and the frame's MACs with the connection's
 ``mac_rx``; tensor buffers are read straight into freshly allocated tensor memory
-(``recv_into``), and buffers in shared memory are wrapped where they lie (``shm.py``).
+(``recv_into``), piece by piece where they are sealed, each piece MAC'd as it comes, and
+buffers in shared memory are wrapped where they lie (``shm.py``).
 Tests drive it without a socket, over a link that hands it bytes they feed
 (``tests/support/frames.py``).
 """
@@ -222,8 +223,9 @@ class FrameReader:
         seconds = self.poll.seconds
         return self._spin_recv(dst, seconds, False) if seconds else self.sock.recv_into(dst)
 
-    def _take_into(self, dst: memoryview) -> None:
-        # Fill dst from the read buffer, then straight from the socket.
+    def _take_into(self, dst: memoryview, poll: bool = True) -> None:
+        # Fill dst from the read buffer, then straight from the socket; ``poll``: poll
+        # for the rest where the connection polls (see _recv_rest).
         start, mv = self._rstart, self._rmv
         n = len(dst)
         have = min(n, self._rend - start)
@@ -231,7 +233,7 @@ class FrameReader:
             dst[:have] = mv[start:start + have]
             self._rstart = start + have
         got = have
-        recv = self._recv_rest if self.spin else self.sock.recv_into
+        recv = self._recv_rest if self.spin and poll else self.sock.recv_into
         while got < n:
             k = recv(dst[got:])
             if k == 0:
@@ -336,7 +338,7 @@ class FrameReader:
         check: Optional[handshake.Seal] = None  # of the buffers' bytes, where sealed
         sealed_digest = b""
         if mac is not None:
-            sealed = handshake.SEAL_SIZE if mac.buffers and header.nbuffers else 0
+            sealed = mac.front if header.nbuffers else 0
             size = sealed + handshake.FRAME_MAC_SIZE
             fill(size)
             start = self._rstart
@@ -371,11 +373,25 @@ class FrameReader:
                     buffers.append(self.shm_rx.open(name, size & ~_wire.SHM_BIT))
                 continue
             tensor, view = _wire.new_buffer(size)
-            if size:
+            if check is not None:
+                # MAC'd piece by piece as it comes, while the network brings the next.
+                # The sender MACs its pieces too, so they come with gaps between them:
+                # polling through each would spend a CPU for as long as the sender MACs
+                # (and take it from the sender where both share a host), so the reader
+                # waits in the kernel instead.
+                step = check.piece
+                for i in range(0, size, step):
+                    piece = view[i:i + step]
+                    self._take_into(piece, False)
+                    check.update(piece)
+            elif size:
                 self._take_into(view)
-                if check is not None:
-                    check.update(view)
             buffers.append(tensor)
+        if check is not None and mac.trailer:
+            fill(handshake.SEAL_DIGEST_SIZE)
+            start = self._rstart
+            sealed_digest = bytes(mv[start:start + handshake.SEAL_DIGEST_SIZE])
+            self._rstart = start + handshake.SEAL_DIGEST_SIZE
         if check is not None and not hmac.compare_digest(check.digest(), sealed_digest):
             # Checked once every byte is in place, before anyone sees the frame.
             raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} failed "

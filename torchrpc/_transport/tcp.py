@@ -61,7 +61,7 @@ class Transport:
             features &= ~handshake.FEATURE_SHM  # no memfds: no shared memory (see shm.py)
         features |= handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         if tensor_mac:
-            features |= handshake.FEATURE_TENSOR_MAC
+            features |= handshake.FEATURE_TENSOR_MAC | handshake.FEATURE_SEAL_TRAILER
         self._links = Links(rank, secret, limits, features, on_connect, on_frame, on_close,
                             tls_contexts=tls_contexts, shm_threshold=shm_threshold,
                             same_host=same_host, same_pids=same_pids,

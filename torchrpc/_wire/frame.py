@@ -20,9 +20,10 @@ Every message on a connection is one frame::
     20     4     nbuffers     number of out-of-band buffers
     24     8*n   lengths      one unsigned 64-bit length per buffer
     ...          envelope     pickle protocol 5 bytes
-    ...   24     seal         only with MACs, where buffers are sealed and n > 0 (below)
+    ...   24/8   seal         only with MACs, where buffers are sealed and n > 0 (below)
     ...   16     tag          only with MACs (below)
     ...          buffers      raw bytes of each buffer, back to back
+    ...   16     digest       only where the seal trails the buffers and n > 0 (below)
 
 MANY. A request on a connection whose opener reads the replies itself (a private
 connection, see ``_transport/dial.py``) carries MANY when its sender has several
@@ -33,13 +34,16 @@ Without it, the receiver may let one request hold the connection while it runs, 
 its sender waits for that very reply.
 
 MACs. On a connection that negotiated them (plain TCP, ``_transport/handshake.py``),
-every frame carries a trailer between its envelope and its buffers: where buffers are
-sealed (both sides offered it) and the frame has some, a 24-byte seal (an 8-byte number
-and a 16-byte digest) of the buffers' bytes as they follow on the stream, buffer by
-buffer, a buffer in shared memory by its reference; then a 16-byte tag over an implicit
-sequence number, the header with its lengths, the envelope and the seal. The tag is
-checked before any buffer is read, the seal once all of them are in. Frames without
-MACs have no trailer.
+every frame carries MACs between its envelope and its buffers: where buffers are sealed
+(both sides offered it) and the frame has some, the seal of the buffers' bytes as they
+follow on the stream, buffer by buffer, a buffer in shared memory by its reference;
+then a 16-byte tag over an implicit sequence number, the header with its lengths, the
+envelope and the seal's bytes before it. The seal is an 8-byte number and a 16-byte
+digest. Where both sides offered the seal trailer (``FEATURE_SEAL_TRAILER``), only the
+number precedes the tag and the digest follows the last buffer, so both sides MAC the
+buffers while they travel; otherwise both precede the tag (24 bytes). The tag is checked
+before any buffer is read, the digest once all of them are in, before the frame is
+handed on. Frames without MACs have none of these.
 What the MACs are is the transport's business (``handshake.FrameMac``); this layout
 only says where they lie in a frame.
 

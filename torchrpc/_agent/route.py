@@ -113,8 +113,7 @@ def read_replies(conn: Connection, calls: Sender, waiting: Optional[Set[int]] = 
         try:
             header, envelope, buffers = read_frame()
         except RpcError as exc:  # broken, or closed by a deadline, a lost peer, shutdown
-            # Whoever fails requests with it may keep it: not its frames (and their callers').
-            return exc.with_traceback(None)
+            return _without_frames(exc)
         kind = header.kind
         if kind == _RESPONSE or kind == _ERROR:
             if took is not None:
@@ -131,3 +130,19 @@ def read_replies(conn: Connection, calls: Sender, waiting: Optional[Set[int]] = 
         # Nothing else is sent to a caller on these connections; ignore anything else.
         envelope = buffers = None
     return None
+
+
+def _without_frames(exc: RpcError) -> RpcError:
+    """``exc`` and the errors chained to it, without their tracebacks: whoever fails
+    requests with it may keep it, and a traceback's frames (each holding its caller's)
+    would keep the reading loop's requests, and what they name, alive with it."""
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        if e.__cause__ is not None:
+            e.__cause__.__traceback__ = None
+        e = e.__context__
+    return exc
+

@@ -31,13 +31,13 @@ _release = threading.Event()  # in each process: lets stuck() and hold() return
 
 def stuck() -> str:
     """Waits (on worker2) until released: the end of the chain."""
-    _release.wait(120)
+    _release.wait(600)
     return "released"
 
 
 def relay(to: str) -> str:
-    """On worker1: the middle of the chain."""
-    return rpc.rpc_sync(to, stuck)
+    """On worker1: the middle of the chain (held for the whole module: no timeout)."""
+    return rpc.rpc_sync(to, stuck, timeout=0)
 
 
 def hold() -> str:
@@ -152,7 +152,7 @@ def run_cli(group, *args: str, **env: str):
 @pytest.fixture(scope="module")
 def chain(group):
     """worker0 -> worker1 (relay) -> worker2 (stuck), stuck until the module's tests end."""
-    fut = rpc.rpc_async("worker1", relay, ("worker2",))
+    fut = rpc.rpc_async("worker1", relay, ("worker2",), timeout=0)
     wait_for("the chain to reach worker2",
              lambda: any(s["function"].endswith("stuck")
                          for s in rpc.snapshot(workers=["worker2"])["workers"][0]["serving"]),

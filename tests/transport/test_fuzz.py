@@ -277,6 +277,18 @@ class _Target:
             raise
 
     def authenticated(self) -> socket.socket:
+        # The worker refuses a connection while MAX_HANDSHAKES hostile ones still run
+        # (accept.py): on a loaded machine those outlive the fuzzer's sockets a while.
+        for attempt in range(20):
+            try:
+                return self._authenticated()
+            except ConnectionResetError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
+        raise AssertionError("unreachable")
+
+    def _authenticated(self) -> socket.socket:
         s = self.stream()
         try:
             # Under TLS the HMAC proof covers the server certificate's hash (tls.py).

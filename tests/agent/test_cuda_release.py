@@ -19,7 +19,6 @@ from torchrpc._agent.current import current_agent
 from torchrpc._agent.hooks import CUDA_IPC
 
 from ..support import cuda as ch
-from ..support import helpers
 from ..support.group import Group, wait_for
 
 HB_TIMEOUT = 2.0
@@ -33,13 +32,7 @@ def group():
         g.init_self()
         yield g
     finally:
-        for r, p in g.procs.items():
-            if p.poll() is None:
-                try:
-                    rpc.rpc_sync(f"worker{r}", helpers.stop_serving, timeout=10)
-                except Exception:  # noqa: BLE001 - the exit codes are checked
-                    pass
-        codes = g.abandon(30)
+        codes = g.stop_serving_and_abandon(30)
     assert codes == {1: 0, 2: -signal.SIGKILL}, codes
 
 

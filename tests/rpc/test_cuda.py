@@ -26,7 +26,6 @@ from torchrpc._agent.hooks import CUDA_IPC
 from torchrpc.errors import ConnectionLostError
 
 from ..support import cuda as ch
-from ..support import helpers
 from ..support.group import Group, wait_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -48,13 +47,7 @@ def group():
         g.init_self()
         yield g
     finally:
-        for r, p in g.procs.items():
-            if p.poll() is None:
-                try:
-                    rpc.rpc_sync(f"worker{r}", helpers.stop_serving, timeout=10)
-                except Exception:  # noqa: BLE001 - the exit codes are checked
-                    pass
-        codes = g.abandon(60)
+        codes = g.stop_serving_and_abandon(60)
     assert codes[1] == 0 and codes[3] == 0, codes
 
 

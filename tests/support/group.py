@@ -131,6 +131,20 @@ class Group:
             rpc.shutdown(graceful=False)
         return self.wait(timeout)
 
+    def stop_serving_and_abandon(self, timeout: float = 30.0) -> Dict[int, int]:
+        """For a group started with ``TORCHRPC_TEST_SERVE``: tell each subprocess still up to
+        stop serving (one that cannot be reached is left to :meth:`wait`), then
+        :meth:`abandon`; return the exit codes."""
+        import torchrpc.rpc as rpc
+        from . import helpers
+        for r, p in self.procs.items():
+            if p.poll() is None:
+                try:
+                    rpc.rpc_sync(f"worker{r}", helpers.stop_serving, timeout=10)
+                except Exception:  # noqa: BLE001 - the exit codes are checked
+                    pass
+        return self.abandon(timeout)
+
     def wait(self, timeout: float = 60.0) -> Dict[int, int]:
         """Wait for every subprocess; kill what is left after ``timeout``; return exit codes."""
         deadline = time.monotonic() + timeout

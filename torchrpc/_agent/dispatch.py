@@ -59,6 +59,8 @@ from .worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
+_CALL, _RESPONSE = int(Kind.CALL), int(Kind.RESPONSE)  # ints: an enum lookup is slow
+
 # The key, in a request's metadata, of the ids of its caller's earlier at-most-once requests
 # whose replies reached the caller: their kept replies can go (OnceTable.acknowledged).
 ONCE_ACKS = "_once_acks"
@@ -151,7 +153,7 @@ class Dispatch:
             buffers.clear()  # the tensors in payload hold what they need
             if ctx.gates is not None:
                 self._pass_gates(ctx.gates)
-            if kind == Kind.CALL:
+            if kind == _CALL:
                 what = entry[WHAT] = payload[0]
             elif kind in FUNCTION_FIRST:
                 entry[WHAT] = payload[0]
@@ -223,7 +225,7 @@ class Dispatch:
             meta = {s.hook_key: s.response_meta() for s in scopes} or None
             send_hook = combine([s.send_hook for s in scopes])
         try:
-            env, bufs, keep = _wire.encode(value, self._context(dst, Kind.RESPONSE),
+            env, bufs, keep = _wire.encode(value, self._context(dst, _RESPONSE),
                                            send_hook, meta, "result",
                                            self._inline_max.get(dst.id, _wire.INLINE_MAX))
         except Exception as exc:  # noqa: BLE001 - a result that won't encode: the caller is told
@@ -232,7 +234,7 @@ class Dispatch:
         if owned:
             value = None
             keep = Releasable(keep)
-        self.send_reply(dst, Kind.RESPONSE, rid, env, bufs, keep, via)
+        self.send_reply(dst, _RESPONSE, rid, env, bufs, keep, via)
         _wire.prepare_encode()  # while the caller reads the reply
 
     def _reply_error(self, dst: WorkerInfo, rid: int, exc: BaseException, what: Any,

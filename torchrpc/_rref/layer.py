@@ -29,6 +29,8 @@ from .rref import RREF_LAYER, RRef, _creation_error, _gid, _layer_of, _rebuild_r
 
 log = logging.getLogger(__name__)
 
+_REMOTE_CALL = int(Kind.RREF_REMOTE_CALL)  # an int: an enum lookup is slow on the hot path
+
 
 def _agent_rpc_async(agent: Agent, to: WorkerInfo, func: Any, args: Tuple[Any, ...],
                      timeout: float) -> torch.futures.Future:
@@ -95,7 +97,7 @@ class RRefLayer:
             # A to_here() usually follows: its request may read this reply with its own
             # (after=). The future may be a SyncFuture; _get_future() makes a torch one.
             rref._creation = agent.request(
-                dst, Kind.RREF_REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
+                dst, _REMOTE_CALL, (func, args, kwargs, rref_id, fork_id, deletes),
                 timeout, what=func, expect=Expect.FOLLOWED,
                 on_done=lambda f: self._created(ref, fork_id, f, dst.id, deletes))
         except BaseException:
@@ -324,7 +326,7 @@ def _remote_here(layer: RRefLayer, rref_id: GloballyUniqueId, func: Any,
     entry = layer.book.owner_entry(rref_id)
     rref = RRef._make(layer, rref_id, None, agent.worker_info, entry)
     try:
-        fut = agent.request(agent.worker_info, Kind.RREF_REMOTE_CALL,
+        fut = agent.request(agent.worker_info, _REMOTE_CALL,
                             (func, args, kwargs, rref_id, None, ()), timeout, what=func)
     except BaseException as exc:  # not sent (its arguments did not pickle)
         entry.set_error(exc)

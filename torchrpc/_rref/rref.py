@@ -25,6 +25,8 @@ from .book import GloballyUniqueId, OwnerEntry
 from .proxy import (_UNSET, _backward_local, _Proxy, _rref_typeof_on_owner, _timeout,
                     _typeof_on_owner)
 
+_FETCH = int(Kind.RREF_FETCH)  # an int: an enum lookup is slow on the hot path
+
 Layer = Any
 """The :class:`~torchrpc._rref.layer.RRefLayer` an RRef belongs to; named here without
 importing layer.py, which imports this module."""
@@ -166,7 +168,7 @@ class RRef(Generic[T]):
         owner = self._owner.id
         deletes = layer.control.take_deletes(owner)
         try:
-            value = layer.agent.request_sync(self._owner, Kind.RREF_FETCH,
+            value = layer.agent.request_sync(self._owner, _FETCH,
                                              (self._rref_id, deletes), t,
                                              what=Described("RRef.to_here() of {!r}", self),
                                              after=self._creation)
@@ -201,7 +203,7 @@ class RRef(Generic[T]):
             owner = self._owner.id
             deletes = layer.control.take_deletes(owner)
             try:
-                source = layer.agent.request(self._owner, Kind.RREF_FETCH,
+                source = layer.agent.request(self._owner, _FETCH,
                                              (self._rref_id, deletes), t,
                                              what=Described("RRef.to_here_async() of {!r}", self))
             except BaseException:
@@ -252,7 +254,7 @@ class RRef(Generic[T]):
         self._check_error()
         if self._entry is not None:
             return self._entry.future
-        return self._layer.agent.request(self._owner, Kind.RREF_FETCH, (self._rref_id, ()),
+        return self._layer.agent.request(self._owner, _FETCH, (self._rref_id, ()),
                                          self._layer.agent.default_timeout,
                                          what=Described("RRef fetch of {!r}", self))
 

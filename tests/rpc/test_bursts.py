@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable, List
@@ -37,13 +36,7 @@ def group():
         g.init_self()
         yield g
     finally:
-        for rank, proc in g.procs.items():
-            if proc.poll() is None:
-                try:
-                    rpc.rpc_sync(f"worker{rank}", helpers.stop_serving, timeout=10)
-                except Exception as exc:  # noqa: BLE001 - the exit codes are checked
-                    print(f"worker{rank} did not stop serving: {exc!r}", file=sys.stderr)
-        codes = g.abandon(30)
+        codes = g.stop_serving_and_abandon(30)
     assert codes == {1: 0, 2: -signal.SIGKILL}, codes
 
 

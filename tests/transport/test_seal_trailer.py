@@ -10,6 +10,7 @@ in frames that several threads send at once (the writer seals them in one batch)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -32,6 +33,17 @@ def _peer(rank: int, trailer: bool = True) -> th.Peer:
     if not trailer:  # a worker that does not know the feature
         peer.t._links.features &= ~handshake.FEATURE_SEAL_TRAILER
     return peer
+
+
+@contextlib.contextmanager
+def _pair(a_trailer: bool = True, b_trailer: bool = True):
+    """Peers 0 and 1, closed when done; either may not know the trailer feature."""
+    a, b = _peer(0, a_trailer), _peer(1, b_trailer)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def _echo(conn, peer: th.Peer, tensors, rid: int = 1):
@@ -61,8 +73,7 @@ def _flip_at(offset: int, flipped: list):
 
 @pytest.mark.parametrize("a_trailer,b_trailer", [(True, True), (True, False), (False, True)])
 def test_the_seal_trails_the_buffers_only_where_both_offer_it(a_trailer, b_trailer):
-    a, b = _peer(0, a_trailer), _peer(1, b_trailer)
-    try:
+    with _pair(a_trailer, b_trailer) as (a, b):
         conn = a.connect(b)
         both = a_trailer and b_trailer
         accepted = b.accepted.get(timeout=10)
@@ -73,61 +84,51 @@ def test_the_seal_trails_the_buffers_only_where_both_offer_it(a_trailer, b_trail
         (back,) = _echo(conn, a, [data])
         assert torch.equal(back, data)
         assert not a.closed and not b.closed
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("trailer", [True, False], ids=["trailer", "in-front"])
 @pytest.mark.parametrize("where", ["first-piece", "piece-edge", "last-byte"])
 def test_a_changed_tensor_byte_is_refused_and_never_delivered(trailer, where):
-    a, b = _peer(0, trailer), _peer(1, trailer)
-    n = 4 * PIECE
-    at = {"first-piece": 100, "piece-edge": 2 * PIECE - 1, "last-byte": n - 1}[where]
-    # The first frame's tensor bytes follow its header, one length, a 1-byte envelope,
-    # the seal's bytes in front and the tag.
-    front = handshake.SEAL_NUMBER_SIZE if trailer else handshake.SEAL_SIZE
-    flipped: list = []
-    relay = rh.Relay(b.t.address, _flip_at(_wire.HEADER_SIZE + 8 + 1 + front
-                                           + handshake.FRAME_MAC_SIZE + at, flipped))
-    b.t._links.address = relay.address  # b is behind a port-forward it published
-    try:
-        conn = a.t.connect(1, *relay.address, timeout=5)
-        assert conn.mac_tx.trailer is trailer
-        sent = torch.randint(0, 255, (n,), dtype=torch.uint8)
-        conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(sent)], sent)
-        wait_for("b refuses the frame and closes", lambda: b.closed and conn.closed, 20)
-        assert flipped
-        assert any(isinstance(why, ProtocolError)
-                   and "tensor bytes of a frame from rank 0 failed authentication" in str(why)
-                   for why in b.closed), b.closed
-        assert a.frames.empty() and b.frames.empty()  # the frame reached nobody
-        with pytest.raises(ConnectionClosedError):
-            conn.send(Kind.CALL, 0, 2, b"e", [], None)
-    finally:
-        relay.close()
-        a.close()
-        b.close()
+    with _pair(trailer, trailer) as (a, b):
+        n = 4 * PIECE
+        at = {"first-piece": 100, "piece-edge": 2 * PIECE - 1, "last-byte": n - 1}[where]
+        # The first frame's tensor bytes follow its header, one length, a 1-byte envelope,
+        # the seal's bytes in front and the tag.
+        front = handshake.SEAL_NUMBER_SIZE if trailer else handshake.SEAL_SIZE
+        flipped: list = []
+        relay = rh.Relay(b.t.address, _flip_at(_wire.HEADER_SIZE + 8 + 1 + front
+                                               + handshake.FRAME_MAC_SIZE + at, flipped))
+        b.t._links.address = relay.address  # b is behind a port-forward it published
+        try:
+            conn = a.t.connect(1, *relay.address, timeout=5)
+            assert conn.mac_tx.trailer is trailer
+            sent = torch.randint(0, 255, (n,), dtype=torch.uint8)
+            conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(sent)], sent)
+            wait_for("b refuses the frame and closes", lambda: b.closed and conn.closed, 20)
+            assert flipped
+            assert any(isinstance(why, ProtocolError)
+                       and "tensor bytes of a frame from rank 0 failed authentication" in str(why)
+                       for why in b.closed), b.closed
+            assert a.frames.empty() and b.frames.empty()  # the frame reached nobody
+            with pytest.raises(ConnectionClosedError):
+                conn.send(Kind.CALL, 0, 2, b"e", [], None)
+        finally:
+            relay.close()
 
 
 @pytest.mark.parametrize("trailer", [True, False], ids=["trailer", "in-front"])
 def test_a_64_mb_tensor_roundtrips_intact(trailer):
-    a, b = _peer(0, trailer), _peer(1, trailer)
-    try:
+    with _pair(trailer, trailer) as (a, b):
         conn = a.connect(b)
         data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
         (back,) = _echo(conn, a, [data])
         assert torch.equal(back, data)
         assert not a.closed and not b.closed
-    finally:
-        a.close()
-        b.close()
 
 
 def test_tensors_around_the_piece_size_roundtrip_alone_together_and_from_many_threads():
-    a, b = _peer(0), _peer(1)
     sizes = [1, PIECE - 1, PIECE, PIECE + 1, 2 * PIECE, 2 * PIECE + 3]
-    try:
+    with _pair() as (a, b):
         conn = a.connect(b)
         assert conn.mac_tx.trailer
         tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
@@ -162,14 +163,10 @@ def test_tensors_around_the_piece_size_roundtrip_alone_together_and_from_many_th
             assert [torch.equal(x, y) for x, y in zip(bufs, want)] == [True] * len(want)
             assert len(bufs) == len(want)
         assert not sent and not a.closed and not b.closed
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_buffer_the_writer_cannot_seal_closes_the_connection():
-    a, b = _peer(0), _peer(1)
-    try:
+    with _pair() as (a, b):
         conn = a.connect(b)
         strided = memoryview(bytes(range(64)))[::2]  # not contiguous: no MAC takes it
         conn.send(Kind.CALL, 0, 1, b"e", [strided], None)
@@ -182,6 +179,3 @@ def test_a_buffer_the_writer_cannot_seal_closes_the_connection():
         data = torch.arange(PIECE + 7, dtype=torch.int64).to(torch.uint8)
         (back,) = _echo(other, a, [data], 3)
         assert torch.equal(back, data)
-    finally:
-        a.close()
-        b.close()

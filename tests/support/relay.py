@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 import torchrpc.rpc as rpc
+from torchrpc import _wire
 from torchrpc._agent.current import current_agent
 from torchrpc._transport import handshake
 
@@ -27,12 +28,13 @@ PATTERN = 0x5A  # the value of every byte of the tensors a tampering relay looks
 
 
 class Relay:
-    """Listens on loopback and forwards each connection to ``target`` both ways; the
+    """Listens on ``host`` and forwards each connection to ``target`` both ways; the
     dialer's bytes go through ``make_alter()`` (one per connection) when given."""
 
     def __init__(self, target: Tuple[str, int],
-                 make_alter: Optional[Callable[[], Alter]] = None) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
+                 make_alter: Optional[Callable[[], Alter]] = None,
+                 host: str = "127.0.0.1") -> None:
+        self.listener = socket.create_server((host, 0))
         self.address: Tuple[str, int] = self.listener.getsockname()[:2]
         self.connections = 0
         self._target = target
@@ -107,6 +109,34 @@ def flip_one_tensor_byte() -> Alter:
         state["done"] = True
         return chunk[:i] + bytes([PATTERN ^ 1]) + chunk[i + 1:]
     return alter
+
+
+def flip_at(offset: int, flipped: list) -> Callable[[], Alter]:
+    """An alteration factory (for :class:`Relay`) that flips one bit of the dialer's byte
+    at ``offset`` on the stream, counted from the first byte after the handshake, and
+    records the offset in ``flipped``."""
+    def make() -> Alter:
+        seen = [-(handshake.HELLO.size + handshake.PROOF.size)]
+
+        def alter(chunk: bytes) -> bytes:
+            start = seen[0]
+            seen[0] += len(chunk)
+            i = offset - start
+            if 0 <= i < len(chunk):
+                flipped.append(offset)
+                return chunk[:i] + bytes([chunk[i] ^ 1]) + chunk[i + 1:]
+            return chunk
+        return alter
+    return make
+
+
+def first_tensor_byte(at: int, trailer: bool = True) -> int:
+    """Where byte ``at`` of the one tensor of a connection's first frame (with a 1-byte
+    envelope) lies on the dialer's stream, counted as :func:`flip_at` counts: after the
+    header, one length, the envelope, the seal's bytes in front of the buffers (fewer when
+    the seal trails them) and the frame's tag."""
+    front = handshake.SEAL_NUMBER_SIZE if trailer else handshake.SEAL_SIZE
+    return _wire.HEADER_SIZE + 8 + 1 + front + handshake.FRAME_MAC_SIZE + at
 
 
 def pattern_tensor(n: int) -> torch.Tensor:

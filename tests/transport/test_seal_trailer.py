@@ -6,6 +6,8 @@ A byte changed on the path is refused before the frame reaches anyone; a peer th
 not offer the feature gets today's layout (the seal in front of the tag); large tensors
 and tensors around the seal's piece size arrive intact, alone, several to a frame, and
 in frames that several threads send at once (the writer seals them in one batch).
+test_two_namespaces.py runs the same checks across a veth pair between two network
+namespaces.
 """
 
 from __future__ import annotations
@@ -53,24 +55,6 @@ def _echo(conn, peer: th.Peer, tensors, rid: int = 1):
     return bufs
 
 
-def _flip_at(offset: int, flipped: list):
-    """A relay alteration (``rh.Relay``) that flips one bit of the dialer's byte at
-    ``offset`` on the stream, counted from the first byte after the handshake."""
-    def make() -> rh.Alter:
-        seen = [-(handshake.HELLO.size + handshake.PROOF.size)]
-
-        def alter(chunk: bytes) -> bytes:
-            start = seen[0]
-            seen[0] += len(chunk)
-            i = offset - start
-            if 0 <= i < len(chunk):
-                flipped.append(offset)
-                return chunk[:i] + bytes([chunk[i] ^ 1]) + chunk[i + 1:]
-            return chunk
-        return alter
-    return make
-
-
 @pytest.mark.parametrize("a_trailer,b_trailer", [(True, True), (True, False), (False, True)])
 def test_the_seal_trails_the_buffers_only_where_both_offer_it(a_trailer, b_trailer):
     with _pair(a_trailer, b_trailer) as (a, b):
@@ -92,12 +76,8 @@ def test_a_changed_tensor_byte_is_refused_and_never_delivered(trailer, where):
     with _pair(trailer, trailer) as (a, b):
         n = 4 * PIECE
         at = {"first-piece": 100, "piece-edge": 2 * PIECE - 1, "last-byte": n - 1}[where]
-        # The first frame's tensor bytes follow its header, one length, a 1-byte envelope,
-        # the seal's bytes in front and the tag.
-        front = handshake.SEAL_NUMBER_SIZE if trailer else handshake.SEAL_SIZE
         flipped: list = []
-        relay = rh.Relay(b.t.address, _flip_at(_wire.HEADER_SIZE + 8 + 1 + front
-                                               + handshake.FRAME_MAC_SIZE + at, flipped))
+        relay = rh.Relay(b.t.address, rh.flip_at(rh.first_tensor_byte(at, trailer), flipped))
         b.t._links.address = relay.address  # b is behind a port-forward it published
         try:
             conn = a.t.connect(1, *relay.address, timeout=5)

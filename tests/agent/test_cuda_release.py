@@ -19,21 +19,15 @@ from torchrpc._agent.current import current_agent
 from torchrpc._agent.hooks import CUDA_IPC
 
 from ..support import cuda as ch
-from ..support.group import Group, wait_for
+from ..support.group import serving_group, wait_for
 
 HB_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def group():
-    g = Group(3, threads=4, timeout=0.0, options={"heartbeat_timeout": HB_TIMEOUT},
-              extra_env={"TORCHRPC_TEST_SERVE": "1"})
-    try:
-        g.init_self()
+    with serving_group(3, {1: 0, 2: -signal.SIGKILL}, HB_TIMEOUT) as g:
         yield g
-    finally:
-        codes = g.stop_serving_and_abandon(30)
-    assert codes == {1: 0, 2: -signal.SIGKILL}, codes
 
 
 def _hold(peer: int, n: int):

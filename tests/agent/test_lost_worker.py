@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ import torchrpc.rpc as rpc
 from torchrpc.errors import ConnectionLostError
 
 from ..support import helpers
-from ..support.group import Group, wait_for as _wait_for
+from ..support.group import serving_group, wait_for as _wait_for
 
 HB_TIMEOUT = 2.0
 # The issue's bound is heartbeat_timeout + 1 s; the shared 2-core machine gets 1 s more.
@@ -38,34 +38,8 @@ RREF_KEYS = ("num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_c
 @pytest.fixture(scope="module")
 def group():
     # The others serve on when a worker dies (they would leave a graceful shutdown).
-    g = Group(5, threads=4, timeout=0.0, options={"heartbeat_timeout": HB_TIMEOUT},
-              extra_env={"TORCHRPC_TEST_SERVE": "1"})
-    try:
-        g.init_self()
+    with serving_group(5, {1: -signal.SIGKILL, 2: 0, 3: 0, 4: 0}, HB_TIMEOUT) as g:
         yield g
-    finally:
-        for r, p in g.procs.items():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                _stop_serving(r, p)
-        codes = g.abandon(30)
-    assert codes == {1: -signal.SIGKILL, 2: 0, 3: 0, 4: 0}, codes
-
-
-def _stop_serving(rank: int, proc: Any, within: float = 20.0) -> None:
-    """Ask worker ``rank`` to stop serving. A worker continued after SIGSTOP may take a
-    moment to answer: rank 0 declared it lost and connects to it again for only
-    heartbeat_timeout, so the call is repeated while it runs, for ``within`` s."""
-    deadline = time.monotonic() + within
-    while proc.poll() is None:
-        try:
-            rpc.rpc_sync(f"worker{rank}", helpers.stop_serving, timeout=10)
-            return
-        except Exception as exc:  # noqa: BLE001 - said, and the exit codes are checked
-            print(f"worker{rank} did not take stop_serving: {exc!r}", file=sys.stderr)
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.2)
 
 
 def _rref_counts(name: str) -> Dict[str, int]:

@@ -25,7 +25,7 @@ import torchrpc.autograd as dist_autograd
 import torchrpc.rpc as rpc
 
 from ..support import helpers
-from ..support.group import Group, wait_for as _wait_for
+from ..support.group import Group, serving_group, wait_for as _wait_for
 
 HB_TIMEOUT = 2.0
 # The bound is heartbeat_timeout + 1 s; the shared 2-core machine gets 1 s more.
@@ -36,22 +36,15 @@ SLACK = 1.0
 @pytest.fixture(scope="module")
 def group():
     # The relay serves on when a worker dies (it would leave a graceful shutdown).
-    g = Group(6, threads=4, timeout=0.0, options={"heartbeat_timeout": HB_TIMEOUT},
-              extra_env={"TORCHRPC_TEST_SERVE": "1"})
-    try:
-        g.init_self()
+    with serving_group(6, {1: 0, 2: -signal.SIGKILL, 3: -signal.SIGKILL, 4: -signal.SIGKILL,
+                           5: -signal.SIGKILL}, HB_TIMEOUT, before_stop=_kill_all_but_the_relay) as g:
         yield g
-    finally:
-        for r, p in g.procs.items():
-            if p.poll() is None and r != 1:
-                p.kill()
-        try:
-            rpc.rpc_sync("worker1", helpers.stop_serving, timeout=10)
-        except Exception:  # noqa: BLE001 - it stops when rank 0 does anyway
-            pass
-        codes = g.abandon(30)
-    assert codes == {1: 0, 2: -signal.SIGKILL, 3: -signal.SIGKILL, 4: -signal.SIGKILL,
-                     5: -signal.SIGKILL}, codes
+
+
+def _kill_all_but_the_relay(g: Group) -> None:
+    for r, p in g.procs.items():
+        if p.poll() is None and r != 1:
+            p.kill()
 
 
 def _contexts(name: str) -> int:

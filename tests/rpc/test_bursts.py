@@ -22,7 +22,7 @@ from torchrpc._agent.current import current_agent
 from torchrpc.errors import ConnectionLostError
 
 from ..support import helpers
-from ..support.group import Group, wait_for
+from ..support.group import serving_group, wait_for
 
 _done = torch._C.Future.done  # without asking the future to be read
 
@@ -30,14 +30,8 @@ _done = torch._C.Future.done  # without asking the future to be read
 @pytest.fixture(scope="module", autouse=True)
 def group():
     # Workers serve until told to stop: one of them dies in the last test.
-    g = Group(3, threads=4, timeout=20.0, options={"heartbeat_timeout": 2.0},
-              extra_env={"TORCHRPC_TEST_SERVE": "1"})
-    try:
-        g.init_self()
+    with serving_group(3, {1: 0, 2: -signal.SIGKILL}, timeout=20.0) as g:
         yield g
-    finally:
-        codes = g.stop_serving_and_abandon(30)
-    assert codes == {1: 0, 2: -signal.SIGKILL}, codes
 
 
 def _burst(dst: str) -> Any:

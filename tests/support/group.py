@@ -131,18 +131,29 @@ class Group:
             rpc.shutdown(graceful=False)
         return self.wait(timeout)
 
-    def stop_serving_and_abandon(self, timeout: float = 30.0) -> Dict[int, int]:
+    def stop_serving_and_abandon(self, timeout: float = 30.0,
+                                 within: float = 20.0) -> Dict[int, int]:
         """For a group started with ``TORCHRPC_TEST_SERVE``: tell each subprocess still up to
-        stop serving (one that cannot be reached is left to :meth:`wait`), then
-        :meth:`abandon`; return the exit codes."""
+        stop serving, then :meth:`abandon`; return the exit codes. A stopped process is
+        continued first; one continued after SIGSTOP may take a moment to answer (rank 0
+        declared it lost and connects to it again for only heartbeat_timeout), so the call
+        is repeated while it runs, for ``within`` s; one that never answers is left to
+        :meth:`wait`."""
         import torchrpc.rpc as rpc
         from . import helpers
         for r, p in self.procs.items():
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + within
+            while p.poll() is None:
                 try:
                     rpc.rpc_sync(f"worker{r}", helpers.stop_serving, timeout=10)
-                except Exception:  # noqa: BLE001 - the exit codes are checked
-                    pass
+                    break
+                except Exception as exc:  # noqa: BLE001 - said, and the exit codes are checked
+                    print(f"worker{r} did not take stop_serving: {exc!r}", file=sys.stderr)
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
         return self.abandon(timeout)
 
     def wait(self, timeout: float = 60.0) -> Dict[int, int]:
@@ -174,6 +185,30 @@ def running_group(world_size: int, **kwargs: object) -> Iterator[Group]:
         rpc.shutdown()
         codes = group.wait()
         assert all(c == 0 for c in codes.values()), f"workers exited with {codes}"
+
+
+@contextlib.contextmanager
+def serving_group(world_size: int, codes: Dict[int, int], heartbeat_timeout: float = 2.0,
+                  before_stop: Optional[Callable[[Group], None]] = None,
+                  **kwargs: Any) -> Iterator[Group]:
+    """A group for a module that kills or stops some of its workers: they serve until told
+    to stop (``TORCHRPC_TEST_SERVE``) rather than leave in a graceful shutdown that a lost
+    worker would fail. Init rank 0 here and yield; then ``before_stop(group)``,
+    :meth:`Group.stop_serving_and_abandon`, and check that the subprocesses exited with
+    ``codes`` (rank: exit status, negative for a signal). ``kwargs`` go to :class:`Group`
+    (``threads`` 4 and ``timeout`` 0, no RPC timeout, unless given)."""
+    options = {"heartbeat_timeout": heartbeat_timeout, **kwargs.pop("options", {})}
+    extra_env = {"TORCHRPC_TEST_SERVE": "1", **kwargs.pop("extra_env", {})}
+    kwargs = {"threads": 4, "timeout": 0.0, **kwargs}
+    group = Group(world_size, options=options, extra_env=extra_env, **kwargs)
+    try:
+        group.init_self()
+        yield group
+        if before_stop is not None:
+            before_stop(group)
+    finally:
+        got = group.stop_serving_and_abandon(60)
+    assert got == codes, got
 
 
 def sigstop(pid: int, limit: float = 10.0) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 import traceback
 from typing import Any, Dict, List
@@ -35,6 +34,7 @@ from torchrpc import _wire
 from torchrpc._transport import tls
 from torchrpc._wire import Kind
 
+from . import helpers
 from . import relay as rh
 from . import transport as th
 
@@ -76,22 +76,22 @@ class End:
             sent[rid] = parts
             conn.send(Kind.CALL, 0, rid, b"e", [_wire.tensor_bytes(p) for p in parts], parts)
 
+        def send_five(i: int) -> None:
+            for j in range(5):
+                send(1000 + 100 * i + j, [tensors[(i + j) % len(tensors)]])
+
+        equal = True
         for rid, t in enumerate(tensors, 1):  # one at a time
             send(rid, [t])
-            self._check(me, sent)
+            equal = self._check(me, sent) and equal
         send(100, tensors)  # all in one frame
-        self._check(me, sent)
-        workers = [threading.Thread(target=lambda i=i: [
-            send(1000 + 100 * i + j, [tensors[(i + j) % len(tensors)]]) for j in range(5)])
-            for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        sock = getattr(conn.sock, "ssl_object", conn.sock)  # TLS: the SSLSocket on it
-        equal = True
+        equal = self._check(me, sent) and equal
+        errors = helpers.run_in_threads(send_five, [(i,) for i in range(threads)])
+        if errors:
+            raise errors[0]
         for _ in range(len(sent)):
             equal = self._check(me, sent) and equal
+        sock = getattr(conn.sock, "ssl_object", conn.sock)  # TLS: the SSLSocket on it
         return {"equal": equal, "left": len(sent), "closed": [repr(c) for c in me.closed],
                 "tls": isinstance(conn.sock, tls.TlsSocket),
                 "trailer": bool(conn.mac_tx is not None and conn.mac_tx.trailer),

@@ -36,8 +36,9 @@ SLACK = 1.0
 @pytest.fixture(scope="module")
 def group():
     # The relay serves on when a worker dies (it would leave a graceful shutdown).
-    with serving_group(6, {1: 0, 2: -signal.SIGKILL, 3: -signal.SIGKILL, 4: -signal.SIGKILL,
-                           5: -signal.SIGKILL}, HB_TIMEOUT, before_stop=_kill_all_but_the_relay) as g:
+    killed = {r: -signal.SIGKILL for r in range(2, 6)}
+    with serving_group(6, {1: 0, **killed}, HB_TIMEOUT,
+                       before_stop=_kill_all_but_the_relay) as g:
         yield g
 
 

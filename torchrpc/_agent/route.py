@@ -145,4 +145,3 @@ def _without_frames(exc: RpcError) -> RpcError:
             e.__cause__.__traceback__ = None
         e = e.__context__
     return exc
-

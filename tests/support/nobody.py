@@ -1,9 +1,9 @@
 """Run a Python script as uid ``nobody`` that imports this checkout's torchrpc and torch.
 
 The checkout and its ``.venv`` may sit under a directory ``nobody`` cannot enter (a home
-directory of mode 0700, a clone under ``mktemp -d``). Then the two are bind-mounted,
-read-only as their modes make them, under a fresh world-readable directory for the run,
-and unmounted after it; where mounting is not allowed (a container without the
+directory of mode 0700, a clone made by ``mktemp -d``). Then the package directory and
+the venv's site-packages are bind-mounted, read-only as their modes make them, under a
+fresh world-readable directory for the run, and unmounted after it; where mounting is not allowed (a container without the
 capability), a tree of hard links to their files stands in. The world-readable
 environment the script runs in is built here, whatever the checkout's place.
 """
@@ -45,7 +45,8 @@ def _world_enters(path: str) -> bool:
 
 @contextlib.contextmanager
 def _readable(paths: List[str]) -> Iterator[List[str]]:
-    """``paths`` as ``nobody`` can reach them: themselves, or bind mounts of them."""
+    """``paths`` as ``nobody`` can reach them: themselves, or bind mounts of them under
+    their own names (a package stays importable by its name)."""
     if all(_world_enters(p) for p in paths):
         yield paths
         return
@@ -55,7 +56,8 @@ def _readable(paths: List[str]) -> Iterator[List[str]]:
     targets: List[str] = []
     try:
         for i, path in enumerate(paths):
-            target = os.path.join(top, str(i))
+            os.mkdir(os.path.join(top, str(i)), 0o755)
+            target = os.path.join(top, str(i), os.path.basename(path))
             os.mkdir(target)
             if _mount(path, target):
                 mounted.append(target)
@@ -93,9 +95,10 @@ def run_as_nobody(script: str, env: Dict[str, str], timeout: float = 120
                   ) -> subprocess.CompletedProcess:
     """Run ``script`` with :data:`PYTHON` as ``nobody``, in an environment of ``env`` only
     (plus a PATH, a HOME and a PYTHONPATH that reaches torchrpc and torch); its output."""
-    with _readable([ROOT, SITE]) as (root, site):
+    # The package, not the checkout: a checkout made by ``mktemp -d`` is itself mode 0700.
+    with _readable([os.path.join(ROOT, "torchrpc"), SITE]) as (package, site):
         full = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": f"{root}:{site}", **env}
+                "PYTHONPATH": f"{os.path.dirname(package)}:{site}", **env}
         return subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/env", "-i",
                                *[f"{k}={v}" for k, v in full.items()], PYTHON, "-c", script],
                               capture_output=True, text=True, timeout=timeout, cwd="/tmp")

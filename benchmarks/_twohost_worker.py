@@ -17,8 +17,9 @@ The systems:
 * ``torchrpc-tcp``: torchrpc over plain TCP (no Unix socket, no shared memory), tensor
   bytes covered by the frame MACs (the default).
 * ``torchrpc-tls``: torchrpc over TLS, certificates made by the launcher for each address.
-* ``torchrpc-nomac`` and ``torchrpc-nospin`` (only when asked for): ``torchrpc-tcp`` with
-  ``tensor_mac=False``, and with ``spin_us=0``.
+* ``torchrpc-nomac``, ``torchrpc-nospin`` and ``torchrpc-onestream`` (only when asked
+  for): ``torchrpc-tcp`` with ``tensor_mac=False``, with ``spin_us=0``, and with
+  ``stripe_threshold=0`` (every frame on one socket).
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ def _backend_options(rpc: Any, spec: dict[str, Any], opts: BenchOptions) -> Any:
         extra["tensor_mac"] = False
     elif name == "torchrpc-nospin":
         extra["spin_us"] = 0.0
+    elif name == "torchrpc-onestream":
+        extra["stripe_threshold"] = 0
     return rpc.TensorPipeRpcBackendOptions(**common, **extra)
 
 

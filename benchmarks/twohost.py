@@ -62,10 +62,13 @@ EXTRA_SYSTEMS = {
                                  optim="-"),
     "torchrpc-nospin": SystemSpec("torchrpc-nospin", rpc="torchrpc.rpc", autograd="-",
                                   optim="-"),
+    "torchrpc-onestream": SystemSpec("torchrpc-onestream", rpc="torchrpc.rpc", autograd="-",
+                                     optim="-"),
 }
 """Systems run only when ``--systems`` names them: torchrpc over TCP with
-``tensor_mac=False`` (the tensor bytes' seal off), and with ``spin_us=0`` (readers never
-poll, they block), to measure what each costs across the link."""
+``tensor_mac=False`` (the tensor bytes' seal off), with ``spin_us=0`` (readers never
+poll, they block), and with ``stripe_threshold=0`` (no second socket), to measure what
+each costs across the link."""
 
 RAW = "tcp-raw"
 _SOURCE = "issue 51"

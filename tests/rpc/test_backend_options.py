@@ -34,6 +34,8 @@ def test_options_of_the_wrong_type_are_torchs_type_errors():
     ("enable_uds", "yes", TypeError, "enable_uds must be a bool, got 'yes'"),
     ("shm_threshold", -1, ValueError, "shm_threshold must be an int >= 0, got -1"),
     ("shm_threshold", 1.5, ValueError, "shm_threshold must be an int >= 0, got 1.5"),
+    ("stripe_threshold", -1, ValueError, "stripe_threshold must be an int >= 0, got -1"),
+    ("stripe_threshold", "4M", ValueError, "stripe_threshold must be an int >= 0, got '4M'"),
     ("listen_addr", "", ValueError, "listen_addr must be a non-empty str or None"),
     ("listen_addr", 10, ValueError, "listen_addr must be a non-empty str or None, got 10"),
 ])
@@ -49,11 +51,13 @@ def test_transport_fields_are_validated_when_built_and_when_set(field, value, er
 
 def test_the_agent_settings_are_the_options_fields_read_once():
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=3, shm_threshold=1 << 20,
-                                           enable_uds=False, spin_us=5.0)
+                                           enable_uds=False, spin_us=5.0,
+                                           stripe_threshold=0)
     opts.set_device_map("w1", {"cpu": "cpu"})
     settings = agent_settings(opts)
     assert (settings.num_worker_threads, settings.shm_threshold, settings.enable_uds,
-            settings.spin_us) == (3, 1 << 20, False, 5.0)
+            settings.spin_us, settings.stripe_threshold) == (3, 1 << 20, False, 5.0, 0)
+    assert rpc.TensorPipeRpcBackendOptions().stripe_threshold == 4 << 20
     assert settings.device_maps == {"w1": {torch.device("cpu"): torch.device("cpu")}}
     opts.num_worker_threads = 5  # later changes to the options do not reach the settings
     assert settings.num_worker_threads == 3

@@ -8,8 +8,12 @@ line on stdout.
 
 - ``listen``: a new peer (rank 1) on HOST, over TLS with ``use_tls``, that echoes CALL frames
   (with ``echo``) or keeps every frame; with ``flip`` it is reached through a relay on HOST
-  that flips one bit of the dialer's byte at that offset (:func:`relay.flip_at`), and it
-  publishes the relay's address, as a worker behind a port-forward does. Answers ``port``.
+  that flips one bit of the dialer's byte at that offset (:func:`relay.flip_at`; of its
+  ``flip_nth`` connection only, if given), and it publishes the relay's address, as a
+  worker behind a port-forward does. Answers ``port``.
+- ``listen``, ``echo`` and ``send`` take ``stripe``: the peers offer stripes for frames of
+  that many buffer bytes (``_transport/stripe.py``); a dialer then waits for its stripe
+  before it sends.
 - ``echo``: from a new peer (rank 0) on HOST, dial ``host``:``port`` and echo tensors of
   ``sizes`` bytes one at a time, then all in one frame, then from ``threads`` threads at once.
   Answers whether each came back equal, and what the connection is.
@@ -26,7 +30,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -48,26 +52,34 @@ class End:
         self.peers: List[th.Peer] = []
         self.relays: List[rh.Relay] = []
 
-    def _peer(self, rank: int, use_tls: bool, echo: bool = True) -> th.Peer:
+    def _peer(self, rank: int, use_tls: bool, echo: bool = True, stripe: int = 0) -> th.Peer:
         contexts = th.tls_contexts(self.pki) if use_tls else None
-        peer = th.Peer(rank, same_host=False, tls_contexts=contexts, echo=echo, host=self.host)
+        peer = th.Peer(rank, same_host=False, tls_contexts=contexts, echo=echo, host=self.host,
+                       stripe_threshold=stripe)
         self.peers.append(peer)
         return peer
 
-    def listen(self, use_tls: bool = False, echo: bool = True,
-               flip: int = -1) -> Dict[str, Any]:
-        peer = self._peer(1, use_tls, echo)
+    def _connect(self, me: th.Peer, host: str, port: int, stripe: int) -> Any:
+        conn = me.t.connect(1, host, port, timeout=10)
+        deadline = time.monotonic() + 20
+        while stripe and conn.stripe is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return conn
+
+    def listen(self, use_tls: bool = False, echo: bool = True, flip: int = -1,
+               flip_nth: Optional[int] = None, stripe: int = 0) -> Dict[str, Any]:
+        peer = self._peer(1, use_tls, echo, stripe)
         if flip < 0:
             return {"port": peer.t.address[1]}
-        relay = rh.Relay(peer.t.address, rh.flip_at(flip, []), host=self.host)
+        relay = rh.Relay(peer.t.address, rh.flip_at(flip, [], flip_nth), host=self.host)
         self.relays.append(relay)
         peer.t._links.address = relay.address  # behind a port-forward it published
         return {"port": relay.address[1]}
 
     def echo(self, host: str, port: int, sizes: List[int], threads: int = 1,
-             use_tls: bool = False) -> Dict[str, Any]:
-        me = self._peer(0, use_tls)
-        conn = me.t.connect(1, host, port, timeout=10)
+             use_tls: bool = False, stripe: int = 0) -> Dict[str, Any]:
+        me = self._peer(0, use_tls, stripe=stripe)
+        conn = self._connect(me, host, port, stripe)
         gen = torch.Generator().manual_seed(port)
         tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
         sent: Dict[int, List[torch.Tensor]] = {}
@@ -92,7 +104,13 @@ class End:
         for _ in range(len(sent)):
             equal = self._check(me, sent) and equal
         sock = getattr(conn.sock, "ssl_object", conn.sock)  # TLS: the SSLSocket on it
+        striped = None
+        if conn.stripe is not None:
+            ssock = getattr(conn.stripe.link, "ssl_object", conn.stripe.link)
+            striped = {"sent": conn.stripe.sent, "received": conn.stripe.received,
+                       "local": ssock.getsockname()[0], "remote": ssock.getpeername()[0]}
         return {"equal": equal, "left": len(sent), "closed": [repr(c) for c in me.closed],
+                "stripe": striped,
                 "tls": isinstance(conn.sock, tls.TlsSocket),
                 "trailer": bool(conn.mac_tx is not None and conn.mac_tx.trailer),
                 "local": sock.getsockname()[0], "remote": sock.getpeername()[0]}
@@ -104,15 +122,17 @@ class End:
         return (header.kind == Kind.RESPONSE and len(bufs) == len(want)
                 and all(torch.equal(x, y) for x, y in zip(bufs, want)))
 
-    def send(self, host: str, port: int, n: int, wait: float = 20.0) -> Dict[str, Any]:
-        me = self._peer(0, False)
-        conn = me.t.connect(1, host, port, timeout=10)
+    def send(self, host: str, port: int, n: int, wait: float = 20.0,
+             stripe: int = 0) -> Dict[str, Any]:
+        me = self._peer(0, False, stripe=stripe)
+        conn = self._connect(me, host, port, stripe)
         data = torch.randint(0, 256, (n,), dtype=torch.uint8)
         conn.send(Kind.CALL, 0, 1, b"e", [_wire.tensor_bytes(data)], data)
         deadline = time.monotonic() + wait
         while not conn.closed and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"closed": conn.closed, "replies": me.frames.qsize()}
+        return {"closed": conn.closed, "replies": me.frames.qsize(),
+                "striped": conn.stripe is not None}
 
     def report(self) -> Dict[str, Any]:
         listening = [p for p in self.peers if p.t.rank == 1]

@@ -9,6 +9,7 @@ publishes the relay's address as its own (:func:`publish_address`, a port-forwar
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -111,12 +112,17 @@ def flip_one_tensor_byte() -> Alter:
     return alter
 
 
-def flip_at(offset: int, flipped: list) -> Callable[[], Alter]:
+def flip_at(offset: int, flipped: list, nth: Optional[int] = None) -> Callable[[], Alter]:
     """An alteration factory (for :class:`Relay`) that flips one bit of the dialer's byte
     at ``offset`` on the stream, counted from the first byte after the handshake, and
-    records the offset in ``flipped``."""
+    records the offset in ``flipped``; with ``nth``, only on the relay's ``nth``
+    connection (0: the first), else on each."""
+    made = itertools.count()
+
     def make() -> Alter:
         seen = [-(handshake.HELLO.size + handshake.PROOF.size)]
+        if nth is not None and next(made) != nth:
+            seen[0] = -(1 << 62)  # never reaches the offset
 
         def alter(chunk: bytes) -> bytes:
             start = seen[0]

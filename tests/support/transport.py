@@ -38,15 +38,16 @@ class Peer:
     frame lands in ``frames`` as (header, envelope, buffers), every close reason in
     ``closed``, and every inbound connection in ``accepted``. ``shm_on`` offers shared
     memory from ``shm_threshold`` bytes on to peers that ``same_host`` and ``same_pids``
-    accept; ``tensor_mac`` offers MACs over the tensor bytes on plain TCP. It listens on
-    ``host``.
+    accept; ``tensor_mac`` offers MACs over the tensor bytes on plain TCP; ``stripe_threshold``
+    offers stripes (``_transport/stripe.py``). It listens on ``host``.
     """
 
     def __init__(self, rank: int, secret: bytes = b"s" * 32, shm_on: bool = False,
                  same_host: bool = True, same_pids: bool = True, copy_back: bool = False,
                  tls_contexts: Optional[tls.TlsContexts] = None, local_socket: bool = False,
                  echo: bool = True, shm_threshold: int = 64 << 10,
-                 tensor_mac: bool = True, host: str = "127.0.0.1") -> None:
+                 tensor_mac: bool = True, host: str = "127.0.0.1",
+                 stripe_threshold: int = 0) -> None:
         self.frames: "queue.Queue" = queue.Queue()
         self.accepted: "queue.Queue[Connection]" = queue.Queue()
         self.closed: List[Any] = []
@@ -57,7 +58,8 @@ class Peer:
                            features=handshake.FEATURE_SHM if shm_on else 0,
                            shm_threshold=shm_threshold, same_host=lambda r: same_host,
                            same_pids=lambda r: same_pids, tls_contexts=tls_contexts,
-                           local_socket=local_socket, tensor_mac=tensor_mac)
+                           local_socket=local_socket, tensor_mac=tensor_mac,
+                           stripe_threshold=stripe_threshold)
 
     def _on_connect(self, conn: Connection) -> None:
         if not conn.outbound:

@@ -2,7 +2,9 @@
 (benchmarks/netns.py), a bare transport in each (tests/support/ns_link.py), nothing shared
 between them but the wire. Over TCP the seal trails the tensor bytes, piece by piece
 (``handshake.FEATURE_SEAL_TRAILER``); over TLS, OpenSSL works on the socket
-(``tls.TlsSocket``). A bit flipped on the link is refused and never delivered.
+(``tls.TlsSocket``). Large frames between peers that offer stripes travel over two
+sockets at once (``_transport/stripe.py``). A bit flipped on the link, on either socket,
+is refused and never delivered.
 
 One process per namespace serves the module. Needs root and the ``ip`` tool (skips
 otherwise), and the openssl command line tool for the certificates.
@@ -113,15 +115,64 @@ def test_a_bit_flipped_on_the_link_is_refused_and_never_delivered(link, where):
     before = b.ask("report")
     port = b.ask("listen", echo=False, flip=rh.first_tensor_byte(at))["port"]
     sent = a.ask("send", host=pair.addr_b, port=port, n=n)
-    assert sent == {"closed": True, "replies": 0}, sent
+    assert sent == {"closed": True, "replies": 0, "striped": False}, sent
+    new, kept = _closes_after(b, before)
+    assert any(why.startswith("ProtocolError") and
+               "tensor bytes of a frame from rank 0 failed authentication" in why
+               for why in new), new
+    assert kept == before["kept"] == 0  # the frame reached nobody
+
+
+def _closes_after(b: _End, before: Dict[str, Any]):
+    """The reasons b's listening peers closed for since ``before`` (a report), waited
+    for, and the frames they keep."""
     deadline = time.monotonic() + 20  # b's close is told after a sees the link go
     while True:
         after = b.ask("report")
         new = after["closed"][len(before["closed"]):]
         if new or time.monotonic() > deadline:
-            break
+            return new, after["kept"]
         time.sleep(0.1)
+
+
+STRIPE = 2 * PIECE  # frames of this many buffer bytes and more take the stripe
+STRIPE_SIZES = [STRIPE - 1, STRIPE, 4 * PIECE + 1, 5 * PIECE + 3, 64 << 20]
+
+
+@pytest.mark.parametrize("use_tls", [False, True], ids=["tcp", "tls"])
+def test_large_frames_cross_the_link_over_two_sockets_intact(link, use_tls):
+    pair, a, b = link
+    before = b.ask("report")["closed"]  # of the tests before this one
+    port = b.ask("listen", use_tls=use_tls, stripe=STRIPE)["port"]
+    got = a.ask("echo", host=pair.addr_b, port=port, sizes=STRIPE_SIZES, threads=4,
+                use_tls=use_tls, stripe=STRIPE)
+    assert got["equal"] and got["left"] == 0 and got["closed"] == [], got
+    stripe = got["stripe"]
+    assert stripe is not None, got
+    assert (stripe["local"], stripe["remote"]) == (pair.addr_a, pair.addr_b), got
+    # Each striped frame's second part, one way and back (the cut falls on a piece at or
+    # below the middle): the frames one at a time, all in one, five from each of 4 threads.
+    def second(n: int) -> int:
+        return n - n // 2 // PIECE * PIECE if n >= STRIPE else 0
+    sizes = STRIPE_SIZES
+    want = sum(map(second, sizes)) + second(sum(sizes)) + sum(
+        second(sizes[(i + j) % len(sizes)]) for i in range(4) for j in range(5))
+    assert stripe["sent"] == stripe["received"] == want, got
+    assert b.ask("report")["closed"] == before
+
+
+def test_a_bit_flipped_on_the_stripe_is_refused_and_never_delivered(link):
+    pair, a, b = link
+    n = 4 * PIECE  # cut at 2 pieces: the stripe carries the last two
+    before = b.ask("report")
+    # The stripe is the relay's second connection; after its handshake it carries the
+    # nonce that names the connection, then the second part.
+    port = b.ask("listen", echo=False, flip=handshake.NONCE + PIECE + 5, flip_nth=1,
+                 stripe=STRIPE)["port"]
+    sent = a.ask("send", host=pair.addr_b, port=port, n=n, stripe=STRIPE)
+    assert sent == {"closed": True, "replies": 0, "striped": True}, sent
+    new, kept = _closes_after(b, before)
     assert any(why.startswith("ProtocolError") and
                "tensor bytes of a frame from rank 0 failed authentication" in why
-               for why in new), new
-    assert after["kept"] == before["kept"] == 0  # the frame reached nobody
+               and "stripe" in why for why in new), new
+    assert kept == before["kept"] == 0

@@ -32,6 +32,7 @@ class Settings:
     enable_uds: bool
     tensor_mac: bool
     shm_threshold: int
+    stripe_threshold: int
     heartbeat_interval: float
     heartbeat_timeout: float
     send_timeout: float

@@ -161,7 +161,8 @@ def _transport(parts: Parts, secret: bytes, host: str, limits: _wire.Limits) -> 
                      incarnation=registry.incarnation,
                      admit=registry.admit if parts.elastic else None,
                      connection_type=parts.connection_type,
-                     tensor_mac=settings.tensor_mac)
+                     tensor_mac=settings.tensor_mac,
+                     stripe_threshold=settings.stripe_threshold)
 
 
 def _tls_contexts(settings: Settings) -> Optional[TlsContexts]:

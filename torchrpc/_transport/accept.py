@@ -167,6 +167,14 @@ class Acceptor:
             refused = self._admit(hello.rank, hello.incarnation) if self._admit else None
             if refused is not None:
                 raise ConnectionRefusedError(refused)
+            parent = None
+            if hello.features & handshake.FEATURE_STRIPE_SOCKET:
+                # The stripe of a connection (stripe.py), named by its server nonce.
+                parent = links.stripe_parent(hello.rank, recv_exact(sock, handshake.NONCE,
+                                                                    deadline))
+                if parent is None:
+                    raise AuthenticationError(f"rank {hello.rank} opened a stripe that names "
+                                              f"no connection of its own here")
             if hello.features & handshake.FEATURE_PRIVATE and links.max_private:
                 # Refused before ACCEPT: the dialer's call goes over the shared connection.
                 reserved = links.reserve_private(hello.rank)
@@ -187,6 +195,11 @@ class Acceptor:
             raise
         finally:
             self._handshakes.release()
+        if parent is not None:  # after ACCEPT: nothing of a frame may precede it
+            if not links.attach_stripe(parent, sock):
+                links.forget(sock)
+                sock.close()
+            return
         try:
             conn = links.open(sock, hello.rank, False, hello.features & links.features,
                               (hello.nonce, nonce), (hello.rank, links.rank))

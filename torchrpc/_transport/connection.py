@@ -14,7 +14,8 @@ after its envelope, the seal of its buffers (where they are covered) and its tag
 the buffers. Where the seal trails the buffers (``handshake.FEATURE_SEAL_TRAILER``), only
 its number precedes the tag: the writer MACs the buffers piece by piece as it writes
 them and then writes the digest (``_write_sealing``); otherwise the sending thread seals
-them before it queues the frame. Reading is
+them before it queues the frame. Between hosts, a frame with many buffer bytes sends part
+of them over the connection's second socket at the same time (``stripe.py``). Reading is
 :class:`~torchrpc._transport.reader.FrameReader`'s.
 """
 
@@ -25,11 +26,12 @@ import operator
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Protocol, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 from .. import _wire
 from ..errors import ConnectionClosedError, RpcTimeoutError
 from . import handshake, shm
+from .stripe import Part, Stripe, split as stripe_split
 from .reader import (_DONTWAIT, _SPIN, CloseCallback, FrameCallback, FrameReader, PollPolicy,
                      _reading)
 from .sockets import lost
@@ -67,13 +69,18 @@ class Releasable(list):
 class _Sealing:
     """In a frame's parts, in place of its buffers: the buffers (``data``, as they go on
     the stream), which the writer seals with ``seal`` as it writes them, and after which
-    it writes the seal's digest (``handshake.FEATURE_SEAL_TRAILER``)."""
+    it writes the seal's digest (``handshake.FEATURE_SEAL_TRAILER``). In a striped frame
+    (``stripe.py``), ``data`` is the first part (``seal`` None where buffers are not
+    sealed) and ``stripe`` the stripe and the second part, which the writer hands over
+    before it writes the first and waits for once the batch is written."""
 
-    __slots__ = ("seal", "data")
+    __slots__ = ("seal", "data", "stripe")
 
-    def __init__(self, seal: handshake.Seal, data: List[Any]) -> None:
+    def __init__(self, seal: Optional[handshake.Seal], data: List[Any],
+                 stripe: Optional[Tuple[Stripe, Part]] = None) -> None:
         self.seal = seal
         self.data = data
+        self.stripe = stripe
 
 
 class Connection(FrameReader):
@@ -130,6 +137,32 @@ class Connection(FrameReader):
         # The frames' MACs of each direction, on plain TCP (handshake.FEATURE_FRAME_MAC).
         self.mac_tx: Optional[handshake.FrameMac] = None
         self.mac_rx: Optional[handshake.FrameMac] = None
+        # Between hosts, the connection's second socket once attached (stripe.py), and
+        # the buffer bytes from which a frame uses it (0: none does); the transport sets
+        # both, and the event that tells a reader the stripe came.
+        self.stripe: Optional[Stripe] = None
+        self.nonces = (b"", b"")  # of its handshake: (the client's, the server's)
+        self.stripe_threshold = 0
+        self._stripe_ready: Optional[threading.Event] = None
+
+    def expect_stripe(self, threshold: int) -> None:
+        """The connection may get a stripe (both sides offered one, over TCP): frames of
+        at least ``threshold`` bytes of buffers will use it once it is attached."""
+        self.stripe_threshold = threshold
+        self._stripe_ready = threading.Event()
+
+    def attach_stripe(self, stripe: Stripe) -> bool:
+        """Give the connection its stripe; False (and the stripe closed) where it is
+        closed or has one already."""
+        with self._lock:
+            ok = not self._closed and self.stripe is None and self._stripe_ready is not None
+            if ok:
+                self.stripe = stripe
+        if not ok:
+            stripe.close()
+            return False
+        self._stripe_ready.set()
+        return True
 
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
@@ -161,6 +194,13 @@ class Connection(FrameReader):
                 if type(keepalive) is Releasable \
                         and len(staged) + len(returned) == sum(1 for n in lengths if n):
                     keepalive.clear()
+        stripe = self.stripe
+        if stripe is not None:
+            total = sum(lengths) if lengths and not flags & _wire.FLAG_SHM else 0
+            if total and total >= self.stripe_threshold:
+                flags |= _wire.FLAG_STRIPED
+            else:
+                stripe = None
         head = _wire.pack_header(kind, flags, request_id, len(envelope), lengths)
         parts = [head + envelope] if len(envelope) < 4096 else [head, envelope]
         size = len(head) + len(envelope)
@@ -172,7 +212,17 @@ class Connection(FrameReader):
         mac = self.mac_tx
         seal = b""
         sealing = mac is not None and mac.trailer and bool(lengths)
-        if sealing:  # the writer seals the buffers as it writes them (see _write)
+        if stripe is not None:  # see stripe.py: the writer hands the second part over
+            first, second = stripe_split(data, total)
+            if sealing:
+                entry = _Sealing(mac.open_seal(), first)
+                seal = entry.seal.number
+                entry.stripe = (stripe, Part(second, mac.stripe_seal(seal)))
+            else:
+                entry = _Sealing(None, first, (stripe, Part(second, None)))
+            data = [entry]
+            sealing = True
+        elif sealing:  # the writer seals the buffers as it writes them (see _write)
             data = [_Sealing(mac.open_seal(), data)]
             seal = data[0].seal.number
         elif mac is not None and mac.buffers and lengths:
@@ -294,9 +344,24 @@ class Connection(FrameReader):
                     sent = 0
 
     def _write_sealing(self, iov: List[Any]) -> None:
-        # Each _Sealing entry becomes its buffers, in the seal's pieces, then the seal's
-        # digest. Once a piece's worth is gathered, it goes out, and is then MAC'd while
-        # the network carries it (the piece is still in the CPU's cache, fresh from the
+        # Each _Sealing entry's second part, if it has one, goes to its stripe first;
+        # then the entry becomes its buffers in pieces, then the seal's digest.
+        parts: List[Tuple[Stripe, Part]] = []
+        try:
+            self._write_entries(iov, parts)
+        except BaseException:
+            for stripe, _ in parts:  # a stripe blocked on a peer that reads no more
+                stripe.close()
+            raise
+        finally:
+            for _, part in parts:  # its views point into the frame's tensors
+                part.done.wait()
+        for _, part in parts:
+            part.wait()
+
+    def _write_entries(self, iov: List[Any], parts: List[Tuple[Stripe, Part]]) -> None:
+        # Once a piece's worth is gathered, it goes out, and is then MAC'd while the
+        # network carries it (the piece is still in the CPU's cache, fresh from the
         # kernel's copy); a frame's last piece is MAC'd first and goes out with the
         # digest, so a frame of one piece or less leaves in one call, with the frames
         # queued around it.
@@ -307,8 +372,11 @@ class Connection(FrameReader):
             if type(entry) is not _Sealing:
                 run.append(entry)
                 continue
+            if entry.stripe is not None:
+                stripe, part = entry.stripe
+                parts.append((stripe, stripe.send(part)))
             seal = entry.seal
-            step = seal.piece
+            step = seal.piece if seal is not None else handshake.STREAM_PIECE
             data = entry.data
             for k, buf in enumerate(data, 1 - len(data)):  # k == 0: the last buffer
                 view = memoryview(buf)
@@ -322,13 +390,15 @@ class Connection(FrameReader):
                     gathered += len(piece)
                     if gathered >= step and (k or i + step < n):
                         self._write_all(run)
-                        for piece in unsealed:
-                            seal.update(piece)
+                        if seal is not None:
+                            for piece in unsealed:
+                                seal.update(piece)
                         run, unsealed, gathered = [], [], 0
-            for piece in unsealed:
-                seal.update(piece)
+            if seal is not None:
+                for piece in unsealed:
+                    seal.update(piece)
+                run.append(seal.digest())
             unsealed = []
-            run.append(seal.digest())
         self._write_all(run)
 
     # -- closing -------------------------------------------------------------------------------
@@ -351,6 +421,8 @@ class Connection(FrameReader):
         except OSError:
             pass
         self.sock.close()
+        if self.stripe is not None:
+            self.stripe.close()
         if self.shm_tx is not None:
             self.shm_tx.close()
         if self.shm_rx is not None:

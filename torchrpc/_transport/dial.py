@@ -27,6 +27,57 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
     A ``private`` connection gets no reader: whoever sends a request on it reads
     the reply with :meth:`Connection.read_frame`.
     """
+    offer = links.features if private else links.features & ~handshake.FEATURE_PRIVATE
+    sock, features, nonces, server_rank = _handshake(links, peer_rank, host, port, timeout,
+                                                     local, offer, incarnation)
+    conn = links.open(sock, peer_rank, True, features & offer, nonces, (links.rank, server_rank))
+    links.on_connect(conn)
+    if not conn.private:
+        try:
+            links.spawn(conn.read_loop, f"torchrpc-conn-{links.rank}-{peer_rank}")
+        except Exception as exc:  # no thread to read it: the connection is useless
+            error = ConnectionLostError(f"cannot start a reader for the connection to "
+                                        f"{host}:{port}: {exc}")
+            conn.close(error)
+            raise error from exc
+    # Between workers of one host, shared memory carries large buffers: no stripe.
+    shared = bool(conn.features & handshake.FEATURE_SHM) and links.same_host is not None \
+        and links.same_host(peer_rank)
+    if conn.stripe_threshold and not shared:
+        try:
+            links.spawn(dial_stripe, f"torchrpc-stripe-dial-{links.rank}-{peer_rank}",
+                        links, conn, host, port, timeout, incarnation)
+        except Exception as exc:  # noqa: BLE001 - the connection goes on with one socket
+            log.debug("no stripe for the connection to %s:%d: %s", host, port, exc)
+    return conn
+
+
+def dial_stripe(links: Links, conn: Connection, host: str, port: int, timeout: float,
+                incarnation: int = 0) -> None:
+    """Open the stripe of ``conn`` (see ``stripe.py``): one more handshake with the same
+    peer, which names ``conn`` by its server nonce. Where it fails, ``conn`` goes on
+    without one (logged)."""
+    offer = (links.features & ~(handshake.FEATURE_PRIVATE | handshake.FEATURE_STRIPE)) \
+        | handshake.FEATURE_STRIPE_SOCKET
+    try:
+        sock, _, _, _ = _handshake(links, conn.peer_rank, host, port, timeout, False, offer,
+                                   incarnation, conn.nonces[1])
+    except (ConnectionLostError, AuthenticationError) as exc:
+        if not conn.closed and not links.closing:
+            log.info("rank %d opened no stripe of its connection to rank %d (large frames "
+                     "use that connection alone): %s", links.rank, conn.peer_rank, exc)
+        return
+    if not links.attach_stripe(conn, sock):
+        links.forget(sock)
+        sock.close()
+
+
+def _handshake(links: Links, peer_rank: int, host: str, port: int, timeout: float,
+               local: bool, offer: int, incarnation: int, parent: bytes = b""):
+    """The client's side of the handshake on a new socket to ``host:port``: the
+    authenticated socket, the server's features, the (client's, server's) nonces and
+    the server's rank. ``parent``: the socket is the stripe of the connection whose
+    server nonce that is, which the client names after its PROOF."""
     sock = connect_local(host, port, timeout) if local else None
     if sock is None:
         try:
@@ -43,14 +94,13 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
             sock = links.wrap_tls(sock, False)
             binding = links.secure(sock, False, host,
                                    time.monotonic() + min(timeout, HANDSHAKE_TIMEOUT))
-        offer = links.features if private else links.features & ~handshake.FEATURE_PRIVATE
         hello, nonce = handshake.make_hello(links.rank, offer, links.incarnation)
         sock.sendall(hello)
         challenge = recv_exact(sock, handshake.CHALLENGE.size)
         proof, server_rank, features = handshake.answer_challenge(
             links.secret, challenge, links.rank, nonce, peer_rank, offer, binding,
             links.incarnation, incarnation, (host, port))
-        sock.sendall(proof)
+        sock.sendall(proof + parent)
         if recv_exact(sock, 1) != handshake.ACCEPT:
             raise AuthenticationError("the peer refused the handshake")
         sock.settimeout(None)
@@ -61,19 +111,7 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
         if isinstance(exc, AuthenticationError):
             raise
         raise lost(f"handshake with {host}:{port} failed", exc) from exc
-    conn = links.open(sock, peer_rank, True, features & offer,
-                      (nonce, handshake.CHALLENGE.unpack(challenge)[2]),
-                      (links.rank, server_rank))
-    links.on_connect(conn)
-    if not conn.private:
-        try:
-            links.spawn(conn.read_loop, f"torchrpc-conn-{links.rank}-{peer_rank}")
-        except Exception as exc:  # no thread to read it: the connection is useless
-            error = ConnectionLostError(f"cannot start a reader for the connection to "
-                                        f"{host}:{port}: {exc}")
-            conn.close(error)
-            raise error from exc
-    return conn
+    return sock, features, (nonce, handshake.CHALLENGE.unpack(challenge)[2]), server_rank
 
 
 def connect_local(host: str, port: int, timeout: float) -> Optional[socket.socket]:

@@ -8,6 +8,8 @@ it is unpickled. Both sides hold the per-job secret; neither ever sends it.
     server -> client   CHALLENGE  server rank, features_s, nonce_s,
                                   HMAC(secret, "srv" | nonce_c | nonce_s | bound)
     client -> server   PROOF      HMAC(secret, "cli" | nonce_s | nonce_c | bound)
+    client -> server   PARENT     nonce_s of the connection this socket is the stripe of,
+                                  only after a HELLO with FEATURE_STRIPE_SOCKET (stripe.py)
     server -> client   ACCEPT     one byte, 1
 
     bound = ranks | version | features_c | features_s | incarnation_c | incarnation_s
@@ -71,12 +73,20 @@ FEATURE_TENSOR_MAC = 8
 # The seal of a frame's buffers follows them (see FrameMac), so both sides MAC the bytes
 # while they are on the wire; on when both offer it and the buffers are sealed.
 FEATURE_SEAL_TRAILER = 16
+# Large frames may travel over two sockets (see stripe.py); on when both offer it. In a
+# HELLO with FEATURE_STRIPE_SOCKET, the socket is not a connection but the stripe of one:
+# right after its PROOF the client sends the server's nonce of that connection's handshake.
+FEATURE_STRIPE = 32
+FEATURE_STRIPE_SOCKET = 64
 FRAME_MAC_SIZE = 16
 SEAL_NUMBER_SIZE = 8
 SEAL_DIGEST_SIZE = 16
 SEAL_SIZE = SEAL_NUMBER_SIZE + SEAL_DIGEST_SIZE  # see FrameMac
 PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal) ...
 STREAM_PIECE = 1 << 20  # ... and of a seal that trails its buffers
+# The index of the first piece of a striped frame's second part (see FrameMac.stripe_seal):
+# above any index its first part reaches, so no two pieces of a frame share a nonce.
+STRIPE_INDEX = 1 << 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +262,12 @@ class FrameMac:
         return (Seal(self._gmac, number, STREAM_PIECE if self.trailer else PIECE),
                 seal[SEAL_NUMBER_SIZE:])
 
+    def stripe_seal(self, number: bytes) -> "Seal":
+        """Sender and receiver: the seal of the second part of a striped frame whose seal
+        is numbered ``number`` (see stripe.py): the same key and number, its pieces
+        indexed from :data:`STRIPE_INDEX`."""
+        return Seal(self._gmac, number, STREAM_PIECE, STRIPE_INDEX)
+
 
 class Seal:
     """The seal of a frame's buffers, fed buffer by buffer: each buffer's bytes in
@@ -267,11 +283,12 @@ class Seal:
 
     __slots__ = ("_gmac", "number", "piece", "_index", "_tags")
 
-    def __init__(self, gmac: AESGCM, number: bytes, piece: int = PIECE) -> None:
+    def __init__(self, gmac: AESGCM, number: bytes, piece: int = PIECE,
+                 first_index: int = 0) -> None:
         self._gmac = gmac
         self.number = number
         self.piece = piece
-        self._index = 0
+        self._index = first_index
         self._tags = hashlib.blake2b(digest_size=SEAL_DIGEST_SIZE)
 
     def update(self, data: Any) -> None:

@@ -4,7 +4,8 @@ to them, and the settings that every link of the worker shares.
 The acceptor (``accept.py``) and the dialer (``dial.py``) run the two sides of the
 handshake; both hand a socket that passed it to :meth:`Links.open`, which makes the
 :class:`~torchrpc._transport.connection.Connection`, gives it its frame MACs and
-registers it, with shared memory set up when both sides offered it.
+registers it, with shared memory set up when both sides offered it, and a stripe
+expected when both offered one (``stripe.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import handshake, shm, tls
 from .connection import Connection
 from .logbudget import LogBudget
 from .reader import CloseCallback, FrameCallback
+from .stripe import Stripe
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,12 @@ log = logging.getLogger(__name__)
 # out-of-band buffers, or none where they are not sealed (docs/design.md, "Small tensors
 # inside the envelope").
 MAC_INLINE_MAX = 512
+
+
+def over_tcp(sock: Any) -> bool:
+    """Whether ``sock`` (a socket, or a TLS session over one) is a TCP socket."""
+    raw = getattr(sock, "ssl_object", sock)
+    return isinstance(raw, socket.socket) and raw.family in (socket.AF_INET, socket.AF_INET6)
 
 
 def needs_frame_macs(conn: Connection) -> bool:
@@ -57,7 +65,8 @@ class Links:
                  same_pids: Optional[Callable[[int], bool]] = None,
                  send_timeout: float = 0.0, max_outbox: int = 0, max_private: int = 0,
                  incarnation: int = 0, on_fatal: Optional[Fatal] = None,
-                 connection_type: Callable[..., Connection] = Connection) -> None:
+                 connection_type: Callable[..., Connection] = Connection,
+                 stripe_threshold: int = 0) -> None:
         self.rank = rank
         # What makes a connection: Connection, or a subclass (the tests' fault injection).
         self.connection_type = connection_type
@@ -87,6 +96,12 @@ class Links:
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
+        # Frames with at least this many buffer bytes use a stripe where a connection has
+        # one (0: this worker offers none); the connections accepted here that may get one,
+        # by the server's nonce of their handshake, which the stripe's dialer names.
+        self.stripe_threshold = stripe_threshold
+        self._stripe_parents: "weakref.WeakValueDictionary[bytes, Connection]" = \
+            weakref.WeakValueDictionary()
         # rank -> the most tensor bytes a message to it carries inline, where not
         # _wire.INLINE_MAX.
         self.inline_max: Dict[int, int] = {}
@@ -185,6 +200,7 @@ class Links:
         conn = self.connection_type(sock, peer_rank, self.limits, self._on_frame,
                                     self._closed, outbound=outbound)
         conn.features = features
+        conn.nonces = nonces
         conn.set_private(bool(features & handshake.FEATURE_PRIVATE))
         if needs_frame_macs(conn):
             c2s, s2c = handshake.frame_keys(self.secret, nonces[0], nonces[1], *ranks)
@@ -197,6 +213,12 @@ class Links:
         else:
             # This rank is reached without MACs now (a worker restarted on this host).
             self.inline_max.pop(peer_rank, None)
+        if features & handshake.FEATURE_STRIPE and self.stripe_threshold and over_tcp(sock) \
+                and (conn.mac_tx is None or conn.mac_tx.trailer or not conn.mac_tx.buffers):
+            conn.expect_stripe(self.stripe_threshold)
+            if not outbound:
+                with self._lock:
+                    self._stripe_parents[nonces[1]] = conn
         self.register(conn)
         return conn
 
@@ -224,6 +246,23 @@ class Links:
             if self.same_host(conn.peer_rank) and not conn.closed and (
                     self.same_pids is None or self.same_pids(conn.peer_rank)):
                 conn.shm_tx = shm.ShmSender(self.shm_threshold, stats=self._shm_stats)
+
+    def stripe_parent(self, rank: int, nonce: bytes) -> Optional[Connection]:
+        """The connection accepted here from ``rank`` whose handshake's server nonce was
+        ``nonce``, open and still without a stripe; None if there is none."""
+        with self._lock:
+            conn = self._stripe_parents.get(nonce)
+        if conn is None or conn.peer_rank != rank or conn.closed or conn.stripe is not None:
+            return None
+        return conn
+
+    def attach_stripe(self, conn: Connection, sock: Any) -> bool:
+        """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``;
+        False (and ``sock`` closed) where ``conn`` is closed or has one already."""
+        side = "out" if conn.outbound else "in"
+        stripe = Stripe(sock, conn.peer_rank, self.spawn, self.forget,
+                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}")
+        return conn.attach_stripe(stripe)
 
     def reserve_private(self, rank: int) -> int:
         """Take one of ``rank``'s private connection slots here, or raise

@@ -32,7 +32,8 @@ from .. import _wire
 from .._threads import Guard
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake, shm
-from .sockets import lost
+from .sockets import HANDSHAKE_TIMEOUT, lost
+from .stripe import ALIGN as STRIPE_ALIGN, Part, Stripe, pieces, split as stripe_split
 
 
 log = logging.getLogger(__name__)
@@ -351,6 +352,10 @@ class FrameReader:
                                     f"the connection is closed")
             if sealed:
                 check, sealed_digest = mac.unseal(seal)
+        if header.flags & _wire.FLAG_STRIPED and lengths:
+            if check is not None and not mac.trailer:
+                raise ProtocolError("a striped frame whose seal precedes its buffers")
+            return header, envelope, self._take_striped(lengths, check)
         buffers = []
         for size in lengths:
             if size & _wire.SHM_BIT:
@@ -387,14 +392,59 @@ class FrameReader:
             elif size:
                 self._take_into(view)
             buffers.append(tensor)
-        if check is not None and mac.trailer:
-            fill(handshake.SEAL_DIGEST_SIZE)
+        if check is not None:
+            self._check_seal(check, sealed_digest if not mac.trailer else None)
+        return header, envelope, buffers
+
+    def _check_seal(self, check: handshake.Seal, digest: Optional[bytes]) -> None:
+        # Checked once every byte is in place, before anyone sees the frame; ``digest``
+        # None: it trails the buffers, and is read now.
+        if digest is None:
+            self._fill(handshake.SEAL_DIGEST_SIZE)
             start = self._rstart
-            sealed_digest = bytes(mv[start:start + handshake.SEAL_DIGEST_SIZE])
+            digest = bytes(self._rmv[start:start + handshake.SEAL_DIGEST_SIZE])
             self._rstart = start + handshake.SEAL_DIGEST_SIZE
-        if check is not None and not hmac.compare_digest(check.digest(), sealed_digest):
-            # Checked once every byte is in place, before anyone sees the frame.
+        if not hmac.compare_digest(check.digest(), digest):
             raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} failed "
                                 f"authentication (altered on the way); the connection is "
                                 f"closed")
-        return header, envelope, buffers
+
+    def _take_striped(self, lengths: Sequence[int],
+                      check: Optional[handshake.Seal]) -> List[torch.Tensor]:
+        # A striped frame (stripe.py): the stripe's thread reads the second part of its
+        # buffers' bytes while this one reads the first, and seals are checked per part.
+        stripe = self._await_stripe()
+        buffers, views = [], []
+        for size in lengths:
+            tensor, view = _wire.new_buffer(size)
+            buffers.append(tensor)
+            if size:
+                views.append(view)
+        first, second = stripe_split(views, sum(lengths))
+        part = stripe.receive(Part(second, None if check is None
+                                   else self.mac_rx.stripe_seal(check.number)))
+        try:
+            step = check.piece if check is not None else STRIPE_ALIGN
+            for piece in pieces(first, step):
+                self._take_into(piece, False)
+                if check is not None:
+                    check.update(piece)
+            if check is not None:
+                self._check_seal(check, None)
+        except BaseException:
+            stripe.close()  # its thread must be done with the tensors before they go
+            part.done.wait()
+            raise
+        part.wait()
+        return buffers
+
+    def _await_stripe(self) -> Stripe:
+        # The dialer attaches the stripe once the server has: a striped frame may come
+        # first, on the dialer's side.
+        ready = self._stripe_ready
+        if self.stripe is None and ready is not None:
+            ready.wait(HANDSHAKE_TIMEOUT)
+        if self.stripe is None:
+            raise ProtocolError(f"a striped frame from rank {self.peer_rank} on a connection "
+                                f"without a stripe")
+        return self.stripe

@@ -37,6 +37,10 @@ class Transport:
 
     Frames on plain TCP carry MACs; with ``tensor_mac`` (on a connection where both sides
     offer it) they cover the out-of-band buffers too.
+
+    With ``stripe_threshold`` (bytes, 0: none), a connection over TCP whose peer offers it
+    too gets a second socket, which frames with at least that many buffer bytes share
+    (``stripe.py``).
     """
 
     def __init__(self, rank: int, secret: bytes, limits: _wire.Limits,
@@ -50,7 +54,7 @@ class Transport:
                  max_private: int = 0, incarnation: int = 0,
                  admit: Optional[Callable[[int, int], Optional[str]]] = None,
                  connection_type: Callable[..., Connection] = Connection,
-                 tensor_mac: bool = True) -> None:
+                 tensor_mac: bool = True, stripe_threshold: int = 0) -> None:
         self.rank = rank
         self.incarnation = incarnation  # sent in every HELLO (see handshake.py)
         self._secret = secret
@@ -62,12 +66,15 @@ class Transport:
         features |= handshake.FEATURE_PRIVATE | handshake.FEATURE_FRAME_MAC
         if tensor_mac:
             features |= handshake.FEATURE_TENSOR_MAC | handshake.FEATURE_SEAL_TRAILER
+        if stripe_threshold > 0:
+            features |= handshake.FEATURE_STRIPE
         self._links = Links(rank, secret, limits, features, on_connect, on_frame, on_close,
                             tls_contexts=tls_contexts, shm_threshold=shm_threshold,
                             same_host=same_host, same_pids=same_pids,
                             send_timeout=send_timeout, max_outbox=max_outbox,
                             max_private=max_private, incarnation=incarnation,
-                            on_fatal=on_fatal, connection_type=connection_type)
+                            on_fatal=on_fatal, connection_type=connection_type,
+                            stripe_threshold=stripe_threshold)
         self._acceptor = Acceptor(self._links, host, port, local_socket, admit)
         self.address: Tuple[str, int] = self._acceptor.address
         self.secure = tls_contexts is not None  # whether every link runs over TLS

@@ -1,7 +1,7 @@
 """The wire layer: frame layout, message kinds and tensor-aware pickling. No I/O."""
 
-from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, HEADER_SIZE, SHM_BIT,
-                    SHM_REF_SIZE, Header, Limits, pack_header, pack_shm_ref, parse_header,
+from .frame import (FLAG_MANY, FLAG_ONCE, FLAG_ONEWAY, FLAG_SHM, FLAG_STRIPED, HEADER_SIZE,
+                    SHM_BIT, SHM_REF_SIZE, Header, Limits, pack_header, pack_shm_ref, parse_header,
                     parse_lengths, parse_shm_ref)
 from .kinds import KNOWN_KINDS, PAYLOAD_NAMES, Kind
 from .pickler import device_maps_move_cpu
@@ -12,7 +12,7 @@ from .serialize import (INLINE_MAX, OUT_OF_BAND_MIN, PassThrough, Placed, decode
                         tensor_bytes)
 
 __all__ = [
-    "FLAG_MANY", "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "HEADER_SIZE", "SHM_BIT",
+    "FLAG_MANY", "FLAG_ONCE", "FLAG_ONEWAY", "FLAG_SHM", "FLAG_STRIPED", "HEADER_SIZE", "SHM_BIT",
     "SHM_REF_SIZE", "Header", "Limits", "pack_shm_ref", "parse_shm_ref",
     "KNOWN_KINDS", "Kind", "PAYLOAD_NAMES", "decode", "device_maps_move_cpu", "encode",
     "INLINE_MAX", "memoryview_of", "new_buffer", "OUT_OF_BAND_MIN", "PassThrough", "Placed",

@@ -13,8 +13,8 @@ Every message on a connection is one frame::
     5      1     kind         a :class:`~torchrpc._wire.kinds.Kind` id
     6      2     flags        bit 0: ONEWAY (no reply), bit 1: SHM (buffers in shared memory),
                               bit 2: ONCE (a request that may arrive twice: run it once),
-                              bit 3: MANY (see below); other bits are never set,
-                              and a receiver refuses a frame with one
+                              bit 3: MANY (see below), bit 4: STRIPED (below); other
+                              bits are never set, and a receiver refuses a frame with one
     8      8     request id   unsigned, chosen by the requester, echoed by the reply
     16     4     envelope     length in bytes of the pickled envelope
     20     4     nbuffers     number of out-of-band buffers
@@ -55,6 +55,11 @@ bytes (:func:`pack_shm_ref`, :func:`parse_shm_ref`). What the name means is the
 transport's business; the wire layer only checks its form. Without the SHM flag,
 bit 63 is never set.
 
+STRIPED. The buffers' bytes, taken as one run, are cut in two: the stream carries the
+first part where the buffers lie, with its digest after it where the seal trails; the
+rest travels, with a digest of its own, on a second socket of the connection (its
+stripe, ``_transport/stripe.py``, which says where the cut falls). Never with SHM.
+
 All integers are little-endian. A receiver validates magic, version, kind and
 every length against its :class:`Limits` before it allocates or unpickles
 anything; a frame that fails is a :class:`~torchrpc.errors.ProtocolError` and
@@ -80,7 +85,8 @@ FLAG_ONEWAY = 1
 FLAG_SHM = 2
 FLAG_ONCE = 4
 FLAG_MANY = 8  # its sender has several requests outstanding on the connection (see above)
-_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE | FLAG_MANY
+FLAG_STRIPED = 16  # its buffers' bytes travel partly over its connection's stripe
+_KNOWN_FLAGS = FLAG_ONEWAY | FLAG_SHM | FLAG_ONCE | FLAG_MANY | FLAG_STRIPED
 
 SHM_BIT = 1 << 63
 SHM_REF_SIZE = 64
@@ -148,6 +154,8 @@ def parse_header(data: bytes | bytearray | memoryview, limits: Limits) -> Header
         raise ProtocolError(f"unknown message kind {kind}")
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if flags & FLAG_STRIPED and flags & FLAG_SHM:
+        raise ProtocolError("a frame both striped and in shared memory")
     if env_len > limits.max_message_size:
         raise ProtocolError(
             f"envelope of {env_len} bytes exceeds max_message_size {limits.max_message_size}")

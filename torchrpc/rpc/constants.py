@@ -12,6 +12,8 @@ DEFAULT_NUM_WORKER_THREADS: int = 16
 DEFAULT_MAX_MESSAGE_SIZE: int = 2 << 30
 # Buffers past the inline bound go through shared memory; measured: see BENCHMARKS.md.
 DEFAULT_SHM_THRESHOLD: int = INLINE_MAX
+# Frames with this many tensor bytes between hosts use two sockets (BENCHMARKS.md).
+DEFAULT_STRIPE_THRESHOLD: int = 4 << 20
 DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
 DEFAULT_HEARTBEAT_INTERVAL: float = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT: float = 5.0

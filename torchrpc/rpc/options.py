@@ -97,6 +97,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         shm_threshold (int): between workers of one host, buffers of at least this many
             bytes go through shared memory (default 64 KiB: where tensors stop
             travelling inside the envelope; see BENCHMARKS.md).
+        stripe_threshold (int): between workers of different hosts, a message carrying at
+            least this many tensor bytes sends half of them over a second socket of its
+            connection, so that two threads copy at once (default 4 MiB; 0: one socket
+            only; see BENCHMARKS.md).
         heartbeat_interval (float): an idle connection carries a heartbeat this often, in
             seconds (default 0.5; 0 sends none, and peers then never time this worker out).
         heartbeat_timeout (float): a peer that sends heartbeats and brings nothing in on
@@ -182,6 +186,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                        'Whether workers of one host connect through a Unix socket.')
     shm_threshold = Field(_checks.count,
                           'Bytes from which a buffer goes through shared memory, between workers of one host.', 0)
+    stripe_threshold = Field(_checks.count,
+                             'Tensor bytes from which a message between hosts uses two sockets (0: never).', 0)
     max_message_size = Field(_checks.count,
                                'The largest frame this worker accepts, in bytes.', 1024)
     send_timeout = Field(_checks.seconds,
@@ -219,6 +225,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  enable_uds: bool = True,
                  tensor_mac: bool = True,
                  shm_threshold: int = constants.DEFAULT_SHM_THRESHOLD,
+                 stripe_threshold: int = constants.DEFAULT_STRIPE_THRESHOLD,
                  heartbeat_interval: float = constants.DEFAULT_HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = constants.DEFAULT_HEARTBEAT_TIMEOUT,
                  send_timeout: float = constants.DEFAULT_SEND_TIMEOUT,
@@ -254,6 +261,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.enable_uds = enable_uds
         self.tensor_mac = tensor_mac
         self.shm_threshold = shm_threshold
+        self.stripe_threshold = stripe_threshold
         self._heartbeat_interval = _checks.seconds("heartbeat_interval", heartbeat_interval)
         self.heartbeat_timeout = heartbeat_timeout
         self.send_timeout = send_timeout
@@ -439,6 +447,7 @@ def agent_settings(options: TensorPipeRpcBackendOptions) -> Settings:
         max_message_size=int(options.max_message_size), enable_shm=bool(options.enable_shm),
         enable_uds=bool(options.enable_uds), tensor_mac=bool(options.tensor_mac),
         shm_threshold=int(options.shm_threshold),
+        stripe_threshold=int(options.stripe_threshold),
         heartbeat_interval=float(options.heartbeat_interval),
         heartbeat_timeout=float(options.heartbeat_timeout),
         send_timeout=float(options.send_timeout), max_outbox_bytes=int(options.max_outbox_bytes),

@@ -1,0 +1,220 @@
+"""A connection's second socket (its *stripe*): the bytes of a large frame travel over two
+TCP streams at once.
+
+Theory of operation. A Python thread that moves a tensor through one socket copies
+every byte between the kernel and tensor memory itself, so one stream between hosts
+moves what one CPU copies; two streams, each with its own thread, let two CPUs copy
+(docs/design.md, "Stripes"). A connection over TCP whose two sides offered
+``handshake.FEATURE_STRIPE`` gets one more socket: its dialer opens a second handshake
+marked ``FEATURE_STRIPE_SOCKET``, which names the connection by the server's nonce of
+that connection's handshake (``dial.dial_stripe``, ``accept.py``); the server attaches
+it to the connection of that nonce, which must be the same rank's. Unix sockets take
+none: between workers of one host, shared memory carries large buffers.
+
+A frame whose out-of-band buffers hold at least the connection's ``stripe_threshold``
+bytes travels striped (``_wire.FLAG_STRIPED``, which the frame's tag covers): the
+buffers' bytes, taken as one run, are cut in two by :func:`split`; the first part
+follows the envelope on the connection as any frame's buffers do, while the stripe's
+sending thread writes the second, and the peer's receiving thread reads it into its
+place in the same tensors. The stripe carries nothing else, and its parts go in the
+order of their frames (a connection has one writer and one reader at a time, and each
+hands its stripe the parts in frame order), so it needs no framing. Where the frames'
+MACs cover their buffers, each part has a seal of its own under the frame's number
+(``handshake.FrameMac.stripe_seal``), its digest following the part on its stream.
+
+Whoever hands the stripe a part waits for it (:meth:`Part.wait`) before the frame is
+done, on every path: the part's views point into tensors that only the frame keeps.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import socket
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from ..errors import ConnectionLostError, ProtocolError
+from . import handshake
+
+# The cut between a striped frame's two parts falls on a multiple of this many bytes, so
+# that each part is whole pieces of the seal but its last.
+ALIGN = handshake.STREAM_PIECE
+
+
+def split(views: Sequence[Any], total: int) -> Tuple[List[memoryview], List[memoryview]]:
+    """The two parts of a striped frame's buffers ``views`` (``total`` bytes): views of
+    its first bytes, up to half of ``total`` rounded down to :data:`ALIGN`, and of the
+    rest. Sender and receiver cut alike."""
+    cut = total // 2 // ALIGN * ALIGN
+    first: List[memoryview] = []
+    second: List[memoryview] = []
+    at = 0
+    for buf in views:
+        view = memoryview(buf)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        n = len(view)
+        if at + n <= cut:
+            first.append(view)
+        elif at >= cut:
+            second.append(view)
+        else:
+            first.append(view[:cut - at])
+            second.append(view[cut - at:])
+        at += n
+    return first, second
+
+
+def pieces(views: Sequence[memoryview], step: int):
+    """Each view of ``views`` in pieces of at most ``step`` bytes from its start: how
+    both ends walk a part, so both seal the same pieces."""
+    for view in views:
+        for i in range(0, len(view), step):
+            yield view[i:i + step]
+
+
+class Part:
+    """One part of a striped frame, handed to the stripe: the views it fills or sends,
+    and the seal of their bytes (None where buffers are not sealed)."""
+
+    __slots__ = ("views", "seal", "done", "error")
+
+    def __init__(self, views: List[memoryview], seal: Optional[handshake.Seal]) -> None:
+        self.views = views
+        self.seal = seal
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def wait(self) -> None:
+        """Wait until the stripe's thread is done with the part; raise what failed it."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class Stripe:
+    """The second socket of a connection, with a thread that sends parts on it and one
+    that receives them. ``link`` is its socket (plain or TLS, after the handshake);
+    ``spawn(target, name)`` starts a thread that the transport joins when it closes;
+    ``forget(link)``: the transport stops tracking the socket once it is closed."""
+
+    def __init__(self, link: Any, peer_rank: int, spawn: Callable[[Callable[[], None], str], Any],
+                 forget: Callable[[Any], None], name: str) -> None:
+        self.link = link
+        self.peer_rank = peer_rank
+        self._forget = forget
+        self._out: "queue.SimpleQueue[Optional[Part]]" = queue.SimpleQueue()
+        self._in: "queue.SimpleQueue[Optional[Part]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ended = 0  # threads that ended: the last one closes the socket
+        self.sent = self.received = 0  # bytes of parts (for counters and tests)
+        spawn(self._send_loop, f"{name}-tx")
+        try:
+            spawn(self._recv_loop, f"{name}-rx")
+        except BaseException:
+            self._ended = 1  # the sending thread, once it ends, closes the socket
+            self.close()
+            raise
+
+    def send(self, part: Part) -> Part:
+        """Queue ``part`` to go out after the parts queued before it."""
+        self._out.put(part)
+        return part
+
+    def receive(self, part: Part) -> Part:
+        """Queue ``part`` to be filled from the stream after the parts queued before it."""
+        self._in.put(part)
+        return part
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the socket; the parts queued or under way fail, and both threads end."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.link.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._out.put(None)
+        self._in.put(None)
+
+    def _loop(self, parts: "queue.SimpleQueue[Optional[Part]]",
+              work: Callable[[Part], None]) -> None:
+        try:
+            while True:
+                part = parts.get()
+                if part is None:
+                    return
+                try:
+                    if self._closed:
+                        raise ConnectionLostError(f"the stripe of the connection to rank "
+                                                  f"{self.peer_rank} is closed")
+                    work(part)
+                except BaseException as exc:  # noqa: BLE001 - the waiter raises it
+                    part.error = exc
+                    self.close()
+                finally:
+                    part.done.set()
+        finally:
+            with self._lock:
+                self._ended += 1
+                last = self._ended == 2
+            if last:  # the other thread no longer uses the socket
+                self.link.close()
+                self._forget(self.link)
+
+    def _send_loop(self) -> None:
+        self._loop(self._out, self._send)
+
+    def _recv_loop(self) -> None:
+        self._loop(self._in, self._receive)
+
+    def _send(self, part: Part) -> None:
+        # Each piece goes out, then is MAC'd while the network carries it; the digest last.
+        seal, link = part.seal, self.link
+        step = seal.piece if seal is not None else ALIGN
+        for piece in pieces(part.views, step):
+            _send_all(link, piece)
+            if seal is not None:
+                seal.update(piece)
+        if seal is not None:
+            _send_all(link, memoryview(seal.digest()))
+        self.sent += sum(map(len, part.views))
+
+    def _receive(self, part: Part) -> None:
+        seal, link = part.seal, self.link
+        step = seal.piece if seal is not None else ALIGN
+        for piece in pieces(part.views, step):
+            _recv_all(link, piece)
+            if seal is not None:
+                seal.update(piece)
+        if seal is not None:
+            got = bytearray(handshake.SEAL_DIGEST_SIZE)
+            _recv_all(link, memoryview(got))
+            if not hmac.compare_digest(seal.digest(), bytes(got)):
+                raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} "
+                                    f"failed authentication (altered on the way, on the "
+                                    f"connection's stripe); the connection is closed")
+        self.received += sum(map(len, part.views))
+
+
+def _send_all(link: Any, view: memoryview) -> None:
+    while len(view):
+        view = view[link.sendmsg([view]):]
+
+
+def _recv_all(link: Any, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = link.recv_into(view[got:])
+        if k == 0:
+            raise ProtocolError("truncated frame: the peer closed the connection's stripe "
+                                "in the middle of a frame")
+        got += k

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -41,9 +42,9 @@ def _peers(*thresholds: int):
             p.close()
 
 
-def _striped(a: th.Peer, b: th.Peer):
+def _striped(a: th.Peer, b: th.Peer, private: bool = False):
     """a's connection to b and b's side of it, once both have their stripe."""
-    conn = a.connect(b)
+    conn = a.connect(b, private=private)
     accepted = b.accepted.get(timeout=10)
     th.wait_for(lambda: conn.stripe is not None and accepted.stripe is not None,
              "the stripe to attach on both sides")
@@ -132,3 +133,19 @@ def test_a_stripe_that_breaks_mid_frame_closes_its_connection(side):
         assert a.frames.empty() and b.frames.empty()
         assert conn.stripe.closed and accepted.stripe.closed
         assert b.closed and a.closed  # each end was told why
+
+
+def test_closing_the_transport_ends_every_stripe_thread_at_once():
+    with _peers(STRIPE, STRIPE) as (a, b):
+        # private: no thread reads a's side, which would close it when its socket shuts
+        conn, accepted = _striped(a, b, private=True)
+        data = _data(3 * PIECE)  # one way only (b answers no RESPONSE): a's sending
+        # thread and b's receiving one run, the other two never start
+        conn.send(Kind.RESPONSE, 0, 1, b"e", [_wire.tensor_bytes(data)], data)
+        _, _, (got,) = b.frames.get(timeout=30)
+        assert torch.equal(got, data) and accepted.stripe.received == 2 * PIECE
+        for peer in (a, b):
+            started = time.monotonic()
+            assert peer.t.close(timeout=10) == []  # no thread left running
+            assert time.monotonic() - started < 5
+        assert conn.stripe.closed and accepted.stripe.closed

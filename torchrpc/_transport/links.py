@@ -346,6 +346,11 @@ class Links:
             except OSError:
                 pass
         with self._lock:
+            conns = list(self._every_conn)
+        for conn in conns:  # a stripe's thread may wait for a part that never comes
+            if conn.stripe is not None:
+                conn.stripe.close()
+        with self._lock:
             threads: List[Optional[threading.Thread]] = list(self._threads)
         stuck = _threads.join(threads, deadline)
         with self._lock:

@@ -95,55 +95,86 @@ class Part:
 
 class Stripe:
     """The second socket of a connection, with a thread that sends parts on it and one
-    that receives them. ``link`` is its socket (plain or TLS, after the handshake);
-    ``spawn(target, name)`` starts a thread that the transport joins when it closes;
-    ``forget(link)``: the transport stops tracking the socket once it is closed."""
+    that receives them, each started with its first part. ``link`` is its socket (plain
+    or TLS, after the handshake); ``spawn(target, name)`` starts a thread that the
+    transport joins when it closes; ``forget(link)``: the transport stops tracking the
+    socket once it is closed."""
 
     def __init__(self, link: Any, peer_rank: int, spawn: Callable[[Callable[[], None], str], Any],
                  forget: Callable[[Any], None], name: str) -> None:
         self.link = link
         self.peer_rank = peer_rank
+        self._spawn = spawn
         self._forget = forget
+        self._name = name
         self._out: "queue.SimpleQueue[Optional[Part]]" = queue.SimpleQueue()
         self._in: "queue.SimpleQueue[Optional[Part]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._ended = 0  # threads that ended: the last one closes the socket
+        self._started: set = set()  # the queues whose thread was started
+        self._running = 0  # threads not ended: the last to end after close closes the socket
         self.sent = self.received = 0  # bytes of parts (for counters and tests)
-        spawn(self._send_loop, f"{name}-tx")
-        try:
-            spawn(self._recv_loop, f"{name}-rx")
-        except BaseException:
-            self._ended = 1  # the sending thread, once it ends, closes the socket
-            self.close()
-            raise
 
     def send(self, part: Part) -> Part:
         """Queue ``part`` to go out after the parts queued before it."""
-        self._out.put(part)
-        return part
+        return self._hand(self._out, self._send, "tx", part)
 
     def receive(self, part: Part) -> Part:
         """Queue ``part`` to be filled from the stream after the parts queued before it."""
-        self._in.put(part)
+        return self._hand(self._in, self._receive, "rx", part)
+
+    def _hand(self, parts: "queue.SimpleQueue[Optional[Part]]", work: Callable[[Part], None],
+              which: str, part: Part) -> Part:
+        with self._lock:
+            if self._closed:
+                part.error = self._gone()
+                part.done.set()
+                return part
+            parts.put(part)
+            start = which not in self._started
+            if start:
+                self._started.add(which)
+                self._running += 1
+        if start:
+            try:
+                self._spawn(lambda: self._loop(parts, work), f"{self._name}-{which}")
+            except BaseException as exc:  # noqa: BLE001 - the transport is closing
+                with self._lock:
+                    self._running -= 1
+                part.error = exc  # the only part of its queue: no thread takes it
+                part.done.set()
+                self.close()
         return part
+
+    def _gone(self) -> ConnectionLostError:
+        return ConnectionLostError(f"the stripe of the connection to rank {self.peer_rank} "
+                                   f"is closed")
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Close the socket; the parts queued or under way fail, and both threads end."""
+        """Close the socket; the parts queued or under way fail, and the threads end."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._out.put(None)
+            self._in.put(None)
+            idle = self._running == 0
         try:
             self.link.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._out.put(None)
-        self._in.put(None)
+        if idle:
+            self._release()
+
+    def _release(self) -> None:
+        # Once no thread uses the socket: a descriptor closed under a thread in a call
+        # could be reused by another socket meanwhile.
+        self.link.close()
+        self._forget(self.link)
 
     def _loop(self, parts: "queue.SimpleQueue[Optional[Part]]",
               work: Callable[[Part], None]) -> None:
@@ -154,8 +185,7 @@ class Stripe:
                     return
                 try:
                     if self._closed:
-                        raise ConnectionLostError(f"the stripe of the connection to rank "
-                                                  f"{self.peer_rank} is closed")
+                        raise self._gone()
                     work(part)
                 except BaseException as exc:  # noqa: BLE001 - the waiter raises it
                     part.error = exc
@@ -163,18 +193,11 @@ class Stripe:
                 finally:
                     part.done.set()
         finally:
-            with self._lock:
-                self._ended += 1
-                last = self._ended == 2
-            if last:  # the other thread no longer uses the socket
-                self.link.close()
-                self._forget(self.link)
-
-    def _send_loop(self) -> None:
-        self._loop(self._out, self._send)
-
-    def _recv_loop(self) -> None:
-        self._loop(self._in, self._receive)
+            with self._lock:  # a thread ends only after close()
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                self._release()
 
     def _send(self, part: Part) -> None:
         # Each piece goes out, then is MAC'd while the network carries it; the digest last.

@@ -8,8 +8,10 @@ that runs side by side never share a namespace.
 
 Making them needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip`` tool;
 :func:`unavailable` says why a run cannot have them. :class:`HostPair` removes what it made
-on every way out: its ``with`` block, an exception, Ctrl-C, SIGTERM (turned into
-``SystemExit`` by :func:`exit_on_sigterm`) and interpreter exit (``atexit``).
+on every way out: its ``with`` block, an exception, Ctrl-C and SIGTERM (made to raise by
+:func:`exit_on_signals`, even where the parent left SIGINT ignored) and interpreter exit
+(``atexit``). Its removal kills what still runs in the namespaces, and is not cut short by
+a second signal (:func:`signals_held`).
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["HostPair", "exit_on_sigterm", "list_namespaces", "unavailable"]
+__all__ = ["HostPair", "exit_on_signals", "list_namespaces", "signals_held", "unavailable"]
 
 _COUNTER = itertools.count()
 _IP_TIMEOUT_S = 20.0
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    # In a session of its own: a Ctrl-C at the terminal reaches the bench, which decides
+    # what to stop, and never kills an ``ip`` half-way through making or removing a
+    # namespace.
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check,
-                          timeout=_IP_TIMEOUT_S)
+                          timeout=_IP_TIMEOUT_S, start_new_session=True)
 
 
 def list_namespaces() -> set[str]:
@@ -54,10 +60,11 @@ class HostPair:
     """Namespaces ``a`` and ``b``, joined by veth devices ``dev_a`` (in ``a``, at
     ``addr_a``) and ``dev_b`` (in ``b``, at ``addr_b``).
 
-    :meth:`create` makes them; :meth:`destroy` (idempotent, also run at exit) deletes the
+    :meth:`create` makes them; :meth:`destroy` (idempotent, also run at exit) kills every
+    process still in the namespaces (deleting a name alone would not stop them, and a worker
+    started just as a signal came may have no owner left to end it), deletes the
     namespaces, which takes the veth pair with them, and the pair itself if it was left in
-    the root namespace by a failed setup. Processes still running in a namespace must be
-    ended by whoever started them: deleting the name does not stop them.
+    the root namespace by a failed setup.
     """
 
     def __init__(self, tag: str = "trpc") -> None:
@@ -85,11 +92,13 @@ class HostPair:
         ``RuntimeError`` with ``ip``'s message."""
         atexit.register(self.destroy)
         try:
+            # Each name is noted before it is asked for: an interrupt that comes while
+            # ``ip`` runs leaves :meth:`destroy` to remove whatever ``ip`` got to make.
             for name in (self.a, self.b):
-                _ip("netns", "add", name)
                 self._made.append(name)
-            _ip("link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
+                _ip("netns", "add", name)
             self._veth = True
+            _ip("link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
             for ns, dev, addr in ((self.a, self.dev_a, self.addr_a),
                                   (self.b, self.dev_b, self.addr_b)):
                 _ip("link", "set", dev, "netns", ns)
@@ -103,15 +112,22 @@ class HostPair:
                                f"{str(detail).strip()}") from exc
 
     def destroy(self) -> None:
-        """Delete the namespaces (and the veth pair); safe to call again."""
-        while self._made:
-            _ip("netns", "del", self._made.pop(), check=False)
-        if self._veth:
-            # Gone with its namespace, unless setup failed before moving it there.
-            _ip("link", "del", self.dev_a, check=False)
-            self._veth = False
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.destroy)
+        """Kill what runs in the namespaces and delete them (and the veth pair); safe to
+        call again. SIGINT and SIGTERM wait until it is done (:func:`signals_held`)."""
+        with signals_held():
+            while self._made:
+                name = self._made[-1]
+                for pid in _pids(name):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                _ip("netns", "del", name, check=False)
+                self._made.pop()  # only now: a cleanup cut short is finished at exit
+            if self._veth:
+                # Gone with its namespace, unless setup failed before moving it there.
+                _ip("link", "del", self.dev_a, check=False)
+                self._veth = False
+            with contextlib.suppress(Exception):
+                atexit.unregister(self.destroy)
 
     def __enter__(self) -> HostPair:
         self.create()
@@ -125,19 +141,67 @@ class HostPair:
         return ["ip", "netns", "exec", self.a if side == "a" else self.b, *argv]
 
 
+def _pids(namespace: str) -> list[int]:
+    """The processes in ``namespace`` (none if it does not exist)."""
+    try:
+        out = _ip("netns", "pids", namespace, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(word) for word in out.split() if word.isdigit()]
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        # None: the handler was set outside Python; the default is the nearest.
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 @contextlib.contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """While inside, SIGTERM raises ``SystemExit`` (in the main thread), so ``finally``
-    blocks and ``atexit`` run as they do for Ctrl-C."""
-    def handler(signum: int, frame: Any) -> None:
+def exit_on_signals() -> Iterator[None]:
+    """While inside, Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` and SIGTERM raises
+    ``SystemExit`` in the main thread, so ``finally`` blocks and ``atexit`` clean up.
+
+    SIGINT gets its handler even when it was inherited as ignored (a background job of a
+    non-interactive shell starts so): Python then installs none, and an interrupt sent to
+    the bench would be lost while it holds namespaces and workers. Outside the main thread
+    it changes nothing.
+    """
+    def terminate(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, terminate)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM are noted instead of handled; on the way out they
+    are raised again, under the handlers from before. For a step that an exception must
+    not cut in half: starting a worker and taking ownership of it, removing namespaces.
+    Outside the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        if signum not in noted:
+            noted.append(signum)
+
+    previous = {signum: signal.signal(signum, note) for signum in _HELD}
+    try:
+        yield
+    finally:
+        _restore(previous)
+        for signum in noted:
+            signal.raise_signal(signum)

@@ -39,7 +39,7 @@ from typing import Any
 from .launcher import (_KILL_MARGIN_S, SessionOutcome, _count_errors, _kill_group,
                        _read_json, _supervise, _tail, _worker_env)
 from .metrics import MetricSpec, Target, echo_metric, rss_specs, size_label
-from .netns import HostPair, exit_on_sigterm, unavailable
+from .netns import HostPair, exit_on_signals, signals_held, unavailable
 from .options import BenchOptions
 from .report import build_report, combine_reports, render_markdown, threads_label
 from .runner import RunResult, _take_pair
@@ -159,7 +159,9 @@ def run_session(pair: HostPair, system: str, options: BenchOptions, workdir: Pat
             env = _worker_env(options.torch_threads)
             env.update({"TP_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev,
                         "TORCHRPC_SECRET": secret})
-            with open(session_dir / f"rank{rank}.log", "wb") as log:
+            # Held: an interrupt between the fork and the append would leave a worker
+            # no one kills.
+            with open(session_dir / f"rank{rank}.log", "wb") as log, signals_held():
                 procs.append(subprocess.Popen(
                     pair.command(side, [sys.executable, "-m", "benchmarks._twohost_worker",
                                         str(spec_path)]),
@@ -245,13 +247,13 @@ def run(args: argparse.Namespace, argv: list[str], options: BenchOptions,
         return 2
     pair = HostPair()
     reports = []
-    with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="torchrpc-twohost-") as tmp:
+    with exit_on_signals(), tempfile.TemporaryDirectory(prefix="torchrpc-twohost-") as tmp:
         try:
-            pair.create()
-        except RuntimeError as exc:
-            log(f"two-host mode skipped: {exc}")
-            return 1 if args.strict else 0
-        try:
+            try:
+                pair.create()
+            except RuntimeError as exc:
+                log(f"two-host mode skipped: {exc}")
+                return 1 if args.strict else 0
             log(f"two hosts: namespaces {pair.a} ({pair.addr_a}, {pair.dev_a}) and {pair.b} "
                 f"({pair.addr_b}, {pair.dev_b}); systems {', '.join(systems)}")
             for threads in settings:

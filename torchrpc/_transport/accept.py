@@ -196,9 +196,7 @@ class Acceptor:
         finally:
             self._handshakes.release()
         if parent is not None:  # after ACCEPT: nothing of a frame may precede it
-            if not links.attach_stripe(parent, sock):
-                links.forget(sock)
-                sock.close()
+            links.attach_stripe(parent, sock)  # where parent closed meanwhile, sock goes too
             return
         try:
             conn = links.open(sock, hello.rank, False, hello.features & links.features,

@@ -25,7 +25,9 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
     published it (see ``handshake.py``); a relay or another process there cannot.
 
     A ``private`` connection gets no reader: whoever sends a request on it reads
-    the reply with :meth:`Connection.read_frame`.
+    the reply with :meth:`Connection.read_frame`. Over TCP to a peer of another host
+    where both offer stripes, the connection's stripe is opened before it is returned
+    (:func:`dial_stripe`).
     """
     offer = links.features if private else links.features & ~handshake.FEATURE_PRIVATE
     sock, features, nonces, server_rank = _handshake(links, peer_rank, host, port, timeout,
@@ -43,12 +45,8 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
     # Between workers of one host, shared memory carries large buffers: no stripe.
     shared = bool(conn.features & handshake.FEATURE_SHM) and links.same_host is not None \
         and links.same_host(peer_rank)
-    if conn.stripe_threshold and not shared:
-        try:
-            links.spawn(dial_stripe, f"torchrpc-stripe-dial-{links.rank}-{peer_rank}",
-                        links, conn, host, port, timeout, incarnation)
-        except Exception as exc:  # noqa: BLE001 - the connection goes on with one socket
-            log.debug("no stripe for the connection to %s:%d: %s", host, port, exc)
+    if conn.stripe_threshold and not shared:  # before the dialer's first frame
+        dial_stripe(links, conn, host, port, timeout, incarnation)
     return conn
 
 
@@ -67,9 +65,7 @@ def dial_stripe(links: Links, conn: Connection, host: str, port: int, timeout: f
             log.info("rank %d opened no stripe of its connection to rank %d (large frames "
                      "use that connection alone): %s", links.rank, conn.peer_rank, exc)
         return
-    if not links.attach_stripe(conn, sock):
-        links.forget(sock)
-        sock.close()
+    links.attach_stripe(conn, sock)  # where conn closed meanwhile, the socket goes too
 
 
 def _handshake(links: Links, peer_rank: int, host: str, port: int, timeout: float,

@@ -26,7 +26,7 @@ from . import handshake, shm, tls
 from .connection import Connection
 from .logbudget import LogBudget
 from .reader import CloseCallback, FrameCallback
-from .stripe import Stripe
+from .stripe import Stats as StripeStats, Stripe
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class Links:
         # one (0: this worker offers none); the connections accepted here that may get one,
         # by the server's nonce of their handshake, which the stripe's dialer names.
         self.stripe_threshold = stripe_threshold
+        self._stripe_stats = StripeStats()
         self._stripe_parents: "weakref.WeakValueDictionary[bytes, Connection]" = \
             weakref.WeakValueDictionary()
         # rank -> the most tensor bytes a message to it carries inline, where not
@@ -258,11 +259,16 @@ class Links:
 
     def attach_stripe(self, conn: Connection, sock: Any) -> bool:
         """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``;
-        False (and ``sock`` closed) where ``conn`` is closed or has one already."""
+        False (and ``sock`` closed and forgotten) where ``conn`` is closed or has one
+        already."""
         side = "out" if conn.outbound else "in"
         stripe = Stripe(sock, conn.peer_rank, self.spawn, self.forget,
-                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}")
-        return conn.attach_stripe(stripe)
+                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}",
+                        self._stripe_stats)
+        if not conn.attach_stripe(stripe):
+            return False
+        self._stripe_stats.add(opened=1)
+        return True
 
     def reserve_private(self, rank: int) -> int:
         """Take one of ``rank``'s private connection slots here, or raise
@@ -297,9 +303,11 @@ class Links:
         return [c for c in conns if not c.closed]
 
     def debug_info(self) -> Dict[str, Any]:
-        """Shared-memory counters (``transport.shm_*``)."""
+        """Shared-memory counters (``transport.shm_*``) and the stripes'
+        (``transport.stripe*``)."""
         info: Dict[str, Any] = {"transport.shm_enabled": bool(self.features & handshake.FEATURE_SHM)}
         info.update(self._shm_stats.as_dict())
+        info.update(self._stripe_stats.as_dict())
         return info
 
     def housekeeping(self) -> None:

@@ -32,7 +32,7 @@ import hmac
 import queue
 import socket
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake
@@ -93,16 +93,37 @@ class Part:
             raise self.error
 
 
+class Stats:
+    """Counters of one transport's stripes, open and closed (``transport.stripe_*``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.opened = self.sent = self.received = 0
+
+    def add(self, opened: int = 0, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.opened += opened
+            self.sent += sent
+            self.received += received
+
+    def as_dict(self) -> Dict[str, int]:
+        with self._lock:
+            return {"transport.stripes_opened": self.opened,
+                    "transport.stripe_bytes_sent": self.sent,
+                    "transport.stripe_bytes_received": self.received}
+
+
 class Stripe:
     """The second socket of a connection, with a thread that sends parts on it and one
     that receives them, each started with its first part. ``link`` is its socket (plain
     or TLS, after the handshake); ``spawn(target, name)`` starts a thread that the
     transport joins when it closes; ``forget(link)``: the transport stops tracking the
-    socket once it is closed."""
+    socket once it is closed; ``stats``: the transport's counters."""
 
     def __init__(self, link: Any, peer_rank: int, spawn: Callable[[Callable[[], None], str], Any],
-                 forget: Callable[[Any], None], name: str) -> None:
+                 forget: Callable[[Any], None], name: str, stats: Stats) -> None:
         self.link = link
+        self._stats = stats
         self.peer_rank = peer_rank
         self._spawn = spawn
         self._forget = forget
@@ -209,7 +230,9 @@ class Stripe:
                 seal.update(piece)
         if seal is not None:
             _send_all(link, memoryview(seal.digest()))
-        self.sent += sum(map(len, part.views))
+        n = sum(map(len, part.views))
+        self.sent += n
+        self._stats.add(sent=n)
 
     def _receive(self, part: Part) -> None:
         seal, link = part.seal, self.link
@@ -225,7 +248,9 @@ class Stripe:
                 raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} "
                                     f"failed authentication (altered on the way, on the "
                                     f"connection's stripe); the connection is closed")
-        self.received += sum(map(len, part.views))
+        n = sum(map(len, part.views))
+        self.received += n
+        self._stats.add(received=n)
 
 
 def _send_all(link: Any, view: memoryview) -> None:

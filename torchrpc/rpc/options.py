@@ -90,7 +90,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             Unix socket instead of loopback TCP, with the same authentication (default
             True; see BENCHMARKS.md).
         tensor_mac (bool): on plain TCP links, the frames' MACs cover the tensors' bytes
-            too (Poly1305, see docs/security.md); a tensor altered on the way closes the
+            too (GMAC, see docs/security.md); a tensor altered on the way closes the
             connection and fails its calls. Same-host links (Unix sockets, shared
             memory) and TLS need none. False leaves tensor bytes unchecked on links whose
             other end sets it too (default True).

@@ -15,6 +15,7 @@ first test, checks after shutdown) defines its own ``group`` fixture instead.
 
 from __future__ import annotations
 
+import signal
 from typing import Iterator
 
 import pytest
@@ -26,6 +27,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "group(world_size, **kwargs): the module's worker group, started once "
                    "for the module (tests/conftest.py)")
+    # Tests send SIGINT to the processes they start, as a user's Ctrl-C. A shell without
+    # job control starts a command in the background with SIGINT ignored, which every
+    # process it starts inherits (Python then installs no handler, and a Ctrl-C does
+    # nothing): give this process, and so its children, what a command in the foreground
+    # has.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")

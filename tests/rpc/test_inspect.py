@@ -20,6 +20,7 @@ from torchrpc._agent.observer import Observer
 from torchrpc._agent.snapshot import OBSERVER_RANK
 from torchrpc._transport import handshake
 from torchrpc._transport.sockets import recv_exact
+from torchrpc.errors import RendezvousError
 
 from ..support.group import free_port, running_group, start_module, wait_for
 
@@ -324,6 +325,80 @@ def test_a_group_that_does_not_exist_yet(group, tmp_path):
     assert f"no torchrpc group at tcp://127.0.0.1:{port}" in out and "start the job" in out
     code, out = run_cli(group, "--init-method", f"file://{tmp_path}/none")
     assert code == 2 and "no rendezvous file" in out
+
+
+@pytest.fixture
+def silent_store():
+    """A listener that accepts connections and never answers: the store of a job whose
+    rank 0 is stopped (its kernel still accepts). Closing it resets what it holds."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    yield listener
+    listener.close()
+
+
+def silent_env() -> dict:
+    env = dict(os.environ, TORCHRPC_SECRET=SECRET)
+    env.pop("TORCHRPC_SECRET_FILE", None)
+    return env
+
+
+def store_readers() -> list:
+    return [t for t in threading.enumerate() if t.name == "torchrpc-observer-store"]
+
+
+def test_ctrl_c_ends_a_watcher_whose_store_does_not_answer(silent_store):
+    port = silent_store.getsockname()[1]
+    watcher = start_module("torchrpc.inspect", ["--init-method", f"tcp://127.0.0.1:{port}",
+                                                "--watch", "0.3", "--timeout", "60"],
+                           silent_env(), capture=True)
+    held = []
+    try:
+        # Its quick look, then torch's store client, which waits for an answer (in C++,
+        # past its own timeout, where a signal does not reach it).
+        silent_store.settimeout(60)
+        held = [silent_store.accept()[0] for _ in range(2)]
+        watcher.send_signal(signal.SIGINT)
+        out, _ = watcher.communicate(timeout=30)  # well within its own timeout of 60 s
+        assert watcher.returncode == 0, out
+        assert "Traceback" not in out, out
+    finally:
+        watcher.kill()
+        for conn in held:
+            conn.close()
+
+
+def test_a_store_that_does_not_answer_is_an_error_within_twice_the_timeout(silent_store):
+    port = silent_store.getsockname()[1]
+    proc = start_module("torchrpc.inspect", ["--init-method", f"tcp://127.0.0.1:{port}",
+                                             "--timeout", "1"], silent_env(), capture=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, out
+    assert (f"the rendezvous store at tcp://127.0.0.1:{port} did not answer within 2 s; "
+            f"check that the job runs and is not stopped") in out, out
+
+
+def test_snapshot_of_a_store_that_does_not_answer_raises_and_its_reader_ends(silent_store):
+    port = silent_store.getsockname()[1]
+    assert not store_readers()
+    # Without its own bound the call would wait as long as the store: end that in time.
+    breaker = threading.Timer(60, silent_store.close)
+    breaker.start()
+    try:
+        with pytest.raises(RendezvousError, match=f"the rendezvous store at "
+                           f"tcp://127.0.0.1:{port} did not answer within 2 s"):
+            rpc.snapshot(init_method=f"tcp://127.0.0.1:{port}", timeout=1,
+                         secret=SECRET.encode())
+    finally:
+        breaker.cancel()
+    (reader,) = store_readers()  # still waiting on the store
+    silent_store.close()  # the job's rank 0 dies: its connections break
+    reader.join(30)
+    assert not reader.is_alive()
 
 
 def _chains_through(doc: dict, function: str) -> list:

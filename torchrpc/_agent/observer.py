@@ -221,6 +221,7 @@ class Observer:
         self._secret = secret
         self._timeout = timeout
         self._store: Any = None
+        self._reader: Optional[threading.Thread] = None  # reads the store (_discover)
         self._agent = handle.agent if init_method is None else None
         self._tls = _tls_contexts(tls_certfile, tls_keyfile, tls_cafile, tls_identity)
         settings = getattr(self._agent, "settings", None)
@@ -247,8 +248,7 @@ class Observer:
                             if r in registry.addresses]
         else:
             try:
-                members, secret, self._store = discover(
-                    self._init_method or default_init_method(), self._secret, self._timeout)
+                members, secret, self._store = self._discover()
             except RpcError as exc:
                 if not self.members:
                     raise
@@ -263,6 +263,45 @@ class Observer:
                                 | handshake.FEATURE_SEAL_TRAILER,
                                 lambda conn: None, self._on_frame, self._on_close,
                                 tls_contexts=self._tls)
+
+    def _discover(self) -> Tuple[List[Member], bytes, Any]:
+        """:func:`discover`, run on a thread of its own while this one waits for it: twice
+        the timeout at most, one to reach the store and one for its answers.
+
+        torch's store client can block in C++ beyond its own timeout: it opens a store
+        whose host accepts the connection and never answers (the job's rank 0 stopped,
+        its kernel still accepting), and waits for the answer. A thread blocked there sees
+        no signal, so the caller waits here instead, where a Ctrl-C raises
+        :class:`KeyboardInterrupt` at once and the wait has its end. The reading thread
+        ends when the client returns: when the store's host answers, or the connection
+        breaks; until then no other read starts (:class:`RendezvousError` at once).
+        """
+        init_method = self._init_method or default_init_method()
+        if self._reader is not None and self._reader.is_alive():
+            raise RendezvousError(f"the rendezvous store at {init_method} has not answered "
+                                  f"an earlier read yet")
+        done = threading.Event()
+        box: List[Any] = []
+
+        def read() -> None:
+            try:
+                box.append(discover(init_method, self._secret, self._timeout))
+            except BaseException as exc:  # the caller raises it
+                box.append(exc)
+            finally:
+                done.set()
+
+        self._reader = threading.Thread(target=read, name="torchrpc-observer-store",
+                                        daemon=True)
+        self._reader.start()
+        if not done.wait(2 * self._timeout):
+            raise RendezvousError(f"the rendezvous store at {init_method} did not answer "
+                                  f"within {2 * self._timeout:g} s; check that the job runs "
+                                  f"and is not stopped (its rank 0 hosts the store), and the "
+                                  f"address (the job's MASTER_ADDR and MASTER_PORT)")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     def _on_frame(self, conn: Connection, header: _wire.Header, envelope: bytes,
                   buffers: List[torch.Tensor]) -> None:

@@ -154,15 +154,16 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
         print("torchrpc.inspect: error: --watch takes a positive number of seconds",
               file=sys.stderr)
         return 2
+    observer: Optional[Observer] = None
     try:
-        observer = Observer(args.init_method, timeout=args.timeout,
-                            tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
-                            tls_cafile=args.tls_cafile, tls_identity=args.tls_identity)
-    except (RpcError, ValueError) as exc:
-        print(f"torchrpc.inspect: error: {exc}", file=sys.stderr)
-        return 2
-    where = args.init_method or default_init_method()
-    try:
+        try:
+            observer = Observer(args.init_method, timeout=args.timeout,
+                                tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
+                                tls_cafile=args.tls_cafile, tls_identity=args.tls_identity)
+        except (RpcError, ValueError) as exc:
+            print(f"torchrpc.inspect: error: {exc}", file=sys.stderr)
+            return 2
+        where = args.init_method or default_init_method()
         while True:
             try:
                 doc = observer.snapshot(workers, args.stacks, args.timeout)
@@ -180,7 +181,8 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             if args.watch is None:
                 return 0
             time.sleep(args.watch)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, while it connects too: the way a watch ends
         return 0
     finally:
-        observer.close()
+        if observer is not None:
+            observer.close()

@@ -16,6 +16,10 @@ Python references keep the entry object alive on their own).
   CHILD_ACCEPT for it arrives. A fork sent to the owner itself in a request that
   gets a reply is accepted by that reply (or the request's failure) instead: the
   owner has unpickled the request before it answers, and sends no CHILD_ACCEPT.
+  A parent deleted explicitly (``_delete_all_user_and_unforked_owner_rrefs``, shutdown)
+  while a child is parked holds its USER_DELETE until the child is accepted: sent
+  earlier, it could let the owner drop the value before the child's FORK_REQUEST
+  arrives, and the child's fetch would then wait for a value that never comes.
 
 User copy states::
 
@@ -100,8 +104,10 @@ class RRefBook:
         self.users: Dict[GloballyUniqueId, _UserState] = {}
         # (RRefId, ForkId) -> the rank that holds that fork (owner side).
         self._holders: Dict[Tuple[GloballyUniqueId, GloballyUniqueId], int] = {}
-        # child ForkId -> (the rank it was sent to, the owner of the RRef).
+        # child ForkId -> (the rank it was sent to, the owner of the RRef), and the ForkId
+        # of its parent where that is a user copy here (G2).
         self._child_ranks: Dict[GloballyUniqueId, Tuple[int, int]] = {}
+        self._child_parent: Dict[GloballyUniqueId, GloballyUniqueId] = {}
         # Keyed by the flat (rref rank, rref counter, fork rank, fork counter): a tuple
         # of ints leaves the cycle collector's sight, where a pair of pairs would stay in
         # it and make every full collection visit up to _TOMBSTONES of them.
@@ -174,15 +180,38 @@ class RRefBook:
         """A user RRef (owned by ``owner``) is being sent to ``dst``: park the parent until
         the child is confirmed (G2)."""
         fork_id = self.new_id()
+        parent_fork = getattr(parent, "_fork_id", None)
         with self._lock:
             self.pending_children[fork_id] = parent
             self._child_ranks[fork_id] = (dst, owner)
+            if parent_fork is not None:
+                self._child_parent[fork_id] = parent_fork
         return fork_id
 
-    def child_accepted(self, fork_id: GloballyUniqueId) -> None:
+    def child_accepted(self, fork_id: GloballyUniqueId) -> List[Msg]:
+        """The child ``fork_id`` is confirmed: its parent may go (the USER_DELETE of a
+        parent deleted meanwhile, now that no child of it is parked)."""
         with self._lock:
-            self.pending_children.pop(fork_id, None)
-            self._child_ranks.pop(fork_id, None)
+            self._drop_child(fork_id)
+            return self._release(self._child_parent.pop(fork_id, None))
+
+    def _drop_child(self, fork_id: GloballyUniqueId) -> None:
+        self.pending_children.pop(fork_id, None)
+        self._child_ranks.pop(fork_id, None)
+
+    def _parks(self, parent_fork: GloballyUniqueId) -> bool:
+        """Under _lock: whether a child of the user copy ``parent_fork`` is parked."""
+        return any(p == parent_fork for c, p in self._child_parent.items()
+                   if c in self.pending_children)
+
+    def _release(self, parent_fork: Optional[GloballyUniqueId]) -> List[Msg]:
+        """Under _lock: the USER_DELETE of ``parent_fork`` if it was deleted, is confirmed
+        and parks no child any more."""
+        state = self.users.get(parent_fork) if parent_fork is not None else None
+        if state is None or not state.doomed or not state.confirmed or self._parks(parent_fork):
+            return []
+        del self.users[parent_fork]
+        return [Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, parent_fork),))]
 
     def user_created(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
                      confirmed: bool, parent: Optional[int]) -> List[Msg]:
@@ -204,8 +233,7 @@ class RRefBook:
             if state.parent is not None:
                 msgs.append(Msg(state.parent, Kind.RREF_CHILD_ACCEPT, (fork_id,)))
             if state.doomed:
-                del self.users[fork_id]
-                msgs.append(Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),)))
+                msgs.extend(self._release(fork_id))
             return msgs
 
     def user_abandoned(self, fork_id: GloballyUniqueId) -> None:
@@ -219,28 +247,27 @@ class RRefBook:
             state = self.users.get(fork_id)
             if state is None:
                 return []
-            if not state.confirmed:
-                state.doomed = True
-                return []
-            del self.users[fork_id]
-            return [Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, fork_id),))]
+            state.doomed = True
+            return self._release(fork_id)  # once confirmed and no child of it is parked
 
-    def worker_lost(self, rank: int) -> List[GloballyUniqueId]:
+    def worker_lost(self, rank: int) -> Tuple[List[GloballyUniqueId], List[Msg]]:
         """Worker ``rank`` is gone: drop the forks it held, the children parked for it or
         for its RRefs, and the user copies of RRefs it owned; return the ForkIds of those
-        user copies."""
+        user copies, and the deletions of parents that no child holds back any more."""
         with self._lock:
             for (rref_id, fork_id), holder in list(self._holders.items()):
                 if holder == rank:
                     self._remove_fork(rref_id, fork_id)
+            parents = []
             for fork_id, ranks in list(self._child_ranks.items()):
                 if rank in ranks:
-                    del self._child_ranks[fork_id]
-                    self.pending_children.pop(fork_id, None)
+                    self._drop_child(fork_id)
+                    parents.append(self._child_parent.pop(fork_id, None))
             orphans = [f for f, state in self.users.items() if state.owner == rank]
             for fork_id in orphans:
                 del self.users[fork_id]
-            return orphans
+            msgs = [m for p in set(parents) for m in self._release(p)]
+            return orphans, msgs
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -277,3 +304,4 @@ class RRefBook:
             self.users.clear()
             self._holders.clear()
             self._child_ranks.clear()
+            self._child_parent.clear()

@@ -135,7 +135,7 @@ class RRefLayer:
         if ctx.replied and ctx.peer.id == rref._owner.id:
             # To the owner, in a request that gets a reply: the reply (or the request's
             # failure) accepts the child, with no RREF_CHILD_ACCEPT message.
-            ctx.when_settled(functools.partial(self.book.child_accepted, fork_id))
+            ctx.when_settled(functools.partial(self._child_accepted, fork_id))
         return _rebuild_rref, (rref._rref_id, fork_id, rref._owner.id, False)
 
     def adopt_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, owner: int,
@@ -224,7 +224,10 @@ class RRefLayer:
 
     def _on_child_accept(self, src: WorkerInfo, payload: Tuple[Any, ...]) -> None:
         (fork_id,) = payload
-        self.book.child_accepted(fork_id)
+        self._child_accepted(fork_id)
+
+    def _child_accepted(self, fork_id: GloballyUniqueId) -> None:
+        self.control.post(self.book.child_accepted(fork_id))
 
     # -- fork confirmations --------------------------------------------------------------------
 
@@ -258,7 +261,8 @@ class RRefLayer:
     def _worker_lost(self, worker: WorkerInfo, error: RpcError) -> None:
         """``worker`` is gone: release the forks it held here, and make the RRefs it owned
         fail at once, naming it."""
-        orphans = self.book.worker_lost(worker.id)
+        orphans, deletes = self.book.worker_lost(worker.id)
+        self.control.post(deletes)
         self.control.drop(worker.id)
         failure = ConnectionLostError(
             f"the owner of this RRef, worker {worker.name} (rank {worker.id}), is lost, and "

@@ -221,36 +221,35 @@ class Stripe:
                 self._release()
 
     def _send(self, part: Part) -> None:
-        # Each piece goes out, then is MAC'd while the network carries it; the digest last.
-        seal, link = part.seal, self.link
-        step = seal.piece if seal is not None else ALIGN
-        for piece in pieces(part.views, step):
-            _send_all(link, piece)
-            if seal is not None:
-                seal.update(piece)
+        seal = part.seal
+        n = self._move(part, _send_all)
         if seal is not None:
-            _send_all(link, memoryview(seal.digest()))
-        n = sum(map(len, part.views))
+            _send_all(self.link, memoryview(seal.digest()))
         self.sent += n
         self._stats.add(sent=n)
 
     def _receive(self, part: Part) -> None:
-        seal, link = part.seal, self.link
-        step = seal.piece if seal is not None else ALIGN
-        for piece in pieces(part.views, step):
-            _recv_all(link, piece)
-            if seal is not None:
-                seal.update(piece)
+        seal = part.seal
+        n = self._move(part, _recv_all)
         if seal is not None:
             got = bytearray(handshake.SEAL_DIGEST_SIZE)
-            _recv_all(link, memoryview(got))
+            _recv_all(self.link, memoryview(got))
             if not hmac.compare_digest(seal.digest(), bytes(got)):
                 raise ProtocolError(f"the tensor bytes of a frame from rank {self.peer_rank} "
                                     f"failed authentication (altered on the way, on the "
                                     f"connection's stripe); the connection is closed")
-        n = sum(map(len, part.views))
         self.received += n
         self._stats.add(received=n)
+
+    def _move(self, part: Part, move: Callable[[Any, memoryview], None]) -> int:
+        # Each piece crosses the socket, then is MAC'd: going out, while the network
+        # carries it; coming in, while it is still in the CPU's cache. Returns the bytes.
+        seal, link = part.seal, self.link
+        for piece in pieces(part.views, seal.piece if seal is not None else ALIGN):
+            move(link, piece)
+            if seal is not None:
+                seal.update(piece)
+        return sum(map(len, part.views))
 
 
 def _send_all(link: Any, view: memoryview) -> None:

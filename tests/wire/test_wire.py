@@ -363,11 +363,13 @@ def test_hostile_headers_fail_on_the_header_alone(data, match):
 
 
 def test_every_known_flag_is_accepted_and_kept():
-    flags = _wire.FLAG_ONEWAY | _wire.FLAG_ONCE | _wire.FLAG_MANY
+    flags = _wire.FLAG_ONEWAY | _wire.FLAG_ONCE | _wire.FLAG_MANY | _wire.FLAG_STRIPED
     h = _wire.parse_header(header(flags=flags), _wire.Limits())
     assert h.flags == flags and h.oneway
     with pytest.raises(ProtocolError, match="flags"):
-        _wire.parse_header(header(flags=_wire.FLAG_MANY << 1), _wire.Limits())
+        _wire.parse_header(header(flags=_wire.FLAG_STRIPED << 1), _wire.Limits())
+    with pytest.raises(ProtocolError, match="both striped and in shared memory"):
+        _wire.parse_header(header(flags=_wire.FLAG_STRIPED | _wire.FLAG_SHM), _wire.Limits())
 
 
 def test_truncated_headers_and_tables():

@@ -170,8 +170,8 @@ class Acceptor:
             parent = None
             if hello.features & handshake.FEATURE_STRIPE_SOCKET:
                 # The stripe of a connection (stripe.py), named by its server nonce.
-                parent = links.stripe_parent(hello.rank, recv_exact(sock, handshake.NONCE,
-                                                                    deadline))
+                parent = links.stripes.parent(hello.rank, recv_exact(sock, handshake.NONCE,
+                                                                     deadline))
                 if parent is None:
                     raise AuthenticationError(f"rank {hello.rank} opened a stripe that names "
                                               f"no connection of its own here")
@@ -196,7 +196,7 @@ class Acceptor:
         finally:
             self._handshakes.release()
         if parent is not None:  # after ACCEPT: nothing of a frame may precede it
-            links.attach_stripe(parent, sock)  # where parent closed meanwhile, sock goes too
+            links.stripes.attach(parent, sock)  # where parent closed meanwhile, sock goes too
             return
         try:
             conn = links.open(sock, hello.rank, False, hello.features & links.features,

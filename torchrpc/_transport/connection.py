@@ -137,17 +137,14 @@ class Connection(FrameReader):
         # The frames' MACs of each direction, on plain TCP (handshake.FEATURE_FRAME_MAC).
         self.mac_tx: Optional[handshake.FrameMac] = None
         self.mac_rx: Optional[handshake.FrameMac] = None
-        # Between hosts, the connection's second socket once attached (stripe.py), and
-        # the buffer bytes from which a frame uses it (0: none does); the transport sets
-        # both, and the event that tells a reader the stripe came.
+        # Between hosts, the second socket once attached (stripe.py), the buffer bytes from
+        # which a frame uses it (0: none does), and the event a reader waits for it on.
         self.stripe: Optional[Stripe] = None
-        self.nonces = (b"", b"")  # of its handshake: (the client's, the server's)
         self.stripe_threshold = 0
         self._stripe_ready: Optional[threading.Event] = None
 
     def expect_stripe(self, threshold: int) -> None:
-        """The connection may get a stripe (both sides offered one, over TCP): frames of
-        at least ``threshold`` bytes of buffers will use it once it is attached."""
+        """The connection may get a stripe: frames of ``threshold`` buffer bytes or more use it."""
         self.stripe_threshold = threshold
         self._stripe_ready = threading.Event()
 
@@ -158,11 +155,11 @@ class Connection(FrameReader):
             ok = not self._closed and self.stripe is None and self._stripe_ready is not None
             if ok:
                 self.stripe = stripe
-        if not ok:
+        if ok:
+            self._stripe_ready.set()
+        else:
             stripe.close()
-            return False
-        self._stripe_ready.set()
-        return True
+        return ok
 
     def set_private(self, private: bool) -> None:
         """Mark the connection private (or not), and so whether its readers poll."""
@@ -348,7 +345,7 @@ class Connection(FrameReader):
         # then the entry becomes its buffers in pieces, then the seal's digest.
         parts: List[Tuple[Stripe, Part]] = []
         try:
-            self._write_entries(iov, parts)
+            _write_entries(self._write_all, iov, parts)
         except BaseException:
             for stripe, _ in parts:  # a stripe blocked on a peer that reads no more
                 stripe.close()
@@ -358,48 +355,6 @@ class Connection(FrameReader):
                 part.done.wait()
         for _, part in parts:
             part.wait()
-
-    def _write_entries(self, iov: List[Any], parts: List[Tuple[Stripe, Part]]) -> None:
-        # Once a piece's worth is gathered, it goes out, and is then MAC'd while the
-        # network carries it (the piece is still in the CPU's cache, fresh from the
-        # kernel's copy); a frame's last piece is MAC'd first and goes out with the
-        # digest, so a frame of one piece or less leaves in one call, with the frames
-        # queued around it.
-        run: List[Any] = []
-        unsealed: List[Any] = []  # the pieces of the current frame's buffers in run
-        gathered = 0
-        for entry in iov:
-            if type(entry) is not _Sealing:
-                run.append(entry)
-                continue
-            if entry.stripe is not None:
-                stripe, part = entry.stripe
-                parts.append((stripe, stripe.send(part)))
-            seal = entry.seal
-            step = seal.piece if seal is not None else handshake.STREAM_PIECE
-            data = entry.data
-            for k, buf in enumerate(data, 1 - len(data)):  # k == 0: the last buffer
-                view = memoryview(buf)
-                if view.format != "B" or view.ndim != 1:
-                    view = view.cast("B")
-                n = len(view)
-                for i in range(0, n, step):
-                    piece = view[i:i + step]
-                    run.append(piece)
-                    unsealed.append(piece)
-                    gathered += len(piece)
-                    if gathered >= step and (k or i + step < n):
-                        self._write_all(run)
-                        if seal is not None:
-                            for piece in unsealed:
-                                seal.update(piece)
-                        run, unsealed, gathered = [], [], 0
-            if seal is not None:
-                for piece in unsealed:
-                    seal.update(piece)
-                run.append(seal.digest())
-            unsealed = []
-        self._write_all(run)
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -428,3 +383,50 @@ class Connection(FrameReader):
         if self.shm_rx is not None:
             self.shm_rx.close()
         self._on_close(self, reason)
+
+
+def _write_entries(write_all: Callable[[List[Any]], None], iov: List[Any],
+                   parts: List[Tuple[Stripe, Part]]) -> None:
+    """As the writer: write ``iov`` with ``write_all``, its :class:`_Sealing` entries as their
+    pieces and digests; each entry's stripe part, if any, handed to its stripe first and
+    added to ``parts``."""
+    # Once a piece's worth is gathered, it goes out, and is then MAC'd while the
+    # network carries it (the piece is still in the CPU's cache, fresh from the
+    # kernel's copy); a frame's last piece is MAC'd first and goes out with the
+    # digest, so a frame of one piece or less leaves in one call, with the frames
+    # queued around it.
+    run: List[Any] = []
+    unsealed: List[Any] = []  # the pieces of the current frame's buffers in run
+    gathered = 0
+    for entry in iov:
+        if type(entry) is not _Sealing:
+            run.append(entry)
+            continue
+        if entry.stripe is not None:
+            stripe, part = entry.stripe
+            parts.append((stripe, stripe.send(part)))
+        seal = entry.seal
+        step = seal.piece if seal is not None else handshake.STREAM_PIECE
+        data = entry.data
+        for k, buf in enumerate(data, 1 - len(data)):  # k == 0: the last buffer
+            view = memoryview(buf)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+            n = len(view)
+            for i in range(0, n, step):
+                piece = view[i:i + step]
+                run.append(piece)
+                unsealed.append(piece)
+                gathered += len(piece)
+                if gathered >= step and (k or i + step < n):
+                    write_all(run)
+                    if seal is not None:
+                        for piece in unsealed:
+                            seal.update(piece)
+                    run, unsealed, gathered = [], [], 0
+        if seal is not None:
+            for piece in unsealed:
+                seal.update(piece)
+            run.append(seal.digest())
+        unsealed = []
+    write_all(run)

@@ -65,7 +65,7 @@ def dial_stripe(links: Links, conn: Connection, host: str, port: int, timeout: f
             log.info("rank %d opened no stripe of its connection to rank %d (large frames "
                      "use that connection alone): %s", links.rank, conn.peer_rank, exc)
         return
-    links.attach_stripe(conn, sock)  # where conn closed meanwhile, the socket goes too
+    links.stripes.attach(conn, sock)  # where conn closed meanwhile, the socket goes too
 
 
 def _handshake(links: Links, peer_rank: int, host: str, port: int, timeout: float,

@@ -26,7 +26,7 @@ from . import handshake, shm, tls
 from .connection import Connection
 from .logbudget import LogBudget
 from .reader import CloseCallback, FrameCallback
-from .stripe import Stats as StripeStats, Stripe
+from .stripe import Stripes
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +96,8 @@ class Links:
         self._shm_conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._every_conn: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._shm_stats = shm.Stats()
-        # Frames with at least this many buffer bytes use a stripe where a connection has
-        # one (0: this worker offers none); the connections accepted here that may get one,
-        # by the server's nonce of their handshake, which the stripe's dialer names.
-        self.stripe_threshold = stripe_threshold
-        self._stripe_stats = StripeStats()
-        self._stripe_parents: "weakref.WeakValueDictionary[bytes, Connection]" = \
-            weakref.WeakValueDictionary()
+        # The stripes of connections between hosts (stripe.py; threshold 0: none).
+        self.stripes = Stripes(rank, stripe_threshold, self.spawn, self.forget)
         # rank -> the most tensor bytes a message to it carries inline, where not
         # _wire.INLINE_MAX.
         self.inline_max: Dict[int, int] = {}
@@ -201,7 +196,7 @@ class Links:
         conn = self.connection_type(sock, peer_rank, self.limits, self._on_frame,
                                     self._closed, outbound=outbound)
         conn.features = features
-        conn.nonces = nonces
+        conn.nonces = nonces  # (the client's, the server's): a stripe names it by the latter
         conn.set_private(bool(features & handshake.FEATURE_PRIVATE))
         if needs_frame_macs(conn):
             c2s, s2c = handshake.frame_keys(self.secret, nonces[0], nonces[1], *ranks)
@@ -214,12 +209,8 @@ class Links:
         else:
             # This rank is reached without MACs now (a worker restarted on this host).
             self.inline_max.pop(peer_rank, None)
-        if features & handshake.FEATURE_STRIPE and self.stripe_threshold and over_tcp(sock) \
-                and (conn.mac_tx is None or conn.mac_tx.trailer or not conn.mac_tx.buffers):
-            conn.expect_stripe(self.stripe_threshold)
-            if not outbound:
-                with self._lock:
-                    self._stripe_parents[nonces[1]] = conn
+        if features & handshake.FEATURE_STRIPE and over_tcp(sock):
+            self.stripes.expect(conn)
         self.register(conn)
         return conn
 
@@ -247,28 +238,6 @@ class Links:
             if self.same_host(conn.peer_rank) and not conn.closed and (
                     self.same_pids is None or self.same_pids(conn.peer_rank)):
                 conn.shm_tx = shm.ShmSender(self.shm_threshold, stats=self._shm_stats)
-
-    def stripe_parent(self, rank: int, nonce: bytes) -> Optional[Connection]:
-        """The connection accepted here from ``rank`` whose handshake's server nonce was
-        ``nonce``, open and still without a stripe; None if there is none."""
-        with self._lock:
-            conn = self._stripe_parents.get(nonce)
-        if conn is None or conn.peer_rank != rank or conn.closed or conn.stripe is not None:
-            return None
-        return conn
-
-    def attach_stripe(self, conn: Connection, sock: Any) -> bool:
-        """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``;
-        False (and ``sock`` closed and forgotten) where ``conn`` is closed or has one
-        already."""
-        side = "out" if conn.outbound else "in"
-        stripe = Stripe(sock, conn.peer_rank, self.spawn, self.forget,
-                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}",
-                        self._stripe_stats)
-        if not conn.attach_stripe(stripe):
-            return False
-        self._stripe_stats.add(opened=1)
-        return True
 
     def reserve_private(self, rank: int) -> int:
         """Take one of ``rank``'s private connection slots here, or raise
@@ -307,7 +276,7 @@ class Links:
         (``transport.stripe*``)."""
         info: Dict[str, Any] = {"transport.shm_enabled": bool(self.features & handshake.FEATURE_SHM)}
         info.update(self._shm_stats.as_dict())
-        info.update(self._stripe_stats.as_dict())
+        info.update(self.stripes.stats.as_dict())
         return info
 
     def housekeeping(self) -> None:
@@ -355,9 +324,7 @@ class Links:
                 pass
         with self._lock:
             conns = list(self._every_conn)
-        for conn in conns:  # a stripe's thread may wait for a part that never comes
-            if conn.stripe is not None:
-                conn.stripe.close()
+        self.stripes.close(conns)  # a stripe's thread may wait for a part that never comes
         with self._lock:
             threads: List[Optional[threading.Thread]] = list(self._threads)
         stuck = _threads.join(threads, deadline)

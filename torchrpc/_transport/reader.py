@@ -355,7 +355,7 @@ class FrameReader:
         if header.flags & _wire.FLAG_STRIPED and lengths:
             if check is not None and not mac.trailer:
                 raise ProtocolError("a striped frame whose seal precedes its buffers")
-            return header, envelope, self._take_striped(lengths, check)
+            return header, envelope, _take_striped(self, lengths, check)
         buffers = []
         for size in lengths:
             if size & _wire.SHM_BIT:
@@ -409,42 +409,45 @@ class FrameReader:
                                 f"authentication (altered on the way); the connection is "
                                 f"closed")
 
-    def _take_striped(self, lengths: Sequence[int],
-                      check: Optional[handshake.Seal]) -> List[torch.Tensor]:
-        # A striped frame (stripe.py): the stripe's thread reads the second part of its
-        # buffers' bytes while this one reads the first, and seals are checked per part.
-        stripe = self._await_stripe()
-        buffers, views = [], []
-        for size in lengths:
-            tensor, view = _wire.new_buffer(size)
-            buffers.append(tensor)
-            if size:
-                views.append(view)
-        first, second = stripe_split(views, sum(lengths))
-        part = stripe.receive(Part(second, None if check is None
-                                   else self.mac_rx.stripe_seal(check.number)))
-        try:
-            step = check.piece if check is not None else STRIPE_ALIGN
-            for piece in pieces(first, step):
-                self._take_into(piece, False)
-                if check is not None:
-                    check.update(piece)
-            if check is not None:
-                self._check_seal(check, None)
-        except BaseException:
-            stripe.close()  # its thread must be done with the tensors before they go
-            part.done.wait()
-            raise
-        part.wait()
-        return buffers
 
-    def _await_stripe(self) -> Stripe:
-        # The dialer attaches the stripe once the server has: a striped frame may come
-        # first, on the dialer's side.
-        ready = self._stripe_ready
-        if self.stripe is None and ready is not None:
-            ready.wait(HANDSHAKE_TIMEOUT)
-        if self.stripe is None:
-            raise ProtocolError(f"a striped frame from rank {self.peer_rank} on a connection "
-                                f"without a stripe")
-        return self.stripe
+def _take_striped(reader: "FrameReader", lengths: Sequence[int],
+                  check: Optional[handshake.Seal]) -> List[torch.Tensor]:
+    """The buffers of a striped frame (stripe.py) whose header and envelope ``reader``
+    has read: the stripe's thread reads the second part of their bytes while this one
+    reads the first; each part's seal is checked."""
+    stripe = _await_stripe(reader)
+    buffers, views = [], []
+    for size in lengths:
+        tensor, view = _wire.new_buffer(size)
+        buffers.append(tensor)
+        if size:
+            views.append(view)
+    first, second = stripe_split(views, sum(lengths))
+    part = stripe.receive(Part(second, None if check is None
+                               else reader.mac_rx.stripe_seal(check.number)))
+    try:
+        step = check.piece if check is not None else STRIPE_ALIGN
+        for piece in pieces(first, step):
+            reader._take_into(piece, False)
+            if check is not None:
+                check.update(piece)
+        if check is not None:
+            reader._check_seal(check, None)
+    except BaseException:
+        stripe.close()  # its thread must be done with the tensors before they go
+        part.done.wait()
+        raise
+    part.wait()
+    return buffers
+
+
+def _await_stripe(reader: "FrameReader") -> Stripe:
+    """``reader``'s stripe. The dialer attaches it once the server has: a striped frame
+    may come first, on the dialer's side."""
+    ready = reader._stripe_ready
+    if reader.stripe is None and ready is not None:
+        ready.wait(HANDSHAKE_TIMEOUT)
+    if reader.stripe is None:
+        raise ProtocolError(f"a striped frame from rank {reader.peer_rank} on a connection "
+                            f"without a stripe")
+    return reader.stripe

@@ -4,7 +4,7 @@ TCP streams at once.
 Theory of operation. A Python thread that moves a tensor through one socket copies
 every byte between the kernel and tensor memory itself, so one stream between hosts
 moves what one CPU copies; two streams, each with its own thread, let two CPUs copy
-(docs/design.md, "Stripes"). A connection over TCP whose two sides offered
+(BENCHMARKS.md, "Two hosts"). A connection over TCP whose two sides offered
 ``handshake.FEATURE_STRIPE`` gets one more socket: its dialer opens a second handshake
 marked ``FEATURE_STRIPE_SOCKET``, which names the connection by the server's nonce of
 that connection's handshake (``dial.dial_stripe``, ``accept.py``); the server attaches
@@ -32,6 +32,7 @@ import hmac
 import queue
 import socket
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConnectionLostError, ProtocolError
@@ -265,3 +266,60 @@ def _recv_all(link: Any, view: memoryview) -> None:
             raise ProtocolError("truncated frame: the peer closed the connection's stripe "
                                 "in the middle of a frame")
         got += k
+
+
+class Stripes:
+    """The stripes of one transport's connections: which connections may get one, the
+    connections accepted here that a stripe's dialer may name (by their handshake's
+    server nonce), and the counters. ``threshold``: the buffer bytes from which a frame
+    uses a stripe (0: this worker offers none); ``spawn`` and ``forget`` as for
+    :class:`Stripe`."""
+
+    def __init__(self, rank: int, threshold: int,
+                 spawn: Callable[[Callable[[], None], str], Any],
+                 forget: Callable[[Any], None]) -> None:
+        self.rank = rank
+        self.threshold = threshold
+        self.stats = Stats()
+        self._spawn = spawn
+        self._forget = forget
+        self._lock = threading.Lock()
+        self._parents: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
+
+    def expect(self, conn: Any) -> None:
+        """``conn``, over TCP, negotiated stripes: it may get one."""
+        mac = conn.mac_tx  # a seal in front of the buffers cannot be split
+        if not self.threshold or (mac is not None and mac.buffers and not mac.trailer):
+            return
+        conn.expect_stripe(self.threshold)
+        if not conn.outbound:
+            with self._lock:
+                self._parents[conn.nonces[1]] = conn
+
+    def parent(self, rank: int, nonce: bytes) -> Optional[Any]:
+        """The connection accepted here from ``rank`` whose handshake's server nonce was
+        ``nonce``, open and still without a stripe; None if there is none."""
+        with self._lock:
+            conn = self._parents.get(nonce)
+        if conn is None or conn.peer_rank != rank or conn.closed or conn.stripe is not None:
+            return None
+        return conn
+
+    def attach(self, conn: Any, sock: Any) -> bool:
+        """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``;
+        False (and ``sock`` closed and forgotten) where ``conn`` is closed or has one
+        already."""
+        side = "out" if conn.outbound else "in"
+        stripe = Stripe(sock, conn.peer_rank, self._spawn, self._forget,
+                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}", self.stats)
+        if not conn.attach_stripe(stripe):
+            return False
+        self.stats.add(opened=1)
+        return True
+
+    @staticmethod
+    def close(conns: Sequence[Any]) -> None:
+        """Close the stripes of ``conns`` (the transport closes)."""
+        for conn in conns:
+            if conn.stripe is not None:
+                conn.stripe.close()

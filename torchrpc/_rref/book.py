@@ -199,16 +199,12 @@ class RRefBook:
         self.pending_children.pop(fork_id, None)
         self._child_ranks.pop(fork_id, None)
 
-    def _parks(self, parent_fork: GloballyUniqueId) -> bool:
-        """Under _lock: whether a child of the user copy ``parent_fork`` is parked."""
-        return any(p == parent_fork for c, p in self._child_parent.items()
-                   if c in self.pending_children)
-
     def _release(self, parent_fork: Optional[GloballyUniqueId]) -> List[Msg]:
         """Under _lock: the USER_DELETE of ``parent_fork`` if it was deleted, is confirmed
-        and parks no child any more."""
+        and parks no child any more (``_child_parent`` holds the parked children only)."""
         state = self.users.get(parent_fork) if parent_fork is not None else None
-        if state is None or not state.doomed or not state.confirmed or self._parks(parent_fork):
+        if state is None or not state.doomed or not state.confirmed \
+                or parent_fork in self._child_parent.values():
             return []
         del self.users[parent_fork]
         return [Msg(state.owner, Kind.RREF_USER_DELETE, ((state.rref_id, parent_fork),))]

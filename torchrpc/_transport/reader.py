@@ -33,7 +33,7 @@ from .._threads import Guard
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake, shm
 from .sockets import HANDSHAKE_TIMEOUT, lost
-from .stripe import ALIGN as STRIPE_ALIGN, Part, Stripe, pieces, split as stripe_split
+from .stripe import Part, Stripe, split as stripe_split, transfer
 
 
 log = logging.getLogger(__name__)
@@ -426,11 +426,7 @@ def _take_striped(reader: "FrameReader", lengths: Sequence[int],
     part = stripe.receive(Part(second, None if check is None
                                else reader.mac_rx.stripe_seal(check.number)))
     try:
-        step = check.piece if check is not None else STRIPE_ALIGN
-        for piece in pieces(first, step):
-            reader._take_into(piece, False)
-            if check is not None:
-                check.update(piece)
+        transfer(first, check, lambda piece: reader._take_into(piece, False))
         if check is not None:
             reader._check_seal(check, None)
     except BaseException:

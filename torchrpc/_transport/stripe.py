@@ -67,12 +67,21 @@ def split(views: Sequence[Any], total: int) -> Tuple[List[memoryview], List[memo
     return first, second
 
 
-def pieces(views: Sequence[memoryview], step: int):
-    """Each view of ``views`` in pieces of at most ``step`` bytes from its start: how
-    both ends walk a part, so both seal the same pieces."""
+def transfer(views: Sequence[memoryview], seal: Optional[handshake.Seal],
+             move: Callable[[memoryview], None]) -> int:
+    """Move a part's ``views`` with ``move``, piece by piece, each piece MAC'd with
+    ``seal`` (if any) once it has crossed: going out, while the network carries it;
+    coming in, while it is still in the CPU's cache. The pieces are the seal's (of
+    :data:`ALIGN` bytes without one), from the start of each view, as both ends walk a
+    part so that both seal the same pieces. Returns the bytes moved."""
+    step = seal.piece if seal is not None else ALIGN
     for view in views:
         for i in range(0, len(view), step):
-            yield view[i:i + step]
+            piece = view[i:i + step]
+            move(piece)
+            if seal is not None:
+                seal.update(piece)
+    return sum(map(len, views))
 
 
 class Part:
@@ -222,16 +231,16 @@ class Stripe:
                 self._release()
 
     def _send(self, part: Part) -> None:
-        seal = part.seal
-        n = self._move(part, _send_all)
+        seal, link = part.seal, self.link
+        n = transfer(part.views, seal, lambda piece: _send_all(link, piece))
         if seal is not None:
             _send_all(self.link, memoryview(seal.digest()))
         self.sent += n
         self._stats.add(sent=n)
 
     def _receive(self, part: Part) -> None:
-        seal = part.seal
-        n = self._move(part, _recv_all)
+        seal, link = part.seal, self.link
+        n = transfer(part.views, seal, lambda piece: _recv_all(link, piece))
         if seal is not None:
             got = bytearray(handshake.SEAL_DIGEST_SIZE)
             _recv_all(self.link, memoryview(got))
@@ -241,16 +250,6 @@ class Stripe:
                                     f"connection's stripe); the connection is closed")
         self.received += n
         self._stats.add(received=n)
-
-    def _move(self, part: Part, move: Callable[[Any, memoryview], None]) -> int:
-        # Each piece crosses the socket, then is MAC'd: going out, while the network
-        # carries it; coming in, while it is still in the CPU's cache. Returns the bytes.
-        seal, link = part.seal, self.link
-        for piece in pieces(part.views, seal.piece if seal is not None else ALIGN):
-            move(link, piece)
-            if seal is not None:
-                seal.update(piece)
-        return sum(map(len, part.views))
 
 
 def _send_all(link: Any, view: memoryview) -> None:

@@ -90,6 +90,33 @@ def test_a_peer_that_offers_no_stripe_gets_one_socket(thresholds):
         assert conn.stripe is None and accepted.stripe is None
 
 
+@pytest.mark.parametrize("same_pids", [True, False])
+def test_shared_memory_or_else_a_stripe_carries_large_buffers_on_one_host(same_pids):
+    # Two workers of one host over TCP that both offer shared memory: where the peer sees
+    # this process's pids, its segments carry large buffers and no stripe is opened; in
+    # another pid namespace it cannot open them, and the stripe carries them instead.
+    peers = [th.Peer(rank, shm_on=True, same_host=True, same_pids=same_pids,
+                     stripe_threshold=STRIPE) for rank in (0, 1)]
+    a, b = peers
+    try:
+        conn = a.connect(b)  # the stripe, if any, is attached before connect() returns
+        accepted = b.accepted.get(timeout=10)
+        data = _data(3 * PIECE)
+        header, (back,) = _echo(conn, a, [data])
+        assert torch.equal(back, data)
+        if same_pids:
+            assert conn.stripe is None and header.flags & _wire.FLAG_SHM
+            assert not header.flags & _wire.FLAG_STRIPED
+        else:
+            assert conn.stripe is not None and accepted.stripe is not None
+            assert header.flags & _wire.FLAG_STRIPED and not header.flags & _wire.FLAG_SHM
+            # cut at its half, rounded down to a whole piece: one piece, and two on the stripe
+            assert conn.stripe.sent == accepted.stripe.received == 2 * PIECE
+    finally:
+        for p in peers:
+            p.close()
+
+
 class _Named:
     """Stands for a connection in dial_stripe: the rank and server nonce it names."""
 

@@ -42,10 +42,8 @@ def dial(links: Links, peer_rank: int, host: str, port: int, timeout: float,
                                         f"{host}:{port}: {exc}")
             conn.close(error)
             raise error from exc
-    # Between workers of one host, shared memory carries large buffers: no stripe.
-    shared = bool(conn.features & handshake.FEATURE_SHM) and links.same_host is not None \
-        and links.same_host(peer_rank)
-    if conn.stripe_threshold and not shared:  # before the dialer's first frame
+    # Where shared memory carries the large buffers, no stripe.
+    if conn.stripe_threshold and not links.shares_memory(conn):  # before the first frame
         dial_stripe(links, conn, host, port, timeout, incarnation)
     return conn
 

@@ -233,11 +233,18 @@ class Links:
             if conn.shm_decider is None:
                 return
             conn.shm_decider = None
-            # A peer that cannot see this process's pids cannot open its memfds: its
-            # large buffers go over the socket.
-            if self.same_host(conn.peer_rank) and not conn.closed and (
-                    self.same_pids is None or self.same_pids(conn.peer_rank)):
+            if self.shares_memory(conn) and not conn.closed:
                 conn.shm_tx = shm.ShmSender(self.shm_threshold, stats=self._shm_stats)
+
+    def shares_memory(self, conn: Connection) -> bool:
+        """Whether ``conn``'s large buffers go through shared memory: both ends offered
+        it and the peer shares this host and sees this process's pids (a peer that does
+        not cannot open its memfds). Those that do not go over the socket, and between
+        hosts a stripe may carry them (see dial.py)."""
+        rank = conn.peer_rank
+        return bool(conn.features & handshake.FEATURE_SHM) and self.shm_threshold > 0 \
+            and self.same_host is not None and self.same_host(rank) \
+            and (self.same_pids is None or self.same_pids(rank))
 
     def reserve_private(self, rank: int) -> int:
         """Take one of ``rank``'s private connection slots here, or raise

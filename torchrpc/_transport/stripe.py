@@ -9,7 +9,9 @@ moves what one CPU copies; two streams, each with its own thread, let two CPUs c
 marked ``FEATURE_STRIPE_SOCKET``, which names the connection by the server's nonce of
 that connection's handshake (``dial.dial_stripe``, ``accept.py``); the server attaches
 it to the connection of that nonce, which must be the same rank's. Unix sockets take
-none: between workers of one host, shared memory carries large buffers.
+none, nor does a TCP connection whose large buffers go through shared memory
+(``Links.shares_memory``): where a peer on this host cannot open this process's
+segments (another pid namespace), the stripe carries them.
 
 A frame whose out-of-band buffers hold at least the connection's ``stripe_threshold``
 bytes travels striped (``_wire.FLAG_STRIPED``, which the frame's tag covers): the

@@ -17,7 +17,7 @@ import torch
 from torchrpc import _wire
 from torchrpc._agent import Agent, Expect
 from torchrpc._wire import Kind
-from torchrpc.errors import RpcError
+from torchrpc.errors import ProtocolError, RpcError
 from tests.support.agent import Agents, FakeConn, running
 from tests.support.group import wait_for
 
@@ -205,6 +205,45 @@ def test_a_private_connection_that_breaks_fails_its_call(agents):
     with pytest.raises(RpcError, match="closed"):
         agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
     assert agent.lanes.num_parked == 0 and not agent.lanes.private.idle_to(1)
+
+
+class _BrokenChain(FakePrivate):
+    """Breaks on its first read with an error caused by an error caused by another (the
+    reader's chains: a ConnectionLostError from a ProtocolError from an OSError), each with
+    a traceback; the first is raised after its cause was handled (it has no context)."""
+
+    def read_frame(self) -> Tuple[_wire.Header, bytes, List[Any]]:
+        def recv() -> None:
+            raise OSError("reset")
+
+        def parse() -> None:
+            try:
+                recv()
+            except OSError as exc:
+                raise ProtocolError("truncated") from exc
+
+        try:
+            parse()
+        except ProtocolError as exc:
+            cause = exc
+        try:
+            raise RpcError("broke") from cause
+        except RpcError as exc:
+            self.chain = [exc, exc.__cause__, exc.__cause__.__cause__]
+            assert all(e.__traceback__ is not None for e in self.chain)
+            raise
+
+
+def test_a_broken_private_connections_error_keeps_no_frames_at_any_depth(agents):
+    # The error may be kept by whoever fails the requests with it: no error of its chain
+    # may keep the reading loop's frames (and the requests they hold) alive.
+    agent, shared, transport = _agent(agents, auto=False)
+    conn = _BrokenChain(1, auto=False)
+    agent.connections.on_connect(conn)
+    agent.lanes.private.checkin(_dst(agent), conn)
+    with pytest.raises(RpcError, match="broke"):
+        agent.request_sync(_dst(agent), Kind.CALL, (operator.add, (1, 2), {}), 5)
+    assert len(conn.chain) == 3 and [e.__traceback__ for e in conn.chain] == [None] * 3
 
 
 def test_without_private_calls_every_call_goes_the_shared_way(agents):

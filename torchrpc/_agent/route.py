@@ -137,11 +137,12 @@ def _without_frames(exc: RpcError) -> RpcError:
     requests with it may keep it, and a traceback's frames (each holding its caller's)
     would keep the reading loop's requests, and what they name, alive with it."""
     seen = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
+    chained: List[Optional[BaseException]] = [exc]
+    while chained:
+        e = chained.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         e.__traceback__ = None
-        if e.__cause__ is not None:
-            e.__cause__.__traceback__ = None
-        e = e.__context__
+        chained += (e.__cause__, e.__context__)
     return exc

@@ -115,6 +115,8 @@ def metric_specs(workload: str, options: BenchOptions) -> list[MetricSpec]:
                        workload, Target("ratio", "<=", 0.3, "issue 20")),
             MetricSpec("remote_to_here_p99_us", "remote() + to_here() p99", "us", "lower",
                        workload),
+            MetricSpec("remote_noop_p50_us", "no-op remote() + to_here() p50", "us", "lower",
+                       workload),
         ]
     if workload == "echo":
         specs = [MetricSpec(echo_metric(s), f"echo {size_label(s)} MB float32", "GB/s",

@@ -108,19 +108,30 @@ def run_throughput(ctx: WorkerContext) -> Result:
 
 
 def run_remote(ctx: WorkerContext) -> Result:
-    """``remote()`` followed by ``to_here()``: p50 and p99 in microseconds."""
+    """``remote()`` followed by ``to_here()``: p50 and p99 in microseconds; then the p50
+    of the same with a no-op (an int argument, no tensor: what the latency workload's
+    no-op call is to its small call)."""
     opts = ctx.options
     func, args = _small_call(opts)
     _check_small_result(ctx.rpc.remote(ctx.peer, func, args=args).to_here())
     samples: list[float] = []
+    noops: list[float] = []
+    numbers = itertools.count()
 
     def call() -> Any:
         return ctx.rpc.remote(ctx.peer, func, args=args).to_here()
 
+    def noop_call() -> None:
+        i = next(numbers)
+        if ctx.rpc.remote(ctx.peer, noop, args=(i,)).to_here() != i:
+            raise AssertionError(f"no-op remote() did not hold its argument {i}")
+
     for calls, warmup in _call_turns(ctx, opts.remote_calls, opts.remote_warmup, call):
         samples += _timed(call, calls, warmup)
+        noops += _timed(noop_call, calls, warmup)
     metrics = {"remote_to_here_p50_us": percentile(samples, 50),
-               "remote_to_here_p99_us": percentile(samples, 99)}
+               "remote_to_here_p99_us": percentile(samples, 99),
+               "remote_noop_p50_us": percentile(noops, 50)}
     return metrics, {"calls": len(samples), "min_us": min(samples),
                      "turns": _turns_taken(ctx) or 1}
 

@@ -145,7 +145,8 @@ def test_calls_are_measured_in_turns(train_run: subprocess.CompletedProcess) -> 
         assert details["turns"] == turns, (system, details)
         assert len(details["rates"]) == max(turns, QUICK_OVERRIDES["throughput_repeats"])
         assert report["metrics"]["rpc_async_calls_per_s"]["values"][system] > 0, system
-        for metric in ("rpc_sync_p50_us", "noop_p50_us", "remote_to_here_p50_us"):
+        for metric in ("rpc_sync_p50_us", "noop_p50_us", "remote_to_here_p50_us",
+                       "remote_noop_p50_us"):
             assert report["metrics"][metric]["values"][system] > 0, (system, metric)
 
 

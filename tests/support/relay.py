@@ -94,11 +94,16 @@ class Relay:
             s.close()
 
 
+RUN = 4096  # the run of PATTERN bytes that flip_one_tensor_byte takes for a tensor
+
+
 def flip_one_tensor_byte() -> Alter:
-    """An alteration that flips one bit of the first byte of a run of :data:`PATTERN`
-    bytes it sees (inside a tensor made of them), once, after the handshake."""
+    """An alteration that flips one bit of the last byte of the first run of :data:`RUN`
+    :data:`PATTERN` bytes it sees (inside a tensor made of them), once, after the
+    handshake. The last byte, not the first: the bytes just before a frame's buffers (its
+    tag, random) may end in PATTERN too, and a run found there starts before the tensor."""
     state = {"seen": 0, "done": False}
-    run = bytes([PATTERN]) * 4096
+    run = bytes([PATTERN]) * RUN
 
     def alter(chunk: bytes) -> bytes:
         state["seen"] += len(chunk)
@@ -108,6 +113,7 @@ def flip_one_tensor_byte() -> Alter:
         if i < 0:
             return chunk
         state["done"] = True
+        i += RUN - 1
         return chunk[:i] + bytes([PATTERN ^ 1]) + chunk[i + 1:]
     return alter
 

@@ -8,15 +8,18 @@ workers, where the dialer's table names the relay as a forged store record would
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import torchrpc.rpc as rpc
 from torchrpc import _wire
+from torchrpc._transport import handshake
 from torchrpc._wire import Kind
 from torchrpc.errors import AuthenticationError, ProtocolError
 
-from ..support import helpers, relay as rh
+from ..support import frames, helpers, relay as rh
 from ..support import transport as th
 from ..support.group import running_group, wait_for
 
@@ -89,6 +92,31 @@ def test_a_tensor_byte_changed_on_the_path_is_refused_unless_the_check_is_off(te
         relay.close()
         for p in (a, b, c):
             p.close()
+
+
+@pytest.mark.parametrize("tensor_mac", [True, False])
+def test_the_tampering_relay_changes_the_tensor_where_the_tag_ends_like_it(tensor_mac):
+    # One frame's tag in 256 ends in a PATTERN byte, just before the tensor's run of them:
+    # the relay's change must land in the tensor all the same, or the frame is refused for
+    # its tag (and the call fails) where the tensor check is off.
+    tensor = rh.pattern_tensor(2 * rh.RUN)
+    head = _wire.pack_header(Kind.CALL, 0, 1, 1, [tensor.numel()])
+    trailer = handshake.SEAL_DIGEST_SIZE if tensor_mac else 0
+    for n in itertools.count():
+        key = n.to_bytes(32, "little")
+        stream = frames.macs_around(handshake.FrameMac(key, tensor_mac, True), head, b"e",
+                                    [_wire.tensor_bytes(tensor)])
+        if stream[-tensor.numel() - trailer - 1] == rh.PATTERN:
+            break
+    alter = rh.flip_one_tensor_byte()
+    alter(bytes(handshake.HELLO.size + handshake.PROOF.size))
+    decoder = frames.FrameDecoder(mac=handshake.FrameMac(key, tensor_mac, True))
+    if tensor_mac:
+        with pytest.raises(ProtocolError, match="tensor bytes of a frame from rank 1 failed"):
+            decoder.feed(alter(stream))
+    else:
+        (frame,) = decoder.feed(alter(stream))
+        assert int((frame.buffers[0] != tensor).sum()) == 1
 
 
 def test_frames_with_and_without_buffers_pass_an_honest_port_forward():

@@ -6,7 +6,8 @@ stripe.
 A stripe attaches only to a connection of the same rank that its handshake names, once;
 frames below the threshold, or to a peer that offers no stripe, use the connection alone;
 a stripe that breaks in the middle of a frame closes its connection on both sides, and
-the frame reaches nobody.
+the frame reaches nobody; a stripe lost while it opens (refused, or given up by its
+dialer) leaves its connection with one socket on both sides.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _striped(a: th.Peer, b: th.Peer, private: bool = False):
     accepted = b.accepted.get(timeout=10)
     th.wait_for(lambda: conn.stripe is not None and accepted.stripe is not None,
              "the stripe to attach on both sides")
+    assert accepted.stripe.usable()  # a's READY was read: b's frames may use it too
     return conn, accepted
 
 
@@ -143,6 +145,49 @@ def test_a_stripe_that_names_no_free_connection_of_its_rank_is_refused(case, cap
         data = _data(4 * PIECE)
         _, (back,) = _echo(conn, a, [data])
         assert torch.equal(back, data) and not a.closed and not b.closed
+
+
+@pytest.mark.parametrize("case", ["refused", "given-up"])
+def test_a_stripe_lost_while_it_opens_leaves_one_socket_on_both_sides(case, caplog,
+                                                                      monkeypatch):
+    # refused: the stripe's handshake reaches b before b has registered the connection it
+    # names. given-up: b answers the stripe's handshake after a has stopped waiting; b
+    # has attached it then, and must not send on it.
+    with _peers(STRIPE, STRIPE) as (a, b):
+        stripes = b.t._links.stripes
+        if case == "refused":
+            expect = stripes.expect
+
+            def late(conn):
+                time.sleep(1.0)
+                expect(conn)
+            monkeypatch.setattr(stripes, "expect", late)
+        else:
+            parent = stripes.parent
+
+            def late(rank, nonce):
+                time.sleep(1.5)
+                return parent(rank, nonce)
+            monkeypatch.setattr(stripes, "parent", late)
+        caplog.set_level(logging.INFO, logger="torchrpc")
+        conn = a.t.connect(1, *b.t.address, timeout=1.0)  # a waits 1 s for the ACCEPT
+        accepted = b.accepted.get(timeout=10)
+        assert conn.stripe is None
+        assert any("opened no stripe" in r.getMessage() for r in caplog.records)
+        if case == "refused":
+            th.wait_for(lambda: any("opened a stripe that names no connection of its own"
+                                    in r.getMessage() for r in caplog.records), "b to refuse it")
+            assert accepted.stripe is None
+        else:
+            th.wait_for(lambda: accepted.stripe is not None and accepted.stripe.closed,
+                        "b's side of the stripe to close unused")
+            assert any("instead of saying it has the stripe" in r.getMessage()
+                       for r in caplog.records)
+        # Large frames both ways over the connection alone, which stays open.
+        data = _data(4 * PIECE)
+        header, (back,) = _echo(conn, a, [data])
+        assert torch.equal(back, data) and not header.flags & _wire.FLAG_STRIPED
+        assert not conn.closed and not accepted.closed and not a.closed and not b.closed
 
 
 @pytest.mark.parametrize("side", ["receiver", "sender"])

@@ -196,7 +196,11 @@ class Acceptor:
         finally:
             self._handshakes.release()
         if parent is not None:  # after ACCEPT: nothing of a frame may precede it
-            links.stripes.attach(parent, sock)  # where parent closed meanwhile, sock goes too
+            # Where parent closed meanwhile, sock goes too; else this thread waits for the
+            # dialer to say it has the stripe before frames from here use it (stripe.py).
+            stripe = links.stripes.attach(parent, sock)
+            if stripe is not None:
+                stripe.await_ready()
             return
         try:
             conn = links.open(sock, hello.rank, False, hello.features & links.features,

@@ -194,7 +194,7 @@ class Connection(FrameReader):
         stripe = self.stripe
         if stripe is not None:
             total = sum(lengths) if lengths and not flags & _wire.FLAG_SHM else 0
-            if total and total >= self.stripe_threshold:
+            if total and total >= self.stripe_threshold and stripe.usable():
                 flags |= _wire.FLAG_STRIPED
             else:
                 stripe = None

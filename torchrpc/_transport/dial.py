@@ -97,6 +97,8 @@ def _handshake(links: Links, peer_rank: int, host: str, port: int, timeout: floa
         sock.sendall(proof + parent)
         if recv_exact(sock, 1) != handshake.ACCEPT:
             raise AuthenticationError("the peer refused the handshake")
+        if parent:  # the server's frames may use the stripe from now on (stripe.py)
+            sock.sendall(handshake.READY)
         sock.settimeout(None)
         tune(sock)
     except (OSError, AuthenticationError) as exc:

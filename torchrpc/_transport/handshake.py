@@ -11,6 +11,8 @@ it is unpickled. Both sides hold the per-job secret; neither ever sends it.
     client -> server   PARENT     nonce_s of the connection this socket is the stripe of,
                                   only after a HELLO with FEATURE_STRIPE_SOCKET (stripe.py)
     server -> client   ACCEPT     one byte, 1
+    client -> server   READY      one byte, 1, only on a stripe: the client has it, and
+                                  the server's frames may use it from now on (stripe.py)
 
     bound = ranks | version | features_c | features_s | incarnation_c | incarnation_s
             | address | binding
@@ -59,6 +61,7 @@ HELLO = struct.Struct("<4sBxxxiQ16sQ")
 CHALLENGE = struct.Struct("<iQ16s32s")  # server rank, features, nonce, mac
 PROOF = struct.Struct("<32s")
 ACCEPT = b"\x01"
+READY = b"\x01"
 
 # Feature bits exchanged in the handshake.
 FEATURE_SHM = 1

@@ -13,6 +13,16 @@ none, nor does a TCP connection whose large buffers go through shared memory
 (``Links.shares_memory``): where a peer on this host cannot open this process's
 segments (another pid namespace), the stripe carries them.
 
+Either side may lose the stripe while it opens: the server refuses one that names no
+open connection of the dialer's (it came before its connection was registered, say),
+and the dialer gives up on one whose ACCEPT is late. Neither breaks the connection,
+which then goes on with one socket on both ends. So a side sends striped frames only
+once it knows the other has the stripe: the dialer once it has the ACCEPT (the server
+attached the stripe before it sent that), the server once it has read the dialer's
+``handshake.READY``, the first byte on the stripe (:meth:`Stripe.await_ready`); a
+dialer that gave up closes the socket instead, and the server's side of the stripe
+closes unused.
+
 A frame whose out-of-band buffers hold at least the connection's ``stripe_threshold``
 bytes travels striped (``_wire.FLAG_STRIPED``, which the frame's tag covers): the
 buffers' bytes, taken as one run, are cut in two by :func:`split`; the first part
@@ -31,6 +41,7 @@ done, on every path: the part's views point into tensors that only the frame kee
 from __future__ import annotations
 
 import hmac
+import logging
 import queue
 import socket
 import threading
@@ -39,6 +50,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConnectionLostError, ProtocolError
 from . import handshake
+from .sockets import HANDSHAKE_TIMEOUT
+
+log = logging.getLogger(__name__)
 
 # The cut between a striped frame's two parts falls on a multiple of this many bytes, so
 # that each part is whole pieces of the seal but its last.
@@ -130,10 +144,12 @@ class Stripe:
     that receives them, each started with its first part. ``link`` is its socket (plain
     or TLS, after the handshake); ``spawn(target, name)`` starts a thread that the
     transport joins when it closes; ``forget(link)``: the transport stops tracking the
-    socket once it is closed; ``stats``: the transport's counters."""
+    socket once it is closed; ``stats``: the transport's counters; ``ready``: the peer
+    has the stripe too (the dialer's side), else it says so first (:meth:`await_ready`)."""
 
     def __init__(self, link: Any, peer_rank: int, spawn: Callable[[Callable[[], None], str], Any],
-                 forget: Callable[[Any], None], name: str, stats: Stats) -> None:
+                 forget: Callable[[Any], None], name: str, stats: Stats,
+                 ready: bool = True) -> None:
         self.link = link
         self._stats = stats
         self.peer_rank = peer_rank
@@ -146,7 +162,49 @@ class Stripe:
         self._closed = False
         self._started: set = set()  # the queues whose thread was started
         self._running = 0  # threads not ended: the last to end after close closes the socket
+        self._ready = ready  # the peer has the stripe: frames from here may use it
+        self._settled = threading.Event()  # ready, or closed
+        if ready:
+            self._settled.set()
         self.sent = self.received = 0  # bytes of parts (for counters and tests)
+
+    def usable(self) -> bool:
+        """Whether a frame may go out striped now: the stripe is open and the peer has it.
+        Until the peer's READY is read, wait for it (for a handshake's time at most)."""
+        if not self._settled.is_set():
+            self._settled.wait(HANDSHAKE_TIMEOUT)
+        return self._ready and not self._closed
+
+    def await_ready(self) -> None:
+        """The accepting side, on the thread that accepted the stripe: read the dialer's
+        ``handshake.READY``, after which frames from here may use the stripe. Where the
+        dialer gave up on it (closed its socket) or anything else comes, the stripe closes
+        unused, and its connection goes on with one socket. Returns once read, or once the
+        stripe closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._running += 1  # the socket stays open while this thread reads it
+        why = "closed it"
+        try:
+            got = self.link.recv(len(handshake.READY))
+        except OSError as exc:
+            got, why = b"", str(exc)
+        if got and got != handshake.READY:
+            why = f"sent {got!r}"
+        with self._lock:
+            self._running -= 1
+            ready = got == handshake.READY and not self._closed
+            self._ready = ready
+            release = self._closed and self._running == 0
+        self._settled.set()
+        if release:
+            self._release()
+        elif not ready:
+            log.info("%s: rank %d %s instead of saying it has the stripe; the stripe "
+                     "closes unused, and large frames use its connection alone", self._name,
+                     self.peer_rank, why)
+            self.close()
 
     def send(self, part: Part) -> Part:
         """Queue ``part`` to go out after the parts queued before it."""
@@ -196,6 +254,7 @@ class Stripe:
             self._out.put(None)
             self._in.put(None)
             idle = self._running == 0
+        self._settled.set()
         try:
             self.link.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -241,6 +300,10 @@ class Stripe:
         self._stats.add(sent=n)
 
     def _receive(self, part: Part) -> None:
+        if not self._settled.is_set():  # the dialer's READY comes first on the stream
+            self._settled.wait()
+            if self._closed:
+                raise self._gone()
         seal, link = part.seal, self.link
         n = transfer(part.views, seal, lambda piece: _recv_all(link, piece))
         if seal is not None:
@@ -306,17 +369,19 @@ class Stripes:
             return None
         return conn
 
-    def attach(self, conn: Any, sock: Any) -> bool:
-        """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``;
-        False (and ``sock`` closed and forgotten) where ``conn`` is closed or has one
+    def attach(self, conn: Any, sock: Any) -> Optional[Stripe]:
+        """Make ``sock``, which passed a stripe's handshake, the stripe of ``conn``
+        (on the accepting side, ready once the dialer says so: :meth:`Stripe.await_ready`);
+        None (and ``sock`` closed and forgotten) where ``conn`` is closed or has one
         already."""
         side = "out" if conn.outbound else "in"
         stripe = Stripe(sock, conn.peer_rank, self._spawn, self._forget,
-                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}", self.stats)
+                        f"torchrpc-stripe-{self.rank}-{conn.peer_rank}-{side}", self.stats,
+                        ready=conn.outbound)
         if not conn.attach_stripe(stripe):
-            return False
+            return None
         self.stats.add(opened=1)
-        return True
+        return stripe
 
     @staticmethod
     def close(conns: Sequence[Any]) -> None:

@@ -6,8 +6,9 @@ stripe.
 A stripe attaches only to a connection of the same rank that its handshake names, once;
 frames below the threshold, or to a peer that offers no stripe, use the connection alone;
 a stripe that breaks in the middle of a frame closes its connection on both sides, and
-the frame reaches nobody; a stripe lost while it opens (refused, or given up by its
-dialer) leaves its connection with one socket on both sides.
+the frame reaches nobody; a stripe that comes before its connection is registered
+waits for it, and one lost while it opens (refused, or given up by its dialer) leaves
+its connection with one socket on both sides.
 """
 
 from __future__ import annotations
@@ -147,28 +148,41 @@ def test_a_stripe_that_names_no_free_connection_of_its_rank_is_refused(case, cap
         assert torch.equal(back, data) and not a.closed and not b.closed
 
 
+def test_a_stripe_that_comes_before_its_connection_is_registered_waits_for_it(monkeypatch):
+    # a opens the stripe as soon as it has the ACCEPT; b registers the connection later.
+    with _peers(STRIPE, STRIPE) as (a, b):
+        stripes = b.t._links.stripes
+        expect = stripes.expect
+
+        def late(conn):
+            time.sleep(1.0)
+            expect(conn)
+        monkeypatch.setattr(stripes, "expect", late)
+        conn, accepted = _striped(a, b)
+        data = _data(4 * PIECE)
+        header, (back,) = _echo(conn, a, [data])
+        assert torch.equal(back, data) and header.flags & _wire.FLAG_STRIPED
+        assert conn.stripe.sent == accepted.stripe.sent == 2 * PIECE
+        assert not a.closed and not b.closed
+
+
 @pytest.mark.parametrize("case", ["refused", "given-up"])
 def test_a_stripe_lost_while_it_opens_leaves_one_socket_on_both_sides(case, caplog,
                                                                       monkeypatch):
-    # refused: the stripe's handshake reaches b before b has registered the connection it
-    # names. given-up: b answers the stripe's handshake after a has stopped waiting; b
-    # has attached it then, and must not send on it.
+    # refused: b finds no connection the stripe may join. given-up: b answers the
+    # stripe's handshake after a has stopped waiting; b has attached it then, and must
+    # not send on it.
     with _peers(STRIPE, STRIPE) as (a, b):
         stripes = b.t._links.stripes
-        if case == "refused":
-            expect = stripes.expect
+        parent = stripes.parent
 
-            def late(conn):
-                time.sleep(1.0)
-                expect(conn)
-            monkeypatch.setattr(stripes, "expect", late)
-        else:
-            parent = stripes.parent
+        def refuse(rank, nonce, deadline):
+            return None
 
-            def late(rank, nonce):
-                time.sleep(1.5)
-                return parent(rank, nonce)
-            monkeypatch.setattr(stripes, "parent", late)
+        def late(rank, nonce, deadline):
+            time.sleep(1.5)
+            return parent(rank, nonce, deadline)
+        monkeypatch.setattr(stripes, "parent", refuse if case == "refused" else late)
         caplog.set_level(logging.INFO, logger="torchrpc")
         conn = a.t.connect(1, *b.t.address, timeout=1.0)  # a waits 1 s for the ACCEPT
         accepted = b.accepted.get(timeout=10)

@@ -141,6 +141,7 @@ class Acceptor:
         links = self._links
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         reserved: Optional[int] = None  # the peer whose private slot this handshake holds
+        announced = b""  # the server nonce of a connection its stripe may wait for
         try:
             links.bound(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -171,18 +172,23 @@ class Acceptor:
             if hello.features & handshake.FEATURE_STRIPE_SOCKET:
                 # The stripe of a connection (stripe.py), named by its server nonce.
                 parent = links.stripes.parent(hello.rank, recv_exact(sock, handshake.NONCE,
-                                                                     deadline))
+                                                                     deadline), deadline)
                 if parent is None:
                     raise AuthenticationError(f"rank {hello.rank} opened a stripe that names "
                                               f"no connection of its own here")
             if hello.features & handshake.FEATURE_PRIVATE and links.max_private:
                 # Refused before ACCEPT: the dialer's call goes over the shared connection.
                 reserved = links.reserve_private(hello.rank)
+            if parent is None and hello.features & links.features & handshake.FEATURE_STRIPE:
+                # Its stripe may come as soon as the dialer has the ACCEPT, before this
+                # thread has registered the connection: it waits for that.
+                announced = links.stripes.announce(nonce)
             sock.sendall(handshake.ACCEPT)
             sock.settimeout(None)
             tune(sock)
         except (OSError, AuthenticationError) as exc:
             links.release_private(reserved)
+            links.stripes.settle(announced)
             links.rejects.warn("rank %d dropped a connection from %s that failed the "
                                "handshake: %s", links.rank, addr, exc)
             links.forget(sock)
@@ -190,6 +196,7 @@ class Acceptor:
             return
         except BaseException:  # unexpected: the thread's guard logs it; drop the socket
             links.release_private(reserved)
+            links.stripes.settle(announced)
             links.forget(sock)
             sock.close()
             raise
@@ -207,5 +214,6 @@ class Acceptor:
                               (hello.nonce, nonce), (hello.rank, links.rank))
         finally:
             links.release_private(reserved)
+            links.stripes.settle(announced)  # registered with its stripe expected, or not
         links.on_connect(conn)
         conn.read_loop()

@@ -13,15 +13,18 @@ none, nor does a TCP connection whose large buffers go through shared memory
 (``Links.shares_memory``): where a peer on this host cannot open this process's
 segments (another pid namespace), the stripe carries them.
 
-Either side may lose the stripe while it opens: the server refuses one that names no
-open connection of the dialer's (it came before its connection was registered, say),
-and the dialer gives up on one whose ACCEPT is late. Neither breaks the connection,
-which then goes on with one socket on both ends. So a side sends striped frames only
-once it knows the other has the stripe: the dialer once it has the ACCEPT (the server
-attached the stripe before it sent that), the server once it has read the dialer's
-``handshake.READY``, the first byte on the stripe (:meth:`Stripe.await_ready`); a
-dialer that gave up closes the socket instead, and the server's side of the stripe
-closes unused.
+A stripe may come before the server has registered the connection it names (the
+dialer opens it as soon as it has that connection's ACCEPT): the server announces the
+connection's nonce before it sends that ACCEPT (:meth:`Stripes.announce`), and a stripe
+naming it waits until it is registered. Either side may still lose the stripe while it
+opens: the server refuses one that names no open connection of the dialer's (closed
+meanwhile, say), and the dialer gives up on one whose ACCEPT is late. Neither breaks
+the connection, which then goes on with one socket on both ends. So a side sends
+striped frames only once it knows the other has the stripe: the dialer once it has the
+ACCEPT (the server attached the stripe before it sent that), the server once it has
+read the dialer's ``handshake.READY``, the first byte on the stripe
+(:meth:`Stripe.await_ready`); a dialer that gave up closes the socket instead, and the
+server's side of the stripe closes unused.
 
 A frame whose out-of-band buffers hold at least the connection's ``stripe_threshold``
 bytes travels striped (``_wire.FLAG_STRIPED``, which the frame's tag covers): the
@@ -45,6 +48,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -348,7 +352,26 @@ class Stripes:
         self._spawn = spawn
         self._forget = forget
         self._lock = threading.Lock()
+        self._registered = threading.Condition(self._lock)  # a connection left _coming
         self._parents: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
+        # The server nonces of connections accepted here but not yet registered: a stripe
+        # naming one may come as soon as its dialer has the ACCEPT, and waits for it.
+        self._coming: set = set()
+
+    def announce(self, nonce: bytes) -> bytes:
+        """The connection of server nonce ``nonce`` is about to be accepted here (before
+        its ACCEPT): a stripe that names it waits until :meth:`settle`. Returns ``nonce``."""
+        with self._lock:
+            self._coming.add(nonce)
+        return nonce
+
+    def settle(self, nonce: bytes) -> None:
+        """The connection announced as ``nonce`` is registered (:meth:`expect`), or never
+        will be; nothing where ``nonce`` is empty."""
+        if nonce:
+            with self._lock:
+                self._coming.discard(nonce)
+                self._registered.notify_all()
 
     def expect(self, conn: Any) -> None:
         """``conn``, over TCP, negotiated stripes: it may get one."""
@@ -360,10 +383,16 @@ class Stripes:
             with self._lock:
                 self._parents[conn.nonces[1]] = conn
 
-    def parent(self, rank: int, nonce: bytes) -> Optional[Any]:
+    def parent(self, rank: int, nonce: bytes, deadline: float) -> Optional[Any]:
         """The connection accepted here from ``rank`` whose handshake's server nonce was
-        ``nonce``, open and still without a stripe; None if there is none."""
+        ``nonce``, open and still without a stripe; None if there is none (by
+        ``deadline``, a ``time.monotonic()``, where it is still being accepted)."""
         with self._lock:
+            while nonce in self._coming:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._registered.wait(left)
             conn = self._parents.get(nonce)
         if conn is None or conn.peer_rank != rank or conn.closed or conn.stripe is not None:
             return None

@@ -54,7 +54,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ..errors import AuthenticationError
 
 MAGIC = b"TRPH"
-VERSION = 2
+# Workers of different versions refuse each other at the HELLO, with an error that says so.
+VERSION = 3
 NONCE = 16
 # magic, version, client rank, features, nonce, incarnation
 HELLO = struct.Struct("<4sBxxxiQ16sQ")

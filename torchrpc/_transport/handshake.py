@@ -87,7 +87,9 @@ SEAL_NUMBER_SIZE = 8
 SEAL_DIGEST_SIZE = 16
 SEAL_SIZE = SEAL_NUMBER_SIZE + SEAL_DIGEST_SIZE  # see FrameMac
 PIECE = 1 << 30  # the most bytes of a buffer one GMAC of a seal covers (see Seal) ...
-STREAM_PIECE = 1 << 20  # ... and of a seal that trails its buffers
+STREAM_PIECE = 1 << 18  # ... and of a seal that trails its buffers: small enough that
+# a frame of a megabyte has pieces to MAC on one end while the wire and the other end
+# carry and check the ones before (BENCHMARKS.md, "Two hosts")
 # The index of the first piece of a striped frame's second part (see FrameMac.stripe_seal):
 # above any index its first part reaches, so no two pieces of a frame share a nonce.
 STRIPE_INDEX = 1 << 31

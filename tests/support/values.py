@@ -275,6 +275,10 @@ def pickled(value: Any) -> Any:
         # Only the part that fails stands for itself: its neighbours still go through pickle.
         if type(value) in (tuple, list):
             return type(value)(pickled(v) for v in value)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(pickled(v) for v in value))
+        if type(value) is CustomError:
+            return CustomError(value.code, pickled(value.payload))
         if type(value) is dict:
             return {k: pickled(v) for k, v in value.items()}
         return value

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,14 +25,9 @@ import torch
 import torch.multiprocessing as mp
 
 from .callees import add_one, echo
+from .ports import free_port
 
 MB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(device: str) -> None:
@@ -124,7 +118,7 @@ def main(argv: List[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     for system in args.systems.split(","):
         queue = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, system, port, args, queue))
                  for r in range(2)]
         for p in procs:

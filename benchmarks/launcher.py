@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from torch.distributed import TCPStore
 
 from ._worker import PHASES, TIMEOUT_MARKER
 from .options import BenchOptions
+from .ports import free_port
 from .systems import SystemSpec
 
 __all__ = ["REPO_ROOT", "SessionOutcome", "free_port", "run_session"]
@@ -210,13 +210,6 @@ def _describe_status(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit status {code}"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker_env(torch_threads: int = 1) -> dict[str, str]:

@@ -21,13 +21,13 @@ import collections
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from .ports import free_port
 
 _EVENTS: List[Tuple[int, str]] = []
 
@@ -161,9 +161,7 @@ def main(argv: List[str] | None = None) -> int:
                         help="torch intra-op threads per worker (0: torch's default)")
     parser.add_argument("--calls", type=int, default=2000)
     opts = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     out: "multiprocessing.Queue[str]" = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, opts.threads, opts.call, opts.calls,

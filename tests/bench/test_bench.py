@@ -115,14 +115,24 @@ def train_run() -> subprocess.CompletedProcess:
     return proc
 
 
+def measured(report: dict[str, Any], metric: str, system: str) -> float:
+    """The positive value of ``metric`` for ``system``; failing, the error the bench gave."""
+    entry = report["metrics"][metric]
+    value = entry["values"][system]
+    assert isinstance(value, (int, float)) and value > 0, \
+        (system, metric, value, entry["errors"].get(system))
+    return value
+
+
 def test_training_sessions_take_turns(train_run: subprocess.CompletedProcess) -> None:
-    assert "train (in turns): ok" in train_run.stderr
+    for system in ("torch", "torchrpc"):
+        assert f"[{system}] train (in turns): ok" in train_run.stderr, train_run.stderr[-4000:]
     report = json.loads(train_run.stdout)
     turns = QUICK_OVERRIDES["train_turns"]
     for system in ("torch", "torchrpc"):
-        assert report["metrics"]["train_step_ms"]["values"][system] > 0
+        measured(report, "train_step_ms", system)
         # The floor: the same step in the caller alone, measured in the same turns.
-        assert report["metrics"]["train_local_step_ms"]["values"][system] > 0
+        measured(report, "train_local_step_ms", system)
         (train,) = report["details"][system]["train"]
         assert train["turns"] == turns, train
         assert len(train["turn_medians_ms"]) == turns
@@ -144,15 +154,15 @@ def test_calls_are_measured_in_turns(train_run: subprocess.CompletedProcess) -> 
         (details,) = report["details"][system]["throughput"]
         assert details["turns"] == turns, (system, details)
         assert len(details["rates"]) == max(turns, QUICK_OVERRIDES["throughput_repeats"])
-        assert report["metrics"]["rpc_async_calls_per_s"]["values"][system] > 0, system
-        for metric in ("rpc_sync_p50_us", "noop_p50_us", "remote_to_here_p50_us",
-                       "remote_noop_p50_us"):
-            assert report["metrics"][metric]["values"][system] > 0, (system, metric)
+        for metric in ("rpc_async_calls_per_s", "rpc_sync_p50_us", "noop_p50_us",
+                       "remote_to_here_p50_us", "remote_noop_p50_us"):
+            measured(report, metric, system)
 
 
 def test_broken_systems_do_not_hold_up_the_turns(train_run: subprocess.CompletedProcess) -> None:
-    entry = json.loads(train_run.stdout)["metrics"]["train_step_ms"]
-    assert entry["values"]["torchrpc"] > 0, entry
+    report = json.loads(train_run.stdout)
+    measured(report, "train_step_ms", "torchrpc")
+    entry = report["metrics"]["train_step_ms"]
     for name in BROKEN:
         assert entry["values"][name] is None, (name, entry)
         assert entry["errors"][name], (name, entry)

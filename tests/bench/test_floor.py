@@ -7,11 +7,11 @@ calls read by the calling thread at every 16th call is not supported (see floor.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 import torch
 
 from benchmarks.callees import echo
+from benchmarks.ports import free_port
 
 
 def _worker(rank: int, port: int, self_read: bool) -> None:
@@ -34,9 +34,7 @@ def _worker(rank: int, port: int, self_read: bool) -> None:
 def test_large_frames_cross_both_reply_paths() -> None:
     ctx = multiprocessing.get_context("spawn")
     for self_read in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, port, self_read)) for r in (0, 1)]
         for p in procs:
             p.start()

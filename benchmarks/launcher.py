@@ -28,7 +28,7 @@ from .options import BenchOptions
 from .ports import free_port
 from .systems import SystemSpec
 
-__all__ = ["REPO_ROOT", "SessionOutcome", "free_port", "run_session"]
+__all__ = ["REPO_ROOT", "SessionOutcome", "run_session"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repository root, which holds ``benchmarks`` (and ``torchrpc``); put on the workers'

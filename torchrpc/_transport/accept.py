@@ -142,6 +142,11 @@ class Acceptor:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         reserved: Optional[int] = None  # the peer whose private slot this handshake holds
         announced = b""  # the server nonce of a connection its stripe may wait for
+
+        def release() -> None:  # once the connection is registered, or never will be
+            links.release_private(reserved)
+            links.stripes.settle(announced)
+
         try:
             links.bound(sock)
             sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -187,16 +192,14 @@ class Acceptor:
             sock.settimeout(None)
             tune(sock)
         except (OSError, AuthenticationError) as exc:
-            links.release_private(reserved)
-            links.stripes.settle(announced)
+            release()
             links.rejects.warn("rank %d dropped a connection from %s that failed the "
                                "handshake: %s", links.rank, addr, exc)
             links.forget(sock)
             sock.close()
             return
         except BaseException:  # unexpected: the thread's guard logs it; drop the socket
-            links.release_private(reserved)
-            links.stripes.settle(announced)
+            release()
             links.forget(sock)
             sock.close()
             raise
@@ -213,7 +216,6 @@ class Acceptor:
             conn = links.open(sock, hello.rank, False, hello.features & links.features,
                               (hello.nonce, nonce), (hello.rank, links.rank))
         finally:
-            links.release_private(reserved)
-            links.stripes.settle(announced)  # registered with its stripe expected, or not
+            release()  # registered with its stripe expected, or not
         links.on_connect(conn)
         conn.read_loop()
